@@ -1,0 +1,41 @@
+"""glm_fp8: fused block-FP8 quantization of MoE weights for trainer -> vLLM weight broadcasts.
+
+Attributes load lazily, so that ``glm-fp8`` can choose Triton's interpreter (an environment
+variable read when the kernels are defined) before the kernels are imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "DEFAULT_CONFIG": "glm_fp8.quantize",
+    "default_config": "glm_fp8.quantize",
+    "ExpertsFP8": "glm_fp8.quantize",
+    "LaunchConfig": "glm_fp8.quantize",
+    "NonFiniteError": "glm_fp8.quantize",
+    "quantize_blockwise": "glm_fp8.quantize",
+    "quantize_experts": "glm_fp8.quantize",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from glm_fp8.quantize import (
+        DEFAULT_CONFIG,
+        ExpertsFP8,
+        LaunchConfig,
+        NonFiniteError,
+        default_config,
+        quantize_blockwise,
+        quantize_experts,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'glm_fp8' has no attribute {name!r}")

@@ -1,0 +1,242 @@
+"""Benchmark cases shared by ``glm-fp8 bench`` and ``bench/`` (pytest-benchmark).
+
+Every case is timed beside a device-to-device copy of the same input bytes in the same
+process, so the figure that matters is a ratio: ``share = quantize GB/s / copy GB/s`` where
+quantize moves (inputs read once + fp8 and scales written once) and the copy moves its input
+bytes read plus the same bytes written (numerics.md, "Facts measured").
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from glm_fp8.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
+from glm_fp8.reference import ceil_blocks, quantize_concat_ref, quantize_experts_ref
+
+GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, GLM5_EXPERTS = 6144, 2048, 256
+L2_FLUSH_BYTES = 256 << 20  # rotate input sets until they exceed the H200's 60 MB L2 by far
+
+
+@dataclass
+class Case:
+    """A benchmark shape. ``kind`` is "experts" (w1, w3, w2) or "blockwise" (row sources)."""
+
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shapes: list[tuple[int, ...]]
+    note: str = ""
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(_numel(s) for s in self.shapes) * _itemsize(self.dtype)
+
+    @property
+    def output_bytes(self) -> int:
+        if self.kind == "experts":
+            (e, i, h), _, _ = self.shapes
+            return _experts_out_bytes(e, h, i)
+        rows = sum(s[-2] for s in self.shapes)
+        cols = self.shapes[0][-1]
+        return rows * cols + 4 * ceil_blocks(rows) * ceil_blocks(cols)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _experts_out_bytes(e: int, h: int, i: int) -> int:
+    return e * (2 * i * h + h * i) + 4 * e * (
+        ceil_blocks(2 * i) * ceil_blocks(h) + ceil_blocks(h) * ceil_blocks(i)
+    )
+
+
+def glm5_cases() -> list[Case]:
+    e, h, i = GLM5_EXPERTS, GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE
+    experts = [(e, i, h), (e, i, h), (e, h, i)]
+    e8 = [(8, i, h), (8, i, h), (8, h, i)]
+    return [
+        Case("glm5-experts-bf16", "experts", torch.bfloat16, experts, "one GLM-5 layer, E=256"),
+        Case("glm5-experts-fp32", "experts", torch.float32, experts, "fp32 master weights"),
+        Case("e8-experts-bf16", "experts", torch.bfloat16, e8, "E=8, same H and I"),
+        Case("fused_qkv_a-bf16", "blockwise", torch.bfloat16, [(2048, h), (576, h)], "2-D, 2 sources"),
+    ]
+
+
+def small_cases() -> list[Case]:
+    """Shapes the CPU interpreter finishes in seconds; same structure as the GLM-5 cases."""
+    experts = [(4, 192, 256), (4, 192, 256), (4, 256, 192)]
+    return [
+        Case("small-experts-bf16", "experts", torch.bfloat16, experts, "E=4, H=256, I=192"),
+        Case("small-experts-fp32", "experts", torch.float32, experts, "E=4, H=256, I=192"),
+        Case("small-qkv-bf16", "blockwise", torch.bfloat16, [(160, 256), (60, 256)], "2-D, 2 sources"),
+    ]
+
+
+@dataclass
+class Prepared:
+    """Input sets (rotated to defeat the L2 cache), preallocated outputs, copy destinations."""
+
+    case: Case
+    inputs: list[list[torch.Tensor]]
+    outs: list[object] = field(default_factory=list)
+    copy_dst: list[torch.Tensor] = field(default_factory=list)
+    turn: int = 0
+
+    def next_inputs(self) -> tuple[list[torch.Tensor], object]:
+        k = self.turn % len(self.inputs)
+        self.turn += 1
+        return self.inputs[k], self.outs[k]
+
+
+def prepare(case: Case, device: torch.device) -> Prepared:
+    sets = max(1, -(-L2_FLUSH_BYTES // case.input_bytes)) if device.type == "cuda" else 1
+    inputs = []
+    for _ in range(sets):
+        # Gaussian weights at a realistic scale; never zeros (they can time faster).
+        inputs.append([torch.randn(s, device=device, dtype=case.dtype) * 0.02 for s in case.shapes])
+    prep = Prepared(case, inputs)
+    for srcs in inputs:
+        if case.kind == "experts":
+            e, i, h = srcs[0].shape
+            prep.outs.append(ExpertsFP8.empty(e, h, i, device=device))
+        else:
+            rows, cols = sum(s.shape[-2] for s in srcs), srcs[0].shape[-1]
+            prep.outs.append(
+                (
+                    torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                    torch.empty(ceil_blocks(rows), ceil_blocks(cols), device=device),
+                )
+            )
+    prep.copy_dst = [torch.empty_like(t) for t in inputs[0]]
+    return prep
+
+
+def method_fns(prep: Prepared, with_compile: bool) -> dict[str, Callable[[], object]]:
+    """The timed callables of one case: glm_fp8 into preallocated outputs, copy, references."""
+    case = prep.case
+
+    def glm_fp8() -> object:
+        srcs, out = prep.next_inputs()
+        if case.kind == "experts":
+            return quantize_experts(*srcs, out=out)
+        return quantize_blockwise(srcs, out=out[0], scale_out=out[1])
+
+    def copy() -> None:
+        for dst, src in zip(prep.copy_dst, prep.inputs[0]):
+            dst.copy_(src)
+
+    def reference(fn: Callable = quantize_concat_ref) -> object:
+        srcs = prep.inputs[0]
+        if case.kind == "experts":
+            return quantize_experts_ref(*srcs) if fn is quantize_concat_ref else _per_expert(fn, srcs)
+        return fn(srcs)
+
+    def glm_fp8_unchecked() -> object:
+        srcs, out = prep.next_inputs()
+        if case.kind == "experts":
+            return quantize_experts(*srcs, out=out, check_finite=False)
+        return quantize_blockwise(srcs, out=out[0], scale_out=out[1], check_finite=False)
+
+    fns: dict[str, Callable[[], object]] = {
+        "glm_fp8": glm_fp8,
+        "glm_fp8 check_finite=False": glm_fp8_unchecked,
+        "copy": copy,
+        "eager reference": reference,
+    }
+    if with_compile:
+        compiled = torch.compile(quantize_concat_ref, dynamic=False)
+        fns["torch.compile reference"] = lambda: reference(compiled)
+    return fns
+
+
+def _per_expert(fn: Callable, srcs: list[torch.Tensor]) -> object:
+    w1, w3, w2 = srcs
+    outs = [(fn([w1[e], w3[e]]), fn([w2[e]])) for e in range(w1.shape[0])]
+    return [torch.stack([o[k][j] for o in outs]) for k in range(2) for j in range(2)]
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float = 1000.0) -> float:
+    """Median milliseconds per call: CUDA events via triton's do_bench, wall clock on the CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=100, rep=budget_ms, return_mode="median"))
+    fn()
+    times = []
+    t_end = time.perf_counter() + budget_ms / 1000
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 20):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def peak_transient_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak bytes allocated above what was live before the call (outputs it returns included)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del result
+    return peak
+
+
+@dataclass
+class Row:
+    case: str
+    dtype: str
+    method: str
+    ms: float
+    gbps: float
+    share_of_copy: float
+    peak_transient_mib: float | None
+
+
+def run_case(case: Case, device: torch.device, with_compile: bool, budget_ms: float) -> list[Row]:
+    prep = prepare(case, device)
+    fns = method_fns(prep, with_compile)
+    copy_ms = time_ms(fns["copy"], device, budget_ms)
+    copy_gbps = 2 * case.input_bytes / copy_ms / 1e6
+    ideal = case.input_bytes + case.output_bytes
+    rows = []
+    for method, fn in fns.items():
+        ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
+        gbps = (2 * case.input_bytes if method == "copy" else ideal) / ms / 1e6
+        peak = peak_transient_bytes(fn, device)
+        rows.append(
+            Row(case.name, str(case.dtype).removeprefix("torch."), method, ms, gbps,
+                gbps / copy_gbps, None if peak is None else peak / 2**20)
+        )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del prep, fns
+    return rows
+
+
+def format_rows(rows: list[Row], markdown: bool = False) -> str:
+    from tabulate import tabulate
+
+    table = [
+        [r.case, r.dtype, r.method, f"{r.ms:.3f}", f"{r.gbps:.0f}", f"{r.share_of_copy:.3f}",
+         "n/a" if r.peak_transient_mib is None else f"{r.peak_transient_mib:.1f}"]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["case", "dtype", "method", "ms", "GB/s", "share of copy", "peak transient MiB"]
+    return tabulate(table, headers, tablefmt="github" if markdown else "simple")

@@ -1,0 +1,517 @@
+"""Fused block-FP8 quantization: Triton kernel, launcher, public functions.
+
+One kernel, ``quantize_blockwise_kernel``, does all of it: each program reads 128x128 tiles
+of a row-concatenation of up to four sources (w13 = [w1; w3] is two sources), takes the
+block amax, writes the fp8 bytes and the block scale straight into the output tensors.
+The concatenation never exists; a block that straddles two sources reads rows from both.
+
+Numerics follow ``shared/spec/numerics.md`` bit for bit (see ``glm_fp8.reference``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glm_fp8 import _checks
+from glm_fp8.reference import BLOCK, INV_FP8_MAX_BITS, SCALE_FLOOR_BITS, ceil_blocks
+
+MAX_SOURCES = 4
+# Bit patterns as constexpr globals, so the kernel builds fl32(1/448) and fl32(1e-12) exactly.
+_INV_FP8_MAX_BITS = tl.constexpr(INV_FP8_MAX_BITS)
+_SCALE_FLOOR_BITS = tl.constexpr(SCALE_FLOOR_BITS)
+
+
+class NonFiniteError(ValueError):
+    """A source holds NaN or Inf. ``source``, ``expert``, ``block`` say where (first found)."""
+
+    def __init__(self, message: str, source: str, expert: int | None, block: tuple[int, int]):
+        super().__init__(message)
+        self.source = source
+        self.expert = expert
+        self.block = block
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _load_source_rows(x, p_src, i_e, r_lo, r_hi, o_r, o_c, m_c, s_e, s_r, s_c):
+    """Overwrite the rows of ``x`` that fall in source rows [r_lo, r_hi) of the concatenation."""
+    m_r = (o_r >= r_lo) & (o_r < r_hi)  # [BR]
+    p_x = p_src + i_e * s_e + (o_r - r_lo)[:, None] * s_r + o_c[None, :] * s_c  # [BR, BC]
+    b_x = tl.load(p_x, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+    # where, not +: adding a masked 0.0 would turn a -0.0 element into +0.0.
+    return tl.where(m_r[:, None], b_x, x)
+
+
+@triton.jit
+def _e4m3_code_soft(y):
+    """e4m3fn code (7 bits, no sign) of float32 ``y`` in [0, 448] or NaN, RNE in integer math.
+
+    Exists because Triton's CPU interpreter does not round to nearest-even when casting to
+    fp8 (numerics.md, traps). Values already on the e4m3 grid convert exactly everywhere.
+    """
+    b_bits = y.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 mantissa bits, round to nearest, ties to even (carries bump the exponent).
+    b_rn = (b_bits + 0x7FFFF + ((b_bits >> 20) & 1)) & -0x100000
+    b_code_n = ((b_rn >> 23) - 120) * 8 + ((b_rn >> 20) & 7)  # (e - 127 + 7) << 3 | m
+    # Subnormal range (y < 2**-6): the grid step is 2**-9; adding 2**14 rounds there (RNE).
+    b_sub = (y + 16384.0) - 16384.0
+    b_code_s = (b_sub * 512.0).to(tl.int32)
+    b_code = tl.where(y < 0.015625, b_code_s, b_code_n)
+    return tl.where(y != y, 0x7F, b_code)
+
+
+@triton.jit
+def quantize_blockwise_kernel(
+    p_q,  # uint8 view of the fp8 output, [E, R, C]
+    p_s,  # float32 scales, [E, ceil(R/128), ceil(C/128)]
+    p_x0,
+    p_x1,
+    p_x2,
+    p_x3,  # sources; source k holds rows [r_k, r_{k+1}) (unused: any pointer)
+    r1,
+    r2,
+    r3,
+    R,
+    C,
+    s_x0e,
+    s_x0r,
+    s_x0c,
+    s_x1e,
+    s_x1r,
+    s_x1c,
+    s_x2e,
+    s_x2r,
+    s_x2c,
+    s_x3e,
+    s_x3r,
+    s_x3c,
+    s_qe,
+    s_qr,
+    s_qc,
+    s_se,
+    s_sr,
+    s_sc,
+    n_rb,
+    n_cg,
+    NUM_SRC: tl.constexpr,
+    ROW_GATHER: tl.constexpr,  # sources share one column stride: pick a source per row, one load
+    CB_PER_PROG: tl.constexpr,  # column blocks handled by one program, left to right
+    UE8M0: tl.constexpr,
+    SOFT_FP8: tl.constexpr,  # integer e4m3 encoding (interpreter) instead of the hardware cvt
+    FMA_DIV: tl.constexpr,  # correctly rounded x / s from one reciprocal and FMA corrections
+    NAN_MAX: tl.constexpr,  # NaN-propagating max reduction (GPU) instead of max + sum(x * 0)
+    BR: tl.constexpr = 128,
+    BC: tl.constexpr = 128,
+):
+    # Flat grid (no 65535 limit on E): column groups fastest, so neighbours share rows.
+    i_p = tl.program_id(0).to(tl.int64)
+    i_cg = i_p % n_cg
+    i_rb = (i_p // n_cg) % n_rb
+    i_e = i_p // (n_cg * n_rb)
+
+    o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)  # [BR]
+    m_r = o_r < R
+    inv_max = tl.full([], _INV_FP8_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+    floor = tl.full([], _SCALE_FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
+    if ROW_GATHER:
+        # One base pointer per row, taken from the source that holds it: a single load per tile.
+        p_row = p_x0 + i_e * s_x0e + o_r * s_x0r  # [BR]
+        if NUM_SRC > 1:
+            p_row = tl.where(o_r >= r1, p_x1 + i_e * s_x1e + (o_r - r1) * s_x1r, p_row)
+        if NUM_SRC > 2:
+            p_row = tl.where(o_r >= r2, p_x2 + i_e * s_x2e + (o_r - r2) * s_x2r, p_row)
+        if NUM_SRC > 3:
+            p_row = tl.where(o_r >= r3, p_x3 + i_e * s_x3e + (o_r - r3) * s_x3r, p_row)
+
+    for j in tl.static_range(CB_PER_PROG):
+        i_cb = i_cg * CB_PER_PROG + j
+        o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)  # [BC]
+        m_c = o_c < C
+
+        if ROW_GATHER:
+            p_x = p_row[:, None] + o_c[None, :] * s_x0c  # [BR, BC]
+            b_x = tl.load(p_x, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        else:
+            b_x = tl.zeros([BR, BC], dtype=tl.float32)
+            b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
+            if NUM_SRC > 1:
+                b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
+            if NUM_SRC > 2:
+                b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
+            if NUM_SRC > 3:
+                b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
+
+        # Work on magnitudes; the sign bit of x is put back on the byte at the end, so -0.0
+        # stays 0x80 whatever the compiler does with signed zeros.
+        b_a = tl.abs(b_x)  # [BR, BC]
+        # A NaN/Inf must reach the amax (tl.max skips NaN) so that the scale marks the block.
+        if NAN_MAX:
+            b_amax = tl.reduce(tl.reduce(b_a, 1, _max_propagate_nan), 0, _max_propagate_nan)
+        else:
+            # Same result, vectorized for the interpreter (its custom reduce runs element by
+            # element): x * 0 is NaN exactly for NaN/Inf, so the sum is NaN iff one is here.
+            b_amax = tl.max(b_a) + tl.sum(b_x * 0.0)
+        b_s = tl.maximum(b_amax * inv_max, floor, propagate_nan=tl.PropagateNan.ALL)
+        if UE8M0:
+            b_sb = b_s.to(tl.int32, bitcast=True)
+            b_up = ((b_sb & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+            b_s = tl.where(((b_sb & 0x007FFFFF) != 0) & (b_s < float("inf")), b_up, b_s)
+
+        if FMA_DIV:
+            # q0 = a * RN(1/s) is within 2 ulp; each step q += (a - q*s) * r with an exact
+            # FMA remainder narrows that, and from a faithful q one step is correctly rounded
+            # (Markstein). Cheaper than an IEEE division per element, which made us ALU-bound.
+            b_r = tl.math.div_rn(1.0, b_s)
+            b_y = b_a * b_r
+            b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
+            b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
+        else:
+            b_y = tl.math.div_rn(b_a, b_s)
+        if SOFT_FP8:
+            b_code = _e4m3_code_soft(tl.minimum(b_y, 448.0, propagate_nan=tl.PropagateNan.ALL))
+        else:
+            # cvt.rn.satfinite: RNE, and values past 448 saturate (the clamp of numerics.md).
+            b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80
+        b_q = (b_code | b_sign).to(tl.uint8)
+
+        p_qt = p_q + i_e * s_qe + o_r[:, None] * s_qr + o_c[None, :] * s_qc
+        tl.store(p_qt, b_q, mask=m_r[:, None] & m_c[None, :])
+        tl.store(p_s + i_e * s_se + i_rb * s_sr + i_cb * s_sc, b_s, mask=i_cb * BC < C)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tuning knobs of ``quantize_blockwise_kernel``; defaults measured on an H200."""
+
+    cb_per_prog: int = 1
+    num_warps: int = 8
+    num_stages: int = 1
+    # x / s as one reciprocal per block plus two FMA corrections (correctly rounded, cheaper
+    # than an IEEE division per element); False uses tl.math.div_rn per element.
+    fma_div: bool = True
+    # Encode e4m3 with integer arithmetic instead of the hardware cvt. None: only under
+    # TRITON_INTERPRET=1, whose fp8 cast does not round to nearest-even (numerics.md).
+    soft_fp8: bool | None = None
+
+
+# Measured on an H200 (bench/sweep.py, GLM-5 experts, 2026-12-02): 16-bit inputs are fastest
+# with one 128x128 tile per 4-warp program, float32 ones with two tiles per 8-warp program.
+DEFAULT_CONFIG = LaunchConfig(cb_per_prog=1, num_warps=4)
+DEFAULT_CONFIG_FP32 = LaunchConfig(cb_per_prog=2, num_warps=8)
+
+
+def default_config(dtype: torch.dtype) -> LaunchConfig:
+    return DEFAULT_CONFIG_FP32 if dtype == torch.float32 else DEFAULT_CONFIG
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _as3d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+def _launch(
+    sources: Sequence[torch.Tensor],
+    q: torch.Tensor,
+    s: torch.Tensor,
+    ue8m0: bool,
+    config: LaunchConfig | None,
+) -> None:
+    """Launch over already-validated 3-D views: sources [E, R_k, C], q [E, R, C], s [E, Rb, Cb]."""
+    config = config or default_config(sources[0].dtype)
+    e, r, c = q.shape
+    n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
+    n_cg = -(-n_cb // config.cb_per_prog)
+    if e * n_rb * n_cg == 0:
+        return
+    bounds = [0]
+    for src in sources:
+        bounds.append(bounds[-1] + src.shape[1])
+    padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
+    bounds = bounds[1:-1] + [r] * (MAX_SOURCES - len(sources))
+    strides = [st for src in padded for st in src.stride()]
+    interpret = _interpreting()
+    soft_fp8 = interpret if config.soft_fp8 is None else config.soft_fp8
+    # Row gather needs row-major sources: with a column stride other than 1 (a transposed
+    # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
+    row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
+    quantize_blockwise_kernel[(e * n_rb * n_cg,)](
+        q.view(torch.uint8), s, *padded, *bounds, r, c, *strides,
+        *q.stride(), *s.stride(), n_rb, n_cg,
+        NUM_SRC=len(sources), ROW_GATHER=row_gather, CB_PER_PROG=config.cb_per_prog,
+        UE8M0=ue8m0, SOFT_FP8=soft_fp8, FMA_DIV=config.fma_div, NAN_MAX=not interpret,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        enable_fp_fusion=False,  # no contraction may change a rounding numerics.md fixes
+    )  # fmt: skip
+
+
+def _raise_if_non_finite(
+    named_sources: Sequence[tuple[str, torch.Tensor]], s: torch.Tensor, stacked: bool
+) -> None:
+    """Scales are non-finite exactly where a block holds NaN/Inf; name the first such source."""
+    bad = ~torch.isfinite(s)
+    if not bool(bad.any()):
+        return
+    idx = [int(i) for i in bad.nonzero()[0]]
+    expert, (rb, cb) = (idx[0], idx[1:]) if stacked else (None, idx)
+    rows = (rb * BLOCK, (rb + 1) * BLOCK)
+    cols = slice(cb * BLOCK, (cb + 1) * BLOCK)
+    start = 0
+    for name, src in named_sources:
+        lo, hi = max(rows[0], start), min(rows[1], start + src.shape[-2])
+        if lo < hi:
+            part = (src[expert] if stacked else src)[lo - start : hi - start, cols]
+            bad_el = (~torch.isfinite(part)).nonzero()
+            if len(bad_el):
+                r, c = int(bad_el[0, 0]) + lo - start, int(bad_el[0, 1]) + cols.start
+                value = float(part[bad_el[0, 0], bad_el[0, 1]])
+                at = f"[{expert}, {r}, {c}]" if stacked else f"[{r}, {c}]"
+                where = f"expert {expert}, " if stacked else ""
+                raise NonFiniteError(
+                    f"{name}: {value} at {name}{at} ({where}128x128 block {rb},{cb} of the "
+                    "output); refusing to quantize. Pass check_finite=False to skip this check.",
+                    source=name, expert=expert, block=(rb, cb),
+                )  # fmt: skip
+        start += src.shape[-2]
+    raise AssertionError("non-finite scale without a non-finite input block")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One validated launch: names for messages, 3-D views, and the caller-facing outputs."""
+
+    named_sources: tuple[tuple[str, torch.Tensor], ...]
+    q: torch.Tensor
+    s: torch.Tensor
+    stacked: bool
+
+
+def _plan_job(
+    named_sources: Sequence[tuple[str, torch.Tensor]],
+    out: torch.Tensor | None,
+    scale_out: torch.Tensor | None,
+    out_name: str,
+    scale_name: str,
+) -> _Job:
+    """Check one concatenation and its outputs (allocating those not given). Launches nothing."""
+    if not named_sources:
+        raise ValueError("sources: expected at least one tensor, got none")
+    if len(named_sources) > MAX_SOURCES:
+        raise ValueError(
+            f"sources: at most {MAX_SOURCES} tensors are concatenated in one call, got {len(named_sources)}"
+        )
+    for name, t in named_sources:
+        _checks.check_input(name, t)
+    device = _checks.check_same_device(named_sources)
+    first_name, first = named_sources[0]
+    for name, t in named_sources[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name}: expected dtype {first.dtype} (as {first_name}), got {t.dtype}")
+        if t.dim() != first.dim():
+            raise ValueError(
+                f"{name}: expected a {first.dim()}-D tensor (as {first_name}), got shape {tuple(t.shape)}"
+            )
+        if t.shape[-1] != first.shape[-1]:
+            raise ValueError(
+                f"{name}: expected {first.shape[-1]} columns (as {first_name}), got shape {tuple(t.shape)}"
+            )
+        if t.dim() == 3 and t.shape[0] != first.shape[0]:
+            raise ValueError(
+                f"{name}: expected {first.shape[0]} experts (as {first_name}), got shape {tuple(t.shape)}"
+            )
+    if device.type == "cpu" and not _interpreting():
+        raise RuntimeError(
+            f"{first_name}: is on the CPU; the Triton kernels run on CUDA devices, or on the "
+            "CPU only under TRITON_INTERPRET=1 (slow). glm_fp8.reference runs anywhere."
+        )
+    stacked = first.dim() == 3
+    rows = sum(t.shape[-2] for _, t in named_sources)
+    cols = first.shape[-1]
+    experts = first.shape[0] if stacked else None
+    q_shape = (rows, cols) if experts is None else (experts, rows, cols)
+    s_shape = _checks.blocks_shape(rows, cols, experts)
+    if out is None:
+        out = torch.empty(q_shape, dtype=torch.float8_e4m3fn, device=device)
+    else:
+        _checks.check_out(out_name, out, q_shape, torch.float8_e4m3fn, device)
+    if scale_out is None:
+        scale_out = torch.empty(s_shape, dtype=torch.float32, device=device)
+    else:
+        _checks.check_out(scale_name, scale_out, s_shape, torch.float32, device)
+    return _Job(tuple(named_sources), out, scale_out, stacked)
+
+
+def _run_jobs(jobs: Sequence[_Job], scale_fmt: str, check_finite: bool, config: LaunchConfig | None) -> None:
+    for job in jobs:
+        _launch(
+            [_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s),
+            scale_fmt == "ue8m0", config,
+        )  # fmt: skip
+    if check_finite:
+        # Scales are >= 1e-12, and a NaN/Inf block gives a NaN/Inf scale, so one max per output
+        # (torch.amax propagates NaN) and one sync tell; the slow search runs only on failure.
+        maxes = [job.s.amax() for job in jobs if job.s.numel()]
+        if maxes and not bool(torch.isfinite(torch.stack(maxes)).all()):
+            for job in jobs:
+                _raise_if_non_finite(job.named_sources, job.s, job.stacked)
+
+
+def quantize_blockwise(
+    sources: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    scale_fmt: str = "fp32",
+    check_finite: bool = True,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``torch.cat(sources, dim=-2)`` to fp8 e4m3fn with 128x128 block scales.
+
+    Args:
+        sources: one tensor or up to four, all 2-D [R_k, C] or all 3-D [E, R_k, C], of one
+            dtype (bfloat16, float16 or float32) and device, any strides. They are read in
+            place: no concatenation, ``.contiguous()`` or dtype conversion happens.
+        out: optional float8_e4m3fn [(E,) sum R_k, C] buffer (any strides, a view is fine).
+        scale_out: optional float32 [(E,) ceil(R/128), ceil(C/128)] buffer.
+        scale_fmt: "fp32" (Hopper) or "ue8m0" (scales rounded up to powers of two, Blackwell).
+        check_finite: raise ``NonFiniteError`` naming the source, expert and block when an
+            input holds NaN/Inf. This synchronizes with the device once. With False nothing is
+            checked and a non-finite value poisons its own block only, as in eager PyTorch: that
+            block's scale is NaN or Inf and its bytes NaN (or 0 for finite values beside an Inf).
+
+    Returns:
+        ``(q, scale)``, bit-identical to ``glm_fp8.reference.quantize_concat_ref``.
+
+    Memory: writes ``out``/``scale_out`` in place and touches no byte outside them; with both
+    given it allocates only O(number of blocks) bytes (the finite check). Without them it
+    allocates exactly the outputs. On an error from the finite check the outputs hold the
+    poisoned block; argument errors are raised before anything is written.
+
+    ``config`` overrides the launch shape (``LaunchConfig``); None picks the measured default
+    for the input dtype. Every config gives the same bits.
+    """
+    _checks.check_scale_fmt(scale_fmt)
+    if isinstance(sources, torch.Tensor):
+        named = [("sources", sources)]
+    elif isinstance(sources, (list, tuple)):
+        named = [(f"sources[{k}]", t) for k, t in enumerate(sources)]
+    else:
+        raise TypeError(f"sources: expected a tensor or a sequence of tensors, got {type(sources).__name__}")
+    job = _plan_job(named, out, scale_out, "out", "scale_out")
+    _checks.check_no_overlap([("out", job.q), ("scale_out", job.s)], named)
+    _run_jobs([job], scale_fmt, check_finite, config)
+    return job.q, job.s
+
+
+@dataclass(frozen=True)
+class ExpertsFP8:
+    """A layer's routed experts in vLLM's fused-MoE fp8 layout (shared/spec/vllm_layout.md).
+
+    w13 [E, 2I, H] float8_e4m3fn (rows [0, I) gate = w1, [I, 2I) up = w3),
+    w13_scale_inv [E, ceil(2I/128), ceil(H/128)] float32,
+    w2 [E, H, I] float8_e4m3fn, w2_scale_inv [E, ceil(H/128), ceil(I/128)] float32.
+    """
+
+    w13: torch.Tensor
+    w13_scale_inv: torch.Tensor
+    w2: torch.Tensor
+    w2_scale_inv: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls, experts: int, hidden: int, intermediate: int, device: torch.device | str = "cuda"
+    ) -> ExpertsFP8:
+        """Allocate the four outputs (uninitialized) for E experts, hidden H, intermediate I."""
+        e, h, i = experts, hidden, intermediate
+        return cls(
+            torch.empty(e, 2 * i, h, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(e, ceil_blocks(2 * i), ceil_blocks(h), dtype=torch.float32, device=device),
+            torch.empty(e, h, i, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(e, ceil_blocks(h), ceil_blocks(i), dtype=torch.float32, device=device),
+        )
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(vLLM parameter suffix, tensor)`` pairs, e.g. ``("w13_weight", w13)``."""
+        yield "w13_weight", self.w13
+        yield "w13_weight_scale_inv", self.w13_scale_inv
+        yield "w2_weight", self.w2
+        yield "w2_weight_scale_inv", self.w2_scale_inv
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.items())
+
+
+def quantize_experts(
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    out: ExpertsFP8 | None = None,
+    scale_fmt: str = "fp32",
+    check_finite: bool = True,
+    config: LaunchConfig | None = None,
+) -> ExpertsFP8:
+    """Quantize one layer's routed experts into vLLM's fused-MoE fp8 tensors, all experts at once.
+
+    Args:
+        w1, w3: gate and up projections, [E, I, H]; w2: down projection, [E, H, I]. bfloat16,
+            float16 or float32 (w1 and w3 alike), any strides (a transposed [E, H, I] view
+            of w1 is read as it is).
+        out: optional ``ExpertsFP8`` of caller buffers (views into a larger buffer are fine).
+        scale_fmt, check_finite, config: as in ``quantize_blockwise``.
+
+    Two launches: w13 from the concatenation [w1; w3] per expert (one kernel, no ``torch.cat``)
+    and w2. Every argument is checked before the first launch. Memory as in
+    ``quantize_blockwise``: with ``out`` only O(blocks) bytes; without it, exactly the outputs.
+    """
+    _checks.check_scale_fmt(scale_fmt)
+    for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
+        _checks.check_input(name, t, ndim=3)
+    _checks.check_same_device([("w1", w1), ("w3", w3), ("w2", w2)])
+    if w3.shape != w1.shape:
+        raise ValueError(f"w3: expected shape {tuple(w1.shape)} (as w1), got {tuple(w3.shape)}")
+    e, i, h = w1.shape
+    if tuple(w2.shape) != (e, h, i):
+        raise ValueError(
+            f"w2: expected shape {(e, h, i)} ([E, H, I] with E, I, H from w1), got {tuple(w2.shape)}"
+        )
+    if out is not None and not isinstance(out, ExpertsFP8):
+        raise TypeError(f"out: expected an ExpertsFP8, got {type(out).__name__}")
+    o = out or ExpertsFP8(None, None, None, None)  # type: ignore[arg-type]
+    j13 = _plan_job([("w1", w1), ("w3", w3)], o.w13, o.w13_scale_inv, "out.w13", "out.w13_scale_inv")
+    j2 = _plan_job([("w2", w2)], o.w2, o.w2_scale_inv, "out.w2", "out.w2_scale_inv")
+    _checks.check_no_overlap(
+        [("out.w13", j13.q), ("out.w13_scale_inv", j13.s), ("out.w2", j2.q), ("out.w2_scale_inv", j2.s)],
+        [("w1", w1), ("w3", w3), ("w2", w2)],
+    )  # fmt: skip
+    _run_jobs([j13, j2], scale_fmt, check_finite, config)
+    return ExpertsFP8(j13.q, j13.s, j2.q, j2.s)

@@ -1,0 +1,154 @@
+"""Pure-PyTorch block-FP8 quantization: the oracle every backend is compared against.
+
+Implements ``shared/spec/numerics.md`` literally and gives the same bits on CPU and CUDA:
+
+- ``s = max(fl32(amax * C), fl32(1e-12))`` with ``C = fl32(1/448)``: a multiplication by an
+  explicit float32 tensor, because ``tensor / python_scalar`` is a true division on the CPU
+  but a multiplication by the reciprocal on CUDA, and GLM-5 was served with the latter.
+- ``q = e4m3fn(RNE(clamp(fl32(W / s), -448, 448)))``: tensor-by-tensor division is IEEE on
+  both devices, and the clamp comes first because eager PyTorch's fp8 cast does not saturate.
+
+It favours clarity over memory: it upcasts and pads whole matrices. Use it to check, not to
+ship a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+BLOCK = 128
+FP8_MAX = 448.0
+# fl32(1/448) and fl32(1e-12) as bit patterns, so no path can round them differently.
+INV_FP8_MAX_BITS = 0x3B124925
+SCALE_FLOOR_BITS = 0x2B8CBCCC
+SCALE_FMTS = ("fp32", "ue8m0")
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _f32_from_bits(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int32, device=device).view(torch.float32)[0]
+
+
+def ceil_blocks(n: int) -> int:
+    """Number of 128-wide blocks covering ``n`` rows or columns (partial block included)."""
+    return -(-n // BLOCK)
+
+
+def round_scale_up_to_pow2(s: torch.Tensor) -> torch.Tensor:
+    """ue8m0: round positive float32 scales up to a power of two by bit arithmetic.
+
+    A non-zero mantissa bumps the exponent and clears the mantissa. Non-finite values pass
+    through unchanged (they mark a non-finite block, see ``quantize_blockwise_ref``).
+    """
+    bits = s.view(torch.int32)
+    bumped = (bits & 0x7F800000) + 0x00800000
+    rounded = torch.where((bits & 0x007FFFFF) != 0, bumped, bits).view(torch.float32)
+    return torch.where(torch.isfinite(s), rounded, s)
+
+
+def block_scales_ref(x: torch.Tensor, scale_fmt: str = "fp32") -> torch.Tensor:
+    """Per-128x128-block scales ``s`` of a [R, C] or [E, R, C] tensor, float32."""
+    xf, r, c = _padded_f32(x)
+    e = xf.shape[0]
+    blocks = xf.view(e, xf.shape[1] // BLOCK, BLOCK, xf.shape[2] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(2, 4))
+    s = amax * _f32_from_bits(INV_FP8_MAX_BITS, x.device)
+    # torch.maximum propagates NaN, so a non-finite block keeps a non-finite scale.
+    s = torch.maximum(s, _f32_from_bits(SCALE_FLOOR_BITS, x.device))
+    if scale_fmt == "ue8m0":
+        s = round_scale_up_to_pow2(s)
+    return s if x.dim() == 3 else s[0]
+
+
+def _padded_f32(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    e, r, c = x3.shape
+    xf = x3.to(torch.float32)
+    # Zero padding never changes a block's amax (|0| <= amax), so partial blocks are exact.
+    pad_r, pad_c = ceil_blocks(r) * BLOCK - r, ceil_blocks(c) * BLOCK - c
+    if pad_r or pad_c:
+        xf = torch.nn.functional.pad(xf, (0, pad_c, 0, pad_r))
+    return xf.reshape(e, xf.shape[1], xf.shape[2]), r, c
+
+
+def quantize_blockwise_ref(x: torch.Tensor, scale_fmt: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a [R, C] matrix or [E, R, C] stack to fp8 e4m3fn with 128x128 block scales.
+
+    Returns ``(q, s)``: ``q`` has ``x``'s shape and dtype ``torch.float8_e4m3fn``; ``s`` is
+    float32 of shape [(E,) ceil(R/128), ceil(C/128)] with ``x ~= q * s`` blockwise.
+    A block holding NaN or Inf gets a non-finite scale and NaN bytes, as eager PyTorch gives.
+    """
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
+    s = block_scales_ref(x, scale_fmt)
+    xf, r, c = _padded_f32(x)
+    s3 = s if x.dim() == 3 else s.unsqueeze(0)
+    s_full = s3.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+    y = torch.clamp(xf / s_full, -FP8_MAX, FP8_MAX)
+    # The byte's sign is x's sign bit (-0.0 -> 0x80), set explicitly so no device's cast of a
+    # signed zero or NaN can differ.
+    sign = torch.signbit(xf).to(torch.uint8) << 7
+    q = ((y.to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F) | sign).view(torch.float8_e4m3fn)
+    q = q[:, :r, :c]
+    q = q if x.dim() == 3 else q[0]
+    return q.contiguous(), s
+
+
+def quantize_concat_ref(
+    sources: Sequence[torch.Tensor], scale_fmt: str = "fp32"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference applied to ``torch.cat(sources, dim=-2)``: what fused kernels must match."""
+    return quantize_blockwise_ref(torch.cat(list(sources), dim=-2), scale_fmt)
+
+
+def quantize_experts_ref(
+    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, scale_fmt: str = "fp32"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM fused-MoE tensors ``(w13, w13_scale_inv, w2, w2_scale_inv)``, one expert at a time.
+
+    This is the eager path a trainer runs today (concatenate, quantize per expert, stack).
+    """
+    w13, w13_s, w2q, w2_s = [], [], [], []
+    for e in range(w1.shape[0]):
+        q, s = quantize_concat_ref((w1[e], w3[e]), scale_fmt)
+        w13.append(q)
+        w13_s.append(s)
+        q, s = quantize_blockwise_ref(w2[e], scale_fmt)
+        w2q.append(q)
+        w2_s.append(s)
+    if not w13:
+        e, i2, h = 0, w1.shape[1] + w3.shape[1], w1.shape[2]
+        dev = w1.device
+        return (
+            torch.empty(e, i2, h, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(e, ceil_blocks(i2), ceil_blocks(h), device=dev),
+            torch.empty(e, *w2.shape[1:], dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(e, ceil_blocks(w2.shape[1]), ceil_blocks(w2.shape[2]), device=dev),
+        )
+    return torch.stack(w13), torch.stack(w13_s), torch.stack(w2q), torch.stack(w2_s)
+
+
+def dequantize_blockwise_ref(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``q * s`` blockwise, float32: for sanity checks and error measurements."""
+    r, c = q.shape[-2], q.shape[-1]
+    s_full = s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return q.to(torch.float32) * s_full[..., :r, :c]
+
+
+__all__ = [
+    "BLOCK",
+    "FP8_MAX",
+    "block_scales_ref",
+    "ceil_blocks",
+    "dequantize_blockwise_ref",
+    "quantize_blockwise_ref",
+    "quantize_concat_ref",
+    "quantize_experts_ref",
+    "round_scale_up_to_pow2",
+]

@@ -1,0 +1,44 @@
+"""Shared fixtures. Without a GPU the Triton kernels run in Triton's CPU interpreter; the
+switch must be set before glm_fp8 (and its @triton.jit functions) is imported."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def poisoned_fp8(shape, device) -> torch.Tensor:
+    """An fp8 buffer of 0xFF (NaN) bytes, so an unwritten byte fails any bitwise comparison."""
+    return torch.full(shape, 0xFF, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+
+
+def poisoned_f32(shape, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+
+def assert_same_bits(q, s, q_ref, s_ref) -> None:
+    """fp8 bytes compared as uint8, scales as float32 bit patterns."""
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    qb, qrb = q.cpu().view(torch.uint8), q_ref.cpu().view(torch.uint8)
+    diff = (qb != qrb).nonzero()
+    assert len(diff) == 0, f"{len(diff)} fp8 bytes differ, first at {diff[0].tolist()}"
+    sb, srb = s.cpu().view(torch.int32), s_ref.cpu().view(torch.int32)
+    diff = (sb != srb).nonzero()
+    assert len(diff) == 0, f"{len(diff)} scales differ, first at {diff[0].tolist()}"
