@@ -39,19 +39,27 @@ def main() -> None:
         dst = None
         copy_gbps = 2 * in_bytes / copy_ms / 1e6
         ideal = in_bytes + _experts_out_bytes(e, h, i)
-        grid = itertools.product([1, 2, 4], [4, 8, 16], [True])
-        for cb, warps, fma in grid:
-            cfg = LaunchConfig(cb_per_prog=cb, num_warps=warps, fma_div=fma)
+        configs = [LaunchConfig(cb_per_prog=cb, num_warps=w) for cb, w in itertools.product([1, 2], [4, 8])]
+        configs += [
+            LaunchConfig(programs_per_sm=p, num_warps=w, num_stages=st)
+            for p, w, st in itertools.product([2, 4, 8], [4, 8], [1, 2])
+        ]
+        for cfg in configs:
             ms = triton.testing.do_bench(
                 lambda: quantize_experts(w1, w3, w2, out=out, config=cfg, check_finite=False),
                 return_mode="median",
             )
             gbps = ideal / ms / 1e6
-            rows.append([name, cb, warps, fma, f"{ms:.3f}", f"{gbps:.0f}", f"{gbps / copy_gbps:.3f}"])
-        rows.append([name, "copy", "", "", f"{copy_ms:.3f}", f"{copy_gbps:.0f}", "1.000"])
+            mode = (
+                f"persistent {cfg.programs_per_sm}/SM x{cfg.num_stages}"
+                if cfg.programs_per_sm
+                else f"grid {cfg.cb_per_prog}/prog"
+            )
+            rows.append([name, mode, cfg.num_warps, f"{ms:.3f}", f"{gbps:.0f}", f"{gbps / copy_gbps:.3f}"])
+        rows.append([name, "copy", "", f"{copy_ms:.3f}", f"{copy_gbps:.0f}", "1.000"])
         w1 = w3 = w2 = out = None  # free before the next dtype
         torch.cuda.empty_cache()
-    print(tabulate(rows, ["dtype", "cb/prog", "warps", "fma_div", "ms", "GB/s", "share"]))
+    print(tabulate(rows, ["dtype", "tiles", "warps", "ms", "GB/s", "share"]))
 
 
 if __name__ == "__main__":

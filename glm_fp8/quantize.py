@@ -76,58 +76,20 @@ def _e4m3_code_soft(y):
 
 
 @triton.jit
-def quantize_blockwise_kernel(
-    p_q,  # uint8 view of the fp8 output, [E, R, C]
-    p_s,  # float32 scales, [E, ceil(R/128), ceil(C/128)]
-    p_x0,
-    p_x1,
-    p_x2,
-    p_x3,  # sources; source k holds rows [r_k, r_{k+1}) (unused: any pointer)
-    r1,
-    r2,
-    r3,
-    R,
-    C,
-    s_x0e,
-    s_x0r,
-    s_x0c,
-    s_x1e,
-    s_x1r,
-    s_x1c,
-    s_x2e,
-    s_x2r,
-    s_x2c,
-    s_x3e,
-    s_x3r,
-    s_x3c,
-    s_qe,
-    s_qr,
-    s_qc,
-    s_se,
-    s_sr,
-    s_sc,
-    n_rb,
-    n_cg,
-    NUM_SRC: tl.constexpr,
-    ROW_GATHER: tl.constexpr,  # sources share one column stride: pick a source per row, one load
-    CB_PER_PROG: tl.constexpr,  # column blocks handled by one program, left to right
-    UE8M0: tl.constexpr,
-    SOFT_FP8: tl.constexpr,  # integer e4m3 encoding (interpreter) instead of the hardware cvt
-    FMA_DIV: tl.constexpr,  # correctly rounded x / s from one reciprocal and FMA corrections
-    NAN_MAX: tl.constexpr,  # NaN-propagating max reduction (GPU) instead of max + sum(x * 0)
-    BR: tl.constexpr = 128,
-    BC: tl.constexpr = 128,
-):
-    # Flat grid (no 65535 limit on E): column groups fastest, so neighbours share rows.
-    i_p = tl.program_id(0).to(tl.int64)
-    i_cg = i_p % n_cg
-    i_rb = (i_p // n_cg) % n_rb
-    i_e = i_p // (n_cg * n_rb)
-
+def _quantize_tile(
+    i_e, i_rb, i_cb,  # int64: expert, row block, column block
+    p_q, p_s, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+    s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
+    NUM_SRC: tl.constexpr, ROW_GATHER: tl.constexpr, UE8M0: tl.constexpr,
+    SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Quantize one 128x128 tile of the row-concatenated sources into q and its scale."""
     o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)  # [BR]
+    o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)  # [BC]
     m_r = o_r < R
-    inv_max = tl.full([], _INV_FP8_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-    floor = tl.full([], _SCALE_FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
+    m_c = o_c < C
     if ROW_GATHER:
         # One base pointer per row, taken from the source that holds it: a single load per tile.
         p_row = p_x0 + i_e * s_x0e + o_r * s_x0r  # [BR]
@@ -137,62 +99,108 @@ def quantize_blockwise_kernel(
             p_row = tl.where(o_r >= r2, p_x2 + i_e * s_x2e + (o_r - r2) * s_x2r, p_row)
         if NUM_SRC > 3:
             p_row = tl.where(o_r >= r3, p_x3 + i_e * s_x3e + (o_r - r3) * s_x3r, p_row)
+        p_x = p_row[:, None] + o_c[None, :] * s_x0c  # [BR, BC]
+        b_x = tl.load(p_x, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+    else:
+        b_x = tl.zeros([BR, BC], dtype=tl.float32)
+        b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
+        if NUM_SRC > 1:
+            b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
+        if NUM_SRC > 2:
+            b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
+        if NUM_SRC > 3:
+            b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
 
-    for j in tl.static_range(CB_PER_PROG):
-        i_cb = i_cg * CB_PER_PROG + j
-        o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)  # [BC]
-        m_c = o_c < C
+    # Work on magnitudes; the sign bit of x is put back on the byte at the end, so -0.0
+    # stays 0x80 whatever the compiler does with signed zeros.
+    b_a = tl.abs(b_x)  # [BR, BC]
+    # A NaN/Inf must reach the amax (tl.max skips NaN) so that the scale marks the block.
+    if NAN_MAX:
+        b_amax = tl.reduce(tl.reduce(b_a, 1, _max_propagate_nan), 0, _max_propagate_nan)
+    else:
+        # Same result, vectorized for the interpreter (its custom reduce runs element by
+        # element): x * 0 is NaN exactly for NaN/Inf, so the sum is NaN iff one is here.
+        b_amax = tl.max(b_a) + tl.sum(b_x * 0.0)
+    inv_max = tl.full([], _INV_FP8_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+    floor = tl.full([], _SCALE_FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
+    b_s = tl.maximum(b_amax * inv_max, floor, propagate_nan=tl.PropagateNan.ALL)
+    if UE8M0:
+        b_sb = b_s.to(tl.int32, bitcast=True)
+        b_up = ((b_sb & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+        b_s = tl.where(((b_sb & 0x007FFFFF) != 0) & (b_s < float("inf")), b_up, b_s)
 
-        if ROW_GATHER:
-            p_x = p_row[:, None] + o_c[None, :] * s_x0c  # [BR, BC]
-            b_x = tl.load(p_x, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        else:
-            b_x = tl.zeros([BR, BC], dtype=tl.float32)
-            b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
-            if NUM_SRC > 1:
-                b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
-            if NUM_SRC > 2:
-                b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
-            if NUM_SRC > 3:
-                b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
+    if FMA_DIV:
+        # q0 = a * RN(1/s) is within 2 ulp; each step q += (a - q*s) * r with an exact
+        # FMA remainder narrows that, and from a faithful q one step is correctly rounded
+        # (Markstein). Cheaper than an IEEE division per element, which made us ALU-bound.
+        b_r = tl.math.div_rn(1.0, b_s)
+        b_y = b_a * b_r
+        b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
+        b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
+    else:
+        b_y = tl.math.div_rn(b_a, b_s)
+    if SOFT_FP8:
+        b_code = _e4m3_code_soft(tl.minimum(b_y, 448.0, propagate_nan=tl.PropagateNan.ALL))
+    else:
+        # cvt.rn.satfinite: RNE, and values past 448 saturate (the clamp of numerics.md).
+        b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    b_q = (b_code | b_sign).to(tl.uint8)
 
-        # Work on magnitudes; the sign bit of x is put back on the byte at the end, so -0.0
-        # stays 0x80 whatever the compiler does with signed zeros.
-        b_a = tl.abs(b_x)  # [BR, BC]
-        # A NaN/Inf must reach the amax (tl.max skips NaN) so that the scale marks the block.
-        if NAN_MAX:
-            b_amax = tl.reduce(tl.reduce(b_a, 1, _max_propagate_nan), 0, _max_propagate_nan)
-        else:
-            # Same result, vectorized for the interpreter (its custom reduce runs element by
-            # element): x * 0 is NaN exactly for NaN/Inf, so the sum is NaN iff one is here.
-            b_amax = tl.max(b_a) + tl.sum(b_x * 0.0)
-        b_s = tl.maximum(b_amax * inv_max, floor, propagate_nan=tl.PropagateNan.ALL)
-        if UE8M0:
-            b_sb = b_s.to(tl.int32, bitcast=True)
-            b_up = ((b_sb & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
-            b_s = tl.where(((b_sb & 0x007FFFFF) != 0) & (b_s < float("inf")), b_up, b_s)
+    p_qt = p_q + i_e * s_qe + o_r[:, None] * s_qr + o_c[None, :] * s_qc
+    tl.store(p_qt, b_q, mask=m_r[:, None] & m_c[None, :])
+    tl.store(p_s + i_e * s_se + i_rb * s_sr + i_cb * s_sc, b_s)
 
-        if FMA_DIV:
-            # q0 = a * RN(1/s) is within 2 ulp; each step q += (a - q*s) * r with an exact
-            # FMA remainder narrows that, and from a faithful q one step is correctly rounded
-            # (Markstein). Cheaper than an IEEE division per element, which made us ALU-bound.
-            b_r = tl.math.div_rn(1.0, b_s)
-            b_y = b_a * b_r
-            b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
-            b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
-        else:
-            b_y = tl.math.div_rn(b_a, b_s)
-        if SOFT_FP8:
-            b_code = _e4m3_code_soft(tl.minimum(b_y, 448.0, propagate_nan=tl.PropagateNan.ALL))
-        else:
-            # cvt.rn.satfinite: RNE, and values past 448 saturate (the clamp of numerics.md).
-            b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80
-        b_q = (b_code | b_sign).to(tl.uint8)
 
-        p_qt = p_q + i_e * s_qe + o_r[:, None] * s_qr + o_c[None, :] * s_qc
-        tl.store(p_qt, b_q, mask=m_r[:, None] & m_c[None, :])
-        tl.store(p_s + i_e * s_se + i_rb * s_sr + i_cb * s_sc, b_s, mask=i_cb * BC < C)
+@triton.jit
+def quantize_blockwise_kernel(
+    p_q,  # uint8 view of the fp8 output, [E, R, C]
+    p_s,  # float32 scales, [E, ceil(R/128), ceil(C/128)]
+    p_x0, p_x1, p_x2, p_x3,  # sources; source k holds rows [r_k, r_{k+1}) (unused: any pointer)
+    r1, r2, r3, R, C,
+    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+    s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
+    n_e, n_rb, n_cb,
+    NUM_SRC: tl.constexpr,
+    ROW_GATHER: tl.constexpr,  # row-major sources: pick a source per row, one load per tile
+    CB_PER_PROG: tl.constexpr,  # grid mode: column blocks per program, left to right
+    PERSISTENT: tl.constexpr,  # persistent mode: programs stride over all tiles
+    STAGES: tl.constexpr,  # persistent mode: software-pipelining depth of the tile loop
+    UE8M0: tl.constexpr,
+    SOFT_FP8: tl.constexpr,  # integer e4m3 encoding (interpreter) instead of the hardware cvt
+    FMA_DIV: tl.constexpr,  # correctly rounded x / s from one reciprocal and FMA corrections
+    NAN_MAX: tl.constexpr,  # NaN-propagating max reduction (GPU) instead of max + sum(x * 0)
+    BR: tl.constexpr = 128,
+    BC: tl.constexpr = 128,
+):  # fmt: skip
+    # Tiles are numbered with column blocks fastest, so neighbouring programs share rows.
+    # All index arithmetic is int64: one GLM-5 expert stack has 3.2e9 elements.
+    i_p = tl.program_id(0).to(tl.int64)
+    if PERSISTENT:
+        n_tiles = n_e * n_rb * n_cb
+        for i_t in tl.range(i_p, n_tiles, tl.num_programs(0), num_stages=STAGES):
+            _quantize_tile(
+                i_t // (n_cb * n_rb), (i_t // n_cb) % n_rb, i_t % n_cb,
+                p_q, p_s, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+                s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+                s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
+                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, BR, BC,
+            )  # fmt: skip
+    else:
+        n_cg = tl.cdiv(n_cb, CB_PER_PROG)
+        i_cg = i_p % n_cg
+        i_rb = (i_p // n_cg) % n_rb
+        i_e = i_p // (n_cg * n_rb)
+        for j in tl.static_range(CB_PER_PROG):
+            i_cb = i_cg * CB_PER_PROG + j
+            if i_cb < n_cb:
+                _quantize_tile(
+                    i_e, i_rb, i_cb,
+                    p_q, p_s, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+                    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+                    s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
+                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, BR, BC,
+                )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,8 +212,11 @@ def quantize_blockwise_kernel(
 class LaunchConfig:
     """Tuning knobs of ``quantize_blockwise_kernel``; defaults measured on an H200."""
 
-    cb_per_prog: int = 1
+    cb_per_prog: int = 1  # grid mode: 128x128 tiles per program, along a row block
     num_warps: int = 8
+    # Persistent mode when > 0: this many programs per multiprocessor loop over all tiles,
+    # software-pipelined num_stages deep. 0: one program per cb_per_prog tiles.
+    programs_per_sm: int = 0
     num_stages: int = 1
     # x / s as one reciprocal per block plus two FMA corrections (correctly rounded, cheaper
     # than an IEEE division per element); False uses tl.math.div_rn per element.
@@ -244,25 +255,31 @@ def _launch(
     config = config or default_config(sources[0].dtype)
     e, r, c = q.shape
     n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
-    n_cg = -(-n_cb // config.cb_per_prog)
-    if e * n_rb * n_cg == 0:
+    n_tiles = e * n_rb * n_cb
+    if n_tiles == 0:
         return
+    interpret = _interpreting()
+    if config.programs_per_sm > 0:
+        sms = 4 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
+        grid = min(n_tiles, config.programs_per_sm * sms)
+    else:
+        grid = e * n_rb * -(-n_cb // config.cb_per_prog)
     bounds = [0]
     for src in sources:
         bounds.append(bounds[-1] + src.shape[1])
     padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
     bounds = bounds[1:-1] + [r] * (MAX_SOURCES - len(sources))
     strides = [st for src in padded for st in src.stride()]
-    interpret = _interpreting()
     soft_fp8 = interpret if config.soft_fp8 is None else config.soft_fp8
     # Row gather needs row-major sources: with a column stride other than 1 (a transposed
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
-    quantize_blockwise_kernel[(e * n_rb * n_cg,)](
+    quantize_blockwise_kernel[(grid,)](
         q.view(torch.uint8), s, *padded, *bounds, r, c, *strides,
-        *q.stride(), *s.stride(), n_rb, n_cg,
+        *q.stride(), *s.stride(), e, n_rb, n_cb,
         NUM_SRC=len(sources), ROW_GATHER=row_gather, CB_PER_PROG=config.cb_per_prog,
-        UE8M0=ue8m0, SOFT_FP8=soft_fp8, FMA_DIV=config.fma_div, NAN_MAX=not interpret,
+        PERSISTENT=config.programs_per_sm > 0, STAGES=config.num_stages, UE8M0=ue8m0,
+        SOFT_FP8=soft_fp8, FMA_DIV=config.fma_div, NAN_MAX=not interpret,
         num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # no contraction may change a rounding numerics.md fixes
     )  # fmt: skip

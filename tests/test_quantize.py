@@ -18,6 +18,7 @@ FMTS = ["fp32", "ue8m0"]
 CONFIGS = [
     LaunchConfig(),
     LaunchConfig(cb_per_prog=3, num_warps=4, fma_div=False),
+    LaunchConfig(programs_per_sm=1, num_stages=2, num_warps=4),
     LaunchConfig(soft_fp8=not ON_GPU, fma_div=True) if ON_GPU else LaunchConfig(cb_per_prog=2),
     LaunchConfig(soft_fp8=True, fma_div=False),
 ]
@@ -43,7 +44,11 @@ def test_random_stack_two_sources(device, dtype, scale_fmt, magnitude):
 
 
 @pytest.mark.parametrize(
-    "config", CONFIGS, ids=lambda c: f"cb{c.cb_per_prog}-w{c.num_warps}-fma{int(c.fma_div)}-soft{c.soft_fp8}"
+    "config",
+    CONFIGS,
+    ids=lambda c: (
+        f"cb{c.cb_per_prog}-p{c.programs_per_sm}-w{c.num_warps}-fma{int(c.fma_div)}-soft{c.soft_fp8}"
+    ),
 )
 @pytest.mark.parametrize("scale_fmt", FMTS)
 def test_launch_variants_agree(device, config, scale_fmt):
@@ -65,7 +70,7 @@ def test_zero_tiny_and_wide_range_blocks(device, scale_fmt):
     _check(x.to(torch.bfloat16), scale_fmt)
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2] + CONFIGS[3:])
+@pytest.mark.parametrize("config", CONFIGS[:3] + CONFIGS[4:])
 def test_rounding_ties(device, config):
     # amax 1 with ue8m0 gives s = 2^-8, so x = (k + 1/2) * step * 2^-8 is an exact e4m3 tie.
     steps = torch.tensor([2.0**-9] * 8 + [2.0**-6] * 8 + [2.0**-3] * 8 + [1.0] * 8 + [8.0] * 8 + [16.0] * 8)
