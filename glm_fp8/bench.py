@@ -27,10 +27,12 @@ class Case:
     """A benchmark shape. ``kind`` is "experts" (w1, w3, w2) or "blockwise" (row sources)."""
 
     name: str
-    kind: str
+    kind: str  # "experts", "blockwise" or "layer"
     dtype: torch.dtype
     shapes: list[tuple[int, ...]]
     note: str = ""
+    names: list[str] = field(default_factory=list)  # layer: trainer names of ``shapes``
+    plan: object = None  # layer: its LayerPlan
 
     @property
     def input_bytes(self) -> int:
@@ -41,6 +43,8 @@ class Case:
         if self.kind == "experts":
             (e, i, h), _, _ = self.shapes
             return _experts_out_bytes(e, h, i)
+        if self.kind == "layer":
+            return self.plan.nbytes
         rows = sum(s[-2] for s in self.shapes)
         cols = self.shapes[0][-1]
         return rows * cols + 4 * ceil_blocks(rows) * ceil_blocks(cols)
@@ -72,7 +76,16 @@ def glm5_cases() -> list[Case]:
         Case("glm5-experts-fp32", "experts", torch.float32, experts, "fp32 master weights"),
         Case("e8-experts-bf16", "experts", torch.bfloat16, e8, "E=8, same H and I"),
         Case("fused_qkv_a-bf16", "blockwise", torch.bfloat16, [(2048, h), (576, h)], "2-D, 2 sources"),
+        layer_case("glm-5", 3, "glm5-sparse-layer-bf16", "convert_layer, whole GLM-5 sparse layer"),
     ]
+
+
+def layer_case(model: str, layer_idx: int, name: str, note: str, config: dict | None = None) -> Case:
+    from glm_fp8.plan import load_config, plan_from_config
+
+    plan = plan_from_config(config or load_config(model), layer_idx)
+    names = list(plan.inputs)
+    return Case(name, "layer", torch.bfloat16, [plan.inputs[k][0] for k in names], note, names, plan)
 
 
 def small_cases() -> list[Case]:
@@ -82,7 +95,18 @@ def small_cases() -> list[Case]:
         Case("small-experts-bf16", "experts", torch.bfloat16, experts, "E=4, H=256, I=192"),
         Case("small-experts-fp32", "experts", torch.float32, experts, "E=4, H=256, I=192"),
         Case("small-qkv-bf16", "blockwise", torch.bfloat16, [(160, 256), (60, 256)], "2-D, 2 sources"),
+        layer_case("glm-5", 3, "small-sparse-layer-bf16", "convert_layer, GLM-5 layer / 24", SMALL_GLM5),
     ]
+
+
+# GLM-5 with every width divided by 24 (hidden 256, 11 experts): the CPU demo's layer.
+SMALL_GLM5 = {
+    "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 4,
+    "first_k_dense_replace": 1, "n_routed_experts": 11, "moe_intermediate_size": 88,
+    "n_shared_experts": 1, "intermediate_size": 512, "num_attention_heads": 4,
+    "q_lora_rank": 88, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+    "v_head_dim": 12, "index_n_heads": 2, "index_head_dim": 8,
+}  # fmt: skip
 
 
 @dataclass
@@ -109,7 +133,9 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         inputs.append([torch.randn(s, device=device, dtype=case.dtype) * 0.02 for s in case.shapes])
     prep = Prepared(case, inputs)
     for srcs in inputs:
-        if case.kind == "experts":
+        if case.kind == "layer":
+            prep.outs.append(torch.empty(case.plan.nbytes, dtype=torch.uint8, device=device))
+        elif case.kind == "experts":
             e, i, h = srcs[0].shape
             prep.outs.append(ExpertsFP8.empty(e, h, i, device=device))
         else:
@@ -127,6 +153,9 @@ def prepare(case: Case, device: torch.device) -> Prepared:
 def method_fns(prep: Prepared, with_compile: bool) -> dict[str, Callable[[], object]]:
     """The timed callables of one case: glm_fp8 into preallocated outputs, copy, references."""
     case = prep.case
+
+    if case.kind == "layer":
+        return _layer_fns(prep)
 
     def glm_fp8() -> object:
         srcs, out = prep.next_inputs()
@@ -160,6 +189,48 @@ def method_fns(prep: Prepared, with_compile: bool) -> dict[str, Callable[[], obj
         compiled = torch.compile(quantize_concat_ref, dynamic=False)
         fns["torch.compile reference"] = lambda: reference(compiled)
     return fns
+
+
+def _layer_fns(prep: Prepared) -> dict[str, Callable[[], object]]:
+    """convert_layer against quantize_experts alone on the same layer, a copy, and the eager
+    composition prime-rl runs (torch.cat per entry, experts quantized one by one, stacked)."""
+    from glm_fp8.convert import convert_layer
+
+    case, plan = prep.case, prep.case.plan
+    layer = dict(zip(case.names, prep.inputs[0]))
+    buf = prep.outs[0]
+    views = dict(plan.views(buf))
+    suffixes = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+    experts_out = ExpertsFP8(*(views[f"mlp.experts.{n}"] for n in suffixes))
+    w1, w3, w2 = (layer[f"mlp.experts.{n}"] for n in ("w1", "w3", "w2"))
+
+    def copy() -> None:
+        for dst, src in zip(prep.copy_dst, prep.inputs[0]):
+            dst.copy_(src)
+
+    def eager() -> object:
+        out = {}
+        for e in plan.entries:
+            if e.op == "scale":
+                continue
+            cat = torch.cat([layer[s].squeeze(0) if e.squeeze else layer[s] for s in e.sources],
+                            dim=-2 if len(e.shape) >= 2 else 0)  # fmt: skip
+            if e.op != "quantize":
+                out[e.name] = cat
+            elif cat.dim() == 3:
+                per = [quantize_concat_ref([cat[k]]) for k in range(cat.shape[0])]
+                out[e.name] = (torch.stack([q for q, _ in per]), torch.stack([s for _, s in per]))
+            else:
+                out[e.name] = quantize_concat_ref([cat])
+        return out
+
+    return {
+        "glm_fp8": lambda: convert_layer(layer, 0, out=buf, plan=plan, check_finite=False),
+        "glm_fp8 check_finite=True": lambda: convert_layer(layer, 0, out=buf, plan=plan),
+        "quantize_experts alone": lambda: quantize_experts(w1, w3, w2, out=experts_out, check_finite=False),
+        "copy": copy,
+        "eager reference": eager,
+    }
 
 
 def _per_expert(fn: Callable, srcs: list[torch.Tensor]) -> object:
@@ -215,10 +286,14 @@ def run_case(case: Case, device: torch.device, with_compile: bool, budget_ms: fl
     copy_ms = time_ms(fns["copy"], device, budget_ms)
     copy_gbps = 2 * case.input_bytes / copy_ms / 1e6
     ideal = case.input_bytes + case.output_bytes
+    if case.kind == "layer":  # quantize_experts alone moves the experts' bytes only
+        e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
+        expert_bytes = 3 * e * i * h * _itemsize(case.dtype) + _experts_out_bytes(e, h, i)
     rows = []
     for method, fn in fns.items():
         ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
-        gbps = (2 * case.input_bytes if method == "copy" else ideal) / ms / 1e6
+        moved = expert_bytes if method == "quantize_experts alone" else ideal
+        gbps = (2 * case.input_bytes if method == "copy" else moved) / ms / 1e6
         peak = peak_transient_bytes(fn, device)
         rows.append(
             Row(case.name, str(case.dtype).removeprefix("torch."), method, ms, gbps,

@@ -37,6 +37,49 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+    from tabulate import tabulate
+
+    from glm_fp8.plan import estimate_memory, load_config, master_bytes_per_gpu, plan_from_config
+
+    config = load_config(args.model, args.config)
+    gib = 2**30
+    dense_idx, sparse_idx = 0, config.get("first_k_dense_replace", 0)
+    rows = []
+    plans = {}
+    for kind, idx in (("dense", dense_idx), ("sparse", sparse_idx)):
+        if idx >= config["num_hidden_layers"] or (kind == "dense" and sparse_idx == 0):
+            continue
+        plans[kind] = plan = plan_from_config(config, idx, target=args.target)
+        est = estimate_memory(plan, torch.float32 if args.gather_dtype == "fp32" else torch.bfloat16)
+        rows.append([kind, len(plan.entries), f"{plan.nbytes / gib:.2f}", f"{est.inputs / gib:.2f}",
+                     f"{est.eager / gib:.1f}", f"{est.preallocated_stack / gib:.1f}",
+                     f"{est.glm_fp8 / gib:.1f}"])  # fmt: skip
+    print(f"{config['model_type']}: {config['num_hidden_layers']} layers, "
+          f"{sparse_idx} dense; target {args.target}; gathered in {args.gather_dtype}")  # fmt: skip
+    print(tabulate(rows, ["layer", "entries", "kernel-format GiB", "gathered GiB",
+                          "eager peak GiB", "prealloc-stack peak GiB", "glm_fp8 peak GiB"]))  # fmt: skip
+    if args.nodes:
+        world = args.nodes * args.gpus_per_node
+        resident = master_bytes_per_gpu(config, world) / gib
+        print(f"\nresident fp32 master shards per GPU ({world} GPUs, layers only): {resident:.1f} GiB")
+        if "sparse" in plans:
+            est = estimate_memory(plans["sparse"])
+            paths = (("eager", est.eager), ("preallocated stack", est.preallocated_stack),
+                     ("glm_fp8", est.glm_fp8))  # fmt: skip
+            fits = lambda b: "yes" if resident + b / gib <= args.gpu_gib else "NO"  # noqa: E731
+            table = [[name, f"{resident + b / gib:.1f}", fits(b)] for name, b in paths]
+            print(tabulate(table, ["path (sparse layer)", "resident + peak GiB", f"fits {args.gpu_gib} GiB"]))
+    if args.entries:
+        for kind, plan in plans.items():
+            print(f"\n{kind} layer entries:")
+            table = [[e.name, str(e.dtype).removeprefix("torch."), tuple(e.shape), e.offset, e.nbytes]
+                     for e in plan.entries]  # fmt: skip
+            print(tabulate(table, ["name", "dtype", "shape", "offset", "bytes"]))
+    return 0
+
+
 def _device_name(device) -> str:
     import platform
 
@@ -71,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--markdown", action="store_true", help="print a Markdown table")
     b.add_argument("--json", help="also write the rows to this JSON file")
     b.set_defaults(func=_bench)
+    p = sub.add_parser(
+        "plan",
+        help="per-layer kernel-format sizes and predicted peak memory (no download)",
+        description="Kernel-format bytes per layer and the predicted peak transient memory of "
+        "converting one layer: eager (prime-rl), preallocated stack, glm_fp8 (see "
+        "glm_fp8.plan.estimate_memory for the model).",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="glm-5", help="preset: glm-5 or glm-4.5")
+    src.add_argument("--config", help="path to a Hugging Face config.json")
+    p.add_argument("--target", choices=["hopper", "blackwell"], default="hopper")
+    p.add_argument("--gather-dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--nodes", type=int, help="train nodes: also show resident + peak per GPU")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-gib", type=float, default=139.0, help="usable memory per GPU")
+    p.add_argument("--entries", action="store_true", help="list every entry with its offset")
+    p.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -143,6 +143,8 @@ def dequantize_blockwise_ref(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "BLOCK",
+    "convert_layer_ref",
+    "pack_ue8m0_sm100_ref",
     "FP8_MAX",
     "block_scales_ref",
     "ceil_blocks",
@@ -152,3 +154,40 @@ __all__ = [
     "quantize_experts_ref",
     "round_scale_up_to_pow2",
 ]
+
+
+def pack_ue8m0_sm100_ref(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """DeepGEMM SM100 scale values [(G,) N, ceil(nbk/4)] int32 (contiguous; layout aside)."""
+    exps = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.int64)
+    per_row = exps.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
+    p = -(-per_row.shape[-1] // 4)
+    per_row = torch.nn.functional.pad(per_row, (0, 4 * p - per_row.shape[-1]))
+    b = per_row.view(*per_row.shape[:-1], p, 4)
+    packed = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    # int64 -> int32 keeps the low 32 bits (two's complement), as the bytes say.
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def convert_layer_ref(layer: dict, layer_idx: int, plan) -> dict:
+    """The eager composition a layer converter must match: ``torch.cat`` of each entry's
+    sources, then ``quantize_blockwise_ref`` (Blackwell: ue8m0, then the SM100 packing).
+    ``layer`` holds short trainer names; ``plan`` is a ``glm_fp8.plan.LayerPlan``."""
+    out = {}
+    prefix = f"model.layers.{layer_idx}."
+    blackwell = plan.target == "blackwell"
+    pending = None
+    for e in plan.entries:
+        if e.op == "scale":
+            s = pending
+            out[prefix + e.name] = pack_ue8m0_sm100_ref(s, e.shape[-2]) if blackwell else s
+            continue
+        srcs = [layer[s] for s in e.sources]
+        if e.squeeze:
+            srcs = [t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in srcs]
+        cat = torch.cat(srcs, dim=-2 if srcs[0].dim() >= 2 else 0)
+        if e.op == "quantize":
+            q, pending = quantize_blockwise_ref(cat, "ue8m0" if blackwell else "fp32")
+            out[prefix + e.name] = q
+        else:
+            out[prefix + e.name] = cat
+    return out

@@ -1,0 +1,30 @@
+"""Drop-ins for code written against prime-rl's conversion functions."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+
+from glm_fp8.convert import convert_layer, strip_layer
+from glm_fp8.plan import LayerPlan, plan_from_state_dict
+
+_PLANS: dict[tuple, LayerPlan] = {}
+
+
+def convert_tt_layer_to_vllm_kernel(
+    state_dict: Mapping[str, torch.Tensor], layer_idx: int, quantize_fp8: bool = True
+) -> OrderedDict[str, torch.Tensor]:
+    """prime-rl's signature: one trainer layer in kernel format, as views into one buffer.
+
+    Same names, order, shapes, dtypes and bits as "torch.cat, then the reference quantizer"
+    (``glm_fp8.reference.convert_layer_ref``). Plans are cached per layer shape. The buffer is
+    allocated per call; use ``glm_fp8.convert.convert_layer(..., out=slot)`` to reuse one.
+    """
+    layer = strip_layer(state_dict, layer_idx)
+    key = (quantize_fp8, tuple(sorted((k, tuple(t.shape), t.dtype) for k, t in layer.items())))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = plan_from_state_dict(layer, quantize=quantize_fp8)
+    return convert_layer(layer, layer_idx, plan=plan)

@@ -1,0 +1,163 @@
+"""One trainer layer -> one broadcast-ready buffer of kernel-format (vLLM) tensors, one pass.
+
+Quantized entries are written by the fused kernel at their offsets; row concatenations are
+copied row block by row block into their slot (no ``torch.cat`` temporary); passthrough
+tensors are copied in. The returned dict holds views into the one buffer, so the bytes that go
+on the wire are the bytes the kernels wrote.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+
+from glm_fp8 import _checks
+from glm_fp8.plan import LayerPlan, PlanEntry, plan_from_state_dict
+from glm_fp8.quantize import _Job, _plan_job, _run_jobs
+from glm_fp8.reference import BLOCK
+
+
+def layer_prefix(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}."
+
+
+def strip_layer(state_dict: Mapping[str, torch.Tensor], layer_idx: int) -> dict[str, torch.Tensor]:
+    """The layer's tensors under their short names. Keys may carry the ``model.layers.{i}.``
+    prefix (keys of other layers are then ignored) or be short already."""
+    prefix = layer_prefix(layer_idx)
+    if any(k.startswith(prefix) for k in state_dict):
+        return {k[len(prefix) :]: t for k, t in state_dict.items() if k.startswith(prefix)}
+    if any(k.startswith("model.layers.") for k in state_dict):
+        raise KeyError(f"state_dict: no key starts with {prefix!r} (layer_idx={layer_idx})")
+    return dict(state_dict)
+
+
+def _check_layer(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str) -> torch.device:
+    missing = [k for k in plan.inputs if k not in layer]
+    if missing:
+        shape = plan.inputs[missing[0]][0]
+        raise KeyError(f"{prefix}{missing[0]}: missing; expected a tensor of shape {shape}")
+    extra = sorted(set(layer) - set(plan.inputs))
+    if extra:
+        raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan has no entry for it")
+    named = [(prefix + k, t) for k, t in layer.items()]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for k, (shape, _) in plan.inputs.items():
+        t = layer[k]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{prefix}{k}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    for e in plan.entries:
+        if e.op in ("copy", "concat"):
+            for s in e.sources:
+                if layer[s].dtype != e.dtype:
+                    raise TypeError(
+                        f"{prefix}{s}: expected dtype {e.dtype} (passed through to {e.name}), "
+                        f"got {layer[s].dtype}; plan from this state dict to keep its dtypes"
+                    )
+    return _checks.check_same_device(named)
+
+
+def convert_layer(
+    state_dict: Mapping[str, torch.Tensor],
+    layer_idx: int,
+    *,
+    out: torch.Tensor | None = None,
+    plan: LayerPlan | None = None,
+    target: str | None = None,
+    check_finite: bool = True,
+) -> OrderedDict[str, torch.Tensor]:
+    """Convert one trainer layer into kernel format inside one byte buffer.
+
+    Args:
+        state_dict: the layer's trainer tensors (prime-rl "tt" names, with or without the
+            ``model.layers.{layer_idx}.`` prefix); plain tensors on one device, any strides.
+        out: optional uint8 buffer of ``plan.nbytes`` bytes (a ring slot); allocated if None.
+        plan: a ``LayerPlan``; inferred from ``state_dict`` if None (cache it across updates).
+        target: "hopper" (float32 scales) or "blackwell" (ue8m0 scales packed for DeepGEMM
+            SM100). With a plan, must match the plan's target or be None.
+        check_finite: as in ``quantize_blockwise``; one device sync for the whole layer.
+
+    Returns:
+        ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order, views into ``out``.
+
+    Memory: above inputs and ``out``, only O(number of blocks) bytes (the finite check; for
+    Blackwell also the float32 scales before packing). Every check runs before any write.
+    """
+    layer = strip_layer(state_dict, layer_idx)
+    if plan is None:
+        plan = plan_from_state_dict(layer, target=target or "hopper")
+    elif target is not None and target != plan.target:
+        raise ValueError(f"target: expected {plan.target!r} (the plan's target), got {target!r}")
+    prefix = layer_prefix(layer_idx)
+    device = _check_layer(plan, layer, prefix)
+    if out is None:
+        out = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    else:
+        _checks.check_out("out", out, (plan.nbytes,), torch.uint8, device)
+        if not out.is_contiguous():
+            raise ValueError("out: expected a contiguous uint8 buffer")
+        _checks.check_no_overlap([("out", out)], [(prefix + k, t) for k, t in layer.items()])
+
+    views = OrderedDict((prefix + name, view) for name, view in plan.views(out))
+    blackwell = plan.target == "blackwell"
+    jobs: list[_Job] = []
+    packs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    entries = plan.entries
+    for idx, e in enumerate(entries):
+        if e.op != "quantize":
+            continue
+        srcs = [(prefix + s, _squeeze(layer[s], e.squeeze)) for s in e.sources]
+        scale_view = views[prefix + entries[idx + 1].name]
+        scales = None if blackwell else scale_view  # Blackwell: float32 first, packed below
+        jobs.append(_plan_job(srcs, views[prefix + e.name], scales, prefix + e.name,
+                              prefix + entries[idx + 1].name))  # fmt: skip
+        if blackwell:
+            packs.append((jobs[-1].s, scale_view))
+    _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None)
+    for e in entries:
+        if e.op in ("copy", "concat"):
+            _copy_rows(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])
+    for scales, packed in packs:
+        pack_ue8m0_sm100(scales, packed)
+    return views
+
+
+def _squeeze(t: torch.Tensor, squeeze: bool) -> torch.Tensor:
+    return t[0] if squeeze and t.dim() == 3 and t.shape[0] == 1 else t
+
+
+def _copy_rows(dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
+    """Write sources one after another along dim -2 (dim 0 for 1-D) of ``dst``: no temporary."""
+    dim = -2 if dst.dim() >= 2 else 0
+    start = 0
+    for src in sources:
+        n = src.shape[dim]
+        dst.narrow(dim, start, n).copy_(src)
+        start += n
+
+
+def pack_ue8m0_sm100(scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM SM100 scale layout from ue8m0 block scales (vllm_layout.md).
+
+    ``scales`` [(G,) ceil(N/128), ceil(K/128)] float32 powers of two; ``out`` int32 view
+    [(G,) N, ceil(ceil(K/128)/4)] with MN-major strides. Byte j of out[n, p] is the biased
+    exponent of K-block 4p + j's scale for row n; missing K-blocks are 0.
+    """
+    n, p = out.shape[-2], out.shape[-1]
+    exps = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # [(G,) nbn, nbk]
+    nbk = exps.shape[-1]
+    padded = torch.zeros((*exps.shape[:-1], 4 * p), dtype=torch.uint8, device=exps.device)
+    padded[..., :nbk] = exps
+    per_block_row = padded.view(*exps.shape[:-1], p, 4).view(torch.int32).squeeze(-1)  # [(G,) nbn, p]
+    # Row n takes block-row n // 128; expand into the MN-major destination without a [N, P] temp.
+    for rb in range(per_block_row.shape[-2]):
+        rows = out.narrow(-2, rb * BLOCK, min(BLOCK, n - rb * BLOCK))
+        rows.copy_(per_block_row[..., rb : rb + 1, :].expand_as(rows))
+    return out
+
+
+__all__ = ["PlanEntry", "convert_layer", "layer_prefix", "pack_ue8m0_sm100", "strip_layer"]

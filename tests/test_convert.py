@@ -1,0 +1,156 @@
+"""Layer converter against the eager composition (torch.cat, then the reference quantizer).
+
+Invariant: every entry of ``convert_layer`` equals ``convert_layer_ref`` bit for bit (fp8 as
+uint8, scales and passthrough exactly), in the plan's order, as views of one buffer; a bad
+state dict raises naming the key before a byte of the buffer is written.
+"""
+
+import pytest
+import torch
+
+from glm_fp8.compat import convert_tt_layer_to_vllm_kernel
+from glm_fp8.convert import convert_layer
+from glm_fp8.plan import ALIGN, PRESETS, plan_from_config, plan_from_state_dict
+from glm_fp8.reference import convert_layer_ref
+
+# Scaled down, with sizes that are not multiples of 128, so blocks straddle every concat.
+SMALL = {
+    "glm-5": {
+        **PRESETS["glm-5"], "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+        "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
+        "num_attention_heads": 2, "q_lora_rank": 130, "kv_lora_rank": 70, "qk_nope_head_dim": 24,
+        "qk_rope_head_dim": 8, "v_head_dim": 40, "index_n_heads": 3, "index_head_dim": 24,
+    },
+    "glm-4.5": {
+        **PRESETS["glm-4.5"], "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+        "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
+    },
+}  # fmt: skip
+
+
+def make_layer(config, layer_idx, device, dtype=torch.bfloat16, prefix=True):
+    plan = plan_from_config(config, layer_idx, dtype=dtype)
+    p = f"model.layers.{layer_idx}." if prefix else ""
+    return {
+        p + k: (torch.randn(shape, device=device) * 0.05).to(dtype) for k, (shape, _) in plan.inputs.items()
+    }
+
+
+def _short(sd, layer_idx):
+    p = f"model.layers.{layer_idx}."
+    return {k.removeprefix(p): t for k, t in sd.items()}
+
+
+def assert_entries_equal(got, want):
+    assert list(got) == list(want)
+    for name, g in got.items():
+        w = want[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        gb, wb = g.cpu().contiguous(), w.cpu().contiguous()
+        if g.dtype == torch.float8_e4m3fn:
+            gb, wb = gb.view(torch.uint8), wb.view(torch.uint8)
+        elif g.is_floating_point():  # compare bit patterns: -0.0 and NaN payloads count
+            as_int = torch.int16 if g.element_size() == 2 else torch.int32
+            gb, wb = gb.view(as_int), wb.view(as_int)
+        assert torch.equal(gb, wb), f"{name}: {(gb != wb).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("model", ["glm-5", "glm-4.5"])
+@pytest.mark.parametrize("layer_idx", [0, 2], ids=["dense", "sparse"])
+@pytest.mark.parametrize("target", ["hopper", "blackwell"])
+def test_layer_matches_eager_composition(device, model, layer_idx, target):
+    sd = make_layer(SMALL[model], layer_idx, device)
+    plan = plan_from_config(SMALL[model], layer_idx, target=target)
+    buf = torch.full((plan.nbytes,), 0xFF, dtype=torch.uint8, device=device)
+    got = convert_layer(sd, layer_idx, out=buf, plan=plan)
+    want = convert_layer_ref(_short(sd, layer_idx), layer_idx, plan)
+    assert_entries_equal(got, want)
+    for v in got.values():  # every entry is a view of the one buffer
+        assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_plan_layout_is_packed_and_aligned():
+    for model, config in SMALL.items():
+        for layer_idx in (0, 2):
+            plan = plan_from_config(config, layer_idx)
+            end = 0
+            for e in plan.entries:
+                assert e.offset % ALIGN == 0 and e.offset >= end, (model, e.name)
+                end = e.offset + e.nbytes
+            assert plan.nbytes >= end and plan.nbytes - end < ALIGN
+            names = [e.name for e in plan.entries]
+            for i, e in enumerate(plan.entries):  # a scale follows its quantized weight
+                if e.op == "quantize":
+                    assert names[i + 1] == e.name + "_scale_inv"
+
+
+def test_glm5_full_size_plan_matches_the_spec():
+    sparse, dense = plan_from_config(PRESETS["glm-5"], 3), plan_from_config(PRESETS["glm-5"], 0)
+    shapes = {e.name: e.shape for e in sparse.entries}
+    assert shapes["self_attn.fused_qkv_a_proj.weight"] == (2624, 6144)
+    assert shapes["self_attn.kv_b_proj.weight"] == (28672, 512)
+    assert shapes["mlp.experts.w13_weight"] == (256, 4096, 6144)
+    assert shapes["mlp.experts.w13_weight_scale_inv"] == (256, 32, 48)
+    assert shapes["mlp.shared_experts.gate_up_proj.weight"] == (4096, 6144)
+    assert shapes["self_attn.indexer.wk_weights_proj.weight"] == (160, 6144)
+    assert {e.name: e.shape for e in dense.entries}["mlp.gate_up_proj.weight"] == (24576, 6144)
+    assert 9.2 < sparse.nbytes / 2**30 < 9.4  # "about 9.3 GiB in this format"
+    bw = plan_from_config(PRESETS["glm-5"], 3, target="blackwell")
+    scale = {e.name: e for e in bw.entries}["mlp.experts.w13_weight_scale_inv"]
+    assert scale.shape == (256, 4096, 12) and scale.dtype == torch.int32
+    v = scale.view(torch.empty(bw.nbytes, dtype=torch.uint8, device="meta"))
+    assert v.stride() == (12 * 4096, 1, 4096)  # DeepGEMM's MN-major, TMA-aligned layout
+
+
+@pytest.mark.parametrize("quantize_fp8", [True, False])
+def test_prime_rl_compat(device, quantize_fp8):
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    got = convert_tt_layer_to_vllm_kernel(sd, 2, quantize_fp8=quantize_fp8)
+    plan = plan_from_state_dict(_short(sd, 2), quantize=quantize_fp8)
+    assert_entries_equal(got, convert_layer_ref(_short(sd, 2), 2, plan))
+    assert any(k.endswith("_scale_inv") for k in got) == quantize_fp8
+
+
+def test_inferred_plan_keeps_passthrough_dtypes_and_short_keys(device):
+    sd = make_layer(SMALL["glm-4.5"], 2, device, prefix=False)
+    sd["mlp.router.gate.weight"] = sd["mlp.router.gate.weight"].float()
+    sd["mlp.shared_expert.w1"] = sd["mlp.shared_expert.w1"][0]  # [I, H] instead of [1, I, H]
+    got = convert_layer(sd, 2)
+    assert got["model.layers.2.mlp.gate.weight"].dtype == torch.float32
+    assert_entries_equal(got, convert_layer_ref(sd, 2, plan_from_state_dict(sd)))
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda sd: sd.pop("model.layers.2.mlp.experts.w3"), KeyError,
+         r"model.layers.2.mlp.experts.w3: missing; expected a tensor of shape \(3, 72, 200\)"),
+        (lambda sd: sd.__setitem__("model.layers.2.mlp.foo", torch.zeros(1)), KeyError,
+         "model.layers.2.mlp.foo: unexpected key"),
+        (lambda sd: sd.__setitem__("model.layers.2.self_attn.o_proj.weight", torch.zeros(200, 79)),
+         ValueError, r"model.layers.2.self_attn.o_proj.weight: expected shape \(200, 80\), got \(200, 79\)"),
+        (lambda sd: sd.__setitem__("model.layers.2.input_layernorm.weight", torch.zeros(200)),
+         TypeError, r"model.layers.2.input_layernorm.weight: expected dtype torch.bfloat16"),
+    ],
+)  # fmt: skip
+def test_bad_state_dict_is_refused_before_writing(device, mutate, exc, match):
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    mutate(sd)
+    sd = {k: v.to(device) for k, v in sd.items()}
+    buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    with pytest.raises(exc, match=match):
+        convert_layer(sd, 2, out=buf, plan=plan)
+    assert (buf == 0xAB).all()
+
+
+def test_wrong_buffer_and_target_are_refused(device):
+    sd = make_layer(SMALL["glm-5"], 0, device)
+    plan = plan_from_config(SMALL["glm-5"], 0)
+    with pytest.raises(ValueError, match=rf"out: expected shape \({plan.nbytes},\)"):
+        convert_layer(sd, 0, out=torch.empty(plan.nbytes - 1, dtype=torch.uint8, device=device), plan=plan)
+    with pytest.raises(ValueError, match="target: expected 'hopper'"):
+        convert_layer(sd, 0, plan=plan, target="blackwell")
+    with pytest.raises(KeyError, match="no key starts with 'model.layers.1.'"):
+        convert_layer(sd, 1)
