@@ -154,3 +154,41 @@ def test_wrong_buffer_and_target_are_refused(device):
         convert_layer(sd, 0, plan=plan, target="blackwell")
     with pytest.raises(KeyError, match="no key starts with 'model.layers.1.'"):
         convert_layer(sd, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a full GLM-5 layer needs the H200")
+def test_full_size_glm5_sparse_layer_on_gpu():
+    """Every entry of a real-size GLM-5 sparse layer equals the eager composition (experts
+    compared one at a time to bound the reference's memory), and convert_layer allocates at
+    most 64 MiB above its inputs and output buffer."""
+    from glm_fp8.reference import quantize_blockwise_ref
+
+    config = PRESETS["glm-5"]
+    plan = plan_from_config(config, 3)
+    sd = make_layer(config, 3, "cuda")
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
+    convert_layer(sd, 3, out=buf, plan=plan)  # compile first
+    buf.fill_(0xFF)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = convert_layer(sd, 3, out=buf, plan=plan)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 64 << 20
+    layer = _short(sd, 3)
+    entries = {e.name: e for e in plan.entries}
+    for e in plan.entries:
+        if e.op == "scale":
+            continue
+        srcs = [layer[s].squeeze(0) if e.squeeze else layer[s] for s in e.sources]
+        q = got[f"model.layers.3.{e.name}"]
+        if e.op != "quantize":
+            assert torch.equal(q, torch.cat(srcs, dim=-2 if q.dim() >= 2 else 0)), e.name
+            continue
+        s = got[f"model.layers.3.{e.name}_scale_inv"]
+        assert entries[e.name + "_scale_inv"].shape == tuple(s.shape)
+        for k in range(q.shape[0]) if q.dim() == 3 else [None]:
+            pick = (lambda t: t[k]) if k is not None else (lambda t: t)  # noqa: B023
+            q_ref, s_ref = quantize_blockwise_ref(torch.cat([pick(t) for t in srcs], dim=-2))
+            assert torch.equal(pick(q).view(torch.uint8), q_ref.view(torch.uint8)), (e.name, k)
+            assert torch.equal(pick(s), s_ref), (e.name, k)

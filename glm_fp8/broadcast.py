@@ -1,0 +1,517 @@
+"""Pipelined weight broadcast: a sender that converts layer i+1 while layer i is on the wire,
+and a receiver that lands layer buffers in the inference engine's parameters.
+
+Wire protocol (version 1), all broadcasts from ``src``:
+
+1. ``int64[1]`` manifest length, then the manifest as UTF-8 JSON bytes (data only, no pickle):
+   ``{"format": "glm_fp8", "version": 1, "mode": "fp8" | "bf16",
+   "layers": [{"layer": i, "nbytes": n, "entries": [{name, dtype, shape, offset, nbytes}]}]}``,
+   then an ``int64[1]`` all-reduce (sum) in which each receiver puts 1 if it refuses the
+   manifest: then every rank stops with an error before any parameter is touched.
+2. Per layer: ``int64[2]`` header ``[status, layer position]`` and, when status is DATA, the
+   layer buffer (``uint8[nbytes]``) as ``glm_fp8.convert`` laid it out.
+3. A last header: COMPLETE, or ABORT at any point (the sender hit an error). A receiver that
+   sees ABORT, a timeout or a dead peer raises ``UpdateAborted``: an update is complete only
+   when COMPLETE arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from glm_fp8.convert import convert_layer, layer_prefix, strip_layer
+from glm_fp8.plan import LayerPlan, plan_from_config
+from glm_fp8.quantize import NonFiniteError, quantize_blockwise
+from glm_fp8.reference import ceil_blocks
+
+PROTOCOL_VERSION = 1
+DATA, COMPLETE, ABORT = 1, 2, 3
+
+
+class HostSinkComm:
+    """Stand-in communicator for one-GPU benchmarks and tests: a "broadcast" from this rank is
+    a device-to-host copy into pinned memory on the current stream, about the speed of one
+    inter-node link. ``keep=True`` keeps a copy of every message for checking."""
+
+    def __init__(self, keep: bool = False):
+        self.keep = keep
+        self.sent: list[torch.Tensor] = []
+        self._pinned: dict[int, torch.Tensor] = {}
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        if self.keep:
+            dst = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self.sent.append(dst)
+        else:
+            dst = self._pinned.get(tensor.nbytes)
+            if dst is None:
+                dst = self._pinned[tensor.nbytes] = torch.empty(
+                    tensor.nbytes, dtype=torch.uint8, pin_memory=tensor.is_cuda
+                )
+            dst = dst.view(tensor.dtype).view(tensor.shape)
+        dst.copy_(tensor, non_blocking=True)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        return None  # no receivers to refuse
+
+
+class UpdateAborted(RuntimeError):
+    """The weight update did not complete; parameters may hold a mix of old and new layers."""
+
+
+class ManifestMismatch(ValueError):
+    """The sender's manifest differs from what this receiver expects; nothing was touched."""
+
+
+class Comm:
+    """Adapter over a ``torch.distributed`` ProcessGroup (or the default group: None), or any
+    object with ``broadcast(tensor, src)`` such as vLLM's PyNcclCommunicator."""
+
+    def __init__(self, comm: object | None):
+        self.comm = comm
+        if hasattr(comm, "all_reduce_sum"):
+            self.all_reduce_sum = comm.all_reduce_sum  # type: ignore[method-assign]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        if self.comm is None or _is_process_group(self.comm):
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src, group=self.comm)
+        else:
+            self.comm.broadcast(tensor, src)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Every rank's flags summed in place (the manifest acknowledgement)."""
+        if self.comm is None or _is_process_group(self.comm):
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, group=self.comm)
+        elif hasattr(self.comm, "all_reduce"):
+            out = self.comm.all_reduce(tensor)
+            if out is not None and out is not tensor:
+                tensor.copy_(out)
+        else:
+            raise TypeError(f"comm: {type(self.comm).__name__} has no all_reduce for the manifest check")
+
+
+def _is_process_group(obj: object) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(obj, dist.ProcessGroup)
+
+
+def plans_for(config: Mapping, mode: str = "fp8", target: str = "hopper") -> list[LayerPlan]:
+    """One plan per decoder layer of a model config (dense and sparse layers differ)."""
+    cache: dict[bool, LayerPlan] = {}
+    dense_until = config.get("first_k_dense_replace", 0)
+    out = []
+    for i in range(config["num_hidden_layers"]):
+        sparse = i >= dense_until
+        if sparse not in cache:
+            cache[sparse] = plan_from_config(config, i, target=target, quantize=mode == "fp8")
+        out.append(cache[sparse])
+    return out
+
+
+def manifest_of(plans: Sequence[LayerPlan], layer_ids: Sequence[int], mode: str) -> dict:
+    return {
+        "format": "glm_fp8",
+        "version": PROTOCOL_VERSION,
+        "mode": mode,
+        "layers": [
+            {"layer": i, "nbytes": p.nbytes, "entries": p.manifest()} for i, p in zip(layer_ids, plans)
+        ],
+    }
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class UpdateStats:
+    layers: list[LayerStats] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_bytes: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
+
+
+def _gather(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A DTensor's full value (prime-rl's ``full_tensor()``), optionally cast first; plain
+    tensors pass through untouched."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to(dtype) if dtype is not None and t.dtype != dtype else t
+        return t.full_tensor()
+    return t
+
+
+class _Ring:
+    """Preallocated layer buffers; a slot is reused only once its last broadcast finished."""
+
+    def __init__(self, size: int, nbytes: int, device: torch.device):
+        if size < 1:
+            raise ValueError(f"ring: expected at least 1 slot, got {size}")
+        self.slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(size)]
+        cuda = device.type == "cuda"
+        self.free = [torch.cuda.Event() if cuda else None for _ in range(size)]
+        self.used = [False] * size
+
+    def slot(self, k: int, nbytes: int) -> tuple[torch.Tensor, object]:
+        i = k % len(self.slots)
+        return self.slots[i][:nbytes], i
+
+
+class Broadcaster:
+    """Sender: converts layers into a ring of buffers and broadcasts them, pipelined.
+
+    Args:
+        comm: ProcessGroup, None (default group) or an object with ``broadcast(tensor, src)``.
+        src: rank that sends (this process).
+        config / plans: the model config (plans for every layer are built from it) or one
+            ``LayerPlan`` per layer; the manifest needs them before the first layer is sent.
+        ring: layer buffers (default 2: convert i+1 while i is sent; 1 serializes).
+        mode: "fp8" ships kernel-format fp8 entries; "bf16" ships unquantized kernel-format
+            entries for receivers that quantize on receive (half the sender's work, twice the
+            bytes).
+        gather_dtype: DTensor inputs are cast to this dtype before ``full_tensor()`` (None:
+            keep theirs).
+        device: where conversion runs (default: the current CUDA device, else CPU).
+    """
+
+    def __init__(
+        self,
+        comm: object | None,
+        src: int = 0,
+        *,
+        config: Mapping | None = None,
+        plans: Sequence[LayerPlan] | None = None,
+        ring: int = 2,
+        mode: str = "fp8",
+        gather_dtype: torch.dtype | None = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ):
+        if mode not in ("fp8", "bf16"):
+            raise ValueError(f"mode: expected 'fp8' or 'bf16', got {mode!r}")
+        if (config is None) == (plans is None):
+            raise ValueError("config / plans: pass exactly one of them")
+        self.comm, self.src, self.mode = Comm(comm), src, mode
+        self.plans = list(plans) if plans is not None else plans_for(config, mode)
+        self.gather_dtype = gather_dtype
+        self.device = torch.device(device) if device else _default_device()
+        self.ring = _Ring(ring, max(p.nbytes for p in self.plans), self.device)
+        cuda = self.device.type == "cuda"
+        self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    def broadcast_model(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> UpdateStats:
+        """Send every layer of ``layers`` (``(layer_idx, state_dict)`` in order); returns stats.
+
+        On any error (non-finite weights, a bad state dict) receivers get ABORT and this raises.
+        """
+        stats = UpdateStats()
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        self._send_manifest()
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        try:
+            count = 0
+            for pos, (layer_idx, sd) in enumerate(layers):
+                if pos >= len(self.plans):
+                    raise ValueError(f"layers: more than the {len(self.plans)} in the manifest")
+                t_layer = time.perf_counter()
+                self._send_layer(pos, layer_idx, sd, header)
+                stats.layers.append(
+                    LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t_layer)
+                )
+                count += 1
+            if count != len(self.plans):
+                raise ValueError(f"layers: got {count}, the manifest announced {len(self.plans)}")
+        except BaseException:
+            self._send_header(header, ABORT, -1)
+            raise
+        self._send_header(header, COMPLETE, len(self.plans))
+        self._sync()
+        stats.seconds = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
+        return stats
+
+    def _send_manifest(self) -> None:
+        ids = list(range(len(self.plans)))
+        payload = json.dumps(manifest_of(self.plans, ids, self.mode)).encode()
+        n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.comm.broadcast(n, self.src)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        self.comm.broadcast(data, self.src)
+        refused = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.comm.all_reduce_sum(refused)
+        if int(refused.item()):
+            raise ManifestMismatch(
+                f"{int(refused.item())} receiver(s) refused the manifest; nothing was sent"
+            )
+
+    def _send_header(self, header: torch.Tensor, status: int, pos: int) -> None:
+        with _on(self.comm_stream):
+            header.copy_(torch.tensor([status, pos], dtype=torch.int64))
+            self.comm.broadcast(header, self.src)
+
+    def _send_layer(self, pos: int, layer_idx: int, sd: Mapping[str, torch.Tensor], header) -> None:
+        plan = self.plans[pos]
+        buf, slot = self.ring.slot(pos, plan.nbytes)
+        caller = torch.cuda.current_stream(self.device) if self.convert_stream is not None else None
+        with _on(self.convert_stream):
+            if caller is not None:
+                # The layer may have just been written on the caller's stream.
+                self.convert_stream.wait_stream(caller)
+            if self.ring.used[slot] and self.ring.free[slot] is not None:
+                # The slot's previous broadcast must finish before we overwrite it.
+                self.convert_stream.wait_event(self.ring.free[slot])
+            layer = {k: _gather(t, self.gather_dtype) for k, t in strip_layer(sd, layer_idx).items()}
+            layer = {k: t.to(self.device) for k, t in layer.items()}
+            # The finite check is this loop's only host wait per layer; the previous layer keeps
+            # the wire busy meanwhile. bf16 mode quantizes nothing, so it checks the entries.
+            convert_layer(layer, layer_idx, out=buf, plan=plan, check_finite=self.mode == "fp8")
+            if self.mode == "bf16":
+                _check_finite_entries(plan, buf, layer_idx)
+            ready = None
+            if self.convert_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self.convert_stream)
+            del layer  # gathered copies go back to the allocator, ordered on this stream
+        if caller is not None:
+            # The caller may free or overwrite its tensors once we move on: order that after
+            # the kernels that read them (the wire, on its own stream, is not waited for).
+            caller.wait_event(ready)
+        with _on(self.comm_stream):
+            if ready is not None:
+                self.comm_stream.wait_event(ready)
+            header.copy_(torch.tensor([DATA, pos], dtype=torch.int64))
+            self.comm.broadcast(header, self.src)
+            self.comm.broadcast(buf, self.src)
+            if self.ring.free[slot] is not None:
+                self.ring.free[slot].record(self.comm_stream)
+        self.ring.used[slot] = True
+
+    def gather_only(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
+        """For trainer ranks that do not send: take part in the DTensor gathers of every layer
+        (collectives over the trainer mesh) while the sender converts and broadcasts."""
+        for layer_idx, sd in layers:
+            for t in strip_layer(sd, layer_idx).values():
+                _gather(t, self.gather_dtype)
+
+    def _sync(self) -> None:
+        if self.comm_stream is not None:
+            self.comm_stream.synchronize()
+
+
+def _check_finite_entries(plan: LayerPlan, buf: torch.Tensor, layer_idx: int) -> None:
+    """Max |x| of every floating entry (a reduction, no temporary of the entry's size)."""
+    floating = [(e.name, e.view(buf)) for e in plan.entries if e.dtype.is_floating_point]
+    norms = [torch.linalg.vector_norm(v, float("inf"), dtype=torch.float32) for _, v in floating]
+    if norms and not bool(torch.isfinite(torch.stack(norms)).all()):
+        bad = next(n for (n, _), m in zip(floating, norms) if not torch.isfinite(m))
+        raise NonFiniteError(
+            f"{layer_prefix(layer_idx)}{bad}: NaN or Inf; the update was aborted",
+            source=layer_prefix(layer_idx) + bad, expert=None, block=(-1, -1),
+        )  # fmt: skip
+
+
+class Receiver:
+    """Inference side: receives layer buffers into its own ring and hands out named views.
+
+    Args:
+        comm, src: as for ``Broadcaster``.
+        config / plans: what this engine expects; a manifest that differs is refused before any
+            parameter is touched.
+        ring: receive buffers (2: receive layer i+1 while layer i is copied out).
+        mode: must match the sender's. "bf16" quantizes on receive (``load_into``).
+    """
+
+    def __init__(
+        self,
+        comm: object | None,
+        src: int = 0,
+        *,
+        config: Mapping | None = None,
+        plans: Sequence[LayerPlan] | None = None,
+        ring: int = 2,
+        mode: str = "fp8",
+        device: torch.device | str | None = None,
+    ):
+        if (config is None) == (plans is None):
+            raise ValueError("config / plans: pass exactly one of them")
+        self.comm, self.src, self.mode = Comm(comm), src, mode
+        self.plans = list(plans) if plans is not None else plans_for(config, mode)
+        self.device = torch.device(device) if device else _default_device()
+        self.ring = _Ring(ring, max(p.nbytes for p in self.plans), self.device)
+        self.recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.expected = manifest_of(self.plans, list(range(len(self.plans))), mode)
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, view)`` for every entry of every layer. A view stays valid until the
+        layer after the next one is received (ring of 2). Raises ``UpdateAborted`` when the
+        sender aborts or the link fails, ``ManifestMismatch`` before anything is yielded."""
+        for _, views in self.receive_layers():
+            yield from views
+
+    def receive_layers(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        try:
+            manifest = self._recv_manifest()
+            mismatch = None
+            try:
+                self._check_manifest(manifest)
+            except ManifestMismatch as exc:
+                mismatch = exc
+            refused = torch.tensor([int(mismatch is not None)], dtype=torch.int64, device=self.device)
+            self.comm.all_reduce_sum(refused)  # every rank learns whether anyone refused
+        except Exception as exc:
+            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+        if mismatch is not None:
+            raise mismatch
+        if int(refused.item()):
+            raise UpdateAborted("another receiver refused the manifest; nothing was sent")
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        for pos, plan in enumerate(self.plans):
+            status = self._recv_header(header)
+            if status != DATA:
+                raise UpdateAborted(f"the sender aborted the update before layer {pos}")
+            buf, slot = self.ring.slot(pos, plan.nbytes)
+            try:
+                with _on(self.recv_stream):
+                    if self.ring.used[slot] and self.ring.free[slot] is not None:
+                        # Wait until what the consumer queued on this slot's last layer is done.
+                        self.recv_stream.wait_event(self.ring.free[slot])
+                    self.comm.broadcast(buf, self.src)
+                if self.recv_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
+            except Exception as exc:
+                raise UpdateAborted(f"receiving layer {pos} failed: {exc}") from exc
+            prefix = layer_prefix(pos)
+            yield pos, [(prefix + name, view) for name, view in plan.views(buf)]
+            if self.ring.free[slot] is not None:
+                self.ring.free[slot].record(torch.cuda.current_stream(self.device))
+            self.ring.used[slot] = True
+        if self._recv_header(header) != COMPLETE:
+            raise UpdateAborted("the sender aborted the update after the last layer")
+
+    def load_into(self, params: Mapping[str, torch.Tensor]) -> UpdateStats:
+        """Copy (fp8 mode) or quantize (bf16 mode) every received entry into ``params``.
+
+        Every name, shape and dtype is checked against ``params`` before the first byte is
+        received. Raises ``UpdateAborted`` if the update did not complete (``params`` then hold
+        a mix of layers and must not be served as the new weights).
+        """
+        self._check_params(params)
+        stats = UpdateStats()
+        t0 = time.perf_counter()
+        for pos, views in self.receive_layers():
+            t = time.perf_counter()
+            for name, view in views:
+                if self.mode == "bf16" and name + "_scale_inv" in params:
+                    quantize_blockwise(view, out=params[name], scale_out=params[name + "_scale_inv"],
+                                       check_finite=False)  # fmt: skip
+                else:
+                    params[name].copy_(view, non_blocking=True)
+            stats.layers.append(LayerStats(pos, self.plans[pos].nbytes, time.perf_counter() - t))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _check_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        for pos, plan in enumerate(self.plans):
+            prefix = layer_prefix(pos)
+            for e in plan.entries:
+                name = prefix + e.name
+                if name not in params:
+                    raise KeyError(f"params: missing {name!r} ({e.dtype}, {tuple(e.shape)})")
+                p = params[name]
+                want_dtype = e.dtype if self.mode == "fp8" else _quantized_dtype(e, params, name)
+                _check_param(name, p, want_dtype, tuple(e.shape))
+                if want_dtype == torch.float8_e4m3fn and self.mode == "bf16":
+                    nb = tuple(e.shape[:-2]) + (ceil_blocks(e.shape[-2]), ceil_blocks(e.shape[-1]))
+                    _check_param(name + "_scale_inv", params[name + "_scale_inv"], torch.float32, nb)
+
+    def _recv_manifest(self) -> dict:
+        n = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.comm.broadcast(n, self.src)
+        data = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        self.comm.broadcast(data, self.src)
+        return json.loads(bytes(data.cpu().numpy()).decode())
+
+    def _check_manifest(self, got: dict) -> None:
+        want = self.expected
+        for key in ("format", "version", "mode"):
+            if got.get(key) != want[key]:
+                raise ManifestMismatch(f"manifest: expected {key}={want[key]!r}, got {got.get(key)!r}")
+        if len(got["layers"]) != len(want["layers"]):
+            raise ManifestMismatch(
+                f"manifest: expected {len(want['layers'])} layers, got {len(got['layers'])}"
+            )
+        for g, w in zip(got["layers"], want["layers"]):
+            if g != w:
+                ge = {e["name"]: e for e in g["entries"]}
+                for e in w["entries"]:
+                    if ge.get(e["name"]) != e:
+                        raise ManifestMismatch(
+                            f"manifest: layer {w['layer']} entry {e['name']}: expected {e}, "
+                            f"got {ge.get(e['name'])}"
+                        )
+                raise ManifestMismatch(f"manifest: layer {w['layer']}: expected {w}, got {g}")
+
+    def _recv_header(self, header: torch.Tensor) -> int:
+        try:
+            with _on(self.recv_stream):  # read it on the stream that received it
+                self.comm.broadcast(header, self.src)
+                return int(header[0].item())
+        except Exception as exc:
+            raise UpdateAborted(f"the link to the sender failed: {exc}") from exc
+
+
+def _check_param(name: str, p: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if tuple(p.shape) != shape or p.dtype != dtype:
+        raise ValueError(f"params[{name!r}]: expected {dtype} {shape}, got {p.dtype} {tuple(p.shape)}")
+
+
+def _quantized_dtype(e, params: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
+    """bf16 mode: a quantizable entry lands in an fp8 parameter that has a scale beside it."""
+    if name + "_scale_inv" in params:
+        return torch.float8_e4m3fn
+    return e.dtype
+
+
+class _on:
+    """``torch.cuda.stream(s)`` when ``s`` is a stream, a no-op on the CPU."""
+
+    def __init__(self, stream):
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        return False
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
