@@ -150,6 +150,14 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     return prep
 
 
+def method_names(case: Case, with_compile: bool) -> list[str]:
+    """The methods ``method_fns`` times for a case, without preparing any tensor."""
+    if case.kind == "layer":
+        return ["glm_fp8", "glm_fp8 check_finite=True", "quantize_experts alone", "copy", "eager reference"]
+    names = ["glm_fp8", "glm_fp8 check_finite=False", "copy", "eager reference"]
+    return names + (["torch.compile reference"] if with_compile else [])
+
+
 def method_fns(prep: Prepared, with_compile: bool) -> dict[str, Callable[[], object]]:
     """The timed callables of one case: glm_fp8 into preallocated outputs, copy, references."""
     case = prep.case

@@ -226,10 +226,11 @@ class LaunchConfig:
     soft_fp8: bool | None = None
 
 
-# Measured on an H200 (bench/sweep.py, GLM-5 experts, 2026-12-02): 16-bit inputs are fastest
-# with one 128x128 tile per 4-warp program, float32 ones with two tiles per 8-warp program.
+# Measured on an H200 (bench/sweep.py, GLM-5 experts, 2026-12-02, bench/RESULTS.md): 16-bit
+# inputs are fastest with one 128x128 tile per 4-warp program (0.926 of copy bandwidth),
+# float32 ones with two tiles per 4-warp program (0.932). The persistent mode measured slower.
 DEFAULT_CONFIG = LaunchConfig(cb_per_prog=1, num_warps=4)
-DEFAULT_CONFIG_FP32 = LaunchConfig(cb_per_prog=2, num_warps=8)
+DEFAULT_CONFIG_FP32 = LaunchConfig(cb_per_prog=2, num_warps=4)
 
 
 def default_config(dtype: torch.dtype) -> LaunchConfig:

@@ -14,6 +14,7 @@ from glm_fp8.bench import SMALL_GLM5
 from glm_fp8.demo import demo_rank, launch, synthetic_layer
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where receivers land the weights
 
 
 def _ok(results):
@@ -51,14 +52,13 @@ def _load_into_rank(rank, world, mode):
     params = {}
     for i, p in enumerate(fp8_plans):
         for n, v in p.views(torch.zeros(p.nbytes, dtype=torch.uint8)):
-            params[f"model.layers.{i}.{n}"] = torch.full_like(v.contiguous().view(torch.uint8), 7).view(
-                v.dtype
-            )
+            filler = torch.full_like(v.contiguous().view(torch.uint8), 7, device=DEV)
+            params[f"model.layers.{i}.{n}"] = filler.view(v.dtype)
     Receiver(None, 0, config=CONFIG, mode=mode).load_into(params)
     for i, plan in enumerate(fp8_plans):
         layer = {k.removeprefix(f"model.layers.{i}."): t for k, t in synthetic_layer(CONFIG, i).items()}
         for name, ref in convert_layer_ref(layer, i, plan).items():
-            got = params[name]
+            got = params[name].cpu()
             assert torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
     return len(params)
 
