@@ -174,6 +174,18 @@ class _Ring:
         return self.slots[i][:nbytes], i
 
 
+def _setup_endpoint(obj, comm, src, config, plans, ring, mode, device) -> None:
+    """What sender and receiver share: the link, the per-layer plans, the device and the ring."""
+    if mode not in ("fp8", "bf16"):
+        raise ValueError(f"mode: expected 'fp8' or 'bf16', got {mode!r}")
+    if (config is None) == (plans is None):
+        raise ValueError("config / plans: pass exactly one of them")
+    obj.comm, obj.src, obj.mode = Comm(comm), src, mode
+    obj.plans = list(plans) if plans is not None else plans_for(config, mode)
+    obj.device = torch.device(device) if device else _default_device()
+    obj.ring = _Ring(ring, max(p.nbytes for p in obj.plans), obj.device)
+
+
 class Broadcaster:
     """Sender: converts layers into a ring of buffers and broadcasts them, pipelined.
 
@@ -203,15 +215,8 @@ class Broadcaster:
         gather_dtype: torch.dtype | None = torch.bfloat16,
         device: torch.device | str | None = None,
     ):
-        if mode not in ("fp8", "bf16"):
-            raise ValueError(f"mode: expected 'fp8' or 'bf16', got {mode!r}")
-        if (config is None) == (plans is None):
-            raise ValueError("config / plans: pass exactly one of them")
-        self.comm, self.src, self.mode = Comm(comm), src, mode
-        self.plans = list(plans) if plans is not None else plans_for(config, mode)
+        _setup_endpoint(self, comm, src, config, plans, ring, mode, device)
         self.gather_dtype = gather_dtype
-        self.device = torch.device(device) if device else _default_device()
-        self.ring = _Ring(ring, max(p.nbytes for p in self.plans), self.device)
         cuda = self.device.type == "cuda"
         self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
         self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -353,12 +358,7 @@ class Receiver:
         mode: str = "fp8",
         device: torch.device | str | None = None,
     ):
-        if (config is None) == (plans is None):
-            raise ValueError("config / plans: pass exactly one of them")
-        self.comm, self.src, self.mode = Comm(comm), src, mode
-        self.plans = list(plans) if plans is not None else plans_for(config, mode)
-        self.device = torch.device(device) if device else _default_device()
-        self.ring = _Ring(ring, max(p.nbytes for p in self.plans), self.device)
+        _setup_endpoint(self, comm, src, config, plans, ring, mode, device)
         self.recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.expected = manifest_of(self.plans, list(range(len(self.plans))), mode)
 

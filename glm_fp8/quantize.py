@@ -324,7 +324,7 @@ def _raise_if_non_finite(
 
 @dataclass(frozen=True)
 class _Job:
-    """One validated launch: names for messages, 3-D views, and the caller-facing outputs."""
+    """One validated launch: named sources (for messages) and the caller-facing outputs."""
 
     named_sources: tuple[tuple[str, torch.Tensor], ...]
     q: torch.Tensor
