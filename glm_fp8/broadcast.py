@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm_fp8.convert import convert_layer, layer_prefix, strip_layer
+from glm_fp8.convert import _check_layer, convert_layer, fill_layer, layer_prefix, strip_layer
 from glm_fp8.plan import LayerPlan, plan_from_config
 from glm_fp8.quantize import NonFiniteError, quantize_blockwise
 from glm_fp8.reference import ceil_blocks
@@ -198,8 +198,12 @@ class Broadcaster:
         mode: "fp8" ships kernel-format fp8 entries; "bf16" ships unquantized kernel-format
             entries for receivers that quantize on receive (half the sender's work, twice the
             bytes).
-        gather_dtype: DTensor inputs are cast to this dtype before ``full_tensor()`` (None:
-            keep theirs).
+        gather: how DTensor inputs are collected: "auto", "full", "chunked" or
+            "quantize_then_gather" (see ``collect_layer``). The other trainer ranks run
+            ``contribute_shards`` with the same arguments.
+        chunk_experts: experts per chunk for "chunked".
+        gather_dtype: DTensor inputs are cast to this dtype before they travel (None: keep
+            theirs).
         device: where conversion runs (default: the current CUDA device, else CPU).
     """
 
@@ -212,11 +216,17 @@ class Broadcaster:
         plans: Sequence[LayerPlan] | None = None,
         ring: int = 2,
         mode: str = "fp8",
+        gather: str = "auto",
+        chunk_experts: int = 8,
         gather_dtype: torch.dtype | None = torch.bfloat16,
         device: torch.device | str | None = None,
     ):
         _setup_endpoint(self, comm, src, config, plans, ring, mode, device)
-        self.gather_dtype = gather_dtype
+        if gather not in GATHERS:
+            raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
+        sender = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.collect_args = dict(mode=mode, gather=gather, chunk_experts=chunk_experts,
+                                 gather_dtype=gather_dtype, sender=sender, device=self.device)  # fmt: skip
         cuda = self.device.type == "cuda"
         self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
         self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -286,18 +296,13 @@ class Broadcaster:
             if self.ring.used[slot] and self.ring.free[slot] is not None:
                 # The slot's previous broadcast must finish before we overwrite it.
                 self.convert_stream.wait_event(self.ring.free[slot])
-            layer = {k: _gather(t, self.gather_dtype) for k, t in strip_layer(sd, layer_idx).items()}
-            layer = {k: t.to(self.device) for k, t in layer.items()}
             # The finite check is this loop's only host wait per layer; the previous layer keeps
-            # the wire busy meanwhile. bf16 mode quantizes nothing, so it checks the entries.
-            convert_layer(layer, layer_idx, out=buf, plan=plan, check_finite=self.mode == "fp8")
-            if self.mode == "bf16":
-                _check_finite_entries(plan, buf, layer_idx)
+            # the wire busy meanwhile.
+            collect_layer(plan, strip_layer(sd, layer_idx), layer_idx, buf, **self.collect_args)
             ready = None
             if self.convert_stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self.convert_stream)
-            del layer  # gathered copies go back to the allocator, ordered on this stream
         if caller is not None:
             # The caller may free or overwrite its tensors once we move on: order that after
             # the kernels that read them (the wire, on its own stream, is not waited for).
@@ -312,26 +317,167 @@ class Broadcaster:
                 self.ring.free[slot].record(self.comm_stream)
         self.ring.used[slot] = True
 
-    def gather_only(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
-        """For trainer ranks that do not send: take part in the DTensor gathers of every layer
-        (collectives over the trainer mesh) while the sender converts and broadcasts."""
-        for layer_idx, sd in layers:
-            for t in strip_layer(sd, layer_idx).values():
-                _gather(t, self.gather_dtype)
-
     def _sync(self) -> None:
         if self.comm_stream is not None:
             self.comm_stream.synchronize()
 
 
-def _check_finite_entries(plan: LayerPlan, buf: torch.Tensor, layer_idx: int) -> None:
-    """Max |x| of every floating entry (a reduction, no temporary of the entry's size)."""
-    floating = [(e.name, e.view(buf)) for e in plan.entries if e.dtype.is_floating_point]
+GATHERS = ("auto", "full", "chunked", "quantize_then_gather")
+
+
+def contribute_shards(
+    layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
+    *,
+    config: Mapping | None = None,
+    plans: Sequence[LayerPlan] | None = None,
+    sender: int = 0,
+    gather: str = "auto",
+    chunk_experts: int = 8,
+    gather_dtype: torch.dtype | None = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> None:
+    """What every trainer rank except the sender runs, with the same arguments as the sender's
+    ``Broadcaster``: its part of each layer's DTensor gathers (collective over the mesh)."""
+    if (config is None) == (plans is None):
+        raise ValueError("config / plans: pass exactly one of them")
+    plans = list(plans) if plans is not None else plans_for(config)
+    dev = torch.device(device) if device else _default_device()
+    for pos, (layer_idx, sd) in enumerate(layers):
+        collect_layer(
+            plans[pos], strip_layer(sd, layer_idx), layer_idx, None, mode="fp8", gather=gather,
+            chunk_experts=chunk_experts, gather_dtype=gather_dtype, sender=sender, device=dev,
+        )  # fmt: skip
+
+
+def collect_layer(
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    layer_idx: int,
+    buf: torch.Tensor | None,
+    *,
+    mode: str,
+    gather: str,
+    chunk_experts: int,
+    gather_dtype: torch.dtype | None,
+    sender: int,
+    device: torch.device,
+) -> None:
+    """Gather (if sharded) and convert one layer into ``buf`` on the sender (``buf`` given);
+    on the other trainer ranks only take part in the gathers. Every trainer rank calls it with
+    the same layer, so the collectives match.
+
+    gather: "full" (``full_tensor()`` per tensor, as prime-rl), "chunked" (expert stacks
+    ``chunk_experts`` at a time into a reusable buffer: the whole gathered stack never exists),
+    "quantize_then_gather" (each rank quantizes the experts it holds; only fp8 bytes and scales
+    travel), or "auto" (the last that the sharding allows). Plain tensors are used as they are.
+    """
+    from glm_fp8.gather import gather_rows, move, shard_layout
+
+    sending = buf is not None
+    prefix = layer_prefix(layer_idx)
+    strategy = _choose_gather(plan, layer, gather, mode, prefix)
+    if strategy == "full":
+        gathered = {k: _gather(t, gather_dtype) for k, t in layer.items()}
+        if sending:
+            gathered = {k: t.to(device) for k, t in gathered.items()}
+            convert_layer(gathered, layer_idx, out=buf, plan=plan, check_finite=mode == "fp8")
+            if mode == "bf16":
+                _check_finite_entries(plan, buf, layer_idx, ("copy", "concat"))
+        return
+    stacks = [e for e in plan.entries if e.op == "quantize" and len(e.shape) == 3]
+    stacked = {s for e in stacks for s in e.sources}
+    rest = {k: _gather(t, gather_dtype) for k, t in layer.items() if k not in stacked}
+    views: dict[str, torch.Tensor] = {}
+    if sending:
+        rest = {k: t.to(device) for k, t in rest.items()}
+        _check_layer(plan, {**rest, **{k: layer[k] for k in stacked}}, prefix)
+        names = {e.name for e in plan.entries if e.op != "scale" and e not in stacks}
+        views = fill_layer(rest, plan, buf, "", check_finite=False, only=names)
+    me = torch.distributed.get_rank()
+    for e in stacks:
+        srcs = [layer[s] for s in e.sources]
+        q, sc = (views[e.name], views[e.name + "_scale_inv"]) if sending else (None, None)
+        if strategy == "chunked":
+            n = e.shape[0]
+            size = min(chunk_experts, n)
+            chunks = [
+                torch.empty((size, *t.shape[1:]), dtype=gather_dtype or t.dtype, device=device)
+                if sending
+                else None
+                for t in srcs
+            ]
+            for a in range(0, n, chunk_experts):
+                b = min(n, a + chunk_experts)
+                got = [gather_rows(t, a, b, sender, c[: b - a] if sending else None, gather_dtype)
+                       for t, c in zip(srcs, chunks)]  # fmt: skip
+                if sending:
+                    quantize_blockwise(got, out=q[a:b], scale_out=sc[a:b], check_finite=False)
+            continue
+        layout = shard_layout(srcs[0])
+        lo, hi = layout.owned(me)
+        local = [t.to_local() if gather_dtype is None else t.to_local().to(gather_dtype) for t in srcs]
+        q_own = s_own = None
+        if hi > lo:
+            if sending:
+                quantize_blockwise(local, out=q[lo:hi], scale_out=sc[lo:hi], check_finite=False)
+            else:
+                q_own, s_own = quantize_blockwise(local, check_finite=False)
+        for owner, (olo, ohi) in zip(layout.ranks, layout.bounds):
+            if ohi > olo and owner != sender:  # the sender quantized its own in place
+                mine = me == owner
+                q_to = q[olo:ohi].view(torch.uint8) if sending else None
+                move(q_own.view(torch.uint8) if mine else None, q_to, owner, sender, layout.group)
+                move(s_own if mine else None, sc[olo:ohi] if sending else None, owner, sender, layout.group)
+    if sending:
+        _check_finite_entries(plan, buf, layer_idx, ("scale",))
+
+
+def _choose_gather(
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], gather: str, mode: str, prefix: str
+) -> str:
+    from torch.distributed.tensor import DTensor
+
+    from glm_fp8.gather import shard_layout
+
+    if gather not in GATHERS:
+        raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
+    sharded = any(isinstance(t, DTensor) for t in layer.values())
+    stacks = [e for e in plan.entries if e.op == "quantize" and len(e.shape) == 3]
+    if gather == "full" or not sharded or not stacks:
+        return "full"
+    why = None
+    if mode != "fp8" or plan.target != "hopper":
+        why = f"mode {mode!r} / target {plan.target!r} (piecewise gathers need fp8 for Hopper)"
+    layouts = {s: shard_layout(layer[s]) for e in stacks for s in e.sources}
+    bad = [s for s, lay in layouts.items() if lay is None]
+    if why is None and bad:
+        why = f"{prefix}{bad[0]} is not a DTensor on a 1-D mesh with one Shard/Replicate placement"
+    if why is not None:
+        if gather == "auto":
+            return "full"
+        raise ValueError(f"gather={gather!r}: {why}")
+    whole = [lay for lay in layouts.values()]
+    can_qtg = all(lay.dim == 0 and lay.bounds == whole[0].bounds and lay.ranks == whole[0].ranks
+                  for lay in whole)  # fmt: skip
+    if gather == "quantize_then_gather" and not can_qtg:
+        raise ValueError(
+            "gather='quantize_then_gather': the expert stacks must be sharded on the expert dim "
+            "(Shard(0)) alike, so that every rank holds whole experts"
+        )
+    if gather == "auto":
+        return "quantize_then_gather" if can_qtg else "chunked"
+    return gather
+
+
+def _check_finite_entries(plan: LayerPlan, buf: torch.Tensor, layer_idx: int, ops: tuple[str, ...]) -> None:
+    """Max |x| of every entry whose op is in ``ops`` (one reduction each, no big temporary)."""
+    floating = [(e.name, e.view(buf)) for e in plan.entries if e.op in ops and e.dtype.is_floating_point]
     norms = [torch.linalg.vector_norm(v, float("inf"), dtype=torch.float32) for _, v in floating]
     if norms and not bool(torch.isfinite(torch.stack(norms)).all()):
         bad = next(n for (n, _), m in zip(floating, norms) if not torch.isfinite(m))
+        bad = bad.removesuffix("_scale_inv")
         raise NonFiniteError(
-            f"{layer_prefix(layer_idx)}{bad}: NaN or Inf; the update was aborted",
+            f"{layer_prefix(layer_idx)}{bad}: NaN or Inf in its sources; the update was aborted",
             source=layer_prefix(layer_idx) + bad, expert=None, block=(-1, -1),
         )  # fmt: skip
 

@@ -102,23 +102,39 @@ def convert_layer(
             raise ValueError("out: expected a contiguous uint8 buffer")
         _checks.check_no_overlap([("out", out)], [(prefix + k, t) for k, t in layer.items()])
 
+    return fill_layer(layer, plan, out, prefix, check_finite)
+
+
+def fill_layer(
+    layer: Mapping[str, torch.Tensor],
+    plan: LayerPlan,
+    out: torch.Tensor,
+    prefix: str,
+    check_finite: bool,
+    only: set[str] | None = None,
+) -> OrderedDict[str, torch.Tensor]:
+    """Write the entries of ``plan`` (those named in ``only``, or all) into ``out`` from
+    already-validated tensors; returns every entry's view. The sender of a sharded layer uses
+    ``only`` for what it gathered whole and writes the expert stacks piece by piece itself."""
     views = OrderedDict((prefix + name, view) for name, view in plan.views(out))
     blackwell = plan.target == "blackwell"
     jobs: list[_Job] = []
     packs: list[tuple[torch.Tensor, torch.Tensor]] = []
     entries = plan.entries
-    for idx, e in enumerate(entries):
+    wanted = [e for e in entries if only is None or e.name in only]
+    for e in wanted:
         if e.op != "quantize":
             continue
+        scale_entry = entries[entries.index(e) + 1]
         srcs = [(prefix + s, _squeeze(layer[s], e.squeeze)) for s in e.sources]
-        scale_view = views[prefix + entries[idx + 1].name]
+        scale_view = views[prefix + scale_entry.name]
         scales = None if blackwell else scale_view  # Blackwell: float32 first, packed below
         jobs.append(_plan_job(srcs, views[prefix + e.name], scales, prefix + e.name,
-                              prefix + entries[idx + 1].name))  # fmt: skip
+                              prefix + scale_entry.name))  # fmt: skip
         if blackwell:
             packs.append((jobs[-1].s, scale_view))
     _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None)
-    for e in entries:
+    for e in wanted:
         if e.op in ("copy", "concat"):
             _copy_rows(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])
     for scales, packed in packs:
@@ -160,4 +176,4 @@ def pack_ue8m0_sm100(scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["PlanEntry", "convert_layer", "layer_prefix", "pack_ue8m0_sm100", "strip_layer"]
+__all__ = ["PlanEntry", "convert_layer", "fill_layer", "layer_prefix", "pack_ue8m0_sm100", "strip_layer"]
