@@ -224,6 +224,8 @@ class Broadcaster:
         _setup_endpoint(self, comm, src, config, plans, ring, mode, device)
         if gather not in GATHERS:
             raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
+        if chunk_experts < 1:
+            raise ValueError(f"chunk_experts: expected at least 1, got {chunk_experts}")
         sender = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.collect_args = dict(mode=mode, gather=gather, chunk_experts=chunk_experts,
                                  gather_dtype=gather_dtype, sender=sender, device=self.device)  # fmt: skip
