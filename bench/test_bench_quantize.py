@@ -51,7 +51,7 @@ def test_quantize(benchmark, case_name, method):
     moved = 2 * case.input_bytes if method == "copy" else case.input_bytes + case.output_bytes
     if method == "quantize_experts alone":  # a layer case: only the experts' bytes move
         e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
-        moved = 3 * e * i * h * bench._itemsize(case.dtype) + bench._experts_out_bytes(e, h, i)
+        moved = 3 * e * i * h * case.dtype.itemsize + bench._experts_out_bytes(e, h, i)
     gbps = moved / benchmark.stats.stats.median / 1e9
     peak = bench.peak_transient_bytes(fn, DEVICE)
     benchmark.extra_info.update(

@@ -8,6 +8,7 @@ bytes read plus the same bytes written (numerics.md, "Facts measured").
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ class Case:
 
     @property
     def input_bytes(self) -> int:
-        return sum(_numel(s) for s in self.shapes) * _itemsize(self.dtype)
+        return sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
 
     @property
     def output_bytes(self) -> int:
@@ -48,17 +49,6 @@ class Case:
         rows = sum(s[-2] for s in self.shapes)
         cols = self.shapes[0][-1]
         return rows * cols + 4 * ceil_blocks(rows) * ceil_blocks(cols)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _experts_out_bytes(e: int, h: int, i: int) -> int:
@@ -296,7 +286,7 @@ def run_case(case: Case, device: torch.device, with_compile: bool, budget_ms: fl
     ideal = case.input_bytes + case.output_bytes
     if case.kind == "layer":  # quantize_experts alone moves the experts' bytes only
         e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
-        expert_bytes = 3 * e * i * h * _itemsize(case.dtype) + _experts_out_bytes(e, h, i)
+        expert_bytes = 3 * e * i * h * case.dtype.itemsize + _experts_out_bytes(e, h, i)
     rows = []
     for method, fn in fns.items():
         ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm_fp8.convert import _check_layer, convert_layer, fill_layer, layer_prefix, strip_layer
+from glm_fp8.gather import full_value
 from glm_fp8.plan import LayerPlan, plan_from_config
 from glm_fp8.quantize import NonFiniteError, quantize_blockwise
 from glm_fp8.reference import ceil_blocks
@@ -145,17 +146,6 @@ class UpdateStats:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.layers)
-
-
-def _gather(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A DTensor's full value (prime-rl's ``full_tensor()``), optionally cast first; plain
-    tensors pass through untouched."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t.to(dtype) if dtype is not None and t.dtype != dtype else t
-        return t.full_tensor()
-    return t
 
 
 class _Ring:
@@ -379,7 +369,7 @@ def collect_layer(
     prefix = layer_prefix(layer_idx)
     strategy = _choose_gather(plan, layer, gather, mode, prefix)
     if strategy == "full":
-        gathered = {k: _gather(t, gather_dtype) for k, t in layer.items()}
+        gathered = {k: full_value(t, gather_dtype) for k, t in layer.items()}
         if sending:
             gathered = {k: t.to(device) for k, t in gathered.items()}
             convert_layer(gathered, layer_idx, out=buf, plan=plan, check_finite=mode == "fp8")
@@ -388,7 +378,7 @@ def collect_layer(
         return
     stacks = [e for e in plan.entries if e.op == "quantize" and len(e.shape) == 3]
     stacked = {s for e in stacks for s in e.sources}
-    rest = {k: _gather(t, gather_dtype) for k, t in layer.items() if k not in stacked}
+    rest = {k: full_value(t, gather_dtype) for k, t in layer.items() if k not in stacked}
     views: dict[str, torch.Tensor] = {}
     if sending:
         rest = {k: t.to(device) for k, t in rest.items()}

@@ -27,6 +27,17 @@ class ShardLayout:
         return self.bounds[self.ranks.index(rank)]
 
 
+def full_value(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A DTensor's whole value (prime-rl's ``full_tensor()``), cast to ``dtype`` first when
+    given; a plain tensor is returned untouched."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to(dtype) if dtype is not None and t.dtype != dtype else t
+        return t.full_tensor()
+    return t
+
+
 def shard_layout(t: torch.Tensor) -> ShardLayout | None:
     """The layout of a DTensor on a 1-D mesh with one Shard/Replicate placement, else None."""
     from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -9,6 +9,7 @@ family is one table of ``Rule`` rows in ``FAMILIES`` plus a shape function in ``
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -194,10 +195,7 @@ class PlanEntry:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
-        for d in self.storage_shape or self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.storage_shape or self.shape)
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         raw = buffer[self.offset : self.offset + self.nbytes].view(self.dtype)
@@ -231,13 +229,9 @@ class LayerPlan:
 
     def input_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the trainer tensors this layer reads (in ``dtype`` if given)."""
-        total = 0
-        for shape, dt in self.inputs.values():
-            n = torch.empty((), dtype=dtype or dt or torch.bfloat16).element_size()
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(
+            (dtype or dt or torch.bfloat16).itemsize * math.prod(shape) for shape, dt in self.inputs.values()
+        )
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -374,15 +368,13 @@ def estimate_memory(plan: LayerPlan, gather_dtype: torch.dtype = torch.bfloat16)
     with its float32 upcast and quotient. glm_fp8: the gathered layer and the output buffer.
     """
     inputs = plan.input_bytes(gather_dtype)
-    item = torch.empty((), dtype=gather_dtype).element_size()
+    item = gather_dtype.itemsize
     quantized = sum(e.nbytes for e in plan.entries if e.op in ("quantize", "scale"))
     cat = 0
     expert_ws = 0
     for e in plan.entries:
         if e.op == "quantize" and len(e.sources) > 1:
-            n = 1
-            for d in e.shape:
-                n *= d
+            n = math.prod(e.shape)
             cat += n * item
             per_matrix = n // (e.shape[0] if len(e.shape) == 3 else 1)
             expert_ws = max(expert_ws, per_matrix * (item + 4 + 4))
@@ -398,13 +390,8 @@ def estimate_memory(plan: LayerPlan, gather_dtype: torch.dtype = torch.bfloat16)
 def master_bytes_per_gpu(config: Mapping, world_size: int, master_dtype=torch.float32) -> int:
     """Resident master weights of all decoder layers per GPU when sharded over ``world_size``
     (embeddings and lm_head are left out)."""
-    item = torch.empty((), dtype=master_dtype).element_size()
     total = 0
     for i in range(config["num_hidden_layers"]):
-        plan_inputs = SHAPES[config["model_type"]](config, is_sparse_layer(config, i))
-        for shape in plan_inputs.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * item
-    return total // world_size
+        shapes = SHAPES[config["model_type"]](config, is_sparse_layer(config, i))
+        total += sum(math.prod(shape) for shape in shapes.values())
+    return total * master_dtype.itemsize // world_size
