@@ -1,13 +1,35 @@
 #!/usr/bin/env bash
-# One device call: GPU test suite, launch-config sweep, benchmark tables.
+# One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
-# Switches: SWEEP=0, BENCH=0, BCAST=0, TESTS=0 skip a part; BENCH_ARGS adds to glm-fp8 bench.
+# Switches (1 = run): BUILD=1 TESTS=1 SANITIZE=1 SWEEP=0 GATHER=1 BCAST=1 BENCH=1;
+# TEST_ARGS and BENCH_ARGS add to pytest and to glm-fp8 bench.
 set -uo pipefail
 LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } | tee "$LOG/env.txt"
-if [ "${TESTS:-1}" = 1 ]; then python3 -m pytest -q tests 2>&1 | tee "$LOG/tests.txt" | tail -8; fi
-if [ "${SWEEP:-1}" = 1 ]; then python3 bench/sweep.py 2>&1 | tee "$LOG/sweep.txt"; fi
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  nvcc --version | tail -2; } | tee "$LOG/env.txt"
+if [ "${BUILD:-1}" = 1 ]; then
+  t0=$(date +%s)
+  # The README's build command, in place (no pip install on a machine without network).
+  if GLM_FP8_BUILD_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace > "$LOG/build.txt" 2>&1; then
+    echo "build: ok in $(( $(date +%s) - t0 )) s"
+  else
+    echo "build: FAILED"; tail -40 "$LOG/build.txt"
+  fi
+fi
+python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE tests ${TEST_ARGS:-} 2>&1 | tee "$LOG/tests.txt" | tail -25
+fi
+if [ "${SANITIZE:-1}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize.py > "$LOG/sanitize-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c '=========.*Error\|ERROR SUMMARY' "$LOG/sanitize-$tool.txt") summary lines)"
+    grep "ERROR SUMMARY\|failures" "$LOG/sanitize-$tool.txt" | tail -3
+  done
+fi
+if [ "${SWEEP:-0}" = 1 ]; then python3 bench/sweep.py 2>&1 | tee "$LOG/sweep.txt"; fi
+if [ "${GATHER:-1}" = 1 ]; then python3 bench/bench_gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
 if [ "${BCAST:-1}" = 1 ]; then python3 bench/bench_broadcast.py 2>&1 | tee "$LOG/broadcast.txt"; fi
 if [ "${BENCH:-1}" = 1 ]; then python3 -m glm_fp8.cli bench --markdown ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.md"; fi

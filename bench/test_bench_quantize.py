@@ -17,14 +17,15 @@ from glm_fp8 import bench
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CASES = bench.glm5_cases() if DEVICE.type == "cuda" else bench.small_cases()
 WITH_COMPILE = DEVICE.type == "cuda"
+BACKENDS = bench.fused_backends(DEVICE)
 
 
 @functools.lru_cache(maxsize=1)
 def _prepared(name: str):
     case = next(c for c in CASES if c.name == name)
     prep = bench.prepare(case, DEVICE)
-    fns = bench.method_fns(prep, with_compile=WITH_COMPILE)
-    copy_ms = bench.time_ms(fns["copy"], DEVICE)
+    fns = bench.method_fns(prep, WITH_COMPILE, BACKENDS)
+    copy_ms = bench.time_ms(fns[("copy", "")], DEVICE)
     return case, fns, 2 * case.input_bytes / copy_ms / 1e6
 
 
@@ -38,21 +39,18 @@ def _synced(fn):
 
 
 @pytest.mark.parametrize(
-    "case_name, method", [(c.name, m) for c in CASES for m in bench.method_names(c, WITH_COMPILE)]
+    "case_name, method, backend",
+    [(c.name, m, b) for c in CASES for m, b in bench.method_names(c, WITH_COMPILE, BACKENDS)],
 )
-def test_quantize(benchmark, case_name, method):
+def test_quantize(benchmark, case_name, method, backend):
     case, fns, copy_gbps = _prepared(case_name)
-    fn = fns[method]
+    fn = fns[(method, backend)]
     fn()  # compile / warm up outside the timing
     slow = "reference" in method
     benchmark.pedantic(_synced(fn), rounds=3 if slow else 20, warmup_rounds=1)
     if benchmark.stats is None:  # --benchmark-disable: ran once, nothing to report
         return
-    moved = 2 * case.input_bytes if method == "copy" else case.input_bytes + case.output_bytes
-    if method == "quantize_experts alone":  # a layer case: only the experts' bytes move
-        e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
-        moved = 3 * e * i * h * case.dtype.itemsize + bench._experts_out_bytes(e, h, i)
-    gbps = moved / benchmark.stats.stats.median / 1e9
+    gbps = bench.moved_bytes(case, method) / benchmark.stats.stats.median / 1e9
     peak = bench.peak_transient_bytes(fn, DEVICE)
     benchmark.extra_info.update(
         {
@@ -61,5 +59,6 @@ def test_quantize(benchmark, case_name, method):
             "share_of_copy": round(gbps / copy_gbps, 4),
             "peak_transient_MiB": None if peak is None else round(peak / 2**20, 1),
             "device": str(DEVICE),
+            "backend": backend,
         }
     )

@@ -12,6 +12,17 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "available_backends": "glm_fp8.backends",
+    "get_default_backend": "glm_fp8.backends",
+    "set_default_backend": "glm_fp8.backends",
+    "Broadcaster": "glm_fp8.broadcast",
+    "HostSinkComm": "glm_fp8.broadcast",
+    "Receiver": "glm_fp8.broadcast",
+    "contribute_shards": "glm_fp8.broadcast",
+    "convert_layer": "glm_fp8.convert",
+    "LayerPlan": "glm_fp8.plan",
+    "plan_from_config": "glm_fp8.plan",
+    "plan_from_state_dict": "glm_fp8.plan",
     "DEFAULT_CONFIG": "glm_fp8.quantize",
     "default_config": "glm_fp8.quantize",
     "ExpertsFP8": "glm_fp8.quantize",
@@ -24,6 +35,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from glm_fp8.backends import available_backends, get_default_backend, set_default_backend
+    from glm_fp8.broadcast import Broadcaster, HostSinkComm, Receiver, contribute_shards
+    from glm_fp8.convert import convert_layer
+    from glm_fp8.plan import LayerPlan, plan_from_config, plan_from_state_dict
     from glm_fp8.quantize import (
         DEFAULT_CONFIG,
         ExpertsFP8,

@@ -140,30 +140,54 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     return prep
 
 
-def method_names(case: Case, with_compile: bool) -> list[str]:
+def fused_backends(device: torch.device) -> list[str]:
+    """The fused backends to time on ``device`` (the eager reference is timed as its own method)."""
+    from glm_fp8.backends import available_backends
+
+    return [b for b in available_backends(device) if b != "torch"]
+
+
+Method = tuple[str, str]  # (method, backend); backend "" for copy and the references
+
+
+def method_names(case: Case, with_compile: bool, backends: list[str]) -> list[Method]:
     """The methods ``method_fns`` times for a case, without preparing any tensor."""
     if case.kind == "layer":
-        return ["glm_fp8", "glm_fp8 check_finite=True", "quantize_experts alone", "copy", "eager reference"]
-    names = ["glm_fp8", "glm_fp8 check_finite=False", "copy", "eager reference"]
-    return names + (["torch.compile reference"] if with_compile else [])
+        fused = ["glm_fp8", "glm_fp8 check_finite=True", "quantize_experts alone"]
+        refs = ["copy", "eager reference"]
+    else:
+        fused = ["glm_fp8", "glm_fp8 check_finite=False"]
+        refs = ["copy", "eager reference"] + (["torch.compile reference"] if with_compile else [])
+    return [(m, b) for b in backends for m in fused] + [(m, "") for m in refs]
 
 
-def method_fns(prep: Prepared, with_compile: bool) -> dict[str, Callable[[], object]]:
-    """The timed callables of one case: glm_fp8 into preallocated outputs, copy, references."""
+def method_fns(prep: Prepared, with_compile: bool, backends: list[str]) -> dict[Method, Callable[[], object]]:
+    """The timed callables of one case: glm_fp8 into preallocated outputs on each backend, a
+    copy of the same input bytes, and the references."""
     case = prep.case
-
-    if case.kind == "layer":
-        return _layer_fns(prep)
-
-    def glm_fp8() -> object:
-        srcs, out = prep.next_inputs()
-        if case.kind == "experts":
-            return quantize_experts(*srcs, out=out)
-        return quantize_blockwise(srcs, out=out[0], scale_out=out[1])
+    fns: dict[Method, Callable[[], object]] = {}
 
     def copy() -> None:
         for dst, src in zip(prep.copy_dst, prep.inputs[0]):
             dst.copy_(src)
+
+    if case.kind == "layer":
+        for b in backends:
+            fns.update(_layer_fns(prep, b))
+        fns[("copy", "")] = copy
+        fns[("eager reference", "")] = _layer_eager(prep)
+        return fns
+
+    def fused(backend: str, check_finite: bool) -> Callable[[], object]:
+        def run() -> object:
+            srcs, out = prep.next_inputs()
+            if case.kind == "experts":
+                return quantize_experts(*srcs, out=out, check_finite=check_finite, backend=backend)
+            return quantize_blockwise(
+                srcs, out=out[0], scale_out=out[1], check_finite=check_finite, backend=backend
+            )
+
+        return run
 
     def reference(fn: Callable = quantize_concat_ref) -> object:
         srcs = prep.inputs[0]
@@ -171,40 +195,48 @@ def method_fns(prep: Prepared, with_compile: bool) -> dict[str, Callable[[], obj
             return quantize_experts_ref(*srcs) if fn is quantize_concat_ref else _per_expert(fn, srcs)
         return fn(srcs)
 
-    def glm_fp8_unchecked() -> object:
-        srcs, out = prep.next_inputs()
-        if case.kind == "experts":
-            return quantize_experts(*srcs, out=out, check_finite=False)
-        return quantize_blockwise(srcs, out=out[0], scale_out=out[1], check_finite=False)
-
-    fns: dict[str, Callable[[], object]] = {
-        "glm_fp8": glm_fp8,
-        "glm_fp8 check_finite=False": glm_fp8_unchecked,
-        "copy": copy,
-        "eager reference": reference,
-    }
+    for b in backends:
+        fns[("glm_fp8", b)] = fused(b, True)
+        fns[("glm_fp8 check_finite=False", b)] = fused(b, False)
+    fns[("copy", "")] = copy
+    fns[("eager reference", "")] = reference
     if with_compile:
         compiled = torch.compile(quantize_concat_ref, dynamic=False)
-        fns["torch.compile reference"] = lambda: reference(compiled)
+        fns[("torch.compile reference", "")] = lambda: reference(compiled)
     return fns
 
 
-def _layer_fns(prep: Prepared) -> dict[str, Callable[[], object]]:
-    """convert_layer against quantize_experts alone on the same layer, a copy, and the eager
-    composition prime-rl runs (torch.cat per entry, experts quantized one by one, stacked)."""
+def _layer_views(prep: Prepared) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    plan = prep.case.plan
+    layer = dict(zip(prep.case.names, prep.inputs[0]))
+    buf = prep.outs[0]
+    return layer, buf, dict(plan.views(buf))
+
+
+def _layer_fns(prep: Prepared, backend: str) -> dict[Method, Callable[[], object]]:
+    """convert_layer against quantize_experts alone on the same layer, on one backend."""
     from glm_fp8.convert import convert_layer
 
-    case, plan = prep.case, prep.case.plan
-    layer = dict(zip(case.names, prep.inputs[0]))
-    buf = prep.outs[0]
-    views = dict(plan.views(buf))
+    plan = prep.case.plan
+    layer, buf, views = _layer_views(prep)
     suffixes = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
     experts_out = ExpertsFP8(*(views[f"mlp.experts.{n}"] for n in suffixes))
     w1, w3, w2 = (layer[f"mlp.experts.{n}"] for n in ("w1", "w3", "w2"))
+    convert = lambda check: convert_layer(layer, 0, out=buf, plan=plan, check_finite=check, backend=backend)  # noqa: E731
+    return {
+        ("glm_fp8", backend): lambda: convert(False),
+        ("glm_fp8 check_finite=True", backend): lambda: convert(True),
+        ("quantize_experts alone", backend): lambda: quantize_experts(
+            w1, w3, w2, out=experts_out, check_finite=False, backend=backend
+        ),
+    }
 
-    def copy() -> None:
-        for dst, src in zip(prep.copy_dst, prep.inputs[0]):
-            dst.copy_(src)
+
+def _layer_eager(prep: Prepared) -> Callable[[], object]:
+    """The eager composition prime-rl runs: torch.cat per entry, experts quantized one by
+    one, stacked."""
+    plan = prep.case.plan
+    layer, _, _ = _layer_views(prep)
 
     def eager() -> object:
         out = {}
@@ -222,13 +254,7 @@ def _layer_fns(prep: Prepared) -> dict[str, Callable[[], object]]:
                 out[e.name] = quantize_concat_ref([cat])
         return out
 
-    return {
-        "glm_fp8": lambda: convert_layer(layer, 0, out=buf, plan=plan, check_finite=False),
-        "glm_fp8 check_finite=True": lambda: convert_layer(layer, 0, out=buf, plan=plan),
-        "quantize_experts alone": lambda: quantize_experts(w1, w3, w2, out=experts_out, check_finite=False),
-        "copy": copy,
-        "eager reference": eager,
-    }
+    return eager
 
 
 def _per_expert(fn: Callable, srcs: list[torch.Tensor]) -> object:
@@ -272,29 +298,28 @@ class Row:
     case: str
     dtype: str
     method: str
+    backend: str
     ms: float
     gbps: float
     share_of_copy: float
     peak_transient_mib: float | None
 
 
-def run_case(case: Case, device: torch.device, with_compile: bool, budget_ms: float) -> list[Row]:
+def run_case(
+    case: Case, device: torch.device, with_compile: bool, budget_ms: float, backends: list[str] | None = None
+) -> list[Row]:
+    backends = fused_backends(device) if backends is None else backends
     prep = prepare(case, device)
-    fns = method_fns(prep, with_compile)
-    copy_ms = time_ms(fns["copy"], device, budget_ms)
+    fns = method_fns(prep, with_compile, backends)
+    copy_ms = time_ms(fns[("copy", "")], device, budget_ms)
     copy_gbps = 2 * case.input_bytes / copy_ms / 1e6
-    ideal = case.input_bytes + case.output_bytes
-    if case.kind == "layer":  # quantize_experts alone moves the experts' bytes only
-        e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
-        expert_bytes = 3 * e * i * h * case.dtype.itemsize + _experts_out_bytes(e, h, i)
     rows = []
-    for method, fn in fns.items():
+    for (method, backend), fn in fns.items():
         ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
-        moved = expert_bytes if method == "quantize_experts alone" else ideal
-        gbps = (2 * case.input_bytes if method == "copy" else moved) / ms / 1e6
+        gbps = moved_bytes(case, method) / ms / 1e6
         peak = peak_transient_bytes(fn, device)
         rows.append(
-            Row(case.name, str(case.dtype).removeprefix("torch."), method, ms, gbps,
+            Row(case.name, str(case.dtype).removeprefix("torch."), method, backend, ms, gbps,
                 gbps / copy_gbps, None if peak is None else peak / 2**20)
         )  # fmt: skip
         if device.type == "cuda":
@@ -303,13 +328,24 @@ def run_case(case: Case, device: torch.device, with_compile: bool, budget_ms: fl
     return rows
 
 
+def moved_bytes(case: Case, method: str) -> int:
+    """Bytes a method moves: the copy reads and writes its input; the others read inputs and
+    write outputs once; quantize_experts alone, on a layer case, moves the experts' bytes only."""
+    if method == "copy":
+        return 2 * case.input_bytes
+    if method == "quantize_experts alone":
+        e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
+        return 3 * e * i * h * case.dtype.itemsize + _experts_out_bytes(e, h, i)
+    return case.input_bytes + case.output_bytes
+
+
 def format_rows(rows: list[Row], markdown: bool = False) -> str:
     from tabulate import tabulate
 
     table = [
-        [r.case, r.dtype, r.method, f"{r.ms:.3f}", f"{r.gbps:.0f}", f"{r.share_of_copy:.3f}",
+        [r.case, r.dtype, r.method, r.backend, f"{r.ms:.3f}", f"{r.gbps:.0f}", f"{r.share_of_copy:.3f}",
          "n/a" if r.peak_transient_mib is None else f"{r.peak_transient_mib:.1f}"]
         for r in rows
     ]  # fmt: skip
-    headers = ["case", "dtype", "method", "ms", "GB/s", "share of copy", "peak transient MiB"]
+    headers = ["case", "dtype", "method", "backend", "ms", "GB/s", "share of copy", "peak transient MiB"]
     return tabulate(table, headers, tablefmt="github" if markdown else "simple")

@@ -29,7 +29,7 @@ def _bench(args: argparse.Namespace) -> int:
     rows = []
     for case in cases:
         print(f"  {case.name}: {case.note}", file=sys.stderr)
-        rows.extend(bench.run_case(case, device, with_compile, args.budget_ms))
+        rows.extend(bench.run_case(case, device, with_compile, args.budget_ms, args.backend))
     print(bench.format_rows(rows, markdown=args.markdown))
     if args.json:
         with open(args.json, "w") as f:
@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--shapes", choices=["auto", "glm5", "small"], default="auto")
     b.add_argument("--case", action="append", help="run only cases whose name contains this")
+    b.add_argument(
+        "--backend", action="append", choices=["triton", "cuda"],
+        help="time only this fused backend (repeatable; default: every one available)",
+    )  # fmt: skip
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     b.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     b.add_argument("--budget-ms", type=float, default=1000.0, help="timing budget per method")

@@ -69,6 +69,7 @@ def convert_layer(
     plan: LayerPlan | None = None,
     target: str | None = None,
     check_finite: bool = True,
+    backend: str | None = None,
 ) -> OrderedDict[str, torch.Tensor]:
     """Convert one trainer layer into kernel format inside one byte buffer.
 
@@ -79,7 +80,9 @@ def convert_layer(
         plan: a ``LayerPlan``; inferred from ``state_dict`` if None (cache it across updates).
         target: "hopper" (float32 scales) or "blackwell" (ue8m0 scales packed for DeepGEMM
             SM100). With a plan, must match the plan's target or be None.
-        check_finite: as in ``quantize_blockwise``; one device sync for the whole layer.
+        check_finite: as in ``quantize_blockwise``; one flag and one device sync for the
+            whole layer.
+        backend: as in ``quantize_blockwise``.
 
     Returns:
         ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order, views into ``out``.
@@ -102,7 +105,7 @@ def convert_layer(
             raise ValueError("out: expected a contiguous uint8 buffer")
         _checks.check_no_overlap([("out", out)], [(prefix + k, t) for k, t in layer.items()])
 
-    return fill_layer(layer, plan, out, prefix, check_finite)
+    return fill_layer(layer, plan, out, prefix, check_finite, backend=backend)
 
 
 def fill_layer(
@@ -112,6 +115,7 @@ def fill_layer(
     prefix: str,
     check_finite: bool,
     only: set[str] | None = None,
+    backend: str | None = None,
 ) -> OrderedDict[str, torch.Tensor]:
     """Write the entries of ``plan`` (those named in ``only``, or all) into ``out`` from
     already-validated tensors; returns every entry's view. The sender of a sharded layer uses
@@ -122,10 +126,11 @@ def fill_layer(
     packs: list[tuple[torch.Tensor, torch.Tensor]] = []
     entries = plan.entries
     wanted = [e for e in entries if only is None or e.name in only]
+    scale_of = {e.name: entries[k + 1] for k, e in enumerate(entries) if e.op == "quantize"}
     for e in wanted:
         if e.op != "quantize":
             continue
-        scale_entry = entries[entries.index(e) + 1]
+        scale_entry = scale_of[e.name]
         srcs = [(prefix + s, _squeeze(layer[s], e.squeeze)) for s in e.sources]
         scale_view = views[prefix + scale_entry.name]
         scales = None if blackwell else scale_view  # Blackwell: float32 first, packed below
@@ -133,7 +138,8 @@ def fill_layer(
                               prefix + scale_entry.name))  # fmt: skip
         if blackwell:
             packs.append((jobs[-1].s, scale_view))
-    _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None)
+    if jobs:
+        _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend)
     for e in wanted:
         if e.op in ("copy", "concat"):
             _copy_rows(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])

@@ -10,7 +10,6 @@ Numerics follow ``shared/spec/numerics.md`` bit for bit (see ``glm_fp8.reference
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm_fp8 import _checks
+from glm_fp8 import _checks, backends
 from glm_fp8.reference import BLOCK, INV_FP8_MAX_BITS, SCALE_FLOOR_BITS, ceil_blocks
 
 MAX_SOURCES = 4
@@ -78,11 +77,11 @@ def _e4m3_code_soft(y):
 @triton.jit
 def _quantize_tile(
     i_e, i_rb, i_cb,  # int64: expert, row block, column block
-    p_q, p_s, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+    p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
     s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
     NUM_SRC: tl.constexpr, ROW_GATHER: tl.constexpr, UE8M0: tl.constexpr,
-    SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr,
+    SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr, FLAG: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """Quantize one 128x128 tile of the row-concatenated sources into q and its scale."""
@@ -128,6 +127,9 @@ def _quantize_tile(
         b_sb = b_s.to(tl.int32, bitcast=True)
         b_up = ((b_sb & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
         b_s = tl.where(((b_sb & 0x007FFFFF) != 0) & (b_s < float("inf")), b_up, b_s)
+    if FLAG:
+        # One int32 for the whole call (or layer): a single read tells whether any block failed.
+        tl.store(p_flag, 1, mask=(b_s != b_s) | (b_s == float("inf")))
 
     if FMA_DIV:
         # q0 = a * RN(1/s) is within 2 ulp; each step q += (a - q*s) * r with an exact
@@ -156,6 +158,7 @@ def _quantize_tile(
 def quantize_blockwise_kernel(
     p_q,  # uint8 view of the fp8 output, [E, R, C]
     p_s,  # float32 scales, [E, ceil(R/128), ceil(C/128)]
+    p_flag,  # int32 set to 1 when a block's scale is NaN/Inf (FLAG only)
     p_x0, p_x1, p_x2, p_x3,  # sources; source k holds rows [r_k, r_{k+1}) (unused: any pointer)
     r1, r2, r3, R, C,
     s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
@@ -170,6 +173,7 @@ def quantize_blockwise_kernel(
     SOFT_FP8: tl.constexpr,  # integer e4m3 encoding (interpreter) instead of the hardware cvt
     FMA_DIV: tl.constexpr,  # correctly rounded x / s from one reciprocal and FMA corrections
     NAN_MAX: tl.constexpr,  # NaN-propagating max reduction (GPU) instead of max + sum(x * 0)
+    FLAG: tl.constexpr,  # write p_flag for non-finite blocks
     BR: tl.constexpr = 128,
     BC: tl.constexpr = 128,
 ):  # fmt: skip
@@ -181,10 +185,10 @@ def quantize_blockwise_kernel(
         for i_t in tl.range(i_p, n_tiles, tl.num_programs(0), num_stages=STAGES):
             _quantize_tile(
                 i_t // (n_cb * n_rb), (i_t // n_cb) % n_rb, i_t % n_cb,
-                p_q, p_s, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+                p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
                 s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
                 s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, BR, BC,
+                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, BR, BC,
             )  # fmt: skip
     else:
         n_cg = tl.cdiv(n_cb, CB_PER_PROG)
@@ -196,10 +200,10 @@ def quantize_blockwise_kernel(
             if i_cb < n_cb:
                 _quantize_tile(
                     i_e, i_rb, i_cb,
-                    p_q, p_s, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+                    p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
                     s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
                     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, BR, BC,
+                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, BR, BC,
                 )  # fmt: skip
 
 
@@ -237,29 +241,27 @@ def default_config(dtype: torch.dtype) -> LaunchConfig:
     return DEFAULT_CONFIG_FP32 if dtype == torch.float32 else DEFAULT_CONFIG
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _as3d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-def _launch(
+def launch_triton(
     sources: Sequence[torch.Tensor],
     q: torch.Tensor,
     s: torch.Tensor,
     ue8m0: bool,
-    config: LaunchConfig | None,
+    nonfinite: torch.Tensor | None,
+    config: LaunchConfig | None = None,
 ) -> None:
-    """Launch over already-validated 3-D views: sources [E, R_k, C], q [E, R, C], s [E, Rb, Cb]."""
+    """Launch over already-validated 3-D views: sources [E, R_k, C], q [E, R, C], s [E, Rb, Cb];
+    ``nonfinite`` (int32 [1]) is set to 1 if a block's scale is NaN/Inf."""
     config = config or default_config(sources[0].dtype)
     e, r, c = q.shape
     n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
     n_tiles = e * n_rb * n_cb
     if n_tiles == 0:
         return
-    interpret = _interpreting()
+    interpret = backends.interpreting()
     if config.programs_per_sm > 0:
         sms = 4 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
         grid = min(n_tiles, config.programs_per_sm * sms)
@@ -276,11 +278,11 @@ def _launch(
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
     quantize_blockwise_kernel[(grid,)](
-        q.view(torch.uint8), s, *padded, *bounds, r, c, *strides,
+        q.view(torch.uint8), s, s if nonfinite is None else nonfinite, *padded, *bounds, r, c, *strides,
         *q.stride(), *s.stride(), e, n_rb, n_cb,
         NUM_SRC=len(sources), ROW_GATHER=row_gather, CB_PER_PROG=config.cb_per_prog,
         PERSISTENT=config.programs_per_sm > 0, STAGES=config.num_stages, UE8M0=ue8m0,
-        SOFT_FP8=soft_fp8, FMA_DIV=config.fma_div, NAN_MAX=not interpret,
+        SOFT_FP8=soft_fp8, FMA_DIV=config.fma_div, NAN_MAX=not interpret, FLAG=nonfinite is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # no contraction may change a rounding numerics.md fixes
     )  # fmt: skip
@@ -365,11 +367,6 @@ def _plan_job(
             raise ValueError(
                 f"{name}: expected {first.shape[0]} experts (as {first_name}), got shape {tuple(t.shape)}"
             )
-    if device.type == "cpu" and not _interpreting():
-        raise RuntimeError(
-            f"{first_name}: is on the CPU; the Triton kernels run on CUDA devices, or on the "
-            "CPU only under TRITON_INTERPRET=1 (slow). glm_fp8.reference runs anywhere."
-        )
     stacked = first.dim() == 3
     rows = sum(t.shape[-2] for _, t in named_sources)
     cols = first.shape[-1]
@@ -387,19 +384,30 @@ def _plan_job(
     return _Job(tuple(named_sources), out, scale_out, stacked)
 
 
-def _run_jobs(jobs: Sequence[_Job], scale_fmt: str, check_finite: bool, config: LaunchConfig | None) -> None:
-    for job in jobs:
-        _launch(
-            [_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s),
-            scale_fmt == "ue8m0", config,
-        )  # fmt: skip
-    if check_finite:
-        # Scales are >= 1e-12, and a NaN/Inf block gives a NaN/Inf scale, so one max per output
-        # (torch.amax propagates NaN) and one sync tell; the slow search runs only on failure.
-        maxes = [job.s.amax() for job in jobs if job.s.numel()]
-        if maxes and not bool(torch.isfinite(torch.stack(maxes)).all()):
-            for job in jobs:
-                _raise_if_non_finite(job.named_sources, job.s, job.stacked)
+def _run_jobs(
+    jobs: Sequence[_Job],
+    scale_fmt: str,
+    check_finite: bool,
+    config: LaunchConfig | None,
+    backend: str | None,
+) -> None:
+    """Launch every job on one backend; with ``check_finite``, one flag and one sync for all."""
+    device = jobs[0].q.device
+    name = backends.resolve_backend(backend, device, config is not None)
+    if name == "triton":
+        launch = lambda *args: launch_triton(*args, config=config)  # noqa: E731
+    else:
+        launch = backends.LAUNCHERS[name]
+    busy = [job for job in jobs if job.s.numel()]
+    # Scales are >= 1e-12 and a NaN/Inf block gives a NaN/Inf scale, so the kernels set one
+    # int32 flag; the slow search that names the element runs only when it is set.
+    flag = torch.zeros(1, dtype=torch.int32, device=device) if check_finite and busy else None
+    ue8m0 = scale_fmt == "ue8m0"
+    for job in busy:
+        launch([_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s), ue8m0, flag)
+    if flag is not None and flag.item():
+        for job in busy:
+            _raise_if_non_finite(job.named_sources, job.s, job.stacked)
 
 
 def quantize_blockwise(
@@ -410,6 +418,7 @@ def quantize_blockwise(
     scale_fmt: str = "fp32",
     check_finite: bool = True,
     config: LaunchConfig | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``torch.cat(sources, dim=-2)`` to fp8 e4m3fn with 128x128 block scales.
 
@@ -422,8 +431,8 @@ def quantize_blockwise(
         scale_fmt: "fp32" (Hopper) or "ue8m0" (scales rounded up to powers of two, Blackwell).
         check_finite: raise ``NonFiniteError`` naming the source, expert and block when an
             input holds NaN/Inf. This synchronizes with the device once. With False nothing is
-            checked and a non-finite value poisons its own block only, as in eager PyTorch: that
-            block's scale is NaN or Inf and its bytes NaN (or 0 for finite values beside an Inf).
+            checked and a non-finite value poisons its own block only: that block's scale is NaN
+            or Inf and its bytes are meaningless (NaN or 0); every other block is exact.
 
     Returns:
         ``(q, scale)``, bit-identical to ``glm_fp8.reference.quantize_concat_ref``.
@@ -433,8 +442,11 @@ def quantize_blockwise(
     allocates exactly the outputs. On an error from the finite check the outputs hold the
     poisoned block; argument errors are raised before anything is written.
 
-    ``config`` overrides the launch shape (``LaunchConfig``); None picks the measured default
-    for the input dtype. Every config gives the same bits.
+    ``backend``: "auto", "triton", "cuda" (the compiled extension) or "torch" (the eager
+    reference; allocates the concatenation and float32 temporaries of one expert at a time);
+    None takes ``glm_fp8.get_default_backend()``. Every backend gives the same bits.
+    ``config`` tunes the Triton launch (``LaunchConfig``); None picks the measured default for
+    the input dtype. Every config gives the same bits.
     """
     _checks.check_scale_fmt(scale_fmt)
     if isinstance(sources, torch.Tensor):
@@ -445,7 +457,7 @@ def quantize_blockwise(
         raise TypeError(f"sources: expected a tensor or a sequence of tensors, got {type(sources).__name__}")
     job = _plan_job(named, out, scale_out, "out", "scale_out")
     _checks.check_no_overlap([("out", job.q), ("scale_out", job.s)], named)
-    _run_jobs([job], scale_fmt, check_finite, config)
+    _run_jobs([job], scale_fmt, check_finite, config, backend)
     return job.q, job.s
 
 
@@ -497,6 +509,7 @@ def quantize_experts(
     scale_fmt: str = "fp32",
     check_finite: bool = True,
     config: LaunchConfig | None = None,
+    backend: str | None = None,
 ) -> ExpertsFP8:
     """Quantize one layer's routed experts into vLLM's fused-MoE fp8 tensors, all experts at once.
 
@@ -505,7 +518,7 @@ def quantize_experts(
             float16 or float32 (w1 and w3 alike), any strides (a transposed [E, H, I] view
             of w1 is read as it is).
         out: optional ``ExpertsFP8`` of caller buffers (views into a larger buffer are fine).
-        scale_fmt, check_finite, config: as in ``quantize_blockwise``.
+        scale_fmt, check_finite, config, backend: as in ``quantize_blockwise``.
 
     Two launches: w13 from the concatenation [w1; w3] per expert (one kernel, no ``torch.cat``)
     and w2. Every argument is checked before the first launch. Memory as in
@@ -531,5 +544,5 @@ def quantize_experts(
         [("out.w13", j13.q), ("out.w13_scale_inv", j13.s), ("out.w2", j2.q), ("out.w2_scale_inv", j2.s)],
         [("w1", w1), ("w3", w3), ("w2", w2)],
     )  # fmt: skip
-    _run_jobs([j13, j2], scale_fmt, check_finite, config)
+    _run_jobs([j13, j2], scale_fmt, check_finite, config, backend)
     return ExpertsFP8(j13.q, j13.s, j2.q, j2.s)

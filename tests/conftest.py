@@ -10,12 +10,22 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from glm_fp8.backends import available_backends  # noqa: E402
+
 ON_GPU = torch.cuda.is_available()
+# Every backend that runs here: the correctness suite runs once per backend.
+BACKENDS = available_backends("cuda" if ON_GPU else "cpu")
+GPU_BACKENDS = [b for b in BACKENDS if b in ("triton", "cuda")] if ON_GPU else []
 
 
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
 
 
 @pytest.fixture(autouse=True)

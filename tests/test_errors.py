@@ -2,9 +2,17 @@
 
 import pytest
 import torch
-from conftest import poisoned_f32, poisoned_fp8
+from conftest import BACKENDS, poisoned_f32, poisoned_fp8
 
-from glm_fp8 import ExpertsFP8, quantize_blockwise, quantize_experts
+from glm_fp8 import (
+    ExpertsFP8,
+    LaunchConfig,
+    get_default_backend,
+    quantize_blockwise,
+    quantize_experts,
+    set_default_backend,
+)
+from glm_fp8.reference import quantize_concat_ref
 
 
 def _raises(exc, match, fn, *watch):
@@ -131,7 +139,41 @@ def test_experts_argument_errors(device):
     )
 
 
-def test_cpu_without_interpreter_is_refused(monkeypatch):
+def test_cpu_without_interpreter_is_refused_by_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="sources: is on the CPU"):
-        quantize_blockwise(torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match="backend='triton': the inputs are on cpu"):
+        quantize_blockwise(torch.randn(4, 4), backend="triton")
+
+
+def test_auto_on_cpu_without_interpreter_takes_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(130, 260)
+    q, s = quantize_blockwise(x)  # backend "auto" -> "torch"
+    assert torch.equal(q.view(torch.uint8), quantize_concat_ref([x])[0].view(torch.uint8))
+
+
+def test_backend_errors(device):
+    x = torch.randn(4, 4, device=device)
+    with pytest.raises(ValueError, match=r"backend: expected one of \(.*'torch'\), got 'cutlass'"):
+        quantize_blockwise(x, backend="cutlass")
+    with pytest.raises(ValueError, match="config: a LaunchConfig tunes the Triton backend, but backend="):
+        quantize_blockwise(x, backend="torch", config=LaunchConfig())
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        set_default_backend("fast")
+    if "cuda" not in BACKENDS:
+        with pytest.raises(RuntimeError, match="backend='cuda'"):
+            quantize_blockwise(x, backend="cuda")
+
+
+def test_default_backend_is_used(device, monkeypatch):
+    import glm_fp8.backends as backends
+
+    calls = []
+    monkeypatch.setitem(backends.LAUNCHERS, "torch", lambda *a: calls.append(a) or backends.launch_torch(*a))
+    x = torch.randn(4, 4, device=device)
+    set_default_backend("torch")
+    try:
+        quantize_blockwise(x)
+    finally:
+        set_default_backend("auto")
+    assert len(calls) == 1 and get_default_backend() == "auto"

@@ -1,5 +1,6 @@
 """Sharded trainer layers (DTensors on a CPU mesh over gloo): every gather strategy delivers
-the same bytes as the reference to the receiver.
+the same bytes as the reference to the receiver. Everything runs on the CPU, also on a GPU
+machine (bench/bench_gather.py runs the strategies on a GPU).
 
 Ranks 0..T-1 are trainers holding DTensor shards (rank 0 also sends); the last rank receives.
 """
@@ -41,13 +42,14 @@ def _rank(rank, world, gather, expert_dim):
     link = dist.new_group([0, world - 1])  # trainer rank 0 -> the inference rank
     layers = lambda: ((i, _sharded(CONFIG, i, mesh, expert_dim)) for i in range(3))  # noqa: E731
     if rank == 0:
-        Broadcaster(link, 0, config=CONFIG, gather=gather, chunk_experts=4).broadcast_model(layers())
+        sender = Broadcaster(link, 0, config=CONFIG, gather=gather, chunk_experts=4, device="cpu")
+        sender.broadcast_model(layers())
         return None
     if rank < trainers:
-        contribute_shards(layers(), config=CONFIG, sender=0, gather=gather, chunk_experts=4)
+        contribute_shards(layers(), config=CONFIG, sender=0, gather=gather, chunk_experts=4, device="cpu")
         return None
     mismatched = checked = 0
-    for pos, views in Receiver(link, 0, config=CONFIG).receive_layers():
+    for pos, views in Receiver(link, 0, config=CONFIG, device="cpu").receive_layers():
         layer = {k.removeprefix(f"model.layers.{pos}."): t for k, t in synthetic_layer(CONFIG, pos).items()}
         want = convert_layer_ref(layer, pos, plan_from_config(CONFIG, pos))
         for name, view in views:

@@ -1,0 +1,64 @@
+"""A small workload for compute-sanitizer (memcheck, racecheck): every GPU backend on partial
+blocks, straddling sources, strided and misaligned views, 2-D and 3-D, both scale formats,
+and the non-finite flag. Exits non-zero if any result differs from the reference.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm_fp8 import NonFiniteError, available_backends, quantize_blockwise
+from glm_fp8.reference import quantize_concat_ref
+
+
+def _cases(device: torch.device):
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(3, 300, 272, device=device, generator=g)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        b = x.to(dtype)
+        name = str(dtype).removeprefix("torch.")
+        yield f"{name} aligned rows, partial chunk", [b[:, :, :261]]
+        yield f"{name} 4 sources", [b[:, :100], b[:, 100:140], b[:, 140:141], b[:, 141:]]
+        yield f"{name} misaligned rows", [b[:, :, 1:]]
+        yield f"{name} transposed", [b.transpose(1, 2)[:, :200], b.transpose(1, 2)[:, 200:]]
+        yield f"{name} 2-D", [b[0, :130], b[1, :7]]
+        yield f"{name} whole stack", [b]
+
+
+def main() -> int:
+    device = torch.device("cuda")
+    failures = 0
+    for backend in [b for b in available_backends(device) if b != "torch"]:
+        for name, sources in _cases(device):
+            for fmt in ("fp32", "ue8m0"):
+                for offset in (0, 3):  # aligned and misaligned outputs
+                    q_ref, s_ref = quantize_concat_ref(sources, fmt)
+                    big = torch.full((q_ref.numel() + offset,), 0xFF, dtype=torch.uint8, device=device)
+                    out = big[offset:].view(torch.float8_e4m3fn).view(q_ref.shape)
+                    q, s = quantize_blockwise(sources, out=out, scale_fmt=fmt, backend=backend)
+                    bad_q = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+                    bad_s = (s.view(torch.int32) != s_ref.view(torch.int32)).nonzero()
+                    if len(bad_q) or len(bad_s):
+                        failures += 1
+                        at = bad_q[0].tolist() if len(bad_q) else None
+                        got = int(q.view(torch.uint8)[tuple(at)]) if at else None
+                        want = int(q_ref.view(torch.uint8)[tuple(at)]) if at else None
+                        print(f"FAIL {backend} {name} {fmt} out+{offset}: {len(bad_q)} bytes, "
+                              f"{len(bad_s)} scales; first byte {at}: {got} != {want}")  # fmt: skip
+        bad = torch.randn(2, 200, 200, device=device)
+        bad[1, 150, 7] = float("nan")
+        try:
+            quantize_blockwise(bad, backend=backend)
+            failures += 1
+        except NonFiniteError:
+            pass
+        print(f"{backend}: checked")
+    torch.cuda.synchronize()
+    print(f"failures: {failures}")
+    return int(failures > 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The backend switch, and the CUDA backend's torch.library op under torch.compile and CUDA graphs.
+
+Invariant: the op ``torch.ops.glm_fp8.quantize_blockwise_`` writes the reference's bits in eager
+mode, inside a compiled graph and in a replayed CUDA graph; every backend named in
+``available_backends`` runs the public functions (the bitwise suite in test_quantize.py).
+"""
+
+import pytest
+import torch
+from conftest import BACKENDS, GPU_BACKENDS, ON_GPU, assert_same_bits, poisoned_f32, poisoned_fp8
+
+from glm_fp8 import ExpertsFP8, available_backends, quantize_experts
+from glm_fp8.backends import resolve_backend
+from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
+
+needs_cuda_backend = pytest.mark.skipif("cuda" not in BACKENDS, reason="the CUDA extension is not built here")
+
+
+def test_auto_picks_the_first_available(device):
+    assert resolve_backend("auto", device) == available_backends(device)[0]
+    assert available_backends(device)[-1] == "torch"  # the reference runs anywhere
+    assert resolve_backend(None, device, config_given=True) == "triton"
+
+
+@needs_cuda_backend
+def test_op_checks_its_contract_before_launching():
+    x = torch.randn(2, 130, 256, device="cuda", dtype=torch.bfloat16)
+    q, s = poisoned_fp8((2, 130, 256), "cuda"), poisoned_f32((2, 2, 2), "cuda")
+    op = torch.ops.glm_fp8.quantize_blockwise_
+    with pytest.raises(ValueError, match=r"q: expected shape \[2, 130, 256\], got \[2, 129, 256\]"):
+        op(q[:, :129], s, [x], False, None)
+    with pytest.raises(ValueError, match=r"scale: expected shape \[2, 2, 2\]"):
+        op(q, s[:, :1], [x], False, None)
+    with pytest.raises(TypeError, match="sources\\[1\\]: expected dtype BFloat16"):
+        op(q, s, [x[:, :100], x[:, 100:].float()], False, None)
+    with pytest.raises(ValueError, match="sources: expected 1 to 4 tensors, got 5"):
+        op(q, s, [x[:, :26]] * 5, False, None)
+    with pytest.raises(TypeError, match="nonfinite: expected dtype int32"):
+        op(q, s, [x], False, torch.zeros(1, device="cuda"))
+    assert (q.view(torch.uint8) == 0xFF).all() and s.isnan().all()  # nothing was written
+
+
+@needs_cuda_backend
+def test_op_under_torch_compile():
+    x = torch.randn(2, 200, 300, device="cuda", dtype=torch.bfloat16)
+    q_ref, s_ref = quantize_concat_ref([x[:, :90], x[:, 90:]])
+
+    @torch.compile(fullgraph=True)
+    def step(w, q, s):
+        torch.ops.glm_fp8.quantize_blockwise_(q, s, [w[:, :90], w[:, 90:]], False, None)
+        return s.amax()
+
+    q, s = poisoned_fp8(q_ref.shape, "cuda"), poisoned_f32(s_ref.shape, "cuda")
+    amax = step(x, q, s)
+    assert_same_bits(q, s, q_ref, s_ref)
+    assert amax == s_ref.amax()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("gpu_backend", GPU_BACKENDS)
+def test_quantize_experts_replays_in_a_cuda_graph(gpu_backend):
+    """Without the finite check (its host read cannot be captured) a call captures into a graph
+    and each replay quantizes whatever the input buffers hold then."""
+    w1, w3 = (torch.randn(4, 192, 260, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(4, 260, 192, device="cuda", dtype=torch.bfloat16)
+    out = ExpertsFP8.empty(4, 260, 192, device="cuda")
+    run = lambda: quantize_experts(w1, w3, w2, out=out, check_finite=False, backend=gpu_backend)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for scale in (1e-3, 40.0):
+        for w in (w1, w3, w2):
+            w.copy_(torch.randn_like(w) * scale)
+        for _, t in out.items():  # poison: a replay that writes nothing cannot pass
+            if t.dtype == torch.float8_e4m3fn:
+                t.view(torch.uint8).fill_(0xFF)
+            else:
+                t.fill_(float("nan"))
+        graph.replay()
+        ref = quantize_experts_ref(w1, w3, w2)
+        assert_same_bits(out.w13, out.w13_scale_inv, ref[0], ref[1])
+        assert_same_bits(out.w2, out.w2_scale_inv, ref[2], ref[3])
