@@ -140,9 +140,15 @@ def fill_layer(
             packs.append((jobs[-1].s, scale_view))
     if jobs:
         _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend)
-    for e in wanted:
-        if e.op in ("copy", "concat"):
-            _copy_rows(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])
+    pairs = [
+        pair
+        for e in wanted
+        if e.op in ("copy", "concat")
+        for pair in _row_pieces(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])
+    ]
+    if pairs:
+        # One multi-tensor launch per dtype for all passthrough pieces instead of one each.
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     for scales, packed in packs:
         pack_ue8m0_sm100(scales, packed)
     return views
@@ -152,14 +158,17 @@ def _squeeze(t: torch.Tensor, squeeze: bool) -> torch.Tensor:
     return t[0] if squeeze and t.dim() == 3 and t.shape[0] == 1 else t
 
 
-def _copy_rows(dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
-    """Write sources one after another along dim -2 (dim 0 for 1-D) of ``dst``: no temporary."""
+def _row_pieces(dst: torch.Tensor, sources: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source) pairs that lay sources one after another along dim -2 (dim 0
+    for 1-D) of ``dst``: the concatenation is written piece by piece, never built."""
     dim = -2 if dst.dim() >= 2 else 0
     start = 0
+    pieces = []
     for src in sources:
         n = src.shape[dim]
-        dst.narrow(dim, start, n).copy_(src)
+        pieces.append((dst.narrow(dim, start, n), src))
         start += n
+    return pieces
 
 
 def pack_ue8m0_sm100(scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
