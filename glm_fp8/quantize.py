@@ -6,10 +6,13 @@ block amax, writes the fp8 bytes and the block scale straight into the output te
 The concatenation never exists; a block that straddles two sources reads rows from both.
 
 Numerics follow ``shared/spec/numerics.md`` bit for bit (see ``glm_fp8.reference``).
+The public functions run on a backend (``glm_fp8.backends``): this Triton kernel, the CUDA C++
+kernel of the same name in ``csrc/`` or the reference; they check every argument first.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -154,8 +157,7 @@ def _quantize_tile(
     tl.store(p_s + i_e * s_se + i_rb * s_sr + i_cb * s_sc, b_s)
 
 
-@triton.jit
-def quantize_blockwise_kernel(
+def _quantize_blockwise(
     p_q,  # uint8 view of the fp8 output, [E, R, C]
     p_s,  # float32 scales, [E, ceil(R/128), ceil(C/128)]
     p_flag,  # int32 set to 1 when a block's scale is NaN/Inf (FLAG only)
@@ -205,6 +207,27 @@ def quantize_blockwise_kernel(
                     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
                     NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, BR, BC,
                 )  # fmt: skip
+
+
+quantize_blockwise_kernel = triton.jit(_quantize_blockwise)
+# The same kernel compiled without assuming 16-byte-aligned sources, for outputs that cannot
+# take vector stores. On the H200 (Triton 3.6) the main kernel wrote wrong bytes (odd columns,
+# from row 16 of a tile) when vectorized source loads met unaligned byte stores, e.g. an output
+# of 261 columns or one starting 3 bytes into a buffer; unaligned loads with any stores, and
+# aligned loads with aligned stores, were bit-exact (bench/RESULTS.md, 2026-12-02).
+_SOURCE_POINTERS = ["p_x0", "p_x1", "p_x2", "p_x3"]
+_NO_ALIGN_KW = (
+    "do_not_specialize_on_alignment"
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+    else "do_not_specialize"
+)
+quantize_blockwise_kernel_unaligned_out = triton.jit(**{_NO_ALIGN_KW: _SOURCE_POINTERS})(_quantize_blockwise)
+
+
+def _stores_vectorize(q: torch.Tensor) -> bool:
+    """Whether Triton can prove 16-byte alignment for every row of the [E, R, C] fp8 output:
+    it specializes pointers and integer arguments on divisibility by 16."""
+    return q.stride(2) == 1 and q.data_ptr() % 16 == 0 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +300,8 @@ def launch_triton(
     # Row gather needs row-major sources: with a column stride other than 1 (a transposed
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
-    quantize_blockwise_kernel[(grid,)](
+    kernel = quantize_blockwise_kernel if _stores_vectorize(q) else quantize_blockwise_kernel_unaligned_out
+    kernel[(grid,)](
         q.view(torch.uint8), s, s if nonfinite is None else nonfinite, *padded, *bounds, r, c, *strides,
         *q.stride(), *s.stride(), e, n_rb, n_cb,
         NUM_SRC=len(sources), ROW_GATHER=row_gather, CB_PER_PROG=config.cb_per_prog,

@@ -146,6 +146,18 @@ def test_vector_and_scalar_access_paths(device, backend, dtype):
     assert (big[:, :, :3] == 0xFF).all() and (big[:, :, 275:] == 0xFF).all()
 
 
+def test_unaligned_outputs_take_the_kernel_without_source_alignment():
+    """Triton 3.6 on the H200 miscompiled vectorized source loads feeding unaligned byte
+    stores; such outputs go to the twin kernel compiled without source-alignment assumptions."""
+    from glm_fp8.quantize import _stores_vectorize
+
+    buf = torch.empty(2 * 300 * 272 + 16, dtype=torch.uint8)
+    assert _stores_vectorize(buf[16:].view(2, 300, 272))
+    assert not _stores_vectorize(buf[3 : 3 + 2 * 300 * 272].view(2, 300, 272))  # 3 bytes in
+    assert not _stores_vectorize(buf[: 2 * 300 * 261].view(2, 300, 261))  # rows of 261 bytes
+    assert not _stores_vectorize(buf[: 2 * 300 * 272].view(2, 272, 300).transpose(1, 2))
+
+
 def test_out_is_a_view_into_a_larger_buffer(device, backend):
     e, r, c = 2, 150, 200
     w1, w3 = torch.randn(e, 70, c, device=device), torch.randn(e, 80, c, device=device)
