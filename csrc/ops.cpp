@@ -32,13 +32,14 @@ std::string str(at::ScalarType t) { return c10::toString(t); }
 
 std::string str(const at::Device& d) { return d.str(); }
 
-// check: TORCH_CHECK_VALUE (ValueError), TORCH_CHECK_TYPE (TypeError) or TORCH_CHECK.
-#define GLM_FP8_CHECK(check, cond, msg)  \
-  do {                                   \
-    if (!(cond)) {                       \
-      const std::string message = (msg); \
-      check(false, message);             \
-    }                                    \
+// kind: VALUE (ValueError), TYPE (TypeError) or RUNTIME (RuntimeError).
+#define TORCH_CHECK_RUNTIME TORCH_CHECK
+#define GLM_FP8_CHECK(kind, cond, msg)    \
+  do {                                    \
+    if (!(cond)) {                        \
+      const std::string message = (msg);  \
+      TORCH_CHECK_##kind(false, message); \
+    }                                     \
   } while (0)
 
 int64_t ceil_blocks(int64_t n) { return (n + 127) / 128; }
@@ -52,14 +53,14 @@ InputType input_type(const at::Tensor& t) {
     case at::kFloat:
       return InputType::kFloat32;
     default:
-      GLM_FP8_CHECK(TORCH_CHECK_TYPE, false, "sources[0]: expected dtype bfloat16, float16 or float32, got " + str(t.scalar_type()));
+      GLM_FP8_CHECK(TYPE, false, "sources[0]: expected dtype bfloat16, float16 or float32, got " + str(t.scalar_type()));
   }
   return InputType::kFloat32;  // unreachable
 }
 
 void check_output(const at::Tensor& t, const std::string& name, at::IntArrayRef shape, const at::Device& device) {
-  GLM_FP8_CHECK(TORCH_CHECK_VALUE, t.sizes() == shape, name + ": expected shape " + str(shape) + ", got " + str(t.sizes()));
-  GLM_FP8_CHECK(TORCH_CHECK_VALUE, t.device() == device, name + ": expected device " + str(device) + ", got " + str(t.device()));
+  GLM_FP8_CHECK(VALUE, t.sizes() == shape, name + ": expected shape " + str(shape) + ", got " + str(t.sizes()));
+  GLM_FP8_CHECK(VALUE, t.device() == device, name + ": expected device " + str(device) + ", got " + str(t.device()));
 }
 
 // q [E, R, C] float8_e4m3fn (or its uint8 view), scale [E, ceil(R/128), ceil(C/128)] float32,
@@ -68,35 +69,35 @@ void check_output(const at::Tensor& t, const std::string& name, at::IntArrayRef 
 void quantize_blockwise_(at::Tensor& q, at::Tensor& scale, at::TensorList sources, bool ue8m0,
                          const std::optional<at::Tensor>& nonfinite) {
   const auto n = static_cast<int64_t>(sources.size());
-  GLM_FP8_CHECK(TORCH_CHECK_VALUE, n >= 1 && n <= kMaxSources,
+  GLM_FP8_CHECK(VALUE, n >= 1 && n <= kMaxSources,
                 "sources: expected 1 to " + std::to_string(kMaxSources) + " tensors, got " + std::to_string(n));
   const at::Tensor& first = sources[0];
-  GLM_FP8_CHECK(TORCH_CHECK_VALUE, first.dim() == 3, "sources[0]: expected a 3-D tensor [E, R, C], got shape " + str(first.sizes()));
-  GLM_FP8_CHECK(TORCH_CHECK_VALUE, first.is_cuda(), "sources[0]: expected a CUDA tensor, got device " + str(first.device()));
+  GLM_FP8_CHECK(VALUE, first.dim() == 3, "sources[0]: expected a 3-D tensor [E, R, C], got shape " + str(first.sizes()));
+  GLM_FP8_CHECK(VALUE, first.is_cuda(), "sources[0]: expected a CUDA tensor, got device " + str(first.device()));
   const InputType type = input_type(first);
   const int64_t experts = first.size(0), cols = first.size(2);
   int64_t rows = 0;
   for (int64_t k = 0; k < n; ++k) {
     const at::Tensor& t = sources[k];
     const std::string name = "sources[" + std::to_string(k) + "]";
-    GLM_FP8_CHECK(TORCH_CHECK_VALUE, t.dim() == 3 && t.size(0) == experts && t.size(2) == cols,
+    GLM_FP8_CHECK(VALUE, t.dim() == 3 && t.size(0) == experts && t.size(2) == cols,
                   name + ": expected shape [" + std::to_string(experts) + ", R, " + std::to_string(cols) +
                       "] (as sources[0]), got " + str(t.sizes()));
-    GLM_FP8_CHECK(TORCH_CHECK_TYPE, t.scalar_type() == first.scalar_type(),
+    GLM_FP8_CHECK(TYPE, t.scalar_type() == first.scalar_type(),
                   name + ": expected dtype " + str(first.scalar_type()) + " (as sources[0]), got " + str(t.scalar_type()));
-    GLM_FP8_CHECK(TORCH_CHECK_VALUE, t.device() == first.device(),
+    GLM_FP8_CHECK(VALUE, t.device() == first.device(),
                   name + ": expected device " + str(first.device()) + ", got " + str(t.device()));
     rows += t.size(1);
   }
-  GLM_FP8_CHECK(TORCH_CHECK_TYPE, q.scalar_type() == at::kFloat8_e4m3fn || q.scalar_type() == at::kByte,
+  GLM_FP8_CHECK(TYPE, q.scalar_type() == at::kFloat8_e4m3fn || q.scalar_type() == at::kByte,
                 "q: expected dtype float8_e4m3fn (or its uint8 view), got " + str(q.scalar_type()));
   check_output(q, "q", {experts, rows, cols}, first.device());
-  GLM_FP8_CHECK(TORCH_CHECK_TYPE, scale.scalar_type() == at::kFloat, "scale: expected dtype float32, got " + str(scale.scalar_type()));
+  GLM_FP8_CHECK(TYPE, scale.scalar_type() == at::kFloat, "scale: expected dtype float32, got " + str(scale.scalar_type()));
   check_output(scale, "scale", {experts, ceil_blocks(rows), ceil_blocks(cols)}, first.device());
   if (nonfinite.has_value()) {
     const at::Tensor& f = *nonfinite;
-    GLM_FP8_CHECK(TORCH_CHECK_TYPE, f.scalar_type() == at::kInt, "nonfinite: expected dtype int32, got " + str(f.scalar_type()));
-    GLM_FP8_CHECK(TORCH_CHECK_VALUE, f.numel() >= 1 && f.device() == first.device(),
+    GLM_FP8_CHECK(TYPE, f.scalar_type() == at::kInt, "nonfinite: expected dtype int32, got " + str(f.scalar_type()));
+    GLM_FP8_CHECK(VALUE, f.numel() >= 1 && f.device() == first.device(),
                   "nonfinite: expected at least one element on " + str(first.device()) + ", got shape " +
                       str(f.sizes()) + " on " + str(f.device()));
   }
@@ -128,7 +129,7 @@ void quantize_blockwise_(at::Tensor& q, at::Tensor& scale, at::TensorList source
 
   const c10::cuda::CUDAGuard guard(first.device());
   const cudaError_t err = launch_quantize_blockwise(p, type, ue8m0, c10::cuda::getCurrentCUDAStream().stream());
-  GLM_FP8_CHECK(TORCH_CHECK, err == cudaSuccess, std::string("glm_fp8 CUDA quantize launch failed: ") + cudaGetErrorString(err));
+  GLM_FP8_CHECK(RUNTIME, err == cudaSuccess, std::string("glm_fp8 CUDA quantize launch failed: ") + cudaGetErrorString(err));
 }
 
 }  // namespace
