@@ -57,14 +57,15 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """Half-open address range [lo, hi) of the bytes a strided tensor can touch."""
     if t.numel() == 0:
         return (0, 0)
+    item = t.element_size()
     lo = hi = t.data_ptr()
     for size, stride in zip(t.shape, t.stride()):
-        reach = (size - 1) * stride * t.element_size()
+        reach = (size - 1) * stride * item
         if reach < 0:
             lo += reach
         else:
             hi += reach
-    return (lo, hi + t.element_size())
+    return (lo, hi + item)
 
 
 def check_no_overlap(

@@ -306,24 +306,42 @@ class Row:
 
 
 def run_case(
-    case: Case, device: torch.device, with_compile: bool, budget_ms: float, backends: list[str] | None = None
+    case: Case,
+    device: torch.device,
+    with_compile: bool,
+    budget_ms: float,
+    backends: list[str] | None = None,
+    rounds: int = 1,
 ) -> list[Row]:
+    """Time every method of ``case``. With ``rounds`` > 1 the copy and all methods are timed in
+    turn, round after round, and each figure is the median over rounds of its time and of its
+    ratio to that round's copy: clock and thermal drift then hit the copy and the kernel alike."""
     backends = fused_backends(device) if backends is None else backends
     prep = prepare(case, device)
     fns = method_fns(prep, with_compile, backends)
-    copy_ms = time_ms(fns[("copy", "")], device, budget_ms)
-    copy_gbps = 2 * case.input_bytes / copy_ms / 1e6
+    times: dict[Method, list[float]] = {m: [] for m in fns}
+    shares: dict[Method, list[float]] = {m: [] for m in fns}
+    peaks: dict[Method, int | None] = {}
+    for _ in range(rounds):
+        copy_ms = time_ms(fns[("copy", "")], device, budget_ms)
+        copy_gbps = moved_bytes(case, "copy") / copy_ms / 1e6
+        for (method, backend), fn in fns.items():
+            ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
+            times[(method, backend)].append(ms)
+            shares[(method, backend)].append(moved_bytes(case, method) / ms / 1e6 / copy_gbps)
+            if (method, backend) not in peaks:
+                peaks[(method, backend)] = peak_transient_bytes(fn, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     rows = []
-    for (method, backend), fn in fns.items():
-        ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
-        gbps = moved_bytes(case, method) / ms / 1e6
-        peak = peak_transient_bytes(fn, device)
+    for (method, backend), ms_list in times.items():
+        ms = statistics.median(ms_list)
+        peak = peaks[(method, backend)]
         rows.append(
-            Row(case.name, str(case.dtype).removeprefix("torch."), method, backend, ms, gbps,
-                gbps / copy_gbps, None if peak is None else peak / 2**20)
+            Row(case.name, str(case.dtype).removeprefix("torch."), method, backend, ms,
+                moved_bytes(case, method) / ms / 1e6, statistics.median(shares[(method, backend)]),
+                None if peak is None else peak / 2**20)
         )  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     del prep, fns
     return rows
 

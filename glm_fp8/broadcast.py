@@ -462,9 +462,10 @@ def _choose_gather(
 
 
 def _check_finite_entries(plan: LayerPlan, buf: torch.Tensor, layer_idx: int, ops: tuple[str, ...]) -> None:
-    """Max |x| of every entry whose op is in ``ops`` (one reduction each, no big temporary)."""
+    """Raise if an entry whose op is in ``ops`` holds NaN/Inf: max |x| of every such entry in one
+    multi-tensor reduction, one host read; no temporary beyond a float per entry."""
     floating = [(e.name, e.view(buf)) for e in plan.entries if e.op in ops and e.dtype.is_floating_point]
-    norms = [torch.linalg.vector_norm(v, float("inf"), dtype=torch.float32) for _, v in floating]
+    norms = torch._foreach_norm([v for _, v in floating], float("inf")) if floating else []
     if norms and not bool(torch.isfinite(torch.stack(norms)).all()):
         bad = next(n for (n, _), m in zip(floating, norms) if not torch.isfinite(m))
         bad = bad.removesuffix("_scale_inv")

@@ -29,7 +29,7 @@ def _bench(args: argparse.Namespace) -> int:
     rows = []
     for case in cases:
         print(f"  {case.name}: {case.note}", file=sys.stderr)
-        rows.extend(bench.run_case(case, device, with_compile, args.budget_ms, args.backend))
+        rows.extend(bench.run_case(case, device, with_compile, args.budget_ms, args.backend, args.rounds))
     print(bench.format_rows(rows, markdown=args.markdown))
     if args.json:
         with open(args.json, "w") as f:
@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     b.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
-    b.add_argument("--budget-ms", type=float, default=1000.0, help="timing budget per method")
+    b.add_argument("--budget-ms", type=float, default=1000.0, help="timing budget per method and round")
+    b.add_argument(
+        "--rounds", type=int, default=1,
+        help="time the copy and every method in turn this many times; report medians (drift-proof ratios)",
+    )  # fmt: skip
     b.add_argument("--markdown", action="store_true", help="print a Markdown table")
     b.add_argument("--json", help="also write the rows to this JSON file")
     b.set_defaults(func=_bench)

@@ -192,3 +192,24 @@ def test_full_size_glm5_sparse_layer_on_gpu():
             q_ref, s_ref = quantize_blockwise_ref(torch.cat([pick(t) for t in srcs], dim=-2))
             assert torch.equal(pick(q).view(torch.uint8), q_ref.view(torch.uint8)), (e.name, k)
             assert torch.equal(pick(s), s_ref), (e.name, k)
+
+
+@pytest.mark.parametrize(
+    "op, entry", [("scale", "mlp.experts.w2_weight_scale_inv"), ("copy", "input_layernorm.weight")]
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_layer_finite_check_finds_the_entry(device, op, entry, bad):
+    """The broadcaster's layer-level check (one multi-tensor max |x|) names a non-finite
+    entry of the kinds it is asked about and passes a clean buffer."""
+    from glm_fp8.broadcast import _check_finite_entries
+    from glm_fp8.quantize import NonFiniteError
+
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    convert_layer(make_layer(SMALL["glm-5"], 2, device), 2, out=buf, plan=plan)
+    _check_finite_entries(plan, buf, 2, ("scale", "copy", "concat"))
+    view = dict(plan.views(buf))[entry]
+    view.view(-1)[view.numel() // 2] = bad
+    name = entry.removesuffix("_scale_inv")
+    with pytest.raises(NonFiniteError, match=rf"model\.layers\.2\.{name}: NaN or Inf"):
+        _check_finite_entries(plan, buf, 2, (op,))
