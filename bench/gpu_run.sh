@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
-# Switches (1 = run): BUILD=1 TESTS=1 SANITIZE=1 SWEEP=0 GATHER=1 BCAST=1 BENCH=1;
+# Switches (1 = run): BUILD=1 TESTS=1 SANITIZE=1 SWEEP=0 KSWEEP=0 GATHER=1 BCAST=1 BENCH=1;
 # TEST_ARGS and BENCH_ARGS add to pytest and to glm-fp8 bench.
 set -uo pipefail
 LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
@@ -20,7 +20,7 @@ if [ "${BUILD:-1}" = 1 ]; then
 fi
 python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE tests ${TEST_ARGS:-} 2>&1 | tee "$LOG/tests.txt" | tail -25
+  timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE tests ${TEST_ARGS:-} 2>&1 | tee "$LOG/tests.txt" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   for tool in memcheck racecheck; do
@@ -30,6 +30,7 @@ if [ "${SANITIZE:-1}" = 1 ]; then
   done
 fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/sweep.py 2>&1 | tee "$LOG/sweep.txt"; fi
+if [ "${KSWEEP:-0}" = 1 ]; then bash bench/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${GATHER:-1}" = 1 ]; then python3 bench/bench_gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
 if [ "${BCAST:-1}" = 1 ]; then python3 bench/bench_broadcast.py 2>&1 | tee "$LOG/broadcast.txt"; fi
 if [ "${BENCH:-1}" = 1 ]; then python3 -m glm_fp8.cli bench --markdown ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.md"; fi

@@ -2,15 +2,17 @@
 blocks, straddling sources, strided and misaligned views, 2-D and 3-D, both scale formats,
 and the non-finite flag. Exits non-zero if any result differs from the reference.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize.py [cuda] [triton]
+
+(backends named: only those; none: every GPU backend).
 """
 
 from __future__ import annotations
 
 import torch
 
-from glm_fp8 import NonFiniteError, available_backends, quantize_blockwise
-from glm_fp8.reference import quantize_concat_ref
+from glm_fp8 import NonFiniteError, available_backends, quantize_blockwise, quantize_experts
+from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
 
 
 def _cases(device: torch.device):
@@ -27,10 +29,10 @@ def _cases(device: torch.device):
         yield f"{name} whole stack", [b]
 
 
-def main() -> int:
+def main(only: list[str]) -> int:
     device = torch.device("cuda")
     failures = 0
-    for backend in [b for b in available_backends(device) if b != "torch"]:
+    for backend in [b for b in available_backends(device) if b != "torch" and (not only or b in only)]:
         for name, sources in _cases(device):
             for fmt in ("fp32", "ue8m0"):
                 for offset in (0, 3):  # aligned and misaligned outputs
@@ -47,6 +49,14 @@ def main() -> int:
                         want = int(q_ref.view(torch.uint8)[tuple(at)]) if at else None
                         print(f"FAIL {backend} {name} {fmt} out+{offset}: {len(bad_q)} bytes, "
                               f"{len(bad_s)} scales; first byte {at}: {got} != {want}")  # fmt: skip
+        # quantize_experts: w13 and w2 as one grid on the CUDA backend (jobs of unequal size).
+        w1, w3 = (torch.randn(3, 136, 200, device=device, dtype=torch.bfloat16) for _ in range(2))
+        w2 = torch.randn(3, 200, 136, device=device, dtype=torch.bfloat16)
+        got = quantize_experts(w1, w3, w2, backend=backend)
+        for (_, g), want in zip(got.items(), quantize_experts_ref(w1, w3, w2)):
+            if not torch.equal(g.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                failures += 1
+                print(f"FAIL {backend} quantize_experts: {tuple(want.shape)} differs")
         bad = torch.randn(2, 200, 200, device=device)
         bad[1, 150, 7] = float("nan")
         try:
@@ -61,4 +71,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

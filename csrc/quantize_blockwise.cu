@@ -14,8 +14,35 @@
 namespace glm_fp8 {
 namespace {
 
+// Tuning knobs, defaults measured on an H200 (bench/kernel_sweep.sh sweeps them, RESULTS.md):
+// threads per 128x128 tile, the resident blocks per SM the register allocation must allow (0:
+// the compiler's choice) per input width, and the L2 prefetch size hint of the streaming
+// loads (0: none; 256 B measured 1 % slower than none or 128 B, 512 threads 25 % slower for
+// 16-bit inputs, 3 blocks per SM for fp32 1 % slower).
+#ifndef GLM_FP8_THREADS
+#define GLM_FP8_THREADS 256
+#endif
+#ifndef GLM_FP8_MIN_BLOCKS_16BIT
+#define GLM_FP8_MIN_BLOCKS_16BIT 0
+#endif
+#ifndef GLM_FP8_MIN_BLOCKS_FP32
+#define GLM_FP8_MIN_BLOCKS_FP32 0
+#endif
+#ifndef GLM_FP8_L2_PREFETCH_BYTES
+#define GLM_FP8_L2_PREFETCH_BYTES 0
+#endif
+#if GLM_FP8_L2_PREFETCH_BYTES == 256
+#define GLM_FP8_L2_PREFETCH ".L2::256B"
+#elif GLM_FP8_L2_PREFETCH_BYTES == 128
+#define GLM_FP8_L2_PREFETCH ".L2::128B"
+#elif GLM_FP8_L2_PREFETCH_BYTES == 64
+#define GLM_FP8_L2_PREFETCH ".L2::64B"
+#else
+#define GLM_FP8_L2_PREFETCH ""
+#endif
+
 constexpr int kBlock = 128;
-constexpr int kThreads = 256;
+constexpr int kThreads = GLM_FP8_THREADS;
 constexpr int kVec = 8;  // consecutive columns a thread holds in each of its rows
 constexpr int kChunksPerRow = kBlock / kVec;  // 16 threads span one tile row
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 16
@@ -39,6 +66,7 @@ template <>
 struct Traits<InputType::kBFloat16> {
   using Bits = uint16_t;
   static constexpr int kWords = kVec / 2;
+  static constexpr int kMinBlocks = GLM_FP8_MIN_BLOCKS_16BIT;
   // max.NaN of |a| and |b| lane by lane: one instruction per two elements.
   __device__ static uint32_t amax2(uint32_t m, uint32_t w) {
     uint32_t r;
@@ -54,6 +82,7 @@ template <>
 struct Traits<InputType::kFloat16> {
   using Bits = uint16_t;
   static constexpr int kWords = kVec / 2;
+  static constexpr int kMinBlocks = GLM_FP8_MIN_BLOCKS_16BIT;
   __device__ static uint32_t amax2(uint32_t m, uint32_t w) {
     uint32_t r;
     asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w & 0x7FFF7FFFu));
@@ -68,6 +97,7 @@ template <>
 struct Traits<InputType::kFloat32> {
   using Bits = uint32_t;
   static constexpr int kWords = kVec;
+  static constexpr int kMinBlocks = GLM_FP8_MIN_BLOCKS_FP32;
 };
 
 // Pair k of a thread's 8-element chunk as floats, signs kept.
@@ -135,10 +165,10 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   return r;
 }
 
-// Read-once 16-byte load: not kept in L1, and the L2 fetches 256-byte lines ahead of the rest.
+// Read-once 16-byte load, not kept in L1 (with GLM_FP8_L2_PREFETCH_BYTES, an L2 prefetch hint).
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate" GLM_FP8_L2_PREFETCH ".v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -151,7 +181,7 @@ __device__ __forceinline__ int source_index(const QuantizeParams& p, int64_t r) 
 }
 
 // Load row r, columns [c0, c0 + 8) of the concatenation of expert e; zeros outside the matrix.
-template <InputType kType, bool kVecIn>
+template <InputType kType>
 __device__ __forceinline__ void load_chunk(const QuantizeParams& p, int64_t e, int64_t r, int64_t c0,
                                            uint32_t (&w)[Traits<kType>::kWords]) {
   using Bits = typename Traits<kType>::Bits;
@@ -160,7 +190,7 @@ __device__ __forceinline__ void load_chunk(const QuantizeParams& p, int64_t e, i
   if (r >= p.rows || c0 >= p.cols) return;
   const Source& s = p.src[source_index(p, r)];
   const Bits* row = static_cast<const Bits*>(s.ptr) + e * s.stride_e + (r - s.row_begin) * s.stride_r;
-  if (kVecIn && c0 + kVec <= p.cols) {
+  if (p.vec_in && c0 + kVec <= p.cols) {
     const uint4* v = reinterpret_cast<const uint4*>(row + c0);
 #pragma unroll
     for (int i = 0; i < Traits<kType>::kWords / 4; ++i) {
@@ -185,11 +215,18 @@ __device__ __forceinline__ void load_chunk(const QuantizeParams& p, int64_t e, i
   }
 }
 
-template <InputType kType, bool kVecIn, bool kUe8m0>
-__global__ void __launch_bounds__(kThreads) quantize_blockwise_kernel(const __grid_constant__ QuantizeParams p) {
+template <InputType kType, bool kUe8m0>
+__global__ void __launch_bounds__(kThreads, Traits<kType>::kMinBlocks)
+    quantize_blockwise_kernel(const __grid_constant__ LaunchParams g) {
   constexpr int kWords = Traits<kType>::kWords;
+  // The job holding this block's tile: jobs' tiles follow one another in the grid.
+  const int64_t launch_tile = g.tile_offset + blockIdx.x;
+  int j = 0;
+#pragma unroll
+  for (int k = 1; k < kMaxJobs; ++k) j += k < g.num_jobs && launch_tile >= g.job[k].tile_begin;
+  const QuantizeParams& p = g.job[j];
   // Tiles are numbered with column blocks fastest, so neighbouring blocks share rows.
-  const int64_t tile = p.tile_offset + blockIdx.x;
+  const int64_t tile = launch_tile - p.tile_begin;
   const int64_t cb = tile % p.col_blocks;
   const int64_t rb = (tile / p.col_blocks) % p.row_blocks;
   const int64_t e = tile / (p.col_blocks * p.row_blocks);
@@ -200,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blockwise_kernel(const __gr
   // pointer by 16 rows per pass and skips every bounds check: the common case, kept lean
   // because for 16-bit inputs this kernel is instruction-bound, not memory-bound.
   const int64_t row_lo = rb * kBlock;
-  const bool interior = kVecIn && p.vec_out && row_lo + kBlock <= p.rows && (cb + 1) * kBlock <= p.cols &&
+  const bool interior = p.vec_in && p.vec_out && row_lo + kBlock <= p.rows && (cb + 1) * kBlock <= p.cols &&
                         source_index(p, row_lo) == source_index(p, row_lo + kBlock - 1);
   uint32_t w[kPasses][kWords];  // [rows of this thread][8 elements as raw bits]
   if (interior) {
@@ -221,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blockwise_kernel(const __gr
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) load_chunk<kType, kVecIn>(p, e, r0 + i * kRowsPerPass, c0, w[i]);
+    for (int i = 0; i < kPasses; ++i) load_chunk<kType>(p, e, r0 + i * kRowsPerPass, c0, w[i]);
   }
 
   // Block amax; NaN propagates so that a non-finite block gets a non-finite scale.
@@ -279,13 +316,13 @@ __global__ void __launch_bounds__(kThreads) quantize_blockwise_kernel(const __gr
   }
 }
 
-template <InputType kType, bool kVecIn, bool kUe8m0>
-cudaError_t launch_typed(QuantizeParams p, cudaStream_t stream) {
-  const int64_t tiles = p.experts * p.row_blocks * p.col_blocks;
+template <InputType kType, bool kUe8m0>
+cudaError_t launch_typed(const LaunchParams& g, int64_t tiles, cudaStream_t stream) {
+  LaunchParams part = g;
   for (int64_t start = 0; start < tiles; start += INT_MAX) {
-    p.tile_offset = start;
+    part.tile_offset = start;
     const auto grid = static_cast<unsigned>(std::min<int64_t>(tiles - start, INT_MAX));
-    quantize_blockwise_kernel<kType, kVecIn, kUe8m0><<<grid, kThreads, 0, stream>>>(p);
+    quantize_blockwise_kernel<kType, kUe8m0><<<grid, kThreads, 0, stream>>>(part);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -293,11 +330,8 @@ cudaError_t launch_typed(QuantizeParams p, cudaStream_t stream) {
 }
 
 template <InputType kType>
-cudaError_t launch_for_type(const QuantizeParams& p, bool vec_in, bool ue8m0, cudaStream_t stream) {
-  if (vec_in) {
-    return ue8m0 ? launch_typed<kType, true, true>(p, stream) : launch_typed<kType, true, false>(p, stream);
-  }
-  return ue8m0 ? launch_typed<kType, false, true>(p, stream) : launch_typed<kType, false, false>(p, stream);
+cudaError_t launch_for_type(const LaunchParams& g, int64_t tiles, bool ue8m0, cudaStream_t stream) {
+  return ue8m0 ? launch_typed<kType, true>(g, tiles, stream) : launch_typed<kType, false>(g, tiles, stream);
 }
 
 }  // namespace
@@ -316,18 +350,36 @@ bool sources_vectorizable(const QuantizeParams& p, InputType type) {
   return true;
 }
 
-cudaError_t launch_quantize_blockwise(const QuantizeParams& p, InputType type, bool ue8m0, cudaStream_t stream) {
-  if (p.experts * p.row_blocks * p.col_blocks == 0) return cudaSuccess;
-  const bool vec_in = sources_vectorizable(p, type);
-  switch (type) {
-    case InputType::kBFloat16:
-      return launch_for_type<InputType::kBFloat16>(p, vec_in, ue8m0, stream);
-    case InputType::kFloat16:
-      return launch_for_type<InputType::kFloat16>(p, vec_in, ue8m0, stream);
-    case InputType::kFloat32:
-      return launch_for_type<InputType::kFloat32>(p, vec_in, ue8m0, stream);
+cudaError_t launch_quantize_blockwise(const QuantizeParams* jobs, int num_jobs, InputType type, bool ue8m0,
+                                      cudaStream_t stream) {
+  for (int first = 0; first < num_jobs; first += kMaxJobs) {
+    LaunchParams g{};
+    int64_t tiles = 0;
+    for (int k = first; k < std::min(num_jobs, first + kMaxJobs); ++k) {
+      const int64_t job_tiles = jobs[k].experts * jobs[k].row_blocks * jobs[k].col_blocks;
+      if (job_tiles == 0) continue;  // an empty job has no tile to own
+      QuantizeParams& p = g.job[g.num_jobs++];
+      p = jobs[k];
+      p.vec_in = sources_vectorizable(p, type);
+      p.tile_begin = tiles;
+      tiles += job_tiles;
+    }
+    if (tiles == 0) continue;
+    cudaError_t err = cudaErrorInvalidValue;
+    switch (type) {
+      case InputType::kBFloat16:
+        err = launch_for_type<InputType::kBFloat16>(g, tiles, ue8m0, stream);
+        break;
+      case InputType::kFloat16:
+        err = launch_for_type<InputType::kFloat16>(g, tiles, ue8m0, stream);
+        break;
+      case InputType::kFloat32:
+        err = launch_for_type<InputType::kFloat32>(g, tiles, ue8m0, stream);
+        break;
+    }
+    if (err != cudaSuccess) return err;
   }
-  return cudaErrorInvalidValue;
+  return cudaSuccess;
 }
 
 }  // namespace glm_fp8

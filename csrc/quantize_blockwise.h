@@ -21,6 +21,7 @@ struct Source {
   int64_t row_begin;  // first row of the concatenation that this source holds
 };
 
+// One quantization job: a concatenation of sources and its outputs.
 struct QuantizeParams {
   Source src[kMaxSources];  // unused entries: row_begin = R, so no row selects them
   int64_t experts, rows, cols;  // E, R (sum of R_k), C
@@ -30,16 +31,29 @@ struct QuantizeParams {
   float* scale;  // [E, ceil(R/128), ceil(C/128)]
   int64_t s_stride_e, s_stride_r, s_stride_c;  // in elements
   int* nonfinite;  // optional: set to 1 when a tile's scale is NaN/Inf (never cleared here)
-  int64_t tile_offset;  // first tile of this launch (grids past 2^31 - 1 run as several)
   bool vec_out;  // q rows are contiguous and 8-byte aligned: 8-byte stores
+  // Set by launch_quantize_blockwise: 16-byte source loads possible; first tile in its launch.
+  bool vec_in;
+  int64_t tile_begin;
+};
+
+// Jobs of one input dtype run as one grid (up to kMaxJobs per launch): a small layer's
+// w13 and w2 cost one launch and one tail, not two.
+constexpr int kMaxJobs = 8;
+
+struct LaunchParams {
+  QuantizeParams job[kMaxJobs];
+  int num_jobs;
+  int64_t tile_offset;  // first tile of this launch (grids past 2^31 - 1 run as several)
 };
 
 // True when every source can be read with 16-byte vector loads: unit column stride and
 // 16-byte aligned pointers and row/expert strides.
 bool sources_vectorizable(const QuantizeParams& params, InputType type);
 
-// Enqueue the quantization on `stream`. Returns the launch error, if any.
-cudaError_t launch_quantize_blockwise(const QuantizeParams& params, InputType type, bool ue8m0,
+// Enqueue `num_jobs` quantizations of inputs of `type` on `stream`, in as few launches as
+// kMaxJobs allows. Returns the first launch error, if any.
+cudaError_t launch_quantize_blockwise(const QuantizeParams* jobs, int num_jobs, InputType type, bool ue8m0,
                                       cudaStream_t stream);
 
 }  // namespace glm_fp8

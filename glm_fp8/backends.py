@@ -3,8 +3,10 @@
 - ``"triton"``: the Triton kernel of ``glm_fp8.quantize`` (CUDA devices; the CPU only under
   ``TRITON_INTERPRET=1``, slowly).
 - ``"cuda"``: the compiled extension ``glm_fp8._C`` built from ``csrc/`` by ``setup.py``; its op
-  is ``torch.ops.glm_fp8.quantize_blockwise_`` (registered with torch.library, with a fake
-  kernel, so it traces under ``torch.compile`` and captures into CUDA graphs).
+  is ``torch.ops.glm_fp8.quantize_blockwise_(q[], scale[], sources[], num_sources[], ue8m0,
+  nonfinite)``, which runs a group of jobs of one input dtype as one grid (quantize_experts
+  and a layer's convert_layer launch once per dtype). Registered with torch.library, with a
+  fake kernel, so it traces under ``torch.compile`` and captures into CUDA graphs.
 - ``"torch"``: the eager reference (any device; allocates the concatenation and float32
   temporaries of one expert at a time). For checks and CPU-only machines, not for speed.
 - ``"auto"``: on CUDA devices ``"cuda"`` when the extension is built, else ``"triton"``; on
@@ -60,7 +62,7 @@ def _extension() -> tuple[bool, str]:
         return False, f"glm_fp8._C is not importable ({e})"
 
     @torch.library.register_fake("glm_fp8::quantize_blockwise_")
-    def _(q, scale, sources, ue8m0, nonfinite=None):  # noqa: ANN001 - mutates q/scale only
+    def _(q, scale, sources, num_sources, ue8m0, nonfinite=None):  # noqa: ANN001 - mutates q/scale only
         return None
 
     return True, ""
@@ -107,33 +109,33 @@ def resolve_backend(backend: str | None, device: torch.device, config_given: boo
     return name
 
 
-def launch_cuda(
-    sources: Sequence[torch.Tensor],
-    q: torch.Tensor,
-    s: torch.Tensor,
-    ue8m0: bool,
-    nonfinite: torch.Tensor | None,
-) -> None:
-    """The compiled kernel over validated 3-D views (as ``glm_fp8.quantize.launch_triton``)."""
-    torch.ops.glm_fp8.quantize_blockwise_(q, s, list(sources), ue8m0, nonfinite)
+# A validated launch: sources [E, R_k, C], q [E, R, C] and scale [E, ceil(R/128), ceil(C/128)].
+Work = Sequence[tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor]]
 
 
-def launch_torch(
-    sources: Sequence[torch.Tensor],
-    q: torch.Tensor,
-    s: torch.Tensor,
-    ue8m0: bool,
-    nonfinite: torch.Tensor | None,
-) -> None:
+def launch_cuda(work: Work, ue8m0: bool, nonfinite: torch.Tensor | None) -> None:
+    """The compiled kernel: one op call, and so one grid, per input dtype for all of ``work``."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for item in work:
+        by_dtype.setdefault(item[0][0].dtype, []).append(item)
+    for items in by_dtype.values():
+        torch.ops.glm_fp8.quantize_blockwise_(
+            [q for _, q, _ in items], [s for _, _, s in items], [t for srcs, _, _ in items for t in srcs],
+            [len(srcs) for srcs, _, _ in items], ue8m0, nonfinite,
+        )  # fmt: skip
+
+
+def launch_torch(work: Work, ue8m0: bool, nonfinite: torch.Tensor | None) -> None:
     """The reference, one expert at a time, copied into the caller's views."""
     from glm_fp8.reference import quantize_concat_ref
 
-    for e in range(q.shape[0]):
-        q_e, s_e = quantize_concat_ref([src[e] for src in sources], "ue8m0" if ue8m0 else "fp32")
-        q[e].view(torch.uint8).copy_(q_e.view(torch.uint8))
-        s[e].copy_(s_e)
-        if nonfinite is not None:
-            nonfinite.bitwise_or_((~torch.isfinite(s_e)).any().to(torch.int32))
+    for sources, q, s in work:
+        for e in range(q.shape[0]):
+            q_e, s_e = quantize_concat_ref([src[e] for src in sources], "ue8m0" if ue8m0 else "fp32")
+            q[e].view(torch.uint8).copy_(q_e.view(torch.uint8))
+            s[e].copy_(s_e)
+            if nonfinite is not None:
+                nonfinite.bitwise_or_((~torch.isfinite(s_e)).any().to(torch.int32))
 
 
 LAUNCHERS = {"cuda": launch_cuda, "torch": launch_torch}

@@ -418,17 +418,17 @@ def _run_jobs(
     """Launch every job on one backend; with ``check_finite``, one flag and one sync for all."""
     device = jobs[0].q.device
     name = backends.resolve_backend(backend, device, config is not None)
-    if name == "triton":
-        launch = lambda *args: launch_triton(*args, config=config)  # noqa: E731
-    else:
-        launch = backends.LAUNCHERS[name]
     busy = [job for job in jobs if job.s.numel()]
     # Scales are >= 1e-12 and a NaN/Inf block gives a NaN/Inf scale, so the kernels set one
     # int32 flag; the slow search that names the element runs only when it is set.
     flag = torch.zeros(1, dtype=torch.int32, device=device) if check_finite and busy else None
     ue8m0 = scale_fmt == "ue8m0"
-    for job in busy:
-        launch([_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s), ue8m0, flag)
+    work = [([_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s)) for job in busy]
+    if name == "triton":
+        for sources, q, s in work:
+            launch_triton(sources, q, s, ue8m0, flag, config)
+    elif work:
+        backends.LAUNCHERS[name](work, ue8m0, flag)
     if flag is not None and flag.item():
         for job in busy:
             _raise_if_non_finite(job.named_sources, job.s, job.stacked)
@@ -544,8 +544,9 @@ def quantize_experts(
         out: optional ``ExpertsFP8`` of caller buffers (views into a larger buffer are fine).
         scale_fmt, check_finite, config, backend: as in ``quantize_blockwise``.
 
-    Two launches: w13 from the concatenation [w1; w3] per expert (one kernel, no ``torch.cat``)
-    and w2. Every argument is checked before the first launch. Memory as in
+    Two jobs, w13 from the concatenation [w1; w3] per expert (no ``torch.cat``) and w2: one
+    launch on the CUDA backend (when the dtypes match), two on Triton. Every argument is
+    checked before the first launch. Memory as in
     ``quantize_blockwise``: with ``out`` only O(blocks) bytes; without it, exactly the outputs.
     """
     _checks.check_scale_fmt(scale_fmt)

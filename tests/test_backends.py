@@ -1,7 +1,7 @@
 """The backend switch, and the CUDA backend's torch.library op under torch.compile and CUDA graphs.
 
-Invariant: the op ``torch.ops.glm_fp8.quantize_blockwise_`` writes the reference's bits in eager
-mode, inside a compiled graph and in a replayed CUDA graph; every backend named in
+Invariant: the op ``torch.ops.glm_fp8.quantize_blockwise_`` writes the reference's bits for every
+job of a group in eager mode, inside a compiled graph and in a replayed CUDA graph; every backend named in
 ``available_backends`` runs the public functions (the bitwise suite in test_quantize.py).
 """
 
@@ -27,32 +27,65 @@ def test_op_checks_its_contract_before_launching():
     x = torch.randn(2, 130, 256, device="cuda", dtype=torch.bfloat16)
     q, s = poisoned_fp8((2, 130, 256), "cuda"), poisoned_f32((2, 2, 2), "cuda")
     op = torch.ops.glm_fp8.quantize_blockwise_
-    with pytest.raises(ValueError, match=r"q: expected shape \[2, 130, 256\], got \[2, 129, 256\]"):
-        op(q[:, :129], s, [x], False, None)
-    with pytest.raises(ValueError, match=r"scale: expected shape \[2, 2, 2\]"):
-        op(q, s[:, :1], [x], False, None)
+    with pytest.raises(ValueError, match=r"q\[0\]: expected shape \[2, 130, 256\], got \[2, 129, 256\]"):
+        op([q[:, :129]], [s], [x], [1], False, None)
+    with pytest.raises(ValueError, match=r"scale\[1\]: expected shape \[2, 2, 2\]"):
+        op([q, q], [s, s[:, :1]], [x, x], [1, 1], False, None)
     with pytest.raises(TypeError, match="sources\\[1\\]: expected dtype BFloat16"):
-        op(q, s, [x[:, :100], x[:, 100:].float()], False, None)
-    with pytest.raises(ValueError, match="sources: expected 1 to 4 tensors, got 5"):
-        op(q, s, [x[:, :26]] * 5, False, None)
+        op([q], [s], [x[:, :100], x[:, 100:].float()], [2], False, None)
+    with pytest.raises(TypeError, match="one call quantizes one input dtype"):
+        op([q, q], [s, s], [x, x.float()], [1, 1], False, None)
+    with pytest.raises(ValueError, match="num_sources\\[0\\]: expected 1 to 4 tensors, got 5"):
+        op([q], [s], [x[:, :26]] * 5, [5], False, None)
+    with pytest.raises(ValueError, match="sources: expected 2 tensors \\(the sum of num_sources\\), got 1"):
+        op([q, q], [s, s], [x], [1, 1], False, None)
+    with pytest.raises(ValueError, match="q, scale: expected one tensor per job"):
+        op([q], [s, s], [x], [1], False, None)
     with pytest.raises(TypeError, match="nonfinite: expected dtype int32"):
-        op(q, s, [x], False, torch.zeros(1, device="cuda"))
+        op([q], [s], [x], [1], False, torch.zeros(1, device="cuda"))
     assert (q.view(torch.uint8) == 0xFF).all() and s.isnan().all()  # nothing was written
+
+
+@needs_cuda_backend
+def test_op_runs_a_group_of_jobs_as_one_grid():
+    """Jobs of different shapes, source counts and strides (and an empty one) share one launch;
+    each lands in its own outputs with the reference's bits, and nothing else is written."""
+    a = torch.randn(3, 200, 300, device="cuda") * 0.3
+    b = torch.randn(3, 300, 130, device="cuda").transpose(1, 2) * 40  # [3, 130, 300], strided
+    c = torch.randn(3, 77, 128, device="cuda") * 1e-6
+    empty = torch.randn(3, 0, 128, device="cuda")
+    jobs = [[a[:, :90], a[:, 90:], b], [c], [empty]]
+    refs = [quantize_concat_ref(list(srcs)) for srcs in jobs]
+    qs = [poisoned_fp8(q.shape, "cuda") for q, _ in refs]
+    ss = [poisoned_f32(s.shape, "cuda") for _, s in refs]
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sources = [t for srcs in jobs for t in srcs]
+    torch.ops.glm_fp8.quantize_blockwise_(qs, ss, sources, [len(j) for j in jobs], False, flag)
+    for q, s, (q_ref, s_ref) in zip(qs, ss, refs):
+        assert_same_bits(q, s, q_ref, s_ref)
+    assert flag.item() == 0
+    c[1, 5, 7] = float("inf")
+    torch.ops.glm_fp8.quantize_blockwise_(qs, ss, sources, [len(j) for j in jobs], False, flag)
+    assert flag.item() == 1 and ss[1][1, 0, 0].isinf() and ss[0].isfinite().all()
 
 
 @needs_cuda_backend
 def test_op_under_torch_compile():
     x = torch.randn(2, 200, 300, device="cuda", dtype=torch.bfloat16)
     q_ref, s_ref = quantize_concat_ref([x[:, :90], x[:, 90:]])
+    q2_ref, s2_ref = quantize_concat_ref([x[:, 50:]])
 
     @torch.compile(fullgraph=True)
-    def step(w, q, s):
-        torch.ops.glm_fp8.quantize_blockwise_(q, s, [w[:, :90], w[:, 90:]], False, None)
+    def step(w, q, s, q2, s2):
+        sources = [w[:, :90], w[:, 90:], w[:, 50:]]
+        torch.ops.glm_fp8.quantize_blockwise_([q, q2], [s, s2], sources, [2, 1], False, None)
         return s.amax()
 
     q, s = poisoned_fp8(q_ref.shape, "cuda"), poisoned_f32(s_ref.shape, "cuda")
-    amax = step(x, q, s)
+    q2, s2 = poisoned_fp8(q2_ref.shape, "cuda"), poisoned_f32(s2_ref.shape, "cuda")
+    amax = step(x, q, s, q2, s2)
     assert_same_bits(q, s, q_ref, s_ref)
+    assert_same_bits(q2, s2, q2_ref, s2_ref)
     assert amax == s_ref.amax()
 
 
