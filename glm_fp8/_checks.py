@@ -47,9 +47,10 @@ def check_out(
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if size > 1 and stride == 0:
-            raise ValueError(f"{name}: dimension {d} has stride 0; outputs must not alias")
+    if not t.is_contiguous():  # a contiguous tensor has no broadcast (stride-0) dimension
+        for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+            if size > 1 and stride == 0:
+                raise ValueError(f"{name}: dimension {d} has stride 0; outputs must not alias")
     return t
 
 
@@ -59,6 +60,8 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
         return (0, 0)
     item = t.element_size()
     lo = hi = t.data_ptr()
+    if t.is_contiguous():
+        return (lo, lo + t.numel() * item)
     for size, stride in zip(t.shape, t.stride()):
         reach = (size - 1) * stride * item
         if reach < 0:
