@@ -62,11 +62,15 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 template <InputType kType>
 struct Traits;
 
-template <>
-struct Traits<InputType::kBFloat16> {
+// What bf16 and f16 share: two elements per 32-bit word.
+struct Packed16 {
   using Bits = uint16_t;
   static constexpr int kWords = kVec / 2;
   static constexpr int kMinBlocks = GLM_FP8_MIN_BLOCKS_16BIT;
+};
+
+template <>
+struct Traits<InputType::kBFloat16> : Packed16 {
   // max.NaN of |a| and |b| lane by lane: one instruction per two elements.
   __device__ static uint32_t amax2(uint32_t m, uint32_t w) {
     uint32_t r;
@@ -79,10 +83,7 @@ struct Traits<InputType::kBFloat16> {
 };
 
 template <>
-struct Traits<InputType::kFloat16> {
-  using Bits = uint16_t;
-  static constexpr int kWords = kVec / 2;
-  static constexpr int kMinBlocks = GLM_FP8_MIN_BLOCKS_16BIT;
+struct Traits<InputType::kFloat16> : Packed16 {
   __device__ static uint32_t amax2(uint32_t m, uint32_t w) {
     uint32_t r;
     asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w & 0x7FFF7FFFu));
