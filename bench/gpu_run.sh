@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
-# Switches (1 = run): BUILD=1 TESTS=1 SANITIZE=1 SWEEP=0 KSWEEP=0 GATHER=1 BCAST=1 BENCH=1;
-# TEST_ARGS and BENCH_ARGS add to pytest and to glm-fp8 bench.
+# Switches (1 = run), in this order: BUILD=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0 GATHER=1
+# BCAST=1 BENCH=1; TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and BENCH_ARGS
+# go to pytest, bench/sweep.py, bench/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS (default
+# "memcheck racecheck") picks compute-sanitizer's tools.
 set -uo pipefail
 LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -19,18 +21,21 @@ if [ "${BUILD:-1}" = 1 ]; then
   fi
 fi
 python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
+if [ "${SWEEP:-0}" = 1 ]; then python3 bench/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
+if [ "${KSWEEP:-0}" = 1 ]; then bash bench/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE tests ${TEST_ARGS:-} 2>&1 | tee "$LOG/tests.txt" | tail -25
+  timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} 2>&1 \
+    | tee "$LOG/tests.txt" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
-  for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize.py > "$LOG/sanitize-$tool.txt" 2>&1
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize.py ${SANITIZE_ARGS:-} \
+      > "$LOG/sanitize-$tool.txt" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c '=========.*Error\|ERROR SUMMARY' "$LOG/sanitize-$tool.txt") summary lines)"
     grep "ERROR SUMMARY\|failures" "$LOG/sanitize-$tool.txt" | tail -3
   done
 fi
-if [ "${SWEEP:-0}" = 1 ]; then python3 bench/sweep.py 2>&1 | tee "$LOG/sweep.txt"; fi
-if [ "${KSWEEP:-0}" = 1 ]; then bash bench/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
+if [ "${HOST:-0}" = 1 ]; then python3 bench/host_overhead.py 2>&1 | tee "$LOG/host_overhead.txt"; fi
 if [ "${GATHER:-1}" = 1 ]; then python3 bench/bench_gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
 if [ "${BCAST:-1}" = 1 ]; then python3 bench/bench_broadcast.py 2>&1 | tee "$LOG/broadcast.txt"; fi
 if [ "${BENCH:-1}" = 1 ]; then python3 -m glm_fp8.cli bench --markdown ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.md"; fi

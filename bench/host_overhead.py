@@ -4,8 +4,9 @@ python bench/host_overhead.py
 Prints microseconds per call: back-to-back calls (the host's cost, or the GPU's when it is the
 slower), the same with a device sync after each call (latency), for a tiny layer (E=1,
 128x128: pure overhead) and E=8 GLM-5 experts; then the pieces: the Python argument checks
-alone (launchers replaced by no-ops), the flag's allocation and read, one raw launch per
-backend.
+alone (launchers replaced by no-ops), the flag's read (and what allocating it per call cost),
+one raw launch per backend: the Triton one both direct (its cached compiled kernel) and through
+triton's JIT front end.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 import glm_fp8
-from glm_fp8 import backends
+from glm_fp8 import backends, quantize
 from glm_fp8.quantize import ExpertsFP8, launch_triton
 
 
@@ -62,15 +63,27 @@ def main() -> None:
         pieces.append([f"argument checks and planning, no launch, check_finite={check}", per_call_us(fn)])
     backends.LAUNCHERS.update(saved)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    pieces.append(["the flag: torch.zeros(1, int32) on the GPU", per_call_us(lambda: torch.zeros_like(flag))])
+    pieces.append(["torch.zeros(1, int32) on the GPU (the flag, when it was per call)",
+                   per_call_us(lambda: torch.zeros_like(flag))])
     pieces.append(["flag.item() (copy back + sync)", per_call_us(flag.item)])
     srcs, q, s = [w1, w3], out.w13, out.w13_scale_inv
     if "cuda" in gpu_backends:
         op = torch.ops.glm_fp8.quantize_blockwise_
         one_op = lambda: op([q], [s], srcs, [2], False, None)  # noqa: E731
         pieces.append(["one torch.ops.glm_fp8 call", per_call_us(one_op)])
-    pieces.append(["one Triton launch", per_call_us(lambda: launch_triton(srcs, q, s, False, None))])
+        op_read = lambda: (op([q], [s], srcs, [2], False, flag), flag.item())  # noqa: E731
+        pieces.append(["one torch.ops.glm_fp8 call with the flag, then its read", per_call_us(op_read)])
+    one_launch = lambda: launch_triton(srcs, q, s, False, None)  # noqa: E731
+    pieces.append(["one Triton launch, direct", per_call_us(one_launch)])
+    pieces.append(["one Triton launch with the flag, direct",
+                   per_call_us(lambda: launch_triton(srcs, q, s, False, flag))])
+    launch_read = lambda: (launch_triton(srcs, q, s, False, flag), flag.item())  # noqa: E731
+    pieces.append(["one Triton launch with the flag, then its read", per_call_us(launch_read)])
+    direct, quantize._direct_launch = quantize._direct_launch, False
+    pieces.append(["one Triton launch, JIT front end", per_call_us(one_launch)])
+    quantize._direct_launch = direct
     print(tabulate(pieces, ["piece", "us/call"], "github"))
+    print(f"compiled Triton kernels kept for direct launches: {len(quantize._compiled_kernels)}")
 
 
 if __name__ == "__main__":

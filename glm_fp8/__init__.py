@@ -52,5 +52,6 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+        return value  # cached: later lookups skip this hook
     raise AttributeError(f"module 'glm_fp8' has no attribute {name!r}")

@@ -41,7 +41,7 @@ def check_out(
     """A caller-provided output buffer: exact shape, dtype and device, no self-overlap."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
@@ -56,12 +56,13 @@ def check_out(
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """Half-open address range [lo, hi) of the bytes a strided tensor can touch."""
-    if t.numel() == 0:
+    nbytes = t.nbytes
+    if nbytes == 0:
         return (0, 0)
-    item = t.element_size()
     lo = hi = t.data_ptr()
     if t.is_contiguous():
-        return (lo, lo + t.numel() * item)
+        return (lo, lo + nbytes)
+    item = t.element_size()
     for size, stride in zip(t.shape, t.stride()):
         reach = (size - 1) * stride * item
         if reach < 0:

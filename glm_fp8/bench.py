@@ -313,9 +313,10 @@ def run_case(
     backends: list[str] | None = None,
     rounds: int = 1,
 ) -> list[Row]:
-    """Time every method of ``case``. With ``rounds`` > 1 the copy and all methods are timed in
-    turn, round after round, and each figure is the median over rounds of its time and of its
-    ratio to that round's copy: clock and thermal drift then hit the copy and the kernel alike."""
+    """Time every method of ``case``. Each method's time is paired with a copy timed just before
+    it, so clock and thermal drift hit the copy and the kernel alike; with ``rounds`` > 1 all
+    methods are timed in turn, round after round, and each figure is the median over rounds of
+    its time and of its ratio to its paired copy."""
     backends = fused_backends(device) if backends is None else backends
     prep = prepare(case, device)
     fns = method_fns(prep, with_compile, backends)
@@ -323,9 +324,9 @@ def run_case(
     shares: dict[Method, list[float]] = {m: [] for m in fns}
     peaks: dict[Method, int | None] = {}
     for _ in range(rounds):
-        copy_ms = time_ms(fns[("copy", "")], device, budget_ms)
-        copy_gbps = moved_bytes(case, "copy") / copy_ms / 1e6
         for (method, backend), fn in fns.items():
+            copy_ms = time_ms(fns[("copy", "")], device, budget_ms)
+            copy_gbps = moved_bytes(case, "copy") / copy_ms / 1e6
             ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
             times[(method, backend)].append(ms)
             shares[(method, backend)].append(moved_bytes(case, method) / ms / 1e6 / copy_gbps)

@@ -87,8 +87,8 @@ def convert_layer(
     Returns:
         ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order, views into ``out``.
 
-    Memory: above inputs and ``out``, only O(number of blocks) bytes (the finite check; for
-    Blackwell also the float32 scales before packing). Every check runs before any write.
+    Memory: above inputs and ``out``, nothing for Hopper; for Blackwell the float32 scales
+    before packing (O(number of blocks) bytes). Every check runs before any write.
     """
     layer = strip_layer(state_dict, layer_idx)
     if plan is None:

@@ -13,6 +13,8 @@ kernel of the same name in ``csrc/`` or the reference; they check every argument
 from __future__ import annotations
 
 import inspect
+import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -85,7 +87,7 @@ def _quantize_tile(
     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
     NUM_SRC: tl.constexpr, ROW_GATHER: tl.constexpr, UE8M0: tl.constexpr,
     SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr, FLAG: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr,
+    SIGNED_Y: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """Quantize one 128x128 tile of the row-concatenated sources into q and its scale."""
     o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)  # [BR]
@@ -113,8 +115,8 @@ def _quantize_tile(
         if NUM_SRC > 3:
             b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
 
-    # Work on magnitudes; the sign bit of x is put back on the byte at the end, so -0.0
-    # stays 0x80 whatever the compiler does with signed zeros.
+    # The amax reads magnitudes; the quotient below is taken from x itself (every step is
+    # sign-symmetric under round-to-nearest-even), so that |x| is not kept beside x.
     b_a = tl.abs(b_x)  # [BR, BC]
     # A NaN/Inf must reach the amax (tl.max skips NaN) so that the scale marks the block.
     if NAN_MAX:
@@ -134,21 +136,23 @@ def _quantize_tile(
         # One int32 for the whole call (or layer): a single read tells whether any block failed.
         tl.store(p_flag, 1, mask=(b_s != b_s) | (b_s == float("inf")))
 
+    b_n = b_x if SIGNED_Y else b_a  # numerator
     if FMA_DIV:
-        # q0 = a * RN(1/s) is within 2 ulp; each step q += (a - q*s) * r with an exact
+        # q0 = x * RN(1/s) is within 2 ulp; each step q += (x - q*s) * r with an exact
         # FMA remainder narrows that, and from a faithful q one step is correctly rounded
         # (Markstein). Cheaper than an IEEE division per element, which made us ALU-bound.
         b_r = tl.math.div_rn(1.0, b_s)
-        b_y = b_a * b_r
-        b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
-        b_y = tl.fma(tl.fma(-b_y, b_s, b_a), b_r, b_y)
+        b_y = b_n * b_r
+        b_y = tl.fma(tl.fma(-b_y, b_s, b_n), b_r, b_y)
+        b_y = tl.fma(tl.fma(-b_y, b_s, b_n), b_r, b_y)
     else:
-        b_y = tl.math.div_rn(b_a, b_s)
+        b_y = tl.math.div_rn(b_n, b_s)
     if SOFT_FP8:
-        b_code = _e4m3_code_soft(tl.minimum(b_y, 448.0, propagate_nan=tl.PropagateNan.ALL))
+        b_code = _e4m3_code_soft(tl.minimum(tl.abs(b_y), 448.0, propagate_nan=tl.PropagateNan.ALL))
     else:
-        # cvt.rn.satfinite: RNE, and values past 448 saturate (the clamp of numerics.md).
+        # cvt.rn.satfinite: RNE, and values past +-448 saturate (the clamp of numerics.md).
         b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    # The sign bit of x goes on the byte whatever the quotient's zero sign: -0.0 gives 0x80.
     b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80
     b_q = (b_code | b_sign).to(tl.uint8)
 
@@ -176,6 +180,7 @@ def _quantize_blockwise(
     FMA_DIV: tl.constexpr,  # correctly rounded x / s from one reciprocal and FMA corrections
     NAN_MAX: tl.constexpr,  # NaN-propagating max reduction (GPU) instead of max + sum(x * 0)
     FLAG: tl.constexpr,  # write p_flag for non-finite blocks
+    SIGNED_Y: tl.constexpr,  # quotient from x (sign kept) instead of |x|: fewer live registers
     BR: tl.constexpr = 128,
     BC: tl.constexpr = 128,
 ):  # fmt: skip
@@ -190,7 +195,7 @@ def _quantize_blockwise(
                 p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
                 s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
                 s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, BR, BC,
+                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, BR, BC,
             )  # fmt: skip
     else:
         n_cg = tl.cdiv(n_cb, CB_PER_PROG)
@@ -205,7 +210,7 @@ def _quantize_blockwise(
                     p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
                     s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
                     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, BR, BC,
+                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, BR, BC,
                 )  # fmt: skip
 
 
@@ -237,10 +242,17 @@ def _stores_vectorize(q: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tuning knobs of ``quantize_blockwise_kernel``; defaults measured on an H200."""
+    """Tuning knobs of ``quantize_blockwise_kernel``; the defaults are the measured best on an
+    H200 from bf16 and from float32 (bench/sweep.py, bench/RESULTS.md); float16 takes the
+    bf16 code path. Every config gives the same bits."""
 
     cb_per_prog: int = 1  # grid mode: 128x128 tiles per program, along a row block
     num_warps: int = 8
+    # Register cap per thread (ptxas .maxnreg), None: the compiler's choice. A program keeps a
+    # whole 128x128 tile in registers, so the cap decides how many programs share a
+    # multiprocessor: uncapped, 8 warps took 163 (float32) to 221 (bf16) registers, one
+    # program per SM; 80 fits three, unspilled at 8 warps (fewer warps need a higher cap).
+    maxnreg: int | None = 80
     # Persistent mode when > 0: this many programs per multiprocessor loop over all tiles,
     # software-pipelined num_stages deep. 0: one program per cb_per_prog tiles.
     programs_per_sm: int = 0
@@ -251,21 +263,60 @@ class LaunchConfig:
     # Encode e4m3 with integer arithmetic instead of the hardware cvt. None: only under
     # TRITON_INTERPRET=1, whose fp8 cast does not round to nearest-even (numerics.md).
     soft_fp8: bool | None = None
+    # x / s from x itself (the sign bit put back on the byte) rather than from |x|: the same
+    # bits, with only x live after the amax (float32, 8 warps: 163 -> 80 registers unspilled).
+    signed_quotient: bool = True
 
 
-# Measured on an H200 (bench/sweep.py, GLM-5 experts, 2026-12-02, bench/RESULTS.md): 16-bit
-# inputs are fastest with one 128x128 tile per 4-warp program (0.926 of copy bandwidth),
-# float32 ones with two tiles per 4-warp program (0.932). The persistent mode measured slower.
-DEFAULT_CONFIG = LaunchConfig(cb_per_prog=1, num_warps=4)
-DEFAULT_CONFIG_FP32 = LaunchConfig(cb_per_prog=2, num_warps=4)
+# Measured on an H200 (bench/sweep.py, GLM-5 experts, 2026-12-02, bench/RESULTS.md): one tile
+# per 8-warp program capped at 80 registers, 0.94-0.955 of copy bandwidth from bf16 and 1.036
+# from float32 (above 1: 4 bytes read per byte written, a lighter mix than the copy's 1:1).
+DEFAULT_CONFIG = LaunchConfig()
 
 
 def default_config(dtype: torch.dtype) -> LaunchConfig:
-    return DEFAULT_CONFIG_FP32 if dtype == torch.float32 else DEFAULT_CONFIG
+    """The launch config used when a call passes none; one for every input dtype today."""
+    return DEFAULT_CONFIG
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+# Launch path. triton's JIT front end re-derives the specialization of all ~40 arguments on
+# every call: 40-45 us per launch on the H200's host (68-71 us on an earlier one), against
+# 20-21 us for the direct launch below; the E=8 layer's whole kernel takes 237 us.
+# ``launch_triton`` keeps the compiled kernel per exact specialization key instead and calls it
+# directly. The key holds everything triton specializes on: the integer arguments themselves
+# (so their ==1 / %16 / width classes), each pointer's address mod 16, the input dtype, the
+# constexprs and the compile options. So equal keys mean the same compiled kernel.
+# ``CompiledKernel[grid](*args)`` takes every argument in signature order, as the JIT front
+# end passes them, on the triton versions listed here (read in their sources; 3.6 ran on the
+# H200); others take the JIT path on every call.
+_DIRECT_LAUNCH_TRITON = ("3.6", "3.7", "3.8", "3.9")
+_direct_launch = (
+    ".".join(triton.__version__.split(".")[:2]) in _DIRECT_LAUNCH_TRITON
+    and os.environ.get("GLM_FP8_TRITON_DIRECT_LAUNCH", "1") != "0"
+)
+_compiled_kernels: dict[tuple, object] = {}
+_MAX_COMPILED_KERNELS = 4096  # distinct shapes/strides/alignments; cleared when exceeded
+
+
+def _launch_args(
+    sources: Sequence[torch.Tensor], q: torch.Tensor, s: torch.Tensor, nonfinite: torch.Tensor | None
+) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """Pointer tensors (q, scale, flag, four sources) and integer arguments, in signature order."""
+    e, r, c = q.shape
+    padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
+    bounds = []
+    row = 0
+    for src in sources[:-1]:
+        row += src.shape[1]
+        bounds.append(row)
+    bounds += [r] * (MAX_SOURCES - len(sources))
+    ints = (*bounds, r, c, *(st for src in padded for st in src.stride()), *q.stride(), *s.stride(),
+            e, -(-r // BLOCK), -(-c // BLOCK))  # fmt: skip
+    return [q, s, s if nonfinite is None else nonfinite, *padded], ints
 
 
 def launch_triton(
@@ -290,24 +341,57 @@ def launch_triton(
         grid = min(n_tiles, config.programs_per_sm * sms)
     else:
         grid = e * n_rb * -(-n_cb // config.cb_per_prog)
-    bounds = [0]
-    for src in sources:
-        bounds.append(bounds[-1] + src.shape[1])
-    padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
-    bounds = bounds[1:-1] + [r] * (MAX_SOURCES - len(sources))
-    strides = [st for src in padded for st in src.stride()]
+    tensors, ints = _launch_args(sources, q, s, nonfinite)
     soft_fp8 = interpret if config.soft_fp8 is None else config.soft_fp8
     # Row gather needs row-major sources: with a column stride other than 1 (a transposed
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
-    kernel = quantize_blockwise_kernel if _stores_vectorize(q) else quantize_blockwise_kernel_unaligned_out
-    kernel[(grid,)](
-        q.view(torch.uint8), s, s if nonfinite is None else nonfinite, *padded, *bounds, r, c, *strides,
-        *q.stride(), *s.stride(), e, n_rb, n_cb,
-        NUM_SRC=len(sources), ROW_GATHER=row_gather, CB_PER_PROG=config.cb_per_prog,
-        PERSISTENT=config.programs_per_sm > 0, STAGES=config.num_stages, UE8M0=ue8m0,
-        SOFT_FP8=soft_fp8, FMA_DIV=config.fma_div, NAN_MAX=not interpret, FLAG=nonfinite is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    # In signature order after the integers; BR and BC last.
+    constexprs = (len(sources), row_gather, config.cb_per_prog, config.programs_per_sm > 0,
+                  config.num_stages, ue8m0, soft_fp8, config.fma_div, not interpret, nonfinite is not None,
+                  config.signed_quotient, BLOCK, BLOCK)  # fmt: skip
+    aligned_out = _stores_vectorize(q)
+    kernel = quantize_blockwise_kernel if aligned_out else quantize_blockwise_kernel_unaligned_out
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg is not None:
+        options["maxnreg"] = config.maxnreg
+    if interpret or not _direct_launch:
+        _jit_launch(kernel, grid, tensors, ints, constexprs, options)
+        return
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            return launch_triton(sources, q, s, ue8m0, nonfinite, config)
+    ptrs = [t.data_ptr() for t in tensors]
+    key = (aligned_out, q.device.index, sources[0].dtype, constexprs, config.num_warps, config.num_stages,
+           config.maxnreg, ints, tuple(p & 15 for p in ptrs))  # fmt: skip
+    compiled = _compiled_kernels.get(key)
+    if compiled is None:
+        compiled = _jit_launch(kernel, grid, tensors, ints, constexprs, options)
+        if hasattr(compiled, "result"):  # triton's asynchronous compile mode hands back a future
+            compiled = compiled.result()
+        if len(_compiled_kernels) >= _MAX_COMPILED_KERNELS:
+            _compiled_kernels.clear()
+        _compiled_kernels[key] = compiled
+        return
+    # Raw addresses: the launcher then skips a data_ptr() call and a driver query per pointer.
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+    compiled[(grid, 1, 1)](*ptrs, *ints, *constexprs, stream=stream)
+
+
+def _jit_launch(
+    kernel: triton.runtime.JITFunction,
+    grid: int,
+    tensors: list[torch.Tensor],
+    ints: tuple[int, ...],
+    constexprs: tuple,
+    options: dict,
+) -> object:
+    """The launch through triton's JIT front end (compiles on a new specialization)."""
+    q, *rest = tensors
+    names = ("NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8", "FMA_DIV",
+             "NAN_MAX", "FLAG", "SIGNED_Y", "BR", "BC")  # fmt: skip
+    return kernel[(grid,)](
+        q.view(torch.uint8), *rest, *ints, **dict(zip(names, constexprs)), **options,
         enable_fp_fusion=False,  # no contraction may change a rounding numerics.md fixes
     )  # fmt: skip
 
@@ -364,18 +448,22 @@ def _plan_job(
     scale_out: torch.Tensor | None,
     out_name: str,
     scale_name: str,
+    inputs_checked: bool = False,
 ) -> _Job:
-    """Check one concatenation and its outputs (allocating those not given). Launches nothing."""
+    """Check one concatenation and its outputs (allocating those not given). Launches nothing.
+    ``inputs_checked``: the caller already ran check_input and check_same_device on them."""
     if not named_sources:
         raise ValueError("sources: expected at least one tensor, got none")
     if len(named_sources) > MAX_SOURCES:
         raise ValueError(
             f"sources: at most {MAX_SOURCES} tensors are concatenated in one call, got {len(named_sources)}"
         )
-    for name, t in named_sources:
-        _checks.check_input(name, t)
-    device = _checks.check_same_device(named_sources)
+    if not inputs_checked:
+        for name, t in named_sources:
+            _checks.check_input(name, t)
+        _checks.check_same_device(named_sources)
     first_name, first = named_sources[0]
+    device = first.device
     for name, t in named_sources[1:]:
         if t.dtype != first.dtype:
             raise TypeError(f"{name}: expected dtype {first.dtype} (as {first_name}), got {t.dtype}")
@@ -408,6 +496,20 @@ def _plan_job(
     return _Job(tuple(named_sources), out, scale_out, stacked)
 
 
+_flags = threading.local()
+
+
+def _nonfinite_flag(device: torch.device) -> torch.Tensor:
+    """This thread's int32 flag on ``device``, zero between calls: allocated once, not per call
+    (its allocation and zeroing cost 12 us of host time per call on the H200). Per thread,
+    because a call reads its flag only after its kernels ran."""
+    flags = _flags.__dict__.setdefault("by_device", {})
+    flag = flags.get(device)
+    if flag is None:
+        flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
 def _run_jobs(
     jobs: Sequence[_Job],
     scale_fmt: str,
@@ -421,15 +523,22 @@ def _run_jobs(
     busy = [job for job in jobs if job.s.numel()]
     # Scales are >= 1e-12 and a NaN/Inf block gives a NaN/Inf scale, so the kernels set one
     # int32 flag; the slow search that names the element runs only when it is set.
-    flag = torch.zeros(1, dtype=torch.int32, device=device) if check_finite and busy else None
+    flag = _nonfinite_flag(device) if check_finite and busy else None
     ue8m0 = scale_fmt == "ue8m0"
     work = [([_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s)) for job in busy]
-    if name == "triton":
-        for sources, q, s in work:
-            launch_triton(sources, q, s, ue8m0, flag, config)
-    elif work:
-        backends.LAUNCHERS[name](work, ue8m0, flag)
-    if flag is not None and flag.item():
+    try:
+        if name == "triton":
+            for sources, q, s in work:
+                launch_triton(sources, q, s, ue8m0, flag, config)
+        elif work:
+            backends.LAUNCHERS[name](work, ue8m0, flag)
+        found = flag is not None and bool(flag.item())
+    except BaseException:
+        if flag is not None:
+            flag.zero_()  # a kernel may have set it before the failure: keep the next call clean
+        raise
+    if found:
+        flag.zero_()
         for job in busy:
             _raise_if_non_finite(job.named_sources, job.s, job.stacked)
 
@@ -462,9 +571,10 @@ def quantize_blockwise(
         ``(q, scale)``, bit-identical to ``glm_fp8.reference.quantize_concat_ref``.
 
     Memory: writes ``out``/``scale_out`` in place and touches no byte outside them; with both
-    given it allocates only O(number of blocks) bytes (the finite check). Without them it
-    allocates exactly the outputs. On an error from the finite check the outputs hold the
-    poisoned block; argument errors are raised before anything is written.
+    given it allocates nothing (the finite check's int32 flag is allocated by a thread's first
+    call on a device and kept). Without them it allocates exactly the outputs. On an error
+    from the finite check the outputs hold the poisoned block; argument errors are raised
+    before anything is written.
 
     ``backend``: "auto", "triton", "cuda" (the compiled extension) or "torch" (the eager
     reference; allocates the concatenation and float32 temporaries of one expert at a time);
@@ -547,7 +657,7 @@ def quantize_experts(
     Two jobs, w13 from the concatenation [w1; w3] per expert (no ``torch.cat``) and w2: one
     launch on the CUDA backend (when the dtypes match), two on Triton. Every argument is
     checked before the first launch. Memory as in
-    ``quantize_blockwise``: with ``out`` only O(blocks) bytes; without it, exactly the outputs.
+    ``quantize_blockwise``: with ``out`` nothing is allocated; without it, exactly the outputs.
     """
     _checks.check_scale_fmt(scale_fmt)
     for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
@@ -563,8 +673,8 @@ def quantize_experts(
     if out is not None and not isinstance(out, ExpertsFP8):
         raise TypeError(f"out: expected an ExpertsFP8, got {type(out).__name__}")
     o = out or ExpertsFP8(None, None, None, None)  # type: ignore[arg-type]
-    j13 = _plan_job([("w1", w1), ("w3", w3)], o.w13, o.w13_scale_inv, "out.w13", "out.w13_scale_inv")
-    j2 = _plan_job([("w2", w2)], o.w2, o.w2_scale_inv, "out.w2", "out.w2_scale_inv")
+    j13 = _plan_job([("w1", w1), ("w3", w3)], o.w13, o.w13_scale_inv, "out.w13", "out.w13_scale_inv", True)
+    j2 = _plan_job([("w2", w2)], o.w2, o.w2_scale_inv, "out.w2", "out.w2_scale_inv", True)
     _checks.check_no_overlap(
         [("out.w13", j13.q), ("out.w13_scale_inv", j13.s), ("out.w2", j2.q), ("out.w2_scale_inv", j2.s)],
         [("w1", w1), ("w3", w3), ("w2", w2)],

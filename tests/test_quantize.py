@@ -23,6 +23,8 @@ CONFIGS = [
     LaunchConfig(programs_per_sm=1, num_stages=2, num_warps=4),
     LaunchConfig(soft_fp8=not ON_GPU, fma_div=True) if ON_GPU else LaunchConfig(cb_per_prog=2),
     LaunchConfig(soft_fp8=True, fma_div=False),
+    LaunchConfig(cb_per_prog=2, num_warps=4, maxnreg=None, signed_quotient=False),
+    LaunchConfig(signed_quotient=False, fma_div=False),
 ]
 
 
@@ -52,14 +54,17 @@ def test_random_stack_two_sources(device, dtype, scale_fmt, magnitude, backend):
     CONFIGS,
     ids=lambda c: (
         f"cb{c.cb_per_prog}-p{c.programs_per_sm}-w{c.num_warps}-fma{int(c.fma_div)}-soft{c.soft_fp8}"
+        f"-signed{int(c.signed_quotient)}-r{c.maxnreg}"
     ),
 )
 @pytest.mark.parametrize("scale_fmt", FMTS)
-def test_launch_variants_agree(device, config, scale_fmt):
-    x = torch.randn(3, 140, 520, device=device, dtype=torch.bfloat16) * torch.logspace(
-        -4, 2, 520, device=device
-    ).to(torch.bfloat16)
-    _check(x, scale_fmt, config)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_launch_variants_agree(device, config, scale_fmt, dtype):
+    """Every launch config gives the reference's bits, on both signs and on -0.0."""
+    x = torch.randn(3, 140, 520, device=device) * torch.logspace(-4, 2, 520, device=device)
+    x[:, 7, :] = -0.0
+    x[1, 130:, 300:] = -x[1, 130:, 300:].abs()  # an all-negative partial block
+    _check(x.to(dtype), scale_fmt, config)
 
 
 @pytest.mark.parametrize("scale_fmt", FMTS)
@@ -144,6 +149,36 @@ def test_vector_and_scalar_access_paths(device, backend, dtype):
     quantize_blockwise(base, out=out, scale_out=scale_out, backend=backend)
     assert_same_bits(out, scale_out, q_ref, s_ref)
     assert (big[:, :, :3] == 0xFF).all() and (big[:, :, 275:] == 0xFF).all()
+
+
+def test_repeated_launches_keep_each_specialization(device, backend):
+    """On a GPU the second call of a shape launches the compiled kernel kept from the first;
+    a different alignment or stride of the same shape must get its own kernel (bits checked on
+    poisoned outputs each time)."""
+    base = torch.randn(2, 300, 272, device=device)
+    for x in (base, base, base[:, :, 1:], base, base[:, :, :256], base[:, :, 16:]):
+        for _ in range(2):
+            _check(x, backend=backend)
+            _check([x[:, :100], x[:, 100:]], backend=backend)
+
+
+def test_launch_arguments_follow_the_kernel_signature():
+    """The direct launch passes every argument positionally: pointers, integers, constexprs."""
+    from glm_fp8.quantize import _launch_args, quantize_blockwise_kernel
+
+    srcs = [torch.randn(2, 100, 300), torch.randn(2, 60, 300)]
+    q = torch.empty(2, 160, 300, dtype=torch.float8_e4m3fn)
+    s = torch.empty(2, 2, 3)
+    tensors, ints = _launch_args(srcs, q, s, None)
+    names = quantize_blockwise_kernel.arg_names
+    constexprs = ["NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8",
+                  "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "BR", "BC"]  # fmt: skip
+    assert names[: len(tensors)] == ["p_q", "p_s", "p_flag", "p_x0", "p_x1", "p_x2", "p_x3"]
+    assert names[len(tensors) + len(ints) :] == constexprs
+    by_name = dict(zip(names[len(tensors) :], ints))
+    assert [by_name[k] for k in ("r1", "r2", "r3", "R", "C")] == [100, 160, 160, 160, 300]
+    assert (by_name["s_x1e"], by_name["s_x1r"], by_name["s_qe"], by_name["s_sr"]) == (18000, 300, 48000, 3)
+    assert (by_name["n_e"], by_name["n_rb"], by_name["n_cb"]) == (2, 2, 3)
 
 
 def test_unaligned_outputs_take_the_kernel_without_source_alignment():
@@ -263,6 +298,34 @@ def test_non_finite_in_experts_names_the_weight(device, backend, weight):
         quantize_experts(w1, w3, w2, backend=backend)
 
 
+def test_flag_is_clean_for_the_next_call(device, backend):
+    """The finite check's flag lives across calls (one per thread and device): a call that
+    found NaN, or failed after its kernels ran, leaves it zero for the next one."""
+    from glm_fp8 import quantize
+
+    x = torch.randn(256, 256, device=device)
+    x[3, 3] = float("nan")
+    with pytest.raises(NonFiniteError):
+        quantize_blockwise(x, backend=backend)
+    x[3, 3] = 1.0
+    _check(x, backend=backend)  # raises NonFiniteError if the flag were still set
+    assert quantize._nonfinite_flag(x.device).item() == 0
+
+    def set_then_fail(jobs, ue8m0, flag):
+        flag.fill_(1)
+        raise RuntimeError("launcher failed")
+
+    saved = quantize.backends.LAUNCHERS["torch"]
+    quantize.backends.LAUNCHERS["torch"] = set_then_fail
+    try:
+        with pytest.raises(RuntimeError, match="launcher failed"):
+            quantize_blockwise(x, backend="torch")
+    finally:
+        quantize.backends.LAUNCHERS["torch"] = saved
+    assert quantize._nonfinite_flag(x.device).item() == 0
+    _check(x, backend=backend)
+
+
 def test_check_finite_off_poisons_only_that_block(device, backend):
     x = torch.randn(256, 256, device=device)
     x[130, 3] = float("nan")
@@ -290,13 +353,16 @@ def test_64bit_addressing_past_2_pow_31_elements(gpu_backend):
 
 @pytest.mark.skipif(not ON_GPU, reason="device memory accounting needs CUDA")
 @pytest.mark.parametrize("gpu_backend", GPU_BACKENDS)
-def test_with_out_transient_memory_is_tiny(gpu_backend):
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_with_out_nothing_is_allocated(gpu_backend, check_finite):
+    """With ``out`` given a call allocates no device memory at all: the finite check's flag is
+    allocated by the first call of a thread on a device and reused."""
     w1, w3, w2 = _experts(16, 512, 1024, "cuda")
     out = ExpertsFP8.empty(16, 1024, 512, device="cuda")
     quantize_experts(w1, w3, w2, out=out, backend=gpu_backend)  # compile outside the measurement
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    quantize_experts(w1, w3, w2, out=out, backend=gpu_backend)
+    quantize_experts(w1, w3, w2, out=out, check_finite=check_finite, backend=gpu_backend)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= 1 << 20
+    assert torch.cuda.max_memory_allocated() - base == 0
