@@ -1,6 +1,7 @@
 """Launch-config sweep of the Triton kernel on GLM-5 routed experts (GPU only), timed steadily.
 
-python bench/sweep.py [--dtype bf16 fp32] [--experts 256 8] [--rounds 5] [--calls N] [--config NAME ...]
+python bench/sweep.py [--dtype bf16 fp32] [--experts 256 8] [--rounds 5] [--calls N] [--timer do_bench]
+                      [--config NAME ...]
 
 Each round times a device-to-device copy of the input bytes and then every config (and the
 CUDA backend, when built) in turn: CUDA events around back-to-back calls, no cache flush (the
@@ -8,6 +9,8 @@ inputs are far larger than L2). Share of copy = (ideal bytes / kernel time) / (2
 bytes / copy time) with that round's copy; the table gives the median over rounds and the
 min-max range. Without the finite check. Before it is timed, every config writes poisoned
 outputs that must come out bit-identical to the first config's on three experts.
+``--timer do_bench`` times each method with triton's do_bench instead (one call between two
+events after a 256 MB cache flush, median), the method of ``glm-fp8 bench``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,16 @@ def events_ms(fn: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def sweep(dtype: torch.dtype, e: int, names: list[str], rounds: int, calls: int | None = None) -> list[list]:
+def do_bench_ms(fn: Callable[[], object], calls: int) -> float:
+    """``glm-fp8 bench``'s timer; ``calls`` is unused (do_bench picks its own count)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def sweep(
+    dtype: torch.dtype, e: int, names: list[str], rounds: int, calls: int | None = None, timer: str = "events"
+) -> list[list]:
     h, i = GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE
     w1, w3 = (torch.randn(e, i, h, device="cuda", dtype=dtype) * 0.02 for _ in range(2))
     w2 = torch.randn(e, h, i, device="cuda", dtype=dtype) * 0.02
@@ -88,11 +100,12 @@ def sweep(dtype: torch.dtype, e: int, names: list[str], rounds: int, calls: int 
     ms: dict[str, list[float]] = {m: [] for m in methods}
     shares: dict[str, list[float]] = {m: [] for m in methods}
     copy_ms: list[float] = []
+    time_fn = do_bench_ms if timer == "do_bench" else events_ms
     for _ in range(rounds):
-        c = events_ms(copy, calls)
+        c = time_fn(copy, calls)
         copy_ms.append(c)
         for name, fn in methods.items():
-            t = events_ms(fn, calls)
+            t = time_fn(fn, calls)
             ms[name].append(t)
             shares[name].append((ideal / t) / (2 * in_bytes / c))
     label = f"{str(dtype).removeprefix('torch.')} E={e}"
@@ -115,6 +128,7 @@ def main() -> None:
     p.add_argument("--experts", nargs="+", type=int, default=[256, 8])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, help="back-to-back calls per timing (default: ~20 ms of work)")
+    p.add_argument("--timer", choices=["events", "do_bench"], default="events")
     p.add_argument("--config", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = p.parse_args()
     from tabulate import tabulate
@@ -124,7 +138,7 @@ def main() -> None:
     for name in args.dtype:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
         for e in args.experts:
-            rows += sweep(dtype, e, args.config, args.rounds, args.calls)
+            rows += sweep(dtype, e, args.config, args.rounds, args.calls, args.timer)
             torch.cuda.empty_cache()
             print(f"done: {name} E={e}", flush=True)
     print(tabulate(rows, headers, "github"))
