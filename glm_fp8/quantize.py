@@ -302,10 +302,15 @@ _compiled_kernels: dict[tuple, object] = {}
 _MAX_COMPILED_KERNELS = 4096  # distinct shapes/strides/alignments; cleared when exceeded
 
 
+_CONSTEXPR_NAMES = ("NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8",
+                    "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "BR", "BC")  # fmt: skip
+
+
 def _launch_args(
     sources: Sequence[torch.Tensor], q: torch.Tensor, s: torch.Tensor, nonfinite: torch.Tensor | None
 ) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-    """Pointer tensors (q, scale, flag, four sources) and integer arguments, in signature order."""
+    """Pointer tensors (q, scale, flag, four sources) and integer arguments, in signature order;
+    the integers end with the experts, row blocks and column blocks."""
     e, r, c = q.shape
     padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
     bounds = []
@@ -330,23 +335,25 @@ def launch_triton(
     """Launch over already-validated 3-D views: sources [E, R_k, C], q [E, R, C], s [E, Rb, Cb];
     ``nonfinite`` (int32 [1]) is set to 1 if a block's scale is NaN/Inf."""
     config = config or default_config(sources[0].dtype)
-    e, r, c = q.shape
-    n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
+    tensors, ints = _launch_args(sources, q, s, nonfinite)
+    e, n_rb, n_cb = ints[-3:]  # experts, row blocks, column blocks
     n_tiles = e * n_rb * n_cb
     if n_tiles == 0:
         return
     interpret = backends.interpreting()
+    if not interpret and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # compiled kernels and streams belong to one device
+            return launch_triton(sources, q, s, ue8m0, nonfinite, config)
     if config.programs_per_sm > 0:
         sms = 4 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
         grid = min(n_tiles, config.programs_per_sm * sms)
     else:
         grid = e * n_rb * -(-n_cb // config.cb_per_prog)
-    tensors, ints = _launch_args(sources, q, s, nonfinite)
     soft_fp8 = interpret if config.soft_fp8 is None else config.soft_fp8
     # Row gather needs row-major sources: with a column stride other than 1 (a transposed
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
-    # In signature order after the integers; BR and BC last.
+    # In signature order after the integers (_CONSTEXPR_NAMES).
     constexprs = (len(sources), row_gather, config.cb_per_prog, config.programs_per_sm > 0,
                   config.num_stages, ue8m0, soft_fp8, config.fma_div, not interpret, nonfinite is not None,
                   config.signed_quotient, BLOCK, BLOCK)  # fmt: skip
@@ -358,9 +365,6 @@ def launch_triton(
     if interpret or not _direct_launch:
         _jit_launch(kernel, grid, tensors, ints, constexprs, options)
         return
-    if q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):
-            return launch_triton(sources, q, s, ue8m0, nonfinite, config)
     ptrs = [t.data_ptr() for t in tensors]
     key = (aligned_out, q.device.index, sources[0].dtype, constexprs, config.num_warps, config.num_stages,
            config.maxnreg, ints, tuple(p & 15 for p in ptrs))  # fmt: skip
@@ -388,10 +392,8 @@ def _jit_launch(
 ) -> object:
     """The launch through triton's JIT front end (compiles on a new specialization)."""
     q, *rest = tensors
-    names = ("NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8", "FMA_DIV",
-             "NAN_MAX", "FLAG", "SIGNED_Y", "BR", "BC")  # fmt: skip
     return kernel[(grid,)](
-        q.view(torch.uint8), *rest, *ints, **dict(zip(names, constexprs)), **options,
+        q.view(torch.uint8), *rest, *ints, **dict(zip(_CONSTEXPR_NAMES, constexprs)), **options,
         enable_fp_fusion=False,  # no contraction may change a rounding numerics.md fixes
     )  # fmt: skip
 
