@@ -16,7 +16,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from glm_fp8.broadcast import Broadcaster, HostSinkComm
+from glm_fp8.broadcast import Broadcaster, HostSinkComm, checksum_scratch, layer_checksum
 from glm_fp8.convert import convert_layer
 from glm_fp8.plan import PRESETS, plan_from_config
 
@@ -50,24 +50,33 @@ def main() -> None:
     sink.broadcast(buf, 0)
     t_convert = _timed(lambda: [convert_layer(layer, 0, out=buf, plan=plan) for _ in range(n)])
     t_comm = _timed(lambda: [sink.broadcast(buf, 0) for _ in range(n)])
+    scratch = checksum_scratch(plan.nbytes, buf.device)
+    layer_checksum(buf, scratch)
+    t_sum = _timed(lambda: [layer_checksum(buf, scratch) for _ in range(n)])
+    t_copy = _timed(lambda: [buf[: plan.nbytes // 2].copy_(buf[plan.nbytes // 2 :]) for _ in range(n)])
     buf = None  # noqa: F841 - free it before the ring is allocated
     rows = []
-    for ring in (2, 1):
+    for ring, checksum in ((2, True), (2, False), (1, True)):
         torch.cuda.empty_cache()
-        sender = Broadcaster(sink, 0, config=config, ring=ring, device="cuda")
+        sender = Broadcaster(sink, 0, config=config, ring=ring, checksum=checksum, device="cuda")
         sender.broadcast_model(stream())  # warm-up
         stats = sender.broadcast_model(stream())
         total = stats.seconds
         ring_bytes = ring * plan.nbytes
-        rows.append([ring, f"{total:.3f}", f"{t_convert:.3f}", f"{t_comm:.3f}", f"{t_convert + t_comm:.3f}",
-                     f"{total / max(t_convert, t_comm):.3f}", f"{ring_bytes / 2**30:.2f}",
-                     f"{stats.peak_bytes / 2**20:.1f}"])  # fmt: skip
+        rows.append([ring, "on" if checksum else "off", f"{total:.3f}", f"{t_convert:.3f}", f"{t_comm:.3f}",
+                     f"{t_convert + t_comm:.3f}", f"{total / max(t_convert, t_comm):.3f}",
+                     f"{ring_bytes / 2**30:.2f}", f"{stats.peak_bytes / 2**20:.1f}"])  # fmt: skip
         del sender
     gbps = n * plan.nbytes / t_comm / 1e9
     size = plan.nbytes / 2**30
     print(f"{n} GLM-5 sparse layers of {size:.2f} GiB; stand-in link {gbps:.1f} GB/s (D2H pinned)")
-    print(tabulate(rows, ["ring", "total s", "convert s", "comm s", "sum s", "total / max", "ring GiB",
-                          "peak above ring+inputs MiB"]))  # fmt: skip
+    per_layer = t_sum / n
+    print(f"layer checksum alone: {per_layer * 1e3:.2f} ms per layer, reading "
+          f"{plan.nbytes / per_layer / 1e9:.0f} GB/s (a device copy of the same bytes: "
+          f"{plan.nbytes / (t_copy / n) / 1e9:.0f} GB/s read+write); {t_sum / t_comm * 100:.2f} % of the "
+          f"layer's link time, {t_sum / t_convert * 100:.1f} % of its conversion")  # fmt: skip
+    print(tabulate(rows, ["ring", "checksum", "total s", "convert s", "comm s", "sum s", "total / max",
+                          "ring GiB", "peak above ring+inputs MiB"]))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -138,17 +138,18 @@ def fill_layer(
                               prefix + scale_entry.name))  # fmt: skip
         if blackwell:
             packs.append((jobs[-1].s, scale_view))
-    if jobs:
-        _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend)
+    passthrough = [e for e in wanted if e.op in ("copy", "concat")]
     pairs = [
         pair
-        for e in wanted
-        if e.op in ("copy", "concat")
+        for e in passthrough
         for pair in _row_pieces(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])
     ]
     if pairs:
         # One multi-tensor launch per dtype for all passthrough pieces instead of one each.
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    # The passthrough sources join the kernels' finite check: one flag, one host read per layer.
+    also = [(prefix + s, layer[s]) for e in passthrough for s in e.sources]
+    _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend, also=also)
     for scales, packed in packs:
         pack_ue8m0_sm100(scales, packed)
     return views

@@ -32,9 +32,10 @@ _SCALE_FLOOR_BITS = tl.constexpr(SCALE_FLOOR_BITS)
 
 
 class NonFiniteError(ValueError):
-    """A source holds NaN or Inf. ``source``, ``expert``, ``block`` say where (first found)."""
+    """A source holds NaN or Inf. ``source``, ``expert``, ``block`` say where (first found);
+    ``block`` is None for a tensor that is passed through unquantized."""
 
-    def __init__(self, message: str, source: str, expert: int | None, block: tuple[int, int]):
+    def __init__(self, message: str, source: str, expert: int | None, block: tuple[int, int] | None):
         super().__init__(message)
         self.source = source
         self.expert = expert
@@ -518,14 +519,21 @@ def _run_jobs(
     check_finite: bool,
     config: LaunchConfig | None,
     backend: str | None,
+    also: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> None:
-    """Launch every job on one backend; with ``check_finite``, one flag and one sync for all."""
-    device = jobs[0].q.device
-    name = backends.resolve_backend(backend, device, config is not None)
+    """Launch every job on one backend; with ``check_finite``, one flag and one sync for all.
+
+    ``also``: named floating tensors (a layer's passthrough entries) whose NaN/Inf the same flag
+    and the same host read report, so a whole layer costs one sync however it is made."""
+    device = jobs[0].q.device if jobs else also[0][1].device
     busy = [job for job in jobs if job.s.numel()]
+    also = [(n, t) for n, t in also if t.numel() and t.is_floating_point()] if check_finite else []
+    if not busy and not also:
+        return
+    name = backends.resolve_backend(backend, device, config is not None) if busy else ""
     # Scales are >= 1e-12 and a NaN/Inf block gives a NaN/Inf scale, so the kernels set one
     # int32 flag; the slow search that names the element runs only when it is set.
-    flag = _nonfinite_flag(device) if check_finite and busy else None
+    flag = _nonfinite_flag(device) if check_finite else None
     ue8m0 = scale_fmt == "ue8m0"
     work = [([_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s)) for job in busy]
     try:
@@ -534,6 +542,10 @@ def _run_jobs(
                 launch_triton(sources, q, s, ue8m0, flag, config)
         elif work:
             backends.LAUNCHERS[name](work, ue8m0, flag)
+        if also:
+            # max |x| of every tensor in one multi-tensor reduction: NaN/Inf survive it.
+            norms = torch._foreach_norm([t for _, t in also], float("inf"))
+            flag.bitwise_or_((~torch.isfinite(torch.stack([n.float() for n in norms]))).any().to(torch.int32))
         found = flag is not None and bool(flag.item())
     except BaseException:
         if flag is not None:
@@ -543,6 +555,21 @@ def _run_jobs(
         flag.zero_()
         for job in busy:
             _raise_if_non_finite(job.named_sources, job.s, job.stacked)
+        for name, t in also:
+            _raise_if_non_finite_tensor(name, t)
+        raise AssertionError("the finite flag was set, yet no input holds NaN/Inf")  # pragma: no cover
+
+
+def _raise_if_non_finite_tensor(name: str, t: torch.Tensor) -> None:
+    """A passthrough tensor with NaN/Inf: name its first bad element."""
+    bad = (~torch.isfinite(t)).nonzero()
+    if len(bad):
+        at = [int(i) for i in bad[0]]
+        value = float(t[tuple(at)])
+        raise NonFiniteError(
+            f"{name}: {value} at {name}{at}; refusing to send it. Pass check_finite=False to skip "
+            "this check.", source=name, expert=None, block=None,
+        )  # fmt: skip
 
 
 def quantize_blockwise(

@@ -86,7 +86,7 @@ def test_manifest_mismatch_stops_every_rank_before_any_layer():
     assert results[0][0] == "ManifestMismatch" and "refused the manifest" in results[0][1]
     assert results[1][0] == "ManifestMismatch" and "mlp.router" not in results[1][1]
     assert "mlp.gate.weight" in results[1][1] or "entry" in results[1][1]
-    assert results[2][0] == "UpdateAborted" and "another receiver refused" in results[2][1]
+    assert results[2][0] == "UpdateAborted" and "rank 1 refused the manifest" in results[2][1]
 
 
 def _nan_rank(rank, world):
