@@ -16,9 +16,11 @@ import time
 import torch
 from tabulate import tabulate
 
-from glm_fp8.broadcast import Broadcaster, HostSinkComm, checksum_scratch, layer_checksum
 from glm_fp8.convert import convert_layer
-from glm_fp8.plan import PRESETS, plan_from_config
+from glm_fp8.models import PRESETS
+from glm_fp8.plan import plan_from_config
+from glm_fp8.transfer import Broadcaster, HostSinkComm
+from glm_fp8.transfer.wire import checksum_scratch, layer_checksum
 
 
 def _timed(fn) -> float:

@@ -18,9 +18,9 @@ import time
 import torch
 from tabulate import tabulate
 
-from glm_fp8.bench import SMALL_GLM5
-from glm_fp8.demo import launch
-from glm_fp8.plan import PRESETS, plan_from_config
+from glm_fp8.models import PRESETS, SMALL_GLM5
+from glm_fp8.plan import plan_from_config
+from glm_fp8.testing import launch
 
 STRATEGIES = [("full", 2), ("full", 1), ("chunked", 1), ("quantize_then_gather", 1)]
 
@@ -45,7 +45,7 @@ def _sharded_layer(plan, mesh, rank: int, world: int, device: torch.device) -> d
 def gather_rank(rank: int, world: int, config: dict, layers: int, strategy: str, ring: int) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from glm_fp8.broadcast import Broadcaster, HostSinkComm, contribute_shards
+    from glm_fp8.transfer import Broadcaster, HostSinkComm, contribute_shards
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -15,10 +15,11 @@ _EXPORTS = {
     "available_backends": "glm_fp8.backends",
     "get_default_backend": "glm_fp8.backends",
     "set_default_backend": "glm_fp8.backends",
-    "Broadcaster": "glm_fp8.broadcast",
-    "HostSinkComm": "glm_fp8.broadcast",
-    "Receiver": "glm_fp8.broadcast",
-    "contribute_shards": "glm_fp8.broadcast",
+    "Broadcaster": "glm_fp8.transfer",
+    "HostSinkComm": "glm_fp8.transfer",
+    "Receiver": "glm_fp8.transfer",
+    "UpdateAborted": "glm_fp8.transfer",
+    "contribute_shards": "glm_fp8.transfer",
     "convert_layer": "glm_fp8.convert",
     "LayerPlan": "glm_fp8.plan",
     "plan_from_config": "glm_fp8.plan",
@@ -36,7 +37,6 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from glm_fp8.backends import available_backends, get_default_backend, set_default_backend
-    from glm_fp8.broadcast import Broadcaster, HostSinkComm, Receiver, contribute_shards
     from glm_fp8.convert import convert_layer
     from glm_fp8.plan import LayerPlan, plan_from_config, plan_from_state_dict
     from glm_fp8.quantize import (
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         quantize_blockwise,
         quantize_experts,
     )
+    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver, UpdateAborted, contribute_shards
 
 
 def __getattr__(name: str) -> Any:

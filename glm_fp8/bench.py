@@ -71,7 +71,8 @@ def glm5_cases() -> list[Case]:
 
 
 def layer_case(model: str, layer_idx: int, name: str, note: str, config: dict | None = None) -> Case:
-    from glm_fp8.plan import load_config, plan_from_config
+    from glm_fp8.models import load_config
+    from glm_fp8.plan import plan_from_config
 
     plan = plan_from_config(config or load_config(model), layer_idx)
     names = list(plan.inputs)
@@ -300,9 +301,16 @@ class Row:
     method: str
     backend: str
     ms: float
-    gbps: float
-    share_of_copy: float
+    gbps: float | None  # None on the CPU: the interpreter's times say nothing about bandwidth
+    share_of_copy: float | None
     peak_transient_mib: float | None
+
+
+# Printed under the table on the CPU, where the rows only show that each path runs.
+CPU_NOTE = (
+    "note: on the CPU the kernels run in Triton's interpreter; the times only show that each path "
+    "runs (GB/s and share of copy are n/a)"
+)
 
 
 def run_case(
@@ -316,8 +324,10 @@ def run_case(
     """Time every method of ``case``. Each method's time is paired with a copy timed just before
     it, so clock and thermal drift hit the copy and the kernel alike; with ``rounds`` > 1 all
     methods are timed in turn, round after round, and each figure is the median over rounds of
-    its time and of its ratio to its paired copy."""
+    its time and of its ratio to its paired copy. On the CPU only the times are reported (no
+    paired copies; ``gbps`` and ``share_of_copy`` are None): the interpreter measures no bandwidth."""
     backends = fused_backends(device) if backends is None else backends
+    on_gpu = device.type == "cuda"
     prep = prepare(case, device)
     fns = method_fns(prep, with_compile, backends)
     times: dict[Method, list[float]] = {m: [] for m in fns}
@@ -325,6 +335,10 @@ def run_case(
     peaks: dict[Method, int | None] = {}
     for _ in range(rounds):
         for (method, backend), fn in fns.items():
+            if not on_gpu:
+                times[(method, backend)].append(time_ms(fn, device, budget_ms))
+                peaks.setdefault((method, backend), None)
+                continue
             copy_ms = time_ms(fns[("copy", "")], device, budget_ms)
             copy_gbps = moved_bytes(case, "copy") / copy_ms / 1e6
             ms = copy_ms if method == "copy" else time_ms(fn, device, budget_ms)
@@ -338,9 +352,10 @@ def run_case(
     for (method, backend), ms_list in times.items():
         ms = statistics.median(ms_list)
         peak = peaks[(method, backend)]
+        gbps = moved_bytes(case, method) / ms / 1e6 if on_gpu else None
+        share = statistics.median(shares[(method, backend)]) if on_gpu else None
         rows.append(
-            Row(case.name, str(case.dtype).removeprefix("torch."), method, backend, ms,
-                moved_bytes(case, method) / ms / 1e6, statistics.median(shares[(method, backend)]),
+            Row(case.name, str(case.dtype).removeprefix("torch."), method, backend, ms, gbps, share,
                 None if peak is None else peak / 2**20)
         )  # fmt: skip
     del prep, fns
@@ -361,8 +376,11 @@ def moved_bytes(case: Case, method: str) -> int:
 def format_rows(rows: list[Row], markdown: bool = False) -> str:
     from tabulate import tabulate
 
+    na = "n/a (CPU)"  # None: measured on the CPU (Row)
     table = [
-        [r.case, r.dtype, r.method, r.backend, f"{r.ms:.3f}", f"{r.gbps:.0f}", f"{r.share_of_copy:.3f}",
+        [r.case, r.dtype, r.method, r.backend, f"{r.ms:.3f}",
+         na if r.gbps is None else f"{r.gbps:.0f}",
+         na if r.share_of_copy is None else f"{r.share_of_copy:.3f}",
          "n/a" if r.peak_transient_mib is None else f"{r.peak_transient_mib:.1f}"]
         for r in rows
     ]  # fmt: skip

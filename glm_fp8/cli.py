@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer >= ``low`` (the error names the option)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type=``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available() and not args.cpu
@@ -19,9 +50,18 @@ def _bench(args: argparse.Namespace) -> int:
     from glm_fp8 import bench
 
     device = torch.device("cuda" if on_gpu else "cpu")
+    available = bench.fused_backends(device)
+    for name in dict.fromkeys(args.backend or []):
+        if name not in available:
+            parser.error(f"argument --backend: {name!r} is not available on {device.type} "
+                         f"(available here: {', '.join(available) or 'none'})")  # fmt: skip
     shapes = args.shapes if args.shapes != "auto" else ("glm5" if on_gpu else "small")
     cases = bench.glm5_cases() if shapes == "glm5" else bench.small_cases()
     if args.case:
+        for key in args.case:
+            if not any(key in c.name for c in cases):
+                parser.error(f"argument --case: {key!r} matches no {shapes} case "
+                             f"(available: {', '.join(c.name for c in cases)})")  # fmt: skip
         cases = [c for c in cases if any(k in c.name for k in args.case)]
     with_compile = on_gpu and not args.no_compile
     print(f"device: {_device_name(device)}; torch {torch.__version__}; "
@@ -31,13 +71,15 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"  {case.name}: {case.note}", file=sys.stderr)
         rows.extend(bench.run_case(case, device, with_compile, args.budget_ms, args.backend, args.rounds))
     print(bench.format_rows(rows, markdown=args.markdown))
+    if not on_gpu:
+        print(bench.CPU_NOTE)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -48,21 +90,51 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.world, args.layers, args.ring, args.mode)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The --config file or the --model preset; argparse errors for what cannot be read."""
+    from glm_fp8.models import PRESETS, load_config
+
+    if not args.config:
+        if args.model not in PRESETS:
+            parser.error(f"argument --model: unknown preset {args.model!r} "
+                         f"(expected one of: {', '.join(sorted(PRESETS))})")  # fmt: skip
+        return load_config(args.model)
+    try:
+        with open(args.config) as f:
+            config = json.load(f)
+    except OSError as e:
+        parser.error(f"argument --config: cannot read {args.config!r}: {e.strerror or e}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        parser.error(f"argument --config: {args.config!r} is not JSON ({e})")
+    if not isinstance(config, dict):
+        parser.error(f"argument --config: {args.config!r} holds a JSON {type(config).__name__}, "
+                     "expected an object (a Hugging Face config.json)")  # fmt: skip
+    return config
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
     from tabulate import tabulate
 
-    from glm_fp8.plan import estimate_memory, load_config, master_bytes_per_gpu, plan_from_config
+    from glm_fp8.memory import estimate_memory, master_bytes_per_gpu
+    from glm_fp8.plan import plan_from_config
 
-    config = load_config(args.model, args.config)
+    config = _load_config(args, parser)
     gib = 2**30
     dense_idx, sparse_idx = 0, config.get("first_k_dense_replace", 0)
-    rows = []
     plans = {}
-    for kind, idx in (("dense", dense_idx), ("sparse", sparse_idx)):
-        if idx >= config["num_hidden_layers"] or (kind == "dense" and sparse_idx == 0):
-            continue
-        plans[kind] = plan = plan_from_config(config, idx, target=args.target)
+    try:
+        for kind, idx in (("dense", dense_idx), ("sparse", sparse_idx)):
+            if idx >= config["num_hidden_layers"] or (kind == "dense" and sparse_idx == 0):
+                continue
+            plans[kind] = plan_from_config(config, idx, target=args.target)
+    except (KeyError, TypeError, ValueError) as e:
+        if not args.config:
+            raise
+        why = f"lacks the field {e}" if isinstance(e, KeyError) else f"is not a usable config: {e}"
+        parser.error(f"argument --config: {args.config!r} {why}")
+    rows = []
+    for kind, plan in plans.items():
         est = estimate_memory(plan, torch.float32 if args.gather_dtype == "fp32" else torch.bfloat16)
         rows.append([kind, len(plan.entries), f"{plan.nbytes / gib:.2f}", f"{est.inputs / gib:.2f}",
                      f"{est.eager / gib:.1f}", f"{est.preallocated_stack / gib:.1f}",
@@ -125,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     b.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
-    b.add_argument("--budget-ms", type=float, default=1000.0, help="timing budget per method and round")
     b.add_argument(
-        "--rounds", type=int, default=1,
+        "--budget-ms", type=positive_float, default=1000.0, help="timing budget per method and round"
+    )  # fmt: skip
+    b.add_argument(
+        "--rounds", type=positive_int, default=1,
         help="time the copy and every method in turn this many times; report medians (drift-proof ratios)",
     )  # fmt: skip
     b.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -139,9 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Local processes: rank 0 converts and broadcasts, the others receive and "
         "check every byte against the reference. gloo on the CPU, NCCL with >= 2 GPUs.",
     )
-    d.add_argument("--world", type=int, help="processes (default: 3 on CPU, one per GPU up to 4)")
-    d.add_argument("--layers", type=int, default=4, help="layers (the first is dense)")
-    d.add_argument("--ring", type=int, default=2, help="layer buffers on each side")
+    d.add_argument(
+        "--world", type=_int_at_least(2),
+        help="processes, >= 2: one sender and at least one receiver (default: 3 on CPU, one per GPU up to 4)",
+    )  # fmt: skip
+    d.add_argument("--layers", type=positive_int, default=4, help="layers (the first is dense)")
+    d.add_argument("--ring", type=positive_int, default=2, help="layer buffers on each side")
     d.add_argument("--mode", choices=["fp8", "bf16"], default="fp8")
     d.set_defaults(func=_demo)
     p = sub.add_parser(
@@ -149,20 +226,21 @@ def main(argv: list[str] | None = None) -> int:
         help="per-layer kernel-format sizes and predicted peak memory (no download)",
         description="Kernel-format bytes per layer and the predicted peak transient memory of "
         "converting one layer: eager (prime-rl), preallocated stack, glm_fp8 (see "
-        "glm_fp8.plan.estimate_memory for the model).",
+        "glm_fp8.memory.estimate_memory for the model).",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="glm-5", help="preset: glm-5 or glm-4.5")
     src.add_argument("--config", help="path to a Hugging Face config.json")
     p.add_argument("--target", choices=["hopper", "blackwell"], default="hopper")
     p.add_argument("--gather-dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--nodes", type=int, help="train nodes: also show resident + peak per GPU")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-gib", type=float, default=139.0, help="usable memory per GPU")
+    p.add_argument("--nodes", type=positive_int, help="train nodes: also show resident + peak per GPU")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
+    p.add_argument("--gpu-gib", type=positive_float, default=139.0, help="usable memory per GPU")
     p.add_argument("--entries", action="store_true", help="list every entry with its offset")
     p.set_defaults(func=_plan)
     args = parser.parse_args(argv)
-    return args.func(args)
+    # Checks that need runtime knowledge (presets, files, cases, backends) report through the subparser.
+    return args.func(args, sub.choices[args.command])
 
 
 if __name__ == "__main__":

@@ -14,24 +14,9 @@ from collections.abc import Mapping
 import torch
 
 from glm_fp8 import _checks
-from glm_fp8.plan import LayerPlan, PlanEntry, plan_from_state_dict
-from glm_fp8.quantize import _Job, _plan_job, _run_jobs
+from glm_fp8.plan import LayerPlan, layer_prefix, plan_from_state_dict, strip_layer
+from glm_fp8.quantize import NonFiniteError, _Job, _plan_job, _run_jobs
 from glm_fp8.reference import BLOCK
-
-
-def layer_prefix(layer_idx: int) -> str:
-    return f"model.layers.{layer_idx}."
-
-
-def strip_layer(state_dict: Mapping[str, torch.Tensor], layer_idx: int) -> dict[str, torch.Tensor]:
-    """The layer's tensors under their short names. Keys may carry the ``model.layers.{i}.``
-    prefix (keys of other layers are then ignored) or be short already."""
-    prefix = layer_prefix(layer_idx)
-    if any(k.startswith(prefix) for k in state_dict):
-        return {k[len(prefix) :]: t for k, t in state_dict.items() if k.startswith(prefix)}
-    if any(k.startswith("model.layers.") for k in state_dict):
-        raise KeyError(f"state_dict: no key starts with {prefix!r} (layer_idx={layer_idx})")
-    return dict(state_dict)
 
 
 def _check_layer(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str) -> torch.device:
@@ -192,4 +177,22 @@ def pack_ue8m0_sm100(scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["PlanEntry", "convert_layer", "fill_layer", "layer_prefix", "pack_ue8m0_sm100", "strip_layer"]
+def check_finite_entries(
+    plan: LayerPlan, buf: torch.Tensor, layer_idx: int, ops: tuple[str, ...] = ("scale", "copy", "concat")
+) -> None:
+    """Raise ``NonFiniteError`` if an entry of a filled layer buffer whose op is in ``ops`` holds
+    NaN/Inf (a quantized entry's NaN/Inf shows in its scales): max |x| of every such entry in
+    one multi-tensor reduction, one host read; no temporary beyond a float per entry. For
+    buffers written piece by piece, where the kernels' own flag was not used."""
+    floating = [(e.name, e.view(buf)) for e in plan.entries if e.op in ops and e.dtype.is_floating_point]
+    norms = torch._foreach_norm([v for _, v in floating], float("inf")) if floating else []
+    if norms and not bool(torch.isfinite(torch.stack(norms)).all()):
+        bad = next(n for (n, _), m in zip(floating, norms) if not torch.isfinite(m))
+        bad = bad.removesuffix("_scale_inv")
+        raise NonFiniteError(
+            f"{layer_prefix(layer_idx)}{bad}: NaN or Inf in its sources; the update was aborted",
+            source=layer_prefix(layer_idx) + bad, expert=None, block=(-1, -1),
+        )  # fmt: skip
+
+
+__all__ = ["check_finite_entries", "convert_layer", "fill_layer", "pack_ue8m0_sm100"]

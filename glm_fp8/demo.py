@@ -2,107 +2,25 @@
 scaled-down GLM-5 model; every received byte is checked against the reference.
 
 gloo on the CPU (the kernels then run in Triton's interpreter), NCCL when there are two GPUs
-or more (one process per GPU). ``launch`` is also what the multi-process tests use.
+or more (one process per GPU), started by ``glm_fp8.testing.launch`` as in the tests.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import time
-import traceback
-from collections.abc import Callable, Mapping
-from datetime import timedelta
+from collections.abc import Mapping
 
 import torch
 
-from glm_fp8.bench import SMALL_GLM5
-
-
-def synthetic_layer(config: Mapping, layer_idx: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Deterministic trainer tensors of one layer (prefixed names), the same in every process."""
-    from glm_fp8.plan import plan_from_config
-
-    gen = torch.Generator().manual_seed(1000 + layer_idx)
-    plan = plan_from_config(config, layer_idx, dtype=dtype)
-    prefix = f"model.layers.{layer_idx}."
-    return {
-        prefix + k: (torch.randn(shape, generator=gen) * 0.02).to(dtype)
-        for k, (shape, _) in plan.inputs.items()
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, backend, timeout_s, fn, args, queue):
-    import torch.distributed as dist
-
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
-        queue.put((rank, type(exc).__name__, f"{exc}\n{traceback.format_exc(limit=3)}"))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a dead peer can make this fail too
-                pass
-
-
-def launch(
-    world: int, fn: Callable, args: tuple = (), *, backend: str = "gloo", timeout_s: float = 30.0
-) -> dict[int, tuple[str, object]]:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes; ``{rank: (status, result)}``.
-
-    status is "ok" or the exception's class name. A rank that reports nothing within
-    ``timeout_s`` plus a margin is killed and reported as "killed": nothing waits forever.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, timeout_s, fn, args, queue), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout_s + 60
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, status, result = queue.get(timeout=1.0)
-            results[rank] = (status, result)
-        except Exception:  # noqa: BLE001 - queue.Empty: check for dead processes
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-            if dead and all(not p.is_alive() for p in procs):
-                break
-    for r, p in enumerate(procs):
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-        results.setdefault(r, ("killed" if p.exitcode is None else f"exit {p.exitcode}", None))
-    return results
+from glm_fp8.models import SMALL_GLM5
+from glm_fp8.plan import plan_from_config, strip_layer
+from glm_fp8.reference import convert_layer_ref
+from glm_fp8.testing import launch, synthetic_layer
+from glm_fp8.transfer import Broadcaster, Receiver
 
 
 def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mode: str) -> dict:
     """Rank 0 broadcasts ``layers`` synthetic layers; the others receive and verify them."""
-    from glm_fp8.broadcast import Broadcaster, Receiver
-    from glm_fp8.plan import plan_from_config
-    from glm_fp8.reference import convert_layer_ref
-
     config = {**config, "num_hidden_layers": layers}
     # On a GPU machine every rank uses a GPU (gloo carries CUDA tensors too), else the CPU.
     gpus = torch.cuda.device_count()
@@ -119,7 +37,7 @@ def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mo
     mismatched = 0
     checked = 0
     for pos, views in receiver.receive_layers():
-        layer = {k.removeprefix(f"model.layers.{pos}."): t for k, t in synthetic_layer(config, pos).items()}
+        layer = strip_layer(synthetic_layer(config, pos), pos)
         want = convert_layer_ref(layer, pos, plan_from_config(config, pos, quantize=mode == "fp8"))
         for name, view in views:
             got = view.cpu().contiguous().view(torch.uint8)

@@ -1,6 +1,6 @@
 """Pure-PyTorch block-FP8 quantization: the oracle every backend is compared against.
 
-Implements ``shared/spec/numerics.md`` literally and gives the same bits on CPU and CUDA:
+Implements docs/numerics.md literally and gives the same bits on CPU and CUDA:
 
 - ``s = max(fl32(amax * C), fl32(1e-12))`` with ``C = fl32(1/448)``: a multiplication by an
   explicit float32 tensor, because ``tensor / python_scalar`` is a true division on the CPU
@@ -18,22 +18,19 @@ from collections.abc import Sequence
 
 import torch
 
-BLOCK = 128
-FP8_MAX = 448.0
-# fl32(1/448) and fl32(1e-12) as bit patterns, so no path can round them differently.
-INV_FP8_MAX_BITS = 0x3B124925
-SCALE_FLOOR_BITS = 0x2B8CBCCC
-SCALE_FMTS = ("fp32", "ue8m0")
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from glm_fp8.numerics import (  # noqa: F401 - BLOCK and ceil_blocks are re-exported for callers
+    BLOCK,
+    FP8_MAX,
+    INPUT_DTYPES,
+    INV_FP8_MAX_BITS,
+    SCALE_FLOOR_BITS,
+    SCALE_FMTS,
+    ceil_blocks,
+)
 
 
 def _f32_from_bits(bits: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([bits], dtype=torch.int32, device=device).view(torch.float32)[0]
-
-
-def ceil_blocks(n: int) -> int:
-    """Number of 128-wide blocks covering ``n`` rows or columns (partial block included)."""
-    return -(-n // BLOCK)
 
 
 def round_scale_up_to_pow2(s: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from glm_fp8.bench import SMALL_GLM5
-from glm_fp8.demo import demo_rank, launch, synthetic_layer
+from glm_fp8.demo import demo_rank
+from glm_fp8.models import SMALL_GLM5
+from glm_fp8.testing import launch, synthetic_layer
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where receivers land the weights
@@ -39,9 +40,9 @@ def test_ring_of_one_and_bf16_mode():
 
 def _load_into_rank(rank, world, mode):
     """Receivers land the update in fp8 parameters (bf16 mode quantizes on receive)."""
-    from glm_fp8.broadcast import Broadcaster, Receiver
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
         Broadcaster(None, 0, config=CONFIG, mode=mode).broadcast_model(
@@ -71,7 +72,7 @@ def test_load_into_parameters(mode):
 
 
 def _mismatch_rank(rank, world):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
         Broadcaster(None, 0, config=CONFIG).broadcast_model((i, synthetic_layer(CONFIG, i)) for i in range(3))
@@ -90,7 +91,7 @@ def test_manifest_mismatch_stops_every_rank_before_any_layer():
 
 
 def _nan_rank(rank, world):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
 
@@ -114,7 +115,7 @@ def test_nan_weights_abort_the_update_on_every_rank():
 
 
 def _dying_sender_rank(rank, world, how):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
 
@@ -149,9 +150,9 @@ def test_streams_single_gpu_with_poisoned_released_inputs(ring):
     """Each layer's inputs are overwritten with NaN on the caller's stream as soon as the
     broadcaster asks for the next layer; every byte that reached the wire must still be right
     (no read after release, no slot reused before its send finished)."""
-    from glm_fp8.broadcast import Broadcaster, HostSinkComm
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.transfer import Broadcaster, HostSinkComm
 
     config = {**SMALL_GLM5, "num_hidden_layers": 5}
     sink = HostSinkComm(keep=True)
@@ -169,7 +170,7 @@ def test_streams_single_gpu_with_poisoned_released_inputs(ring):
     sender.broadcast_model(layers())
     torch.cuda.synchronize()
     msgs = sink.sent[2:]  # after the manifest length and bytes: (header, buffer) per layer
-    assert len(msgs) == 2 * 5 + 1 and msgs[-1][0].item() == 2  # COMPLETE
+    assert len(msgs) == 2 * 5 + 1 and msgs[-1][1].item() == 2  # header [MAGIC, COMPLETE, ...]
     for i in range(5):
         plan = plan_from_config(config, i)
         layer = {k.removeprefix(f"model.layers.{i}."): t for k, t in synthetic_layer(config, i).items()}

@@ -8,25 +8,13 @@ state dict raises naming the key before a byte of the buffer is written.
 import pytest
 import torch
 
-from glm_fp8.compat import convert_tt_layer_to_vllm_kernel
 from glm_fp8.convert import convert_layer
-from glm_fp8.plan import ALIGN, PRESETS, plan_from_config, plan_from_state_dict
+from glm_fp8.integrations.prime_rl import convert_tt_layer_to_vllm_kernel
+from glm_fp8.models import PRESETS, SMALL_CONFIGS
+from glm_fp8.plan import ALIGN, plan_from_config, plan_from_state_dict
 from glm_fp8.reference import convert_layer_ref
 
-# Scaled down, with sizes that are not multiples of 128, so blocks straddle every concat.
-SMALL = {
-    "glm-5": {
-        **PRESETS["glm-5"], "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1,
-        "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
-        "num_attention_heads": 2, "q_lora_rank": 130, "kv_lora_rank": 70, "qk_nope_head_dim": 24,
-        "qk_rope_head_dim": 8, "v_head_dim": 40, "index_n_heads": 3, "index_head_dim": 24,
-    },
-    "glm-4.5": {
-        **PRESETS["glm-4.5"], "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1,
-        "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
-    },
-}  # fmt: skip
+SMALL = SMALL_CONFIGS  # sizes not multiples of 128: blocks straddle every concatenation
 
 
 def make_layer(config, layer_idx, device, dtype=torch.bfloat16, prefix=True):
@@ -201,15 +189,15 @@ def test_full_size_glm5_sparse_layer_on_gpu():
 def test_layer_finite_check_finds_the_entry(device, op, entry, bad):
     """The broadcaster's layer-level check (one multi-tensor max |x|) names a non-finite
     entry of the kinds it is asked about and passes a clean buffer."""
-    from glm_fp8.broadcast import _check_finite_entries
+    from glm_fp8.convert import check_finite_entries
     from glm_fp8.quantize import NonFiniteError
 
     plan = plan_from_config(SMALL["glm-5"], 2)
     buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     convert_layer(make_layer(SMALL["glm-5"], 2, device), 2, out=buf, plan=plan)
-    _check_finite_entries(plan, buf, 2, ("scale", "copy", "concat"))
+    check_finite_entries(plan, buf, 2, ("scale", "copy", "concat"))
     view = dict(plan.views(buf))[entry]
     view.view(-1)[view.numel() // 2] = bad
     name = entry.removesuffix("_scale_inv")
     with pytest.raises(NonFiniteError, match=rf"model\.layers\.2\.{name}: NaN or Inf"):
-        _check_finite_entries(plan, buf, 2, (op,))
+        check_finite_entries(plan, buf, 2, (op,))

@@ -8,8 +8,8 @@ Ranks 0..T-1 are trainers holding DTensor shards (rank 0 also sends); the last r
 import pytest
 import torch
 
-from glm_fp8.bench import SMALL_GLM5
-from glm_fp8.demo import launch, synthetic_layer
+from glm_fp8.models import SMALL_GLM5
+from glm_fp8.testing import launch, synthetic_layer
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}  # one dense layer, two sparse; 11 experts
 
@@ -33,9 +33,9 @@ def _rank(rank, world, gather, expert_dim):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from glm_fp8.broadcast import Broadcaster, Receiver, contribute_shards
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.transfer import Broadcaster, Receiver, contribute_shards
 
     trainers = world - 1
     mesh = DeviceMesh("cpu", torch.arange(trainers))  # every rank creates the groups

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from glm_fp8.bench import SMALL_GLM5
-from glm_fp8.demo import launch, synthetic_layer
+from glm_fp8.models import SMALL_GLM5
+from glm_fp8.testing import launch, synthetic_layer
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
 PG_TIMEOUT = 60.0  # the transport's timeout: no test may need it
@@ -50,7 +50,7 @@ class TamperComm:
         self.comm, self.how = comm, how
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
-        from glm_fp8.broadcast import DATA, MAGIC
+        from glm_fp8.transfer.wire import DATA, MAGIC
 
         how = self.how
         if how == "huge_manifest" and t.numel() == 4 and t[0] == MAGIC:
@@ -79,7 +79,7 @@ class TamperComm:
 
 
 def _tampered_rank(rank, world, how, receiver_kw):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     t0 = time.monotonic()
     try:
@@ -147,7 +147,7 @@ def test_a_negative_vote_cannot_cancel_a_refusal():
 
 
 def _params_rank(rank, world, problem):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
         Broadcaster(None, 0, config=CONFIG).broadcast_model(_layers())
@@ -186,7 +186,7 @@ class _FailsOnLayer1(dict):
 
 
 def _consumer_rank(rank, world, how):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
         Broadcaster(None, 0, config=CONFIG).broadcast_model(_layers())
@@ -227,7 +227,7 @@ def test_a_consumer_failing_mid_update_stops_every_rank(how):
 
 
 def _order_rank(rank, world, order, nan_in):
-    from glm_fp8.broadcast import Broadcaster, Receiver
+    from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
 
@@ -269,20 +269,20 @@ def test_nan_in_a_passthrough_tensor_stops_every_rank(entry):
 
 def test_the_manifest_is_decoded_without_numpy(monkeypatch):
     """The receive path needs no numpy: the manifest is read from the tensor's memory."""
-    from glm_fp8.broadcast import ManifestMismatch, _decode_manifest
+    from glm_fp8.transfer.wire import ManifestMismatch, decode_manifest
 
     def no_numpy(*a, **k):
         raise RuntimeError("numpy used")
 
     monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
     raw = torch.tensor(list(b'{"a": [1, "\xc3\xa9"]}'), dtype=torch.uint8)
-    assert _decode_manifest(raw) == {"a": [1, "\u00e9"]}
+    assert decode_manifest(raw) == {"a": [1, "\u00e9"]}
     with pytest.raises(ManifestMismatch, match="not valid UTF-8 JSON"):
-        _decode_manifest(torch.tensor([0xFF, 0x7B], dtype=torch.uint8))
+        decode_manifest(torch.tensor([0xFF, 0x7B], dtype=torch.uint8))
 
 
 def test_checksum_sees_order_truncation_and_bit_flips():
-    from glm_fp8.broadcast import checksum_scratch, layer_checksum
+    from glm_fp8.transfer.wire import checksum_scratch, layer_checksum
 
     buf = torch.randint(0, 256, (3 * (32 << 10) + 256,), dtype=torch.uint8)
     scratch = checksum_scratch(buf.numel(), buf.device)

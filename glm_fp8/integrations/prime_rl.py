@@ -1,4 +1,4 @@
-"""Drop-ins for code written against prime-rl's conversion functions."""
+"""prime-rl integration: drop-ins for code written against prime-rl's conversion functions."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
-from glm_fp8.convert import convert_layer, strip_layer
-from glm_fp8.plan import LayerPlan, plan_from_state_dict
+from glm_fp8.convert import convert_layer
+from glm_fp8.plan import LayerPlan, plan_from_state_dict, strip_layer
 
 _PLANS: dict[tuple, LayerPlan] = {}
 

@@ -1,0 +1,132 @@
+"""What a sender and a receiver share: the link, the update's layers and their plans, the
+device, the ring of layer buffers and the votes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from glm_fp8.plan import LayerPlan, plans_for_model
+from glm_fp8.transfer.wire import Comm, checksum_scratch
+
+MODES = ("fp8", "bf16")
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class UpdateStats:
+    layers: list[LayerStats] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_bytes: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
+
+
+class Ring:
+    """Preallocated layer buffers; a slot is reused only once its last broadcast finished."""
+
+    def __init__(self, size: int, nbytes: int, device: torch.device):
+        if size < 1:
+            raise ValueError(f"ring: expected at least 1 slot, got {size}")
+        self.slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(size)]
+        cuda = device.type == "cuda"
+        self.free = [torch.cuda.Event() if cuda else None for _ in range(size)]
+        self.used = [False] * size
+        self.scratch = checksum_scratch(nbytes, device)
+
+    def slot(self, k: int, nbytes: int) -> tuple[torch.Tensor, object]:
+        i = k % len(self.slots)
+        return self.slots[i][:nbytes], i
+
+
+class Endpoint:
+    """The shared setup of ``Broadcaster`` and ``Receiver``.
+
+    ``layer_ids`` (default: every decoder layer of the model) are the layers of this update in
+    order, and ``plans[k]`` is the plan of ``layer_ids[k]``; both sides build the manifest from
+    them (``glm_fp8.transfer.wire.manifest_of``). ``link_stream`` is the stream the link's
+    collectives run on (None on the CPU).
+    """
+
+    link_stream: torch.cuda.Stream | None = None
+
+    def __init__(
+        self,
+        comm: object | None,
+        src: int,
+        *,
+        config: Mapping | None,
+        plans: Sequence[LayerPlan] | None,
+        layer_ids: Sequence[int] | None,
+        ring: int,
+        mode: str,
+        device: torch.device | str | None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if (config is None) == (plans is None):
+            raise ValueError("config / plans: pass exactly one of them")
+        self.comm, self.src, self.mode = Comm(comm), src, mode
+        all_plans = list(plans) if plans is not None else plans_for_model(config, mode)
+        if layer_ids is None:
+            self.layer_ids = list(range(len(all_plans)))
+        else:
+            self.layer_ids = [int(i) for i in layer_ids]
+            bad = [i for i in self.layer_ids if not 0 <= i < len(all_plans)]
+            if bad:
+                last = len(all_plans) - 1
+                raise ValueError(f"layer_ids: layer {bad[0]} is not a layer of the model (0..{last})")
+            if len(set(self.layer_ids)) != len(self.layer_ids):
+                raise ValueError(f"layer_ids: expected distinct layers, got {self.layer_ids}")
+        if not self.layer_ids:
+            raise ValueError("layer_ids: expected at least one layer")
+        self.plans = [all_plans[i] for i in self.layer_ids]
+        self.device = torch.device(device) if device else default_device()
+        self.ring = Ring(ring, max(p.nbytes for p in self.plans), self.device)
+        self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def vote(self, code: int) -> int:
+        """Contribute ``code`` (0: fine; never negative) to an all-reduce MAX on the link and
+        return every rank's maximum (a host read)."""
+        with on_stream(self.link_stream):
+            self.vote_buf.fill_(max(0, code))
+            self.comm.all_reduce_max(self.vote_buf)
+            return int(self.vote_buf.item())
+
+
+def my_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class on_stream:
+    """``torch.cuda.stream(s)`` when ``s`` is a stream, a no-op on the CPU."""
+
+    def __init__(self, stream):
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        return False
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

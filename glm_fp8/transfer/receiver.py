@@ -1,0 +1,330 @@
+"""The receiving engine rank: lands the layers of an update in its parameters, each only after
+every rank voted that it arrived intact (protocol: ``glm_fp8.transfer.wire``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from glm_fp8.numerics import blocks_shape
+from glm_fp8.plan import LayerPlan, layer_prefix
+from glm_fp8.quantize import quantize_blockwise
+from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, my_rank, on_stream
+from glm_fp8.transfer.wire import (
+    _ABORTS,
+    ABORT,
+    BAD_CHECKSUM,
+    COMPLETE,
+    CONSUMER_FAILED,
+    DATA,
+    HEADER_WORDS,
+    MAGIC,
+    MAX_MANIFEST_BYTES,
+    PROTOCOL_VERSION,
+    REFUSED_HEADER,
+    REFUSED_MANIFEST,
+    REFUSED_PARAMS,
+    REFUSED_PRELUDE,
+    STATUSES,
+    ManifestMismatch,
+    UpdateAborted,
+    decode_manifest,
+    describe_refusal,
+    layer_checksum,
+    manifest_of,
+    refusal_code,
+)
+
+
+class Receiver(Endpoint):
+    """Inference side: receives layer buffers into its own ring and hands out named views.
+
+    Args:
+        comm, src: as for ``Broadcaster``.
+        config / plans, layer_ids: what this engine expects; a manifest that differs is refused
+            before any parameter is touched.
+        ring: receive buffers (2: receive layer i+1 while layer i is copied out).
+        mode: must match the sender's. "bf16" quantizes on receive (``load_into``).
+        max_manifest_bytes: the longest manifest accepted (default 64 MiB); a longer announced
+            length is refused before anything is allocated from it.
+    """
+
+    def __init__(
+        self,
+        comm: object | None,
+        src: int = 0,
+        *,
+        config: Mapping | None = None,
+        plans: Sequence[LayerPlan] | None = None,
+        layer_ids: Sequence[int] | None = None,
+        ring: int = 2,
+        mode: str = "fp8",
+        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
+                         device=device)  # fmt: skip
+        if max_manifest_bytes < 1:
+            raise ValueError(f"max_manifest_bytes: expected at least 1, got {max_manifest_bytes}")
+        self.max_manifest_bytes = int(max_manifest_bytes)
+        self.recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.link_stream = self.recv_stream
+        self.expected = manifest_of(self.plans, self.layer_ids, mode)
+        self.rank = my_rank()
+        self._params_error: Exception | None = None
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, view)`` for every entry of every layer. A view stays valid until the
+        layer after the next one is received (ring of 2). Raises ``UpdateAborted`` when the
+        sender aborts, any rank refuses or the link fails, ``ManifestMismatch`` before anything
+        is yielded."""
+        for _, views in self.receive_layers():
+            yield from views
+
+    def receive_layers(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """Yield ``(layer_idx, [(name, view), ...])`` per layer, each only after every rank
+        voted that it arrived intact. If the consumer raises while handling a layer (or stops
+        iterating early), this receiver refuses at the next vote, so every rank stops there."""
+        checksum = self._recv_manifest()
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        for pos, plan in enumerate(self.plans):
+            layer_idx = self.layer_ids[pos]
+            self._recv_header(header, pos, DATA, layer_idx, plan.nbytes)
+            buf, slot = self.ring.slot(pos, plan.nbytes)
+            code = 0
+            try:
+                with on_stream(self.recv_stream):
+                    if self.ring.used[slot] and self.ring.free[slot] is not None:
+                        # Wait until what the consumer queued on this slot's last layer is done.
+                        self.recv_stream.wait_event(self.ring.free[slot])
+                    self.comm.broadcast(buf, self.src)
+                    if checksum:
+                        got = layer_checksum(buf, self.ring.scratch)
+                        bad = int((got != header[5]).item())
+                        code = refusal_code(BAD_CHECKSUM, self.rank) if bad else 0
+                if self.recv_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
+            except Exception as exc:
+                raise UpdateAborted(f"receiving layer {layer_idx} failed: {exc}") from exc
+            verdict = self.vote(code)
+            if code:
+                raise UpdateAborted(
+                    f"layer {layer_idx}: the checksum of the {plan.nbytes} bytes received differs from "
+                    "the sender's (a short, long or corrupted message); every rank was stopped"
+                )
+            if verdict:
+                raise UpdateAborted(
+                    f"{describe_refusal(verdict)} (layer {layer_idx}); the update was stopped"
+                )
+            prefix = layer_prefix(layer_idx)
+            try:
+                yield layer_idx, [(prefix + name, view) for name, view in plan.views(buf)]
+            except BaseException:
+                # The consumer failed on this layer (or stopped early): stop every rank at the
+                # next vote, then let the consumer's error through.
+                self._refuse_next_step(header, pos + 1)
+                raise
+            if self.ring.free[slot] is not None:
+                self.ring.free[slot].record(torch.cuda.current_stream(self.device))
+            self.ring.used[slot] = True
+        self._recv_header(header, len(self.plans), COMPLETE, -1, 0)
+
+    def load_into(self, params: Mapping[str, torch.Tensor]) -> UpdateStats:
+        """Copy (fp8 mode) or quantize (bf16 mode) every received entry into ``params``.
+
+        Every name, shape, dtype, device and ``requires_grad`` is checked against ``params``
+        before the first byte is received; a failed check is voted on with the manifest, so
+        every rank stops there. Raises ``UpdateAborted`` if the update did not complete
+        (``params`` then hold a mix of layers and must not be served as the new weights).
+        """
+        self._params_error = self._check_params(params)
+        stats = UpdateStats()
+        t0 = time.perf_counter()
+        layers = self.receive_layers()
+        try:
+            for layer_idx, views in layers:
+                t = time.perf_counter()
+                try:
+                    for name, view in views:
+                        if self.mode == "bf16" and name + "_scale_inv" in params:
+                            quantize_blockwise(view, out=params[name], scale_out=params[name + "_scale_inv"],
+                                               check_finite=False)  # fmt: skip
+                        else:
+                            params[name].copy_(view, non_blocking=True)
+                except BaseException as exc:
+                    layers.throw(exc)  # refuses at the next vote, then re-raises exc
+                pos = self.layer_ids.index(layer_idx)
+                stats.layers.append(LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t))
+        finally:
+            self._params_error = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _check_params(self, params: Mapping[str, torch.Tensor]) -> Exception | None:
+        """The first problem with ``params`` as an exception (not raised), or None."""
+        try:
+            for layer_idx, plan in zip(self.layer_ids, self.plans):
+                prefix = layer_prefix(layer_idx)
+                for e in plan.entries:
+                    name = prefix + e.name
+                    if name not in params:
+                        raise KeyError(f"params: missing {name!r} ({e.dtype}, {tuple(e.shape)})")
+                    p = params[name]
+                    want_dtype = e.dtype if self.mode == "fp8" else quantized_dtype(e, params, name)
+                    check_param(name, p, want_dtype, tuple(e.shape), self.device)
+                    if want_dtype == torch.float8_e4m3fn and self.mode == "bf16":
+                        nb = blocks_shape(e.shape[-2], e.shape[-1], *e.shape[:-2])
+                        check_param(name + "_scale_inv", params[name + "_scale_inv"], torch.float32, nb,
+                                     self.device)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - reported at the manifest vote, then raised
+            return exc
+        return None
+
+    def vote(self, code: int) -> int:
+        try:
+            return super().vote(code)
+        except Exception as exc:
+            raise UpdateAborted(f"the link failed during a vote: {exc}") from exc
+
+    def _recv_manifest(self) -> bool:
+        """The prelude and the manifest, each followed by a vote; returns whether layers carry
+        checksums. Nothing is allocated from a length before it was checked."""
+        prelude = torch.empty(4, dtype=torch.int64, device=self.device)
+        try:
+            self.comm.broadcast(prelude, self.src)
+            magic, version, n, _ = prelude.tolist()
+        except Exception as exc:
+            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+        refused = None
+        if magic != MAGIC or version != PROTOCOL_VERSION:
+            refused = ManifestMismatch(
+                f"manifest prelude: expected magic {MAGIC:#x} and version {PROTOCOL_VERSION}, got {magic:#x} "
+                f"and {version} (a sender of another glm_fp8 version, or not glm_fp8)"
+            )
+        elif not 0 < n <= self.max_manifest_bytes:
+            refused = ManifestMismatch(
+                f"manifest length: expected 1 to {self.max_manifest_bytes} bytes (max_manifest_bytes), "
+                f"got {n}"
+            )
+        verdict = self.vote(refusal_code(REFUSED_PRELUDE, self.rank) if refused else 0)
+        if refused is not None:
+            raise refused
+        if verdict:
+            raise UpdateAborted(f"{describe_refusal(verdict)}; nothing was sent")
+        data = torch.empty(n, dtype=torch.uint8, device=self.device)
+        try:
+            self.comm.broadcast(data, self.src)
+            raw = data.cpu()
+        except Exception as exc:
+            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+        manifest = None
+        try:
+            manifest = decode_manifest(raw)
+            self._check_manifest(manifest)
+            refused = self._params_error
+            code = refusal_code(REFUSED_PARAMS, self.rank) if refused else 0
+        except ManifestMismatch as exc:
+            refused, code = exc, refusal_code(REFUSED_MANIFEST, self.rank)
+        verdict = self.vote(code)
+        if refused is not None:
+            raise refused
+        if verdict:
+            raise UpdateAborted(f"{describe_refusal(verdict)}; nothing was sent")
+        return bool(manifest["checksum"])
+
+    def _check_manifest(self, got: object) -> None:
+        want = self.expected
+        if not isinstance(got, dict):
+            raise ManifestMismatch(f"manifest: expected a JSON object, got {type(got).__name__}")
+        for key in ("format", "version", "mode"):
+            if got.get(key) != want[key]:
+                raise ManifestMismatch(f"manifest: expected {key}={want[key]!r}, got {got.get(key)!r}")
+        if not isinstance(got.get("checksum"), bool):
+            raise ManifestMismatch(f"manifest: expected checksum true or false, got {got.get('checksum')!r}")
+        layers = got.get("layers")
+        if not isinstance(layers, list) or len(layers) != len(want["layers"]):
+            n = len(layers) if isinstance(layers, list) else layers
+            raise ManifestMismatch(f"manifest: expected {len(want['layers'])} layers, got {n}")
+        for g, w in zip(layers, want["layers"]):
+            if g != w:
+                if isinstance(g, dict) and g.get("layer") != w["layer"]:
+                    raise ManifestMismatch(
+                        f"manifest: expected layers {self.layer_ids} in this order, got layer "
+                        f"{g.get('layer')!r} where {w['layer']} was expected"
+                    )
+                ge = {e.get("name"): e for e in g.get("entries", [])} if isinstance(g, dict) else {}
+                for e in w["entries"]:
+                    if ge.get(e["name"]) != e:
+                        raise ManifestMismatch(
+                            f"manifest: layer {w['layer']} entry {e['name']}: expected {e}, "
+                            f"got {ge.get(e['name'])}"
+                        )
+                raise ManifestMismatch(f"manifest: layer {w['layer']}: expected {w}, got {g}")
+
+    def _recv_header(self, header: torch.Tensor, pos: int, status: int, layer_idx: int, nbytes: int) -> None:
+        """Receive the header at ``pos`` and vote on it: it must say ``status`` for this layer
+        and byte count (from the manifest). An ABORT ends the update without a vote."""
+        try:
+            with on_stream(self.recv_stream):  # read it on the stream that received it
+                self.comm.broadcast(header, self.src)
+                got = header.tolist()
+        except Exception as exc:
+            raise UpdateAborted(f"the link to the sender failed: {exc}") from exc
+        where = f"before layer {layer_idx}" if status == DATA else "after the last layer"
+        if got[0] == MAGIC and got[1] == ABORT:
+            why = _ABORTS.get(got[6], f"reason {got[6]}")
+            raise UpdateAborted(f"the sender aborted the update {where}: {why}")
+        want = [MAGIC, status, layer_idx, pos, nbytes]
+        problem = None
+        if got[:5] != want:
+            names = ("magic", "status", "layer", "position", "nbytes")
+            k = next(i for i in range(5) if got[i] != want[i])
+            show = (lambda v: STATUSES.get(v, v)) if k == 1 else (lambda v: v)
+            problem = UpdateAborted(
+                f"layer header {where}: expected {names[k]} {show(want[k])} (the manifest's), got "
+                f"{show(got[k])}; refused before receiving anything of it, every rank was stopped"
+            )
+        verdict = self.vote(refusal_code(REFUSED_HEADER, self.rank) if problem else 0)
+        if problem is not None:
+            raise problem
+        if verdict:
+            raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
+
+    def _refuse_next_step(self, header: torch.Tensor, pos: int) -> None:
+        """After a local failure: take part in the next header and refuse at its vote, so every
+        rank stops there instead of waiting for a timeout."""
+        try:
+            with on_stream(self.recv_stream):
+                self.comm.broadcast(header, self.src)
+                status = int(header[1].item())
+            if status != ABORT:
+                self.vote(refusal_code(CONSUMER_FAILED, self.rank))
+        except Exception:  # noqa: BLE001 - the link is gone too; the local error is what matters
+            pass
+
+
+def check_param(
+    name: str, p: object, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"params[{name!r}]: expected a torch.Tensor, got {type(p).__name__}")
+    if tuple(p.shape) != shape or p.dtype != dtype:
+        raise ValueError(f"params[{name!r}]: expected {dtype} {shape}, got {p.dtype} {tuple(p.shape)}")
+    if p.device != device:
+        raise ValueError(f"params[{name!r}]: expected device {device} (the receiver's), got {p.device}")
+    if p.requires_grad:
+        raise ValueError(
+            f"params[{name!r}]: requires grad; an in-place update needs plain tensors (pass "
+            "p.detach() or the module's parameters under torch.no_grad() as .data)"
+        )
+
+
+def quantized_dtype(e, params: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
+    """bf16 mode: a quantizable entry lands in an fp8 parameter that has a scale beside it."""
+    if name + "_scale_inv" in params:
+        return torch.float8_e4m3fn
+    return e.dtype

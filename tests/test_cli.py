@@ -1,0 +1,142 @@
+"""``glm-fp8``: bad arguments are argparse errors (exit code 2, one ``error:`` line on stderr
+naming the option), never tracebacks or silent passes; the CPU bench prints no bandwidth."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from glm_fp8.backends import available_backends
+from glm_fp8.cli import main
+
+ON_GPU = torch.cuda.is_available()
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """Run ``glm-fp8 argv``; assert argparse's exit and return its one error line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    assert err.rstrip("\n").splitlines()[-1] == errors[0]  # argparse: usage, then the error line
+    assert errors[0].startswith(f"glm-fp8 {argv[0]}: error: argument "), errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["plan", "--nodes", "0"], r"--nodes: expected an integer >= 1, got 0"),
+        (["plan", "--nodes", "-2"], r"--nodes: expected an integer >= 1, got -2"),
+        (["plan", "--nodes", "two"], r"--nodes: expected an integer >= 1, got 'two'"),
+        (["plan", "--gpus-per-node", "0"], r"--gpus-per-node: expected an integer >= 1, got 0"),
+        (["plan", "--gpu-gib", "0"], r"--gpu-gib: expected a finite number > 0, got 0"),
+        (["plan", "--gpu-gib", "-1.5"], r"--gpu-gib: expected a finite number > 0, got -1.5"),
+        (["plan", "--gpu-gib", "nan"], r"--gpu-gib: expected a finite number > 0, got nan"),
+        (["bench", "--rounds", "0"], r"--rounds: expected an integer >= 1, got 0"),
+        (["bench", "--budget-ms", "0"], r"--budget-ms: expected a finite number > 0, got 0"),
+        (["bench", "--budget-ms", "-5"], r"--budget-ms: expected a finite number > 0, got -5"),
+        (["bench", "--budget-ms", "inf"], r"--budget-ms: expected a finite number > 0, got inf"),
+        (["demo", "--layers", "0"], r"--layers: expected an integer >= 1, got 0"),
+        (["demo", "--world", "1"], r"--world: expected an integer >= 2, got 1"),
+        (["demo", "--ring", "0"], r"--ring: expected an integer >= 1, got 0"),
+    ],
+)
+def test_range_errors(capsys, argv, expected):
+    assert _usage_error(capsys, argv).endswith(expected)
+
+
+def test_unknown_model_lists_presets(capsys):
+    from glm_fp8.models import PRESETS
+
+    line = _usage_error(capsys, ["plan", "--model", "nosuch"])
+    assert "--model: unknown preset 'nosuch'" in line
+    for name in PRESETS:
+        assert name in line
+
+
+def test_config_missing(capsys, tmp_path):
+    path = tmp_path / "missing.json"
+    line = _usage_error(capsys, ["plan", "--config", str(path)])
+    assert "--config: cannot read" in line and "missing.json" in line and "No such file" in line
+
+
+def test_config_not_json(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    line = _usage_error(capsys, ["plan", "--config", str(path)])
+    assert "--config:" in line and "is not JSON" in line
+
+
+def test_config_not_an_object(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps([1, 2]))
+    line = _usage_error(capsys, ["plan", "--config", str(path)])
+    assert "--config:" in line and "JSON list, expected an object" in line
+
+
+def test_config_without_fields(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "glm_moe_dsa"}))
+    line = _usage_error(capsys, ["plan", "--config", str(path)])
+    assert "--config:" in line and "lacks the field 'num_hidden_layers'" in line
+
+
+def test_config_from_a_file(capsys, tmp_path):
+    from glm_fp8.models import PRESETS
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PRESETS["glm-4.5"]))
+    assert main(["plan", "--config", str(path)]) == 0
+    assert "glm4_moe: 92 layers" in capsys.readouterr().out
+
+
+def test_unknown_case_names_the_cases(capsys):
+    line = _usage_error(capsys, ["bench", "--case", "nosuchcase"])
+    assert "--case: 'nosuchcase' matches no" in line
+    assert ("glm5-experts-bf16" if ON_GPU else "small-qkv-bf16") in line
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_unavailable_backend(capsys, backend):
+    device = "cuda" if ON_GPU else "cpu"
+    if backend in available_backends(device):
+        pytest.skip(f"backend {backend!r} is available on {device} here")
+    line = _usage_error(capsys, ["bench", "--backend", backend])
+    assert f"--backend: {backend!r} is not available on {device}" in line
+
+
+def test_plan_glm5(capsys):
+    assert main(["plan", "--model", "glm-5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("glm_moe_dsa: 78 layers")
+    assert re.search(r"^layer\s+entries\s+kernel-format GiB", out, re.M)
+    assert re.search(r"^dense\s+\d+", out, re.M) and re.search(r"^sparse\s+\d+", out, re.M)
+
+
+def test_plan_nodes(capsys):
+    assert main(["plan", "--nodes", "2", "--gpus-per-node", "4", "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "(8 GPUs, layers only)" in out and "fits 80.0 GiB" in out
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU output only")
+def test_cpu_bench_prints_no_bandwidth(capsys):
+    argv = ["bench", "--shapes", "small", "--case", "small-qkv", "--budget-ms", "50", "--no-compile"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("case"))
+    assert re.split(r"\s{2,}", lines[header])[-4:] == ["ms", "GB/s", "share of copy", "peak transient MiB"]
+    rows = [line for line in lines[header + 2 :] if line.startswith("small-qkv")]
+    assert {"glm_fp8", "copy", "eager reference"} <= {re.split(r"\s{2,}", r)[2] for r in rows}
+    for row in rows:  # the copy row has an empty backend cell: index the columns from the right
+        ms, gbps, share, _peak = re.split(r"\s{2,}", row)[-4:]
+        assert float(ms) > 0, row  # the time is still shown
+        assert gbps == "n/a (CPU)" and share == "n/a (CPU)", row
+    assert any(line.startswith("note:") and "interpreter" in line for line in lines[header:])
