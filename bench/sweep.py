@@ -23,7 +23,7 @@ import torch
 
 from glm_fp8 import ExpertsFP8, LaunchConfig, quantize_experts
 from glm_fp8.backends import cuda_backend_available
-from glm_fp8.bench import GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, _experts_out_bytes
+from glm_fp8.bench import GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, experts_out_bytes
 
 CONFIGS = {
     "4w-abs": LaunchConfig(cb_per_prog=1, num_warps=4, maxnreg=None, signed_quotient=False),
@@ -66,7 +66,7 @@ def sweep(
     out = ExpertsFP8.empty(e, h, i)
     dst = torch.empty_like(w1)  # one buffer: the copy reads and writes every input byte once
     in_bytes = 3 * w1.nbytes
-    ideal = in_bytes + _experts_out_bytes(e, h, i)
+    ideal = in_bytes + experts_out_bytes(e, h, i)
     calls = calls or max(3, round(40 * 8 / e))  # back-to-back calls per timing
 
     def copy() -> None:

@@ -3,7 +3,7 @@
 Every case is timed beside a device-to-device copy of the same input bytes in the same
 process, so the figure that matters is a ratio: ``share = quantize GB/s / copy GB/s`` where
 quantize moves (inputs read once + fp8 and scales written once) and the copy moves its input
-bytes read plus the same bytes written (numerics.md, "Facts measured").
+bytes read plus the same bytes written.
 """
 
 from __future__ import annotations
@@ -16,10 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm_fp8.convert import convert_layer
+from glm_fp8.models import PRESETS, SMALL_GLM5
+from glm_fp8.numerics import ceil_blocks
+from glm_fp8.plan import plan_from_config
 from glm_fp8.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
-from glm_fp8.reference import ceil_blocks, quantize_concat_ref, quantize_experts_ref
+from glm_fp8.reference import convert_layer_ref, quantize_concat_ref, quantize_experts_ref
 
-GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, GLM5_EXPERTS = 6144, 2048, 256
+_GLM5 = PRESETS["glm-5"]
+GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, GLM5_EXPERTS = (
+    _GLM5["hidden_size"], _GLM5["moe_intermediate_size"], _GLM5["n_routed_experts"]
+)  # fmt: skip
 L2_FLUSH_BYTES = 256 << 20  # rotate input sets until they exceed the H200's 60 MB L2 by far
 
 
@@ -43,7 +50,7 @@ class Case:
     def output_bytes(self) -> int:
         if self.kind == "experts":
             (e, i, h), _, _ = self.shapes
-            return _experts_out_bytes(e, h, i)
+            return experts_out_bytes(e, h, i)
         if self.kind == "layer":
             return self.plan.nbytes
         rows = sum(s[-2] for s in self.shapes)
@@ -51,7 +58,7 @@ class Case:
         return rows * cols + 4 * ceil_blocks(rows) * ceil_blocks(cols)
 
 
-def _experts_out_bytes(e: int, h: int, i: int) -> int:
+def experts_out_bytes(e: int, h: int, i: int) -> int:
     return e * (2 * i * h + h * i) + 4 * e * (
         ceil_blocks(2 * i) * ceil_blocks(h) + ceil_blocks(h) * ceil_blocks(i)
     )
@@ -66,15 +73,12 @@ def glm5_cases() -> list[Case]:
         Case("glm5-experts-fp32", "experts", torch.float32, experts, "fp32 master weights"),
         Case("e8-experts-bf16", "experts", torch.bfloat16, e8, "E=8, same H and I"),
         Case("fused_qkv_a-bf16", "blockwise", torch.bfloat16, [(2048, h), (576, h)], "2-D, 2 sources"),
-        layer_case("glm-5", 3, "glm5-sparse-layer-bf16", "convert_layer, whole GLM-5 sparse layer"),
+        layer_case(_GLM5, 3, "glm5-sparse-layer-bf16", "convert_layer, whole GLM-5 sparse layer"),
     ]
 
 
-def layer_case(model: str, layer_idx: int, name: str, note: str, config: dict | None = None) -> Case:
-    from glm_fp8.models import load_config
-    from glm_fp8.plan import plan_from_config
-
-    plan = plan_from_config(config or load_config(model), layer_idx)
+def layer_case(config: dict, layer_idx: int, name: str, note: str) -> Case:
+    plan = plan_from_config(config, layer_idx)
     names = list(plan.inputs)
     return Case(name, "layer", torch.bfloat16, [plan.inputs[k][0] for k in names], note, names, plan)
 
@@ -86,18 +90,10 @@ def small_cases() -> list[Case]:
         Case("small-experts-bf16", "experts", torch.bfloat16, experts, "E=4, H=256, I=192"),
         Case("small-experts-fp32", "experts", torch.float32, experts, "E=4, H=256, I=192"),
         Case("small-qkv-bf16", "blockwise", torch.bfloat16, [(160, 256), (60, 256)], "2-D, 2 sources"),
-        layer_case("glm-5", 3, "small-sparse-layer-bf16", "convert_layer, GLM-5 layer / 24", SMALL_GLM5),
+        layer_case(SMALL_GLM5, 3, "small-sparse-layer-bf16", "convert_layer, GLM-5 layer / 24"),
     ]
 
 
-# GLM-5 with every width divided by 24 (hidden 256, 11 experts): the CPU demo's layer.
-SMALL_GLM5 = {
-    "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 4,
-    "first_k_dense_replace": 1, "n_routed_experts": 11, "moe_intermediate_size": 88,
-    "n_shared_experts": 1, "intermediate_size": 512, "num_attention_heads": 4,
-    "q_lora_rank": 88, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-    "v_head_dim": 12, "index_n_heads": 2, "index_head_dim": 8,
-}  # fmt: skip
 
 
 @dataclass
@@ -216,8 +212,6 @@ def _layer_views(prep: Prepared) -> tuple[dict[str, torch.Tensor], torch.Tensor,
 
 def _layer_fns(prep: Prepared, backend: str) -> dict[Method, Callable[[], object]]:
     """convert_layer against quantize_experts alone on the same layer, on one backend."""
-    from glm_fp8.convert import convert_layer
-
     plan = prep.case.plan
     layer, buf, views = _layer_views(prep)
     suffixes = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
@@ -236,26 +230,8 @@ def _layer_fns(prep: Prepared, backend: str) -> dict[Method, Callable[[], object
 def _layer_eager(prep: Prepared) -> Callable[[], object]:
     """The eager composition prime-rl runs: torch.cat per entry, experts quantized one by
     one, stacked."""
-    plan = prep.case.plan
     layer, _, _ = _layer_views(prep)
-
-    def eager() -> object:
-        out = {}
-        for e in plan.entries:
-            if e.op == "scale":
-                continue
-            cat = torch.cat([layer[s].squeeze(0) if e.squeeze else layer[s] for s in e.sources],
-                            dim=-2 if len(e.shape) >= 2 else 0)  # fmt: skip
-            if e.op != "quantize":
-                out[e.name] = cat
-            elif cat.dim() == 3:
-                per = [quantize_concat_ref([cat[k]]) for k in range(cat.shape[0])]
-                out[e.name] = (torch.stack([q for q, _ in per]), torch.stack([s for _, s in per]))
-            else:
-                out[e.name] = quantize_concat_ref([cat])
-        return out
-
-    return eager
+    return lambda: convert_layer_ref(layer, 0, prep.case.plan, per_expert=True)
 
 
 def _per_expert(fn: Callable, srcs: list[torch.Tensor]) -> object:
@@ -369,7 +345,7 @@ def moved_bytes(case: Case, method: str) -> int:
         return 2 * case.input_bytes
     if method == "quantize_experts alone":
         e, i, h = case.shapes[case.names.index("mlp.experts.w1")]
-        return 3 * e * i * h * case.dtype.itemsize + _experts_out_bytes(e, h, i)
+        return 3 * e * i * h * case.dtype.itemsize + experts_out_bytes(e, h, i)
     return case.input_bytes + case.output_bytes
 
 

@@ -14,7 +14,7 @@ ship a model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from glm_fp8.numerics import (  # noqa: F401 - BLOCK and ceil_blocks are re-expo
     SCALE_FMTS,
     ceil_blocks,
 )
+from glm_fp8.plan import LayerPlan, layer_prefix, squeezed
 
 
 def _f32_from_bits(bits: int, device: torch.device) -> torch.Tensor:
@@ -165,26 +166,31 @@ def pack_ue8m0_sm100_ref(scales: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def convert_layer_ref(layer: dict, layer_idx: int, plan) -> dict:
+def convert_layer_ref(layer: Mapping[str, torch.Tensor], layer_idx: int, plan: LayerPlan,
+                      per_expert: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """The eager composition a layer converter must match: ``torch.cat`` of each entry's
     sources, then ``quantize_blockwise_ref`` (Blackwell: ue8m0, then the SM100 packing).
-    ``layer`` holds short trainer names; ``plan`` is a ``glm_fp8.plan.LayerPlan``."""
+    ``layer`` holds short trainer names.
+
+    ``per_expert``: quantize each expert of a stack on its own and ``torch.stack`` the results,
+    as prime-rl does (the same bits; the float32 temporaries are one expert's, not the stack's).
+    """
     out = {}
-    prefix = f"model.layers.{layer_idx}."
-    blackwell = plan.target == "blackwell"
+    prefix = layer_prefix(layer_idx)
+    fmt = "ue8m0" if plan.target == "blackwell" else "fp32"
     pending = None
     for e in plan.entries:
         if e.op == "scale":
             s = pending
-            out[prefix + e.name] = pack_ue8m0_sm100_ref(s, e.shape[-2]) if blackwell else s
+            out[prefix + e.name] = pack_ue8m0_sm100_ref(s, e.shape[-2]) if fmt == "ue8m0" else s
             continue
-        srcs = [layer[s] for s in e.sources]
-        if e.squeeze:
-            srcs = [t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in srcs]
+        srcs = [squeezed(layer[s], e.squeeze) for s in e.sources]
         cat = torch.cat(srcs, dim=-2 if srcs[0].dim() >= 2 else 0)
-        if e.op == "quantize":
-            q, pending = quantize_blockwise_ref(cat, "ue8m0" if blackwell else "fp32")
-            out[prefix + e.name] = q
-        else:
+        if e.op != "quantize":
             out[prefix + e.name] = cat
+        elif per_expert and cat.dim() == 3 and cat.shape[0]:
+            per = [quantize_blockwise_ref(cat[k], fmt) for k in range(cat.shape[0])]
+            out[prefix + e.name], pending = torch.stack([q for q, _ in per]), torch.stack([s for _, s in per])
+        else:
+            out[prefix + e.name], pending = quantize_blockwise_ref(cat, fmt)
     return out
