@@ -14,10 +14,25 @@ def check_scale_fmt(scale_fmt: str) -> None:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
 
 
-def check_input(name: str, t: object, ndim: int | None = None) -> torch.Tensor:
-    """A readable source tensor: floating dtype we quantize, 2-D or 3-D (or exactly ``ndim``)."""
+_STRIDED = torch.strided
+
+
+def check_tensor(name: str, t: object) -> torch.Tensor:
+    """A tensor with data in memory: strided (dense) layout, not on the meta device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not _STRIDED:
+        raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {t.layout}")
+    if t.is_meta:
+        raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+    return t
+
+
+def check_input(name: str, t: object, ndim: int | None = None) -> torch.Tensor:
+    """A readable source tensor: dense with data, floating dtype we quantize, 2-D or 3-D (or
+    exactly ``ndim``)."""
+    if not isinstance(t, torch.Tensor) or t.layout is not _STRIDED or t.is_meta:
+        check_tensor(name, t)  # raises, naming what is wrong
     if t.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: expected dtype bfloat16, float16 or float32, got {t.dtype}")
     allowed = (2, 3) if ndim is None else (ndim,)
@@ -38,7 +53,13 @@ def check_same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device
 def check_out(
     name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A caller-provided output buffer: exact shape, dtype and device, no self-overlap."""
+    """A caller-provided output buffer: a dense tensor of exact shape, dtype and device (that of
+    the already-checked inputs, so never meta), writable outside autograd, no self-overlap.
+
+    On the hot path (host time per call counts): a contiguous output costs a few attribute
+    reads; the layout and strides that may alias are examined only when the tensor is not
+    contiguous (a sparse tensor never is, or raises when asked). A tensor without storage that
+    calls itself contiguous (mkldnn) is refused by ``check_no_overlap``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.shape != shape:
@@ -46,12 +67,56 @@ def check_out(
     if t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if t.device != device:
+        check_tensor(name, t)  # a meta tensor is named as such
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():  # a contiguous tensor has no broadcast (stride-0) dimension
-        for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-            if size > 1 and stride == 0:
-                raise ValueError(f"{name}: dimension {d} has stride 0; outputs must not alias")
+    if t.requires_grad:
+        raise ValueError(
+            f"{name}: expected a tensor that does not require grad (it is written outside autograd), "
+            f"got requires_grad=True; pass {name}.detach()"
+        )
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        # torch refuses in-place writes to these outside inference mode ("Inplace update to
+        # inference tensor outside InferenceMode is not allowed"), the copies of the reference
+        # backend and of the layer converter included; the kernels would write it regardless.
+        raise ValueError(
+            f"{name}: expected a tensor writable outside inference mode, got an inference tensor "
+            "(allocated under torch.inference_mode()); allocate it outside inference mode or make "
+            "this call under torch.inference_mode()"
+        )
+    try:
+        dense = t.is_contiguous()  # a contiguous tensor has no two elements at one address
+    except RuntimeError:  # sparse compressed layouts do not answer
+        dense = False
+    if not dense:
+        check_tensor(name, t)
+        check_no_self_overlap(name, t)
     return t
+
+
+def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """Refuse strides under which two elements may share memory. Conservative: the dimensions of
+    size > 1, by increasing stride, must each step past everything the smaller ones span
+    (stride >= 1 + sum of (size - 1) * stride before it). That holds for every permutation of
+    a contiguous tensor and every slice of one; an interleaving such as shape (3, 2) with
+    strides (2, 3) never collides, yet is refused. Strides are never negative in torch."""
+    if t.numel() == 0:
+        return  # nothing is written
+    dims = sorted((stride, size, d) for d, (size, stride) in enumerate(zip(t.shape, t.stride())) if size > 1)
+    span = 1  # elements covered by the dimensions taken so far
+    for stride, size, d in dims:
+        if stride == 0:
+            raise ValueError(
+                f"{name}: dimension {d} has stride 0 (a broadcast view); expected an output whose "
+                "elements do not alias one another"
+            )
+        if stride < span:
+            raise ValueError(
+                f"{name}: expected an output whose elements cannot overlap, got shape "
+                f"{tuple(t.shape)} with strides {t.stride()}: dimension {d} steps {stride} elements, "
+                f"inside the {span} that the dimensions of smaller stride span; pass a buffer "
+                "that does not alias itself"
+            )
+        span += (size - 1) * stride
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -76,14 +141,40 @@ def check_no_overlap(
     outs: Sequence[tuple[str, torch.Tensor]], ins: Sequence[tuple[str, torch.Tensor]]
 ) -> None:
     """Outputs must not share bytes with inputs or with each other (conservative: address spans)."""
-    spans = [(n, byte_span(t)) for n, t in outs]
-    others = spans + [(n, byte_span(t)) for n, t in ins]
+    try:
+        spans = [(n, byte_span(t)) for n, t in outs]
+        others = spans + [(n, byte_span(t)) for n, t in ins]
+    except RuntimeError:  # a tensor without storage has no address
+        for n, t in (*outs, *ins):
+            check_tensor(n, t)
+        raise
     for i, (name, (lo, hi)) in enumerate(spans):
         if lo == hi:
             continue
         for other, (olo, ohi) in others[i + 1 :]:
             if olo < hi and lo < ohi:
                 raise ValueError(f"{name}: overlaps {other} in memory; pass a separate buffer")
+
+
+BUFFER_ALIGN = 16  # bytes: a multiple of every element size, and one vector access
+
+
+def check_aligned(name: str, t: torch.Tensor, align: int, why: str) -> None:
+    """``t`` starts at a multiple of ``align`` bytes, in memory and within its storage (which
+    ``.view(dtype)`` checks: a storage that itself starts unaligned can fail one and pass the
+    other)."""
+    address = t.data_ptr()
+    if address % align:
+        raise ValueError(
+            f"{name}: expected a buffer aligned to {align} bytes ({why}), got address {address:#x} "
+            f"% {align} = {address % align}"
+        )
+    offset = t.storage_offset() * t.element_size()
+    if offset % align:
+        raise ValueError(
+            f"{name}: expected a buffer aligned to {align} bytes within its storage ({why}), got "
+            f"byte offset {offset} from a storage at {address - offset:#x}"
+        )
 
 
 def blocks_shape(rows: int, cols: int, experts: int | None) -> tuple[int, ...]:

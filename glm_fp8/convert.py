@@ -29,8 +29,7 @@ def _check_layer(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str
         raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan has no entry for it")
     named = [(prefix + k, t) for k, t in layer.items()]
     for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        _checks.check_tensor(name, t)  # a dense tensor with data: not sparse, not meta
     for k, (shape, _) in plan.inputs.items():
         t = layer[k]
         if tuple(t.shape) != tuple(shape):
@@ -61,7 +60,13 @@ def convert_layer(
     Args:
         state_dict: the layer's trainer tensors (prime-rl "tt" names, with or without the
             ``model.layers.{layer_idx}.`` prefix); plain tensors on one device, any strides.
-        out: optional uint8 buffer of ``plan.nbytes`` bytes (a ring slot); allocated if None.
+        out: optional contiguous uint8 buffer of ``plan.nbytes`` bytes (a ring slot) whose
+            address is a multiple of 16 bytes; allocated if None. The plan puts every entry
+            at a multiple of 256 bytes from the start and views it as float32, int32, bfloat16
+            or fp8, so each view is as aligned as the start (up to 256). 16 is a multiple of
+            every dtype's element size (the largest, complex128, is 16), which ``.view(dtype)``
+            and the device's loads need, and the width of a vector access, which the kernels
+            and copies take at full speed; the allocators align a buffer far beyond it.
         plan: a ``LayerPlan``; inferred from ``state_dict`` if None (cache it across updates).
         target: "hopper" (float32 scales) or "blackwell" (ue8m0 scales packed for DeepGEMM
             SM100). With a plan, must match the plan's target or be None.
@@ -89,6 +94,7 @@ def convert_layer(
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous uint8 buffer")
         _checks.check_no_overlap([("out", out)], [(prefix + k, t) for k, t in layer.items()])
+        _checks.check_aligned("out", out, _checks.BUFFER_ALIGN, "the plan's views need it")
 
     return fill_layer(layer, plan, out, prefix, check_finite, backend=backend)
 

@@ -150,9 +150,20 @@ def _quantize_tile(
         b_y = tl.math.div_rn(b_n, b_s)
     if SOFT_FP8:
         b_code = _e4m3_code_soft(tl.minimum(tl.abs(b_y), 448.0, propagate_nan=tl.PropagateNan.ALL))
-    else:
-        # cvt.rn.satfinite: RNE, and values past +-448 saturate (the clamp of numerics.md).
+    elif ROW_GATHER:
+        # cvt.rn.satfinite: RNE, and values past +-448 saturate (the clamp of docs/numerics.md).
         b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        # The same cvt, one element per instruction, its byte zero-extended to 32 bits. Without
+        # row gather the tile is held column-major and its bytes reach the row-major store
+        # through shared memory; the paired cvt's 16-bit results were then packed two by two
+        # and ptxas (12.8 as bundled with Triton 3.6, and 12.9) folded one pair into
+        # F2FP...PACK_AB_MERGE_C and read the other's high byte from a wrong register: a
+        # quarter of the bytes were wrong (odd rows, columns 0-7 of every 16), scales right.
+        b_code = tl.inline_asm_elementwise(
+            "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
+            "=r,r", [b_y], dtype=tl.int32, is_pure=True, pack=1,
+        )
     # The sign bit of x goes on the byte whatever the quotient's zero sign: -0.0 gives 0x80.
     b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80
     b_q = (b_code | b_sign).to(tl.uint8)
@@ -267,6 +278,49 @@ class LaunchConfig:
     # x / s from x itself (the sign bit put back on the byte) rather than from |x|: the same
     # bits, with only x live after the amax (float32, 8 warps: 163 -> 80 registers unspilled).
     signed_quotient: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse at construction what the launch would refuse late (triton asserts a power-of-two
+        warp count when it compiles) or what ptxas would quietly not honour (a register cap)."""
+        for name, kind, optional in _FIELD_KINDS:
+            value = getattr(self, name)
+            fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+            if fits or (value is None and optional):
+                continue
+            want = ("a bool" if kind is bool else "an int") + (" or None" if optional else "")
+            raise TypeError(f"config.{name}: expected {want}, got {value!r} ({type(value).__name__})")
+        if self.cb_per_prog < 1:
+            raise ValueError(f"config.cb_per_prog: expected an int >= 1, got {self.cb_per_prog}")
+        w = self.num_warps
+        if not (1 <= w <= _MAX_WARPS and w & (w - 1) == 0):
+            raise ValueError(f"config.num_warps: expected a power of two in [1, {_MAX_WARPS}], got {w}")
+        lo, hi = _MAXNREG_RANGE
+        if self.maxnreg is not None and not lo <= self.maxnreg <= hi:
+            raise ValueError(f"config.maxnreg: expected None or an int in [{lo}, {hi}], got {self.maxnreg}")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"config.programs_per_sm: expected an int >= 0, got {self.programs_per_sm}")
+        if self.num_stages < 1:
+            raise ValueError(f"config.num_stages: expected an int >= 1, got {self.num_stages}")
+
+
+# (field, type, None allowed) of every LaunchConfig field; bool is not taken for an int.
+_FIELD_KINDS = (
+    ("cb_per_prog", int, False), ("num_warps", int, False), ("maxnreg", int, True),
+    ("programs_per_sm", int, False), ("num_stages", int, False), ("fma_div", bool, False),
+    ("soft_fp8", bool, True), ("signed_quotient", bool, False),
+)  # fmt: skip
+# A program is one CTA of 32 * num_warps threads: triton asserts a power of two, and a CTA holds
+# at most 1024 threads (beyond, triton raises OutOfResources "threads" when it loads the kernel).
+_MAX_WARPS = 32
+# ptxas .maxnreg: 255 registers is the per-thread maximum (sm_35 onwards), and a cap under the
+# ABI minimum is raised to it without a word. On the H200 (triton 3.6) this kernel compiled with
+# maxnreg 8 or 16 used 24 registers (spilling), and with 256 or 1000 as uncapped (170).
+_MAXNREG_RANGE = (16, 255)
+
+
+def _check_config(config: object) -> None:
+    if config is not None and not isinstance(config, LaunchConfig):
+        raise TypeError(f"config: expected a LaunchConfig or None, got {type(config).__name__}")
 
 
 # Measured on an H200 (bench/sweep.py, GLM-5 experts, 2026-12-02, bench/RESULTS.md): one tile
@@ -618,6 +672,7 @@ def quantize_blockwise(
         named = [(f"sources[{k}]", t) for k, t in enumerate(sources)]
     else:
         raise TypeError(f"sources: expected a tensor or a sequence of tensors, got {type(sources).__name__}")
+    _check_config(config)
     job = _plan_job(named, out, scale_out, "out", "scale_out")
     _checks.check_no_overlap([("out", job.q), ("scale_out", job.s)], named)
     _run_jobs([job], scale_fmt, check_finite, config, backend)
@@ -701,6 +756,7 @@ def quantize_experts(
         )
     if out is not None and not isinstance(out, ExpertsFP8):
         raise TypeError(f"out: expected an ExpertsFP8, got {type(out).__name__}")
+    _check_config(config)
     o = out or ExpertsFP8(None, None, None, None)  # type: ignore[arg-type]
     j13 = _plan_job([("w1", w1), ("w3", w3)], o.w13, o.w13_scale_inv, "out.w13", "out.w13_scale_inv", True)
     j2 = _plan_job([("w2", w2)], o.w2, o.w2_scale_inv, "out.w2", "out.w2_scale_inv", True)

@@ -201,3 +201,82 @@ def test_layer_finite_check_finds_the_entry(device, op, entry, bad):
     name = entry.removesuffix("_scale_inv")
     with pytest.raises(NonFiniteError, match=rf"model\.layers\.2\.{name}: NaN or Inf"):
         check_finite_entries(plan, buf, 2, (op,))
+
+
+# --- Hardening (item 5): buffers the plan's views cannot use; layer values without data ------
+
+
+@pytest.mark.parametrize("shift", [1, 4, 8])
+def test_misaligned_buffer_is_refused_before_writing(device, shift):
+    """The plan views ``out`` as float32/int32/bf16 at 256-byte offsets: a buffer that starts off a
+    16-byte boundary (1 byte: ``.view(float32)`` would fail; 4 or 8: vector accesses) is named."""
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    whole = torch.full((plan.nbytes + 16,), 0xAB, dtype=torch.uint8, device=device)
+    assert whole.data_ptr() % 16 == 0
+    buf = whole[shift : shift + plan.nbytes]
+    match = (
+        rf"^out: expected a buffer aligned to 16 bytes \(the plan's views need it\), got address "
+        rf"{buf.data_ptr():#x} % 16 = {shift}$"
+    )
+    with pytest.raises(ValueError, match=match):
+        convert_layer(sd, 2, out=buf, plan=plan)
+    assert (whole == 0xAB).all()
+    got = convert_layer(sd, 2, out=whole[16:], plan=plan)  # 16 bytes in: accepted
+    assert_entries_equal(got, convert_layer_ref(_short(sd, 2), 2, plan))
+
+
+def test_buffer_misaligned_within_its_storage_is_refused():
+    """A storage that itself starts off 16 bytes (here a bytearray's) can give an aligned address
+    at an offset ``.view(float32)`` refuses: named too, before anything is written."""
+    sd = make_layer(SMALL["glm-5"], 0, "cpu")
+    plan = plan_from_config(SMALL["glm-5"], 0)
+    raw = bytearray(b"\xab" * (plan.nbytes + 32))
+    shift = (1 - torch.frombuffer(raw, dtype=torch.uint8).data_ptr()) % 16
+    storage = torch.frombuffer(raw, dtype=torch.uint8, offset=shift)  # starts at 1 mod 16
+    buf = storage[15 : 15 + plan.nbytes]
+    assert buf.data_ptr() % 16 == 0 and buf.storage_offset() == 15
+    with pytest.raises(ValueError, match=r"^out: expected a buffer aligned to 16 bytes within its storage"):
+        convert_layer(sd, 0, out=buf, plan=plan)
+    assert raw == b"\xab" * len(raw)
+
+
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (lambda t: t.to_sparse(), TypeError,
+         r"^model.layers.2.input_layernorm.weight: expected a strided \(dense\) tensor, got layout "
+         r"torch.sparse_coo$"),
+        (lambda t: t.to("meta"), ValueError,
+         r"^model.layers.2.input_layernorm.weight: expected a tensor with data, got a meta tensor$"),
+        (lambda t: t.tolist(), TypeError,
+         r"^model.layers.2.input_layernorm.weight: expected a torch.Tensor, got list$"),
+    ],
+)  # fmt: skip
+def test_layer_values_without_dense_data_are_refused(device, bad, exc, match):
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    key = "model.layers.2.input_layernorm.weight"
+    sd[key] = bad(sd[key])
+    buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    with pytest.raises(exc, match=match):
+        convert_layer(sd, 2, out=buf, plan=plan)
+    assert (buf == 0xAB).all()
+    with pytest.raises(exc, match=match):  # the same without a buffer or a plan
+        convert_layer(sd, 2, plan=plan)
+
+
+def test_buffer_that_cannot_be_written_is_refused(device):
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    with torch.inference_mode():
+        frozen = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="^out: expected a tensor writable outside inference mode"):
+        convert_layer(sd, 2, out=frozen, plan=plan)
+    assert (frozen == 0xAB).all()
+    with torch.inference_mode():  # where torch allows the write, so do we
+        got = convert_layer(sd, 2, out=frozen, plan=plan)
+    assert_entries_equal(got, convert_layer_ref(_short(sd, 2), 2, plan))
+    meta = torch.empty(plan.nbytes, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="^out: expected a tensor with data, got a meta tensor$"):
+        convert_layer(sd, 2, out=meta, plan=plan)

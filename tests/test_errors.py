@@ -177,3 +177,214 @@ def test_default_backend_is_used(device, monkeypatch):
     finally:
         set_default_backend("auto")
     assert len(calls) == 1 and get_default_backend() == "auto"
+
+
+# --- Hardening (item 5): outputs that alias themselves, cannot be written, have no data -------
+
+
+def _overlapping(shape, strides, dtype, device, fill):
+    """A view whose elements share memory (non-zero strides), over a buffer of ``fill`` bytes;
+    returns (view, the whole buffer) so a test can watch every byte."""
+    n = 1 + sum((s - 1) * st for s, st in zip(shape, strides))
+    base = torch.full((n * dtype.itemsize,), fill, dtype=torch.uint8, device=device).view(dtype)
+    return base.as_strided(shape, strides), base
+
+
+def test_outputs_that_overlap_themselves_are_refused(device):
+    x = torch.randn(2, 130, 140, device=device)
+    out, sc = poisoned_fp8((2, 130, 140), device), poisoned_f32((2, 2, 2), device)
+    # Rows 139 elements apart, 140 wide: each row's last element is the next row's first.
+    rows, rows_base = _overlapping((2, 130, 140), (130 * 139 + 1, 139, 1), torch.float8_e4m3fn, device, 0xFF)
+    _raises(
+        ValueError,
+        r"out: expected an output whose elements cannot overlap, got shape \(2, 130, 140\) with strides "
+        r"\(18071, 139, 1\): dimension 1 steps 139 elements, inside the 140",
+        lambda: quantize_blockwise(x, out=rows, scale_out=sc),
+        rows_base, sc,
+    )  # fmt: skip
+    # The issue's example: an [8, 8] view of 64 elements with strides (1, 1).
+    diag, diag_base = _overlapping((8, 8), (1, 1), torch.float8_e4m3fn, device, 0xFF)
+    _raises(
+        ValueError,
+        r"out: expected an output whose elements cannot overlap, got shape \(8, 8\) with strides \(1, 1\)",
+        lambda: quantize_blockwise(x[0, :8, :8], out=diag),
+        diag_base,
+    )
+    # Scales: expert 1 is expert 0 shifted by one scale.
+    scales, s_base = _overlapping((2, 2, 2), (1, 2, 1), torch.float32, device, 0xFF)
+    _raises(
+        ValueError,
+        r"scale_out: expected an output whose elements cannot overlap",
+        lambda: quantize_blockwise(x, out=out, scale_out=scales),
+        out, s_base,
+    )  # fmt: skip
+    # Permuted and sliced outputs never overlap: accepted, and the result is exact.
+    perm = poisoned_fp8((140, 2, 130), device).permute(1, 2, 0)
+    q, s = quantize_blockwise(x, out=perm, scale_out=sc, backend="torch")
+    q_ref, s_ref = quantize_concat_ref([x])
+    assert q is perm and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def test_experts_outputs_that_overlap_themselves_are_refused(device):
+    w1 = torch.randn(2, 64, 96, device=device)
+    w2 = torch.randn(2, 96, 64, device=device)
+    out = ExpertsFP8.empty(2, 96, 64, device=device)
+    # Both experts of w13 on one [128, 96] slab, rows 96 apart: expert 1 starts at row 1.
+    w13, base = _overlapping((2, 128, 96), (96, 96, 1), torch.float8_e4m3fn, device, 0xFF)
+    bad = ExpertsFP8(w13, out.w13_scale_inv, out.w2, out.w2_scale_inv)
+    _raises(
+        ValueError,
+        r"out.w13: expected an output whose elements cannot overlap, got shape \(2, 128, 96\) with "
+        r"strides \(96, 96, 1\): dimension 1 steps 96 elements",
+        lambda: quantize_experts(w1, w1, w2, out=bad),
+        base, out.w13_scale_inv, out.w2, out.w2_scale_inv,
+    )  # fmt: skip
+    w2_out, base = _overlapping((2, 96, 64), (96 * 64, 32, 1), torch.float8_e4m3fn, device, 0xFF)
+    bad = ExpertsFP8(out.w13, out.w13_scale_inv, w2_out, out.w2_scale_inv)
+    _raises(
+        ValueError,
+        r"out.w2: expected an output whose elements cannot overlap",
+        lambda: quantize_experts(w1, w1, w2, out=bad),
+        base, out.w13, out.w13_scale_inv, out.w2_scale_inv,
+    )  # fmt: skip
+
+
+def test_outputs_that_cannot_be_written_are_refused(device):
+    x = torch.randn(2, 130, 140, device=device)
+    out, sc = poisoned_fp8((2, 130, 140), device), poisoned_f32((2, 2, 2), device)
+    q = lambda **k: lambda: quantize_blockwise(x, backend="torch", **k)  # noqa: E731
+    needs_grad = poisoned_f32((2, 2, 2), device).requires_grad_()
+    _raises(
+        ValueError,
+        r"^scale_out: expected a tensor that does not require grad \(it is written outside autograd\), "
+        r"got requires_grad=True; pass scale_out.detach\(\)$",
+        q(out=out, scale_out=needs_grad),
+        out, needs_grad.detach(),
+    )  # fmt: skip
+    with torch.inference_mode():
+        frozen_q = poisoned_fp8((2, 130, 140), device)
+        frozen_s = poisoned_f32((2, 2, 2), device)
+    frozen = (
+        r"expected a tensor writable outside inference mode, got an inference tensor \(allocated under "
+        r"torch.inference_mode\(\)\); allocate it outside inference mode or make this call under "
+        r"torch.inference_mode\(\)$"
+    )
+    _raises(ValueError, "^out: " + frozen, q(out=frozen_q, scale_out=sc), frozen_q, sc)
+    _raises(ValueError, "^scale_out: " + frozen, q(out=out, scale_out=frozen_s), out, frozen_s)
+    # Inside inference mode the write is allowed, by torch and by us: same bits as the reference.
+    with torch.inference_mode():
+        got_q, got_s = quantize_blockwise(x, out=frozen_q, scale_out=frozen_s, backend="torch")
+    q_ref, s_ref = quantize_concat_ref([x])
+    assert torch.equal(got_q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got_s, s_ref)
+    # quantize_experts names the field.
+    w1, w2 = torch.randn(2, 64, 96, device=device), torch.randn(2, 96, 64, device=device)
+    with torch.inference_mode():
+        frozen_out = ExpertsFP8.empty(2, 96, 64, device=device)
+    _raises(
+        ValueError,
+        "^out.w13: " + frozen,
+        lambda: quantize_experts(w1, w1, w2, out=frozen_out),
+        *(t for _, t in frozen_out.items()),
+    )
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_and_meta_tensors_are_refused(device):
+    x = torch.randn(2, 130, 140, device=device)
+    out, sc = poisoned_fp8((2, 130, 140), device), poisoned_f32((2, 2, 2), device)
+    q = lambda *a, **k: lambda: quantize_blockwise(*a, **k)  # noqa: E731
+    out2, sc2 = poisoned_fp8((260, 140), device), poisoned_f32((3, 2), device)
+    _raises(
+        TypeError,
+        r"^sources\[1\]: expected a strided \(dense\) tensor, got layout torch.sparse_coo$",
+        q([x[0], x[1].to_sparse()], out=out2, scale_out=sc2),
+        out2, sc2,
+    )  # fmt: skip
+    _raises(
+        ValueError,
+        r"^sources: expected a tensor with data, got a meta tensor$",
+        q(x.to("meta"), out=out, scale_out=sc),
+        out, sc,
+    )  # fmt: skip
+    _raises(
+        TypeError,
+        r"^scale_out: expected a strided \(dense\) tensor, got layout torch.sparse_coo$",
+        q(x, out=out, scale_out=sc.to_sparse()),
+        out,
+    )
+    csr = poisoned_f32((2, 2), device).to_sparse_csr()  # is_contiguous() raises on these
+    _raises(
+        TypeError,
+        r"^scale_out: expected a strided \(dense\) tensor, got layout torch.sparse_csr$",
+        q(x[0], out=out[0], scale_out=csr),
+        out,
+    )
+    _raises(
+        ValueError,
+        r"^out: expected a tensor with data, got a meta tensor$",
+        q(x, out=torch.empty(2, 130, 140, dtype=torch.float8_e4m3fn, device="meta"), scale_out=sc),
+        sc,
+    )
+    w1, w2 = torch.randn(2, 64, 96, device=device), torch.randn(2, 96, 64, device=device)
+    _raises(
+        TypeError,
+        r"^w3: expected a strided \(dense\) tensor, got layout torch.sparse_coo$",
+        lambda: quantize_experts(w1, w1.to_sparse(), w2),
+    )
+    _raises(
+        ValueError, r"^w2: expected a tensor with data, got a meta tensor$",
+        lambda: quantize_experts(w1, w1, w2.to("meta")),
+    )  # fmt: skip
+    out = ExpertsFP8.empty(2, 96, 64, device=device)
+    bad = ExpertsFP8(out.w13, out.w13_scale_inv, out.w2, out.w2_scale_inv.to("meta"))
+    _raises(
+        ValueError,
+        r"^out.w2_scale_inv: expected a tensor with data, got a meta tensor$",
+        lambda: quantize_experts(w1, w1, w2, out=bad),
+        out.w13, out.w13_scale_inv, out.w2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        ({"num_warps": 3}, ValueError, r"^config.num_warps: expected a power of two in \[1, 32\], got 3$"),
+        ({"num_warps": 64}, ValueError, r"^config.num_warps: expected a power of two in \[1, 32\], got 64$"),
+        ({"num_warps": 0}, ValueError, r"^config.num_warps: expected a power of two in \[1, 32\], got 0$"),
+        ({"maxnreg": 8}, ValueError, r"^config.maxnreg: expected None or an int in \[16, 255\], got 8$"),
+        ({"maxnreg": 256}, ValueError, r"^config.maxnreg: expected None or an int in \[16, 255\], got 256$"),
+        ({"cb_per_prog": 0}, ValueError, r"^config.cb_per_prog: expected an int >= 1, got 0$"),
+        ({"programs_per_sm": -1}, ValueError, r"^config.programs_per_sm: expected an int >= 0, got -1$"),
+        ({"num_stages": 0}, ValueError, r"^config.num_stages: expected an int >= 1, got 0$"),
+        ({"num_warps": 8.0}, TypeError, r"^config.num_warps: expected an int, got 8.0 \(float\)$"),
+        ({"cb_per_prog": True}, TypeError, r"^config.cb_per_prog: expected an int, got True \(bool\)$"),
+        ({"maxnreg": "80"}, TypeError, r"^config.maxnreg: expected an int or None, got '80' \(str\)$"),
+        ({"fma_div": 1}, TypeError, r"^config.fma_div: expected a bool, got 1 \(int\)$"),
+        ({"signed_quotient": None}, TypeError, r"^config.signed_quotient: expected a bool, got None"),
+        ({"soft_fp8": "yes"}, TypeError, r"^config.soft_fp8: expected a bool or None, got 'yes' \(str\)$"),
+    ],
+)  # fmt: skip
+def test_launch_config_out_of_range_is_refused(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        LaunchConfig(**kw)
+    import dataclasses
+
+    with pytest.raises(exc, match=match):  # replace() builds through __post_init__ too
+        dataclasses.replace(LaunchConfig(), **kw)
+
+
+def test_launch_config_range_edges_are_accepted(device):
+    for kw in ({"num_warps": 1}, {"num_warps": 32}, {"maxnreg": 16}, {"maxnreg": 255}, {"maxnreg": None},
+               {"programs_per_sm": 0}, {"soft_fp8": None}, {"soft_fp8": False}):  # fmt: skip
+        LaunchConfig(**kw)
+    x = torch.randn(4, 4, device=device)
+    out = poisoned_fp8((4, 4), device)
+    _raises(
+        TypeError,
+        "^config: expected a LaunchConfig or None, got dict$",
+        lambda: quantize_blockwise(x, out=out, config={"num_warps": 4}),
+        out,
+    )
+    w1 = torch.randn(1, 4, 4, device=device)
+    with pytest.raises(TypeError, match="^config: expected a LaunchConfig or None, got dict$"):
+        quantize_experts(w1, w1, w1, config={"num_warps": 4})
