@@ -24,11 +24,11 @@ _EXPORTS = {
     "LayerPlan": "glm_fp8.plan",
     "plan_from_config": "glm_fp8.plan",
     "plan_from_state_dict": "glm_fp8.plan",
-    "DEFAULT_CONFIG": "glm_fp8.quantize",
-    "default_config": "glm_fp8.quantize",
+    "DEFAULT_CONFIG": "glm_fp8.kernels.triton_launch",
+    "default_config": "glm_fp8.kernels.triton_launch",
     "ExpertsFP8": "glm_fp8.quantize",
-    "LaunchConfig": "glm_fp8.quantize",
-    "NonFiniteError": "glm_fp8.quantize",
+    "LaunchConfig": "glm_fp8.kernels.triton_launch",
+    "NonFiniteError": "glm_fp8.jobs",
     "quantize_blockwise": "glm_fp8.quantize",
     "quantize_experts": "glm_fp8.quantize",
 }
@@ -38,16 +38,10 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from glm_fp8.backends import available_backends, get_default_backend, set_default_backend
     from glm_fp8.convert import convert_layer
+    from glm_fp8.jobs import NonFiniteError
+    from glm_fp8.kernels.triton_launch import DEFAULT_CONFIG, LaunchConfig, default_config
     from glm_fp8.plan import LayerPlan, plan_from_config, plan_from_state_dict
-    from glm_fp8.quantize import (
-        DEFAULT_CONFIG,
-        ExpertsFP8,
-        LaunchConfig,
-        NonFiniteError,
-        default_config,
-        quantize_blockwise,
-        quantize_experts,
-    )
+    from glm_fp8.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
     from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver, UpdateAborted, contribute_shards
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from glm_fp8.reference import INPUT_DTYPES, SCALE_FMTS, ceil_blocks
+from glm_fp8.numerics import INPUT_DTYPES, SCALE_FMTS
 
 
 def check_scale_fmt(scale_fmt: str) -> None:
@@ -175,8 +175,3 @@ def check_aligned(name: str, t: torch.Tensor, align: int, why: str) -> None:
             f"{name}: expected a buffer aligned to {align} bytes within its storage ({why}), got "
             f"byte offset {offset} from a storage at {address - offset:#x}"
         )
-
-
-def blocks_shape(rows: int, cols: int, experts: int | None) -> tuple[int, ...]:
-    nb = (ceil_blocks(rows), ceil_blocks(cols))
-    return nb if experts is None else (experts, *nb)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm_fp8.backends import available_backends
 from glm_fp8.convert import convert_layer
 from glm_fp8.models import PRESETS, SMALL_GLM5
 from glm_fp8.numerics import ceil_blocks
@@ -139,8 +140,6 @@ def prepare(case: Case, device: torch.device) -> Prepared:
 
 def fused_backends(device: torch.device) -> list[str]:
     """The fused backends to time on ``device`` (the eager reference is timed as its own method)."""
-    from glm_fp8.backends import available_backends
-
     return [b for b in available_backends(device) if b != "torch"]
 
 

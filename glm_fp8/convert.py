@@ -14,9 +14,9 @@ from collections.abc import Mapping
 import torch
 
 from glm_fp8 import _checks
+from glm_fp8.jobs import Job, NonFiniteError, plan_job, run_jobs
+from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix, plan_from_state_dict, strip_layer
-from glm_fp8.quantize import NonFiniteError, _Job, _plan_job, _run_jobs
-from glm_fp8.reference import BLOCK
 
 
 def _check_layer(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str) -> torch.device:
@@ -113,7 +113,7 @@ def fill_layer(
     ``only`` for what it gathered whole and writes the expert stacks piece by piece itself."""
     views = OrderedDict((prefix + name, view) for name, view in plan.views(out))
     blackwell = plan.target == "blackwell"
-    jobs: list[_Job] = []
+    jobs: list[Job] = []
     packs: list[tuple[torch.Tensor, torch.Tensor]] = []
     entries = plan.entries
     wanted = [e for e in entries if only is None or e.name in only]
@@ -125,7 +125,7 @@ def fill_layer(
         srcs = [(prefix + s, _squeeze(layer[s], e.squeeze)) for s in e.sources]
         scale_view = views[prefix + scale_entry.name]
         scales = None if blackwell else scale_view  # Blackwell: float32 first, packed below
-        jobs.append(_plan_job(srcs, views[prefix + e.name], scales, prefix + e.name,
+        jobs.append(plan_job(srcs, views[prefix + e.name], scales, prefix + e.name,
                               prefix + scale_entry.name))  # fmt: skip
         if blackwell:
             packs.append((jobs[-1].s, scale_view))
@@ -140,7 +140,7 @@ def fill_layer(
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     # The passthrough sources join the kernels' finite check: one flag, one host read per layer.
     also = [(prefix + s, layer[s]) for e in passthrough for s in e.sources]
-    _run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend, also=also)
+    run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend, also=also)
     for scales, packed in packs:
         pack_ue8m0_sm100(scales, packed)
     return views

@@ -12,6 +12,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INV_FP8_MAX_BITS = 0x3B124925
 SCALE_FLOOR_BITS = 0x2B8CBCCC
 SCALE_FMTS = ("fp32", "ue8m0")
+MAX_SOURCES = 4  # row sources one call concatenates (w13 = [w1; w3] is two); both kernels' limit
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -31,6 +32,7 @@ __all__ = [
     "FP8_MAX",
     "INPUT_DTYPES",
     "INV_FP8_MAX_BITS",
+    "MAX_SOURCES",
     "SCALE_FLOOR_BITS",
     "SCALE_FMTS",
     "blocks_shape",

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from glm_fp8.numerics import (  # noqa: F401 - BLOCK and ceil_blocks are re-exported for callers
+from glm_fp8.numerics import (
     BLOCK,
     FP8_MAX,
     INPUT_DTYPES,
@@ -139,21 +139,6 @@ def dequantize_blockwise_ref(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * s_full[..., :r, :c]
 
 
-__all__ = [
-    "BLOCK",
-    "convert_layer_ref",
-    "pack_ue8m0_sm100_ref",
-    "FP8_MAX",
-    "block_scales_ref",
-    "ceil_blocks",
-    "dequantize_blockwise_ref",
-    "quantize_blockwise_ref",
-    "quantize_concat_ref",
-    "quantize_experts_ref",
-    "round_scale_up_to_pow2",
-]
-
-
 def pack_ue8m0_sm100_ref(scales: torch.Tensor, rows: int) -> torch.Tensor:
     """DeepGEMM SM100 scale values [(G,) N, ceil(nbk/4)] int32 (contiguous; layout aside)."""
     exps = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.int64)
@@ -194,3 +179,15 @@ def convert_layer_ref(layer: Mapping[str, torch.Tensor], layer_idx: int, plan: L
         else:
             out[prefix + e.name], pending = quantize_blockwise_ref(cat, fmt)
     return out
+
+
+__all__ = [
+    "block_scales_ref",
+    "convert_layer_ref",
+    "dequantize_blockwise_ref",
+    "pack_ue8m0_sm100_ref",
+    "quantize_blockwise_ref",
+    "quantize_concat_ref",
+    "quantize_experts_ref",
+    "round_scale_up_to_pow2",
+]

@@ -190,7 +190,7 @@ def test_layer_finite_check_finds_the_entry(device, op, entry, bad):
     """The broadcaster's layer-level check (one multi-tensor max |x|) names a non-finite
     entry of the kinds it is asked about and passes a clean buffer."""
     from glm_fp8.convert import check_finite_entries
-    from glm_fp8.quantize import NonFiniteError
+    from glm_fp8.jobs import NonFiniteError
 
     plan = plan_from_config(SMALL["glm-5"], 2)
     buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)

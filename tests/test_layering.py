@@ -67,7 +67,8 @@ def _imports(path: Path) -> tuple[set[str], set[str]]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for inner in ast.walk(node):
                 local.update(names(inner))
-    return top, local
+    # Only the package's Python modules: the compiled extension glm_fp8._C loads on first use.
+    return top & modules, local & modules
 
 
 def _layer_of() -> dict[str, int]:

@@ -12,7 +12,8 @@ import torch
 from conftest import GPU_BACKENDS, ON_GPU, assert_same_bits, poisoned_f32, poisoned_fp8
 
 from glm_fp8 import ExpertsFP8, LaunchConfig, NonFiniteError, quantize_blockwise, quantize_experts
-from glm_fp8.reference import ceil_blocks, quantize_concat_ref, quantize_experts_ref
+from glm_fp8.numerics import ceil_blocks
+from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FMTS = ["fp32", "ue8m0"]
@@ -164,7 +165,8 @@ def test_repeated_launches_keep_each_specialization(device, backend):
 
 def test_launch_arguments_follow_the_kernel_signature():
     """The direct launch passes every argument positionally: pointers, integers, constexprs."""
-    from glm_fp8.quantize import _launch_args, quantize_blockwise_kernel
+    from glm_fp8.kernels.triton_launch import _launch_args
+    from glm_fp8.kernels.triton_quantize import quantize_blockwise_kernel
 
     srcs = [torch.randn(2, 100, 300), torch.randn(2, 60, 300)]
     q = torch.empty(2, 160, 300, dtype=torch.float8_e4m3fn)
@@ -184,7 +186,7 @@ def test_launch_arguments_follow_the_kernel_signature():
 def test_unaligned_outputs_take_the_kernel_without_source_alignment():
     """Triton 3.6 on the H200 miscompiled vectorized source loads feeding unaligned byte
     stores; such outputs go to the twin kernel compiled without source-alignment assumptions."""
-    from glm_fp8.quantize import _stores_vectorize
+    from glm_fp8.kernels.triton_launch import _stores_vectorize
 
     buf = torch.empty(2 * 300 * 272 + 16, dtype=torch.uint8)
     assert _stores_vectorize(buf[16:].view(2, 300, 272))
@@ -301,7 +303,7 @@ def test_non_finite_in_experts_names_the_weight(device, backend, weight):
 def test_flag_is_clean_for_the_next_call(device, backend):
     """The finite check's flag lives across calls (one per thread and device): a call that
     found NaN, or failed after its kernels ran, leaves it zero for the next one."""
-    from glm_fp8 import quantize
+    from glm_fp8 import backends, jobs
 
     x = torch.randn(256, 256, device=device)
     x[3, 3] = float("nan")
@@ -309,20 +311,20 @@ def test_flag_is_clean_for_the_next_call(device, backend):
         quantize_blockwise(x, backend=backend)
     x[3, 3] = 1.0
     _check(x, backend=backend)  # raises NonFiniteError if the flag were still set
-    assert quantize._nonfinite_flag(x.device).item() == 0
+    assert jobs.nonfinite_flag(x.device).item() == 0
 
-    def set_then_fail(jobs, ue8m0, flag):
+    def set_then_fail(work, ue8m0, flag, config):
         flag.fill_(1)
         raise RuntimeError("launcher failed")
 
-    saved = quantize.backends.LAUNCHERS["torch"]
-    quantize.backends.LAUNCHERS["torch"] = set_then_fail
+    saved = backends.LAUNCHERS["torch"]
+    backends.LAUNCHERS["torch"] = set_then_fail
     try:
         with pytest.raises(RuntimeError, match="launcher failed"):
             quantize_blockwise(x, backend="torch")
     finally:
-        quantize.backends.LAUNCHERS["torch"] = saved
-    assert quantize._nonfinite_flag(x.device).item() == 0
+        backends.LAUNCHERS["torch"] = saved
+    assert jobs.nonfinite_flag(x.device).item() == 0
     _check(x, backend=backend)
 
 
