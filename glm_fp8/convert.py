@@ -9,7 +9,7 @@ on the wire are the bytes the kernels wrote.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -19,8 +19,16 @@ from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix, plan_from_state_dict, strip_layer
 
 
-def _check_layer(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str) -> torch.device:
-    missing = [k for k in plan.inputs if k not in layer]
+def check_layer(
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
+) -> torch.device:
+    """Check a layer's tensors (short names) against ``plan``: every key it needs (the sources
+    of the entries named in ``only``, or of all), no unknown key, dense tensors with data of the
+    planned shapes, passthrough dtypes as planned, one device. Messages name ``prefix + key``.
+    DTensors are checked by their global shape. Returns the device."""
+    wanted = [e for e in plan.entries if only is None or e.name in only]
+    needed = {s for e in wanted for s in e.sources}
+    missing = [k for k in plan.inputs if k in needed and k not in layer]
     if missing:
         shape = plan.inputs[missing[0]][0]
         raise KeyError(f"{prefix}{missing[0]}: missing; expected a tensor of shape {shape}")
@@ -31,10 +39,10 @@ def _check_layer(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str
     for name, t in named:
         _checks.check_tensor(name, t)  # a dense tensor with data: not sparse, not meta
     for k, (shape, _) in plan.inputs.items():
-        t = layer[k]
-        if tuple(t.shape) != tuple(shape):
+        t = layer.get(k)
+        if t is not None and tuple(t.shape) != tuple(shape):
             raise ValueError(f"{prefix}{k}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    for e in plan.entries:
+    for e in wanted:
         if e.op in ("copy", "concat"):
             for s in e.sources:
                 if layer[s].dtype != e.dtype:
@@ -54,6 +62,7 @@ def convert_layer(
     target: str | None = None,
     check_finite: bool = True,
     backend: str | None = None,
+    only: Collection[str] | None = None,
 ) -> OrderedDict[str, torch.Tensor]:
     """Convert one trainer layer into kernel format inside one byte buffer.
 
@@ -73,9 +82,13 @@ def convert_layer(
         check_finite: as in ``quantize_blockwise``; one flag and one device sync for the
             whole layer.
         backend: as in ``quantize_blockwise``.
+        only: write only these entries (kernel-format names without the prefix); the state
+            dict then needs only their sources. A sender that collects the expert stacks
+            piece by piece writes the rest this way (``glm_fp8.transfer.gather``).
 
     Returns:
-        ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order, views into ``out``.
+        ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order (every entry, written
+        or not), views into ``out``.
 
     Memory: above inputs and ``out``, nothing for Hopper; for Blackwell the float32 scales
     before packing (O(number of blocks) bytes). Every check runs before any write.
@@ -86,7 +99,7 @@ def convert_layer(
     elif target is not None and target != plan.target:
         raise ValueError(f"target: expected {plan.target!r} (the plan's target), got {target!r}")
     prefix = layer_prefix(layer_idx)
-    device = _check_layer(plan, layer, prefix)
+    device = check_layer(plan, layer, prefix, only)
     if out is None:
         out = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     else:
@@ -96,21 +109,20 @@ def convert_layer(
         _checks.check_no_overlap([("out", out)], [(prefix + k, t) for k, t in layer.items()])
         _checks.check_aligned("out", out, _checks.BUFFER_ALIGN, "the plan's views need it")
 
-    return fill_layer(layer, plan, out, prefix, check_finite, backend=backend)
+    return _fill_layer(layer, plan, out, prefix, check_finite, only, backend)
 
 
-def fill_layer(
+def _fill_layer(
     layer: Mapping[str, torch.Tensor],
     plan: LayerPlan,
     out: torch.Tensor,
     prefix: str,
     check_finite: bool,
-    only: set[str] | None = None,
-    backend: str | None = None,
+    only: Collection[str] | None,
+    backend: str | None,
 ) -> OrderedDict[str, torch.Tensor]:
     """Write the entries of ``plan`` (those named in ``only``, or all) into ``out`` from
-    already-validated tensors; returns every entry's view. The sender of a sharded layer uses
-    ``only`` for what it gathered whole and writes the expert stacks piece by piece itself."""
+    already-validated tensors; returns every entry's view."""
     views = OrderedDict((prefix + name, view) for name, view in plan.views(out))
     blackwell = plan.target == "blackwell"
     jobs: list[Job] = []
@@ -201,4 +213,4 @@ def check_finite_entries(
         )  # fmt: skip
 
 
-__all__ = ["check_finite_entries", "convert_layer", "fill_layer", "pack_ue8m0_sm100"]
+__all__ = ["check_finite_entries", "check_layer", "convert_layer", "pack_ue8m0_sm100"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from glm_fp8.convert import _check_layer, check_finite_entries, convert_layer, fill_layer
+from glm_fp8.convert import check_finite_entries, check_layer, convert_layer
 from glm_fp8.plan import LayerPlan, layer_prefix, plans_for_model, strip_layer
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.transfer.endpoint import default_device
@@ -183,13 +183,13 @@ def collect_layer(
     views: dict[str, torch.Tensor] = {}
     if sending:
         rest = {k: t.to(device) for k, t in rest.items()}
-        _check_layer(plan, {**rest, **{k: layer[k] for k in stacked}}, prefix)
+        check_layer(plan, {**rest, **{k: layer[k] for k in stacked}}, prefix)
         names = {e.name for e in plan.entries if e.op != "scale" and e not in stacks}
-        views = fill_layer(rest, plan, buf, "", check_finite=False, only=names)
+        views = convert_layer(rest, layer_idx, out=buf, plan=plan, check_finite=False, only=names)
     me = torch.distributed.get_rank()
     for e in stacks:
         srcs = [layer[s] for s in e.sources]
-        q, sc = (views[e.name], views[e.name + "_scale_inv"]) if sending else (None, None)
+        q, sc = (views[prefix + e.name], views[prefix + e.name + "_scale_inv"]) if sending else (None, None)
         if strategy == "chunked":
             n = e.shape[0]
             size = min(chunk_experts, n)
