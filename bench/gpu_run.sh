@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
-# Switches (1 = run), in this order: BUILD=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0 GATHER=1
-# BCAST=1 BENCH=1; TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and BENCH_ARGS
-# go to pytest, bench/sweep.py, bench/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS (default
-# "memcheck racecheck") picks compute-sanitizer's tools.
+# Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
+# GATHER=1 BCAST=1 BENCH=1; TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
+# BENCH_ARGS go to pytest, bench/sweep.py, bench/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
+# (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/test_fuzz.py
+# with FUZZ_CASES (default 400) cases per GPU backend from seed FUZZ_SEED, FUZZ_BUDGET_S seconds
+# at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s.
 set -uo pipefail
 LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -21,10 +23,17 @@ if [ "${BUILD:-1}" = 1 ]; then
   fi
 fi
 python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
+if [ "${FUZZ:-1}" = 1 ]; then
+  GLM_FP8_FUZZ_CASES=${FUZZ_CASES:-400} GLM_FP8_FUZZ_SEED=${FUZZ_SEED:-} GLM_FP8_FUZZ_BUDGET_S=${FUZZ_BUDGET_S:-} \
+    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/test_fuzz.py 2>&1 \
+    | tee "$LOG/fuzz.txt" | grep -E '^fuzz: |^(FAILED|ERROR|SKIPPED) |^- seed=|=> |replay: | (passed|failed)' | sed -n 1,60p
+fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
 if [ "${KSWEEP:-0}" = 1 ]; then bash bench/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} 2>&1 \
+  # tests/test_fuzz.py ran in FUZZ above, if on.
+  timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} \
+    $([ "${FUZZ:-1}" = 1 ] && echo --ignore=tests/test_fuzz.py) 2>&1 \
     | tee "$LOG/tests.txt" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
