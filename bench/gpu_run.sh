@@ -3,7 +3,7 @@
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
 # GATHER=1 BCAST=1 BENCH=1; TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
-# BENCH_ARGS go to pytest, bench/sweep.py, bench/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
+# BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/test_fuzz.py
 # with FUZZ_CASES (default 400) cases per GPU backend from seed FUZZ_SEED, FUZZ_BUDGET_S seconds
 # at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s.
@@ -28,8 +28,8 @@ if [ "${FUZZ:-1}" = 1 ]; then
     timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/test_fuzz.py 2>&1 \
     | tee "$LOG/fuzz.txt" | grep -E '^fuzz: |^(FAILED|ERROR|SKIPPED) |^- seed=|=> |replay: | (passed|failed)' | sed -n 1,60p
 fi
-if [ "${SWEEP:-0}" = 1 ]; then python3 bench/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
-if [ "${KSWEEP:-0}" = 1 ]; then bash bench/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
+if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
+if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${TESTS:-1}" = 1 ]; then
   # tests/test_fuzz.py ran in FUZZ above, if on.
   timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} \
@@ -38,13 +38,13 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize.py ${SANITIZE_ARGS:-} \
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/scripts/sanitize.py ${SANITIZE_ARGS:-} \
       > "$LOG/sanitize-$tool.txt" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c '=========.*Error\|ERROR SUMMARY' "$LOG/sanitize-$tool.txt") summary lines)"
     grep "ERROR SUMMARY\|failures" "$LOG/sanitize-$tool.txt" | tail -3
   done
 fi
-if [ "${HOST:-0}" = 1 ]; then python3 bench/host_overhead.py 2>&1 | tee "$LOG/host_overhead.txt"; fi
-if [ "${GATHER:-1}" = 1 ]; then python3 bench/bench_gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
-if [ "${BCAST:-1}" = 1 ]; then python3 bench/bench_broadcast.py 2>&1 | tee "$LOG/broadcast.txt"; fi
+if [ "${HOST:-0}" = 1 ]; then python3 bench/scripts/host_overhead.py 2>&1 | tee "$LOG/host_overhead.txt"; fi
+if [ "${GATHER:-1}" = 1 ]; then python3 bench/scripts/gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
+if [ "${BCAST:-1}" = 1 ]; then python3 bench/scripts/broadcast.py 2>&1 | tee "$LOG/broadcast.txt"; fi
 if [ "${BENCH:-1}" = 1 ]; then python3 -m glm_fp8.cli bench --markdown ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.md"; fi

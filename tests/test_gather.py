@@ -1,6 +1,6 @@
 """Sharded trainer layers (DTensors on a CPU mesh over gloo): every gather strategy delivers
 the same bytes as the reference to the receiver. Everything runs on the CPU, also on a GPU
-machine (bench/bench_gather.py runs the strategies on a GPU).
+machine (bench/scripts/gather.py runs the strategies on a GPU).
 
 Ranks 0..T-1 are trainers holding DTensor shards (rank 0 also sends); the last rank receives.
 """

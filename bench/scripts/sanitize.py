@@ -2,7 +2,7 @@
 blocks, straddling sources, strided and misaligned views, 2-D and 3-D, both scale formats,
 and the non-finite flag. Exits non-zero if any result differs from the reference.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize.py [cuda] [triton]
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/scripts/sanitize.py [cuda] [triton]
 
 (backends named: only those; none: every GPU backend).
 """

@@ -2,7 +2,7 @@
 memory on the communication stream): total time against the sum and the maximum of
 conversion alone and communication alone, and the sender's memory.
 
-    python3 bench/bench_broadcast.py [--layers 8]
+    python3 bench/scripts/broadcast.py [--layers 8]
 
 GLM-5-shaped sparse layers from bf16; one layer's inputs are reused for every layer (the
 conversion still runs per layer), so 8 layers fit beside the ring.

@@ -4,8 +4,8 @@
 // that build on GLM-5 routed experts (w13 from [w1; w3] and w2 in one launch, as
 // quantize_experts does on this backend) against a device-to-device copy of the same input bytes, both in the
 // same process, interleaved over rounds so that clock drift hits both alike. The CUDA
-// counterpart of bench/sweep.py. Usage (repository root, on the GPU machine):
-//   bash bench/kernel_sweep.sh            # builds every variant in parallel, prints a table
+// counterpart of bench/scripts/sweep.py. Usage (repository root, on the GPU machine):
+//   bash bench/scripts/kernel_sweep.sh            # builds every variant in parallel, prints a table
 // Inputs are uniform in [-0.05, 0.05), never zeros. Correctness is the test suite's job.
 #include <algorithm>
 #include <cstdio>
@@ -15,7 +15,7 @@
 
 #include <cuda_bf16.h>
 
-#include "../csrc/quantize_blockwise.cu"
+#include "../../csrc/quantize_blockwise.cu"
 
 namespace {
 

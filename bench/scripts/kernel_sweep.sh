@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build bench/kernel_sweep.cu once per knob setting (in parallel), run each, print one table.
-# Usage on the GPU machine (repository root): bash bench/kernel_sweep.sh [rounds]
+# Build bench/scripts/kernel_sweep.cu once per knob setting (in parallel), run each, print one table.
+# Usage on the GPU machine (repository root): bash bench/scripts/kernel_sweep.sh [rounds]
 # SWEEP_BUILD_ONLY=1 only builds (e.g. on the CPUs while something else uses the GPU).
 # Knobs: the GLM_FP8_* macros at the top of csrc/quantize_blockwise.cu.
 set -uo pipefail
@@ -16,7 +16,7 @@ declare -A VARIANTS=(
 )
 for v in "${!VARIANTS[@]}"; do
   [ -x "$DIR/$v" ] && continue  # built by an earlier SWEEP_BUILD_ONLY=1 run
-  nvcc -O3 -std=c++17 $ARCH ${VARIANTS[$v]} -Xptxas -v bench/kernel_sweep.cu -o "$DIR/$v" > "$DIR/$v.build.txt" 2>&1 &
+  nvcc -O3 -std=c++17 $ARCH ${VARIANTS[$v]} -Xptxas -v bench/scripts/kernel_sweep.cu -o "$DIR/$v" > "$DIR/$v.build.txt" 2>&1 &
 done
 wait
 [ "${SWEEP_BUILD_ONLY:-0}" = 1 ] && exit 0

@@ -1,6 +1,6 @@
 """Sender memory and time per DTensor gather strategy (issue #4's memory targets).
 
-    python3 bench/bench_gather.py [--world 1] [--model glm-5|small] [--layers 2]
+    python3 bench/scripts/gather.py [--world 1] [--model glm-5|small] [--layers 2]
 
 ``--world`` processes (one per GPU with NCCL; gloo on the CPU) hold a GLM-5 sparse layer as
 bf16 DTensors sharded on dim 0 (expert parallel / FSDP2). Rank 0 runs ``Broadcaster`` into a

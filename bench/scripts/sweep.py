@@ -1,7 +1,7 @@
 """Launch-config sweep of the Triton kernel on GLM-5 routed experts (GPU only), timed steadily.
 
-python bench/sweep.py [--dtype bf16 fp32] [--experts 256 8] [--rounds 5] [--calls N] [--timer do_bench]
-                      [--config NAME ...]
+python bench/scripts/sweep.py [--dtype bf16 fp32] [--experts 256 8] [--rounds 5] [--calls N]
+                              [--timer do_bench] [--config NAME ...]
 
 Each round times a device-to-device copy of the input bytes and then every config (and the
 CUDA backend, when built) in turn: CUDA events around back-to-back calls, no cache flush (the

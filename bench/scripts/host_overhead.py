@@ -1,6 +1,6 @@
 """Where the host time of a quantize_experts call goes, per GPU backend (GPU only).
 
-python bench/host_overhead.py
+python bench/scripts/host_overhead.py
 Prints microseconds per call: back-to-back calls (the host's cost, or the GPU's when it is the
 slower), the same with a device sync after each call (latency), for a tiny layer (E=1,
 128x128: pure overhead) and E=8 GLM-5 experts; then the pieces: the Python argument checks
