@@ -84,14 +84,14 @@ def _tampered_rank(rank, world, how, receiver_kw):
     t0 = time.monotonic()
     try:
         if rank == 0:
-            sender = Broadcaster(None, 0, config=CONFIG)
+            sender = Broadcaster(None, 0, config=CONFIG, device="cpu")
             sender.comm = TamperComm(sender.comm, how)
             sender.broadcast_model(_layers())
             return "sent"
         config = {**CONFIG, "n_routed_experts": 12} if (how == "negative_vote" and rank == 1) else CONFIG
         params = _params()
         try:
-            Receiver(None, 0, config=config, **receiver_kw).load_into(params)
+            Receiver(None, 0, config=config, device="cpu", **receiver_kw).load_into(params)
         finally:
             # Layer 0 may have landed before a fault in layer 1; layers 1 and 2 never may.
             assert _untouched({k: v for k, v in params.items() if not k.startswith("model.layers.0.")})
@@ -150,7 +150,7 @@ def _params_rank(rank, world, problem):
     from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
-        Broadcaster(None, 0, config=CONFIG).broadcast_model(_layers())
+        Broadcaster(None, 0, config=CONFIG, device="cpu").broadcast_model(_layers())
         return None
     name = "model.layers.1.self_attn.o_proj.weight"
     norm = "model.layers.1.input_layernorm.weight"  # bf16: it can require grad
@@ -159,7 +159,7 @@ def _params_rank(rank, world, problem):
         del params[name]
     if rank == 1 and problem == "shape":
         params[name] = params[name][:, :-1]
-    Receiver(None, 0, config=CONFIG).load_into(params)
+    Receiver(None, 0, config=CONFIG, device="cpu").load_into(params)
     return _untouched(params)
 
 
@@ -189,9 +189,9 @@ def _consumer_rank(rank, world, how):
     from glm_fp8.transfer import Broadcaster, Receiver
 
     if rank == 0:
-        Broadcaster(None, 0, config=CONFIG).broadcast_model(_layers())
+        Broadcaster(None, 0, config=CONFIG, device="cpu").broadcast_model(_layers())
         return None
-    receiver = Receiver(None, 0, config=CONFIG)
+    receiver = Receiver(None, 0, config=CONFIG, device="cpu")
     if rank == 2:
         receiver.load_into(_params())
         return None
@@ -238,12 +238,12 @@ def _order_rank(rank, world, order, nan_in):
                     sd[f"model.layers.1.{nan_in}"].view(-1)[3] = float("nan")
                 yield i, sd
 
-        Broadcaster(None, 0, config=CONFIG).broadcast_model(layers())
+        Broadcaster(None, 0, config=CONFIG, device="cpu").broadcast_model(layers())
         return None
     params = _params()
     first_bad = 1 if nan_in else next(p for p in range(3) if p >= len(order) or order[p] != p)
     try:
-        Receiver(None, 0, config=CONFIG).load_into(params)
+        Receiver(None, 0, config=CONFIG, device="cpu").load_into(params)
     finally:  # the layers from the first wrong one on were never touched
         assert _untouched({k: v for k, v in params.items() if int(k.split(".")[2]) >= first_bad})
 
