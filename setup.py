@@ -48,7 +48,7 @@ def cuda_extensions():
         "glm_fp8._C",
         sources,
         include_dirs=[os.path.abspath("csrc")],
-        # No fast-math: the kernels must divide and round exactly as numerics.md says.
+        # No fast-math: the kernels must divide and round exactly as docs/numerics.md says.
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", *arch.split()]},
     )
     return [ext], {"build_ext": BuildExtension}

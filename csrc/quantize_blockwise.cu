@@ -1,7 +1,7 @@
 // CUDA C++ block-FP8 quantization: one 256-thread block per 128x128 tile.
 //
 // Same contract and bits as the Triton kernel (glm_fp8/quantize.py) and the reference
-// (shared/spec/numerics.md). A thread holds 8 consecutive columns of 8 tile rows as raw input
+// (docs/numerics.md). A thread holds 8 consecutive columns of 8 tile rows as raw input
 // bits (32 registers for 16-bit inputs), so the tile is read from memory exactly once: amax
 // over the registers, one block-wide reduction, then the fp8 bytes from the same registers.
 #include <algorithm>
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, Traits<kType>::kMinBlocks)
 
   float s = max_nan(__fmul_rn(amax, __uint_as_float(kInvFp8MaxBits)), __uint_as_float(kScaleFloorBits));
   if constexpr (kUe8m0) {
-    // Round up to a power of two by bit arithmetic (numerics.md), not exp2(ceil(log2(s))).
+    // Round up to a power of two by bit arithmetic (docs/numerics.md#ue8m0-scales), not exp2(ceil(log2(s))).
     const uint32_t b = __float_as_uint(s);
     if ((b & 0x007FFFFFu) != 0 && s < __uint_as_float(0x7F800000u)) {
       s = __uint_as_float((b & 0x7F800000u) + 0x00800000u);

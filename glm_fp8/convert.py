@@ -176,7 +176,7 @@ def _row_pieces(dst: torch.Tensor, sources: list[torch.Tensor]) -> list[tuple[to
 
 
 def pack_ue8m0_sm100(scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """DeepGEMM SM100 scale layout from ue8m0 block scales (vllm_layout.md).
+    """DeepGEMM SM100 scale layout from ue8m0 block scales (docs/layouts.md).
 
     ``scales`` [(G,) ceil(N/128), ceil(K/128)] float32 powers of two; ``out`` int32 view
     [(G,) N, ceil(ceil(K/128)/4)] with MN-major strides. Byte j of out[n, p] is the biased

@@ -1,5 +1,5 @@
 """Layer plans: which kernel-format entries a trainer layer becomes, and where each one lives
-in the layer's single broadcast buffer (docs/layouts.md#the-layer-buffer).
+in the layer's single broadcast buffer (docs/layouts.md#layer-buffer).
 
 A plan is built once per layer shape, from a model config (``glm_fp8.models``: presets or a
 config.json) or inferred from one layer's state dict, and then reused for every update.

@@ -203,7 +203,7 @@ def test_outputs_that_overlap_themselves_are_refused(device):
         lambda: quantize_blockwise(x, out=rows, scale_out=sc),
         rows_base, sc,
     )  # fmt: skip
-    # The example: an [8, 8] view of 64 elements with strides (1, 1).
+    # An [8, 8] view of 64 elements with strides (1, 1).
     diag, diag_base = _overlapping((8, 8), (1, 1), torch.float8_e4m3fn, device, 0xFF)
     _raises(
         ValueError,

@@ -1,5 +1,5 @@
 """The reference against hand-computed blocks, so that reference and kernels cannot share a
-mistake. Expected bytes are worked out in the comments from numerics.md, not from code."""
+mistake. Expected bytes are worked out in the comments from docs/numerics.md, not from code."""
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ def _block(values: list[float], dtype=torch.bfloat16) -> torch.Tensor:
 
 def test_scale_is_amax_times_rounded_reciprocal():
     # amax 1.015625: fl32(1.015625 * fl32(1/448)) = 0x3B14924A, while the correctly rounded
-    # quotient 1.015625 / 448 would be 0x3B149249 (numerics.md step 2).
+    # quotient 1.015625 / 448 would be 0x3B149249 (docs/numerics.md#scale).
     _, s = quantize_blockwise_ref(_block([1.015625, -0.5]))
     assert _bits(s) == [0x3B14924A]
 

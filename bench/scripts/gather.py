@@ -1,4 +1,4 @@
-"""Sender memory and time per DTensor gather strategy (issue #4's memory targets).
+"""Sender memory and time per DTensor gather strategy (the sender's memory bound: a ring of layer buffers).
 
     python3 bench/scripts/gather.py [--world 1] [--model glm-5|small] [--layers 2]
 
