@@ -14,11 +14,10 @@
 namespace glm_fp8 {
 namespace {
 
-// Tuning knobs, defaults measured on an H200 (bench/kernel_sweep.sh sweeps them, RESULTS.md):
-// threads per 128x128 tile, the resident blocks per SM the register allocation must allow (0:
-// the compiler's choice) per input width, and the L2 prefetch size hint of the streaming
-// loads (0: none; 256 B measured 1 % slower than none or 128 B, 512 threads 25 % slower for
-// 16-bit inputs, 3 blocks per SM for fp32 1 % slower).
+// Tuning knobs, defaults the best measured on an H200 (bench/scripts/kernel_sweep.sh sweeps
+// them; bench/RESULTS.md and HISTORY.md have the figures): threads per 128x128 tile, the
+// resident blocks per SM the register allocation must allow (0: the compiler's choice) per
+// input width, and the L2 prefetch size hint of the streaming loads (0: none).
 #ifndef GLM_FP8_THREADS
 #define GLM_FP8_THREADS 256
 #endif

@@ -131,7 +131,7 @@ _flags = threading.local()
 
 def nonfinite_flag(device: torch.device) -> torch.Tensor:
     """This thread's int32 flag on ``device``, zero between calls: allocated once, not per call
-    (its allocation and zeroing cost 12 us of host time per call on the H200). Per thread,
+    (an allocation and a zeroing per call cost host time; bench/RESULTS.md). Per thread,
     because a call reads its flag only after its kernels ran."""
     flags = _flags.__dict__.setdefault("by_device", {})
     flag = flags.get(device)
