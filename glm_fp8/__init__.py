@@ -21,6 +21,8 @@ _EXPORTS = {
     "UpdateAborted": "glm_fp8.transfer",
     "contribute_shards": "glm_fp8.transfer",
     "convert_layer": "glm_fp8.convert",
+    "EngineLayout": "glm_fp8.engine",
+    "engine_param_specs": "glm_fp8.engine",
     "LayerPlan": "glm_fp8.plan",
     "plan_from_config": "glm_fp8.plan",
     "plan_from_state_dict": "glm_fp8.plan",
@@ -38,6 +40,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from glm_fp8.backends import available_backends, get_default_backend, set_default_backend
     from glm_fp8.convert import convert_layer
+    from glm_fp8.engine import EngineLayout, engine_param_specs
     from glm_fp8.jobs import NonFiniteError
     from glm_fp8.kernels.triton_launch import DEFAULT_CONFIG, LaunchConfig, default_config
     from glm_fp8.plan import LayerPlan, plan_from_config, plan_from_state_dict

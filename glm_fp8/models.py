@@ -151,6 +151,7 @@ PRESETS: dict[str, dict] = {
         "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 64,
         "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
         "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
+        "vocab_size": 154880, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
     },
     "glm-4.5": {  # zai-org/GLM-4.5 config.json
         "model_type": "glm4_moe", "hidden_size": 5120, "num_hidden_layers": 92,
@@ -186,6 +187,18 @@ SMALL_CONFIGS = {
         "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
     },
+}  # fmt: skip
+
+
+# GLM-5 shrunk so that every width vLLM shards is a multiple of 128 per rank at TP=2, EP=2 and
+# TP=2 x DP=2 without EP (MoE TP over 4: moe_intermediate 512 / 4 = 128); vocab 1000 is not a
+# multiple of 64 (padded to 1024). At TP=4 o_proj's 256 columns give 64 per rank: refused.
+TINY_GLM5 = {
+    "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 4, "first_k_dense_replace": 2,
+    "n_routed_experts": 4, "moe_intermediate_size": 512, "n_shared_experts": 1, "intermediate_size": 512,
+    "num_attention_heads": 4, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 2, "index_head_dim": 64,
+    "vocab_size": 1000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
 }  # fmt: skip
 
 

@@ -1,0 +1,191 @@
+"""What a vLLM 0.34 worker holds for a GLM model: every parameter's vLLM name, the rank's shard
+shape and its dtype, before the post-load step (docs/layouts.md, "Engine side (vLLM 0.34)":
+"Names, dtypes, shards (GLM-5)", "MTP layer (GLM-5 layer 78)" and the GLM-4.5 note).
+
+Derived parameters that post-load hooks create (MLA's ``W_UK_T`` / ``W_UV``) are not listed, and
+scales are listed in load format (float32 ``[.., nb(N), nb(K)]``), as a loader holds them
+(docs/layouts.md#post-load-rewrites).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.engine.layout import MTP_OWN, EngineLayout, Shard, _Rules, split_name
+from glm_fp8.models import is_sparse_layer
+from glm_fp8.plan import layer_prefix, plan_from_config
+
+# Entries vLLM builds in float32 whatever the model dtype (docs/layouts.md#names-dtypes-shards-glm-5).
+_FLOAT32 = frozenset({"self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
+                      "mlp.gate.e_score_correction_bias"})  # fmt: skip
+_FLOAT32_GLM4 = _FLOAT32 | {"mlp.gate.weight"}  # glm4_moe.py: GateLinear(params_dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class EngineParam:
+    """One parameter of one engine rank: vLLM's ``name``, our kernel-format ``kernel_name``, the
+    full kernel-format shape, the rank's ``shape`` and ``dtype``, and the ``shard`` that cuts it."""
+
+    name: str
+    kernel_name: str
+    full_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard: Shard
+
+
+def mtp_layer_index(config: Mapping) -> int | None:
+    """The MTP layer's index (``num_hidden_layers``) when the config has one, else None. Only one
+    MTP layer (``num_nextn_predict_layers`` 1) is supported."""
+    n = config.get("num_nextn_predict_layers") or 0
+    if n not in (0, 1):
+        raise ValueError(f"config.num_nextn_predict_layers: only 0 or 1 MTP layer is supported, got {n!r}")
+    return config["num_hidden_layers"] if n == 1 else None
+
+
+def engine_name(kernel_name: str, config: Mapping | None = None) -> str:
+    """vLLM 0.34's name for one of our kernel-format entries: routed experts one level deeper
+    (``mlp.experts.w13_weight`` -> ``mlp.experts.routed_experts.w13_weight``) and, given the
+    ``config``, the MTP layer's decoder entries under ``mtp_block.`` (``model.layers.78.self_attn.
+    ...`` -> ``model.layers.78.mtp_block.self_attn...``; its ``enorm``/``hnorm``/``eh_proj``/
+    ``shared_head.*`` stay). Names already in vLLM's form are returned unchanged."""
+    idx, short = split_name(kernel_name)
+    if idx is None:
+        return kernel_name
+    if short.startswith("mlp.experts."):
+        short = "mlp.experts.routed_experts." + short[len("mlp.experts.") :]
+    mtp = config is not None and idx == mtp_layer_index(config)
+    if mtp and short not in MTP_OWN:
+        short = "mtp_block." + short
+    return layer_prefix(idx) + short
+
+
+def engine_dtype(
+    name: str, config: Mapping, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
+) -> torch.dtype:
+    """The dtype vLLM 0.34 builds ``name`` (kernel-format or vLLM name) in: float8_e4m3fn for a
+    block-FP8 weight, float32 for its ``_scale_inv`` and for ``indexer.k_norm.*``,
+    ``mlp.gate.e_score_correction_bias`` (and GLM-4.5's ``mlp.gate.weight``), else the model
+    ``dtype`` (``eh_proj``, norms, router, embeddings and ``lm_head`` are never fp8)."""
+    return _dtype(name, config, _Rules(config, EngineLayout(), quantize).table, dtype)
+
+
+def _dtype(name: str, config: Mapping, table: Mapping[str, tuple[tuple[int, ...], bool]], dtype: torch.dtype):
+    _, short = split_name(name)
+    if short not in table:
+        raise ValueError(f"{name}: not a parameter of a {config.get('model_type')} engine")
+    if short.endswith("_scale_inv"):
+        return torch.float32
+    if short in (_FLOAT32_GLM4 if config.get("model_type") == "glm4_moe" else _FLOAT32):
+        return torch.float32
+    return torch.float8_e4m3fn if table[short][1] else dtype
+
+
+def _check_config(config: Mapping) -> None:
+    for key in ("model_type", "vocab_size", "num_hidden_layers", "hidden_size"):
+        if key not in config:
+            raise ValueError(f"config.{key}: required for the engine's parameters (e.g. vocab_size 154880 "
+                             "for GLM-5)")  # fmt: skip
+    if config.get("tie_word_embeddings", False):
+        raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
+                         "its own ParallelLMHead in vLLM 0.34)")  # fmt: skip
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"config.moe_layer_freq: only 1 is supported, got {config['moe_layer_freq']!r}")
+    if config["model_type"] == "glm_moe_dsa":
+        if config.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(
+                "config.topk_method: vLLM builds mlp.gate.e_score_correction_bias only for 'noaux_tc', "
+                f"which glm_fp8's plans assume; got {config['topk_method']!r}"
+            )
+        if _skip_topk_layers(config):
+            raise ValueError("config: layers without an indexer (indexer_types / index_topk_freq / "
+                             "index_topk_pattern, docs/layouts.md#names-dtypes-shards-glm-5) are not "
+                             "supported yet")  # fmt: skip
+
+
+def _skip_topk_layers(config: Mapping) -> set[int]:
+    """vLLM's ``compute_skip_topk_layers`` (model_executor/models/utils.py): layers built without
+    an indexer."""
+    if "index_topk" not in config:
+        return set()
+    n = config["num_hidden_layers"]
+    types = config.get("indexer_types")
+    if types is not None:
+        return {i for i, t in enumerate(types) if t == "shared"}
+    freq = config.get("index_topk_freq", 1)
+    pattern = config.get("index_topk_pattern")
+    offset = config.get("index_skip_topk_offset", 2)
+    if pattern is not None:
+        return {i for i in range(min(n, len(pattern))) if pattern[i] == "S"}
+    return {i for i in range(n) if max(i - offset + 1, 0) % freq != 0}
+
+
+def engine_params(
+    config: Mapping, layout: EngineLayout, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
+) -> dict[str, EngineParam]:
+    """Every parameter a vLLM 0.34 worker at ``layout`` holds for the model (target model then
+    the MTP drafter), keyed by vLLM name: ``model.embed_tokens.weight``, each decoder layer's
+    entries (in plan order), ``model.norm.weight``, ``lm_head.weight``, then the MTP layer
+    (``num_nextn_predict_layers`` 1): ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
+    ``shared_head.head`` and ``mtp_block.<sparse-layer names>``. The drafter's ``embed_tokens``
+    is the target's (aliased), so it is listed once. Raises ValueError where vLLM would refuse
+    the layout or glm_fp8 does not support it (see ``shard_for``)."""
+    _check_config(config)
+    rules = _Rules(config, layout, quantize)
+    mtp = mtp_layer_index(config)
+    out: dict[str, EngineParam] = {}
+
+    def add(kernel: str, full: tuple[int, ...]) -> None:
+        shard = rules.shard(kernel, full)
+        name = engine_name(kernel, config)
+        dt = _dtype(kernel, config, rules.table, dtype)
+        out[name] = EngineParam(name, kernel, full, shard.shape(full), dt, shard)
+
+    h, v = config["hidden_size"], config["vocab_size"]
+    plans: dict[bool, list[tuple[str, tuple[int, ...]]]] = {}
+
+    def layer(i: int) -> None:
+        sparse = is_sparse_layer(config, i)
+        if sparse not in plans:
+            plan = plan_from_config(config, i, dtype=dtype, quantize=quantize)
+            plans[sparse] = [(e.name, tuple(e.shape)) for e in plan.entries]
+        for short, full in plans[sparse]:
+            add(layer_prefix(i) + short, full)
+
+    add("model.embed_tokens.weight", (v, h))
+    for i in range(config["num_hidden_layers"]):
+        layer(i)
+    add("model.norm.weight", (h,))
+    add("lm_head.weight", (v, h))
+    if mtp is not None:
+        p = layer_prefix(mtp)
+        own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+               "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h)}  # fmt: skip
+        for short, full in own.items():
+            add(p + short, full)
+        layer(mtp)
+    return out
+
+
+def engine_param_specs(
+    config: Mapping, layout: EngineLayout, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{vLLM name: (rank's shape, dtype)} of every parameter a vLLM 0.34 worker at ``layout`` holds
+    for the model before its post-load step (``engine_params`` without the shard details)."""
+    return {
+        n: (p.shape, p.dtype)
+        for n, p in engine_params(config, layout, dtype=dtype, quantize=quantize).items()
+    }
+
+
+__all__ = [
+    "EngineParam",
+    "engine_dtype",
+    "engine_name",
+    "engine_param_specs",
+    "engine_params",
+    "mtp_layer_index",
+]
