@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from glm_fp8.engine.layout import EngineLayout, copy_shard_into
+from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.numerics import blocks_shape
 from glm_fp8.plan import LayerPlan, layer_prefix
 from glm_fp8.quantize import quantize_blockwise
@@ -49,6 +51,10 @@ class Receiver(Endpoint):
         mode: must match the sender's. "bf16" quantizes on receive (``load_into``).
         max_manifest_bytes: the longest manifest accepted (default 64 MiB); a longer announced
             length is refused before anything is allocated from it.
+        layout: this engine rank's ``EngineLayout`` (needs ``config``): ``load_into`` then lands
+            each entry's shard under vLLM's name and dtype (``glm_fp8.engine.engine_params``),
+            copied out of the received layer buffer part by part, with no full-size temporary.
+            None: full-size parameters under the kernel-format names.
     """
 
     def __init__(
@@ -62,10 +68,30 @@ class Receiver(Endpoint):
         ring: int = 2,
         mode: str = "fp8",
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+        layout: EngineLayout | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
                          device=device)  # fmt: skip
+        self.layout = layout
+        self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
+        if layout is not None:
+            if not isinstance(layout, EngineLayout):
+                raise TypeError(f"layout: expected an EngineLayout or None, got {type(layout).__name__}")
+            if config is None:
+                raise ValueError("layout: needs config= (the engine's sharding rules read the model config)")
+            if mode != "fp8":
+                raise ValueError(
+                    "layout: a sharded engine receives mode='fp8' only (quantizing a bf16 shard on "
+                    "receive is not supported yet); use layout=None for mode='bf16'"
+                )
+            params = engine_params(config, layout)
+            self.targets = {p.kernel_name: p for p in params.values()}
+            for layer_idx, plan in zip(self.layer_ids, self.plans):
+                for e in plan.entries:
+                    p = self.targets[layer_prefix(layer_idx) + e.name]
+                    if p.dtype != e.dtype and (p.dtype, e.dtype) not in _WIDENING:
+                        raise ValueError(f"{p.name}: the engine holds {p.dtype}, the wire carries {e.dtype}")
         if max_manifest_bytes < 1:
             raise ValueError(f"max_manifest_bytes: expected at least 1, got {max_manifest_bytes}")
         self.max_manifest_bytes = int(max_manifest_bytes)
@@ -148,7 +174,9 @@ class Receiver(Endpoint):
                 t = time.perf_counter()
                 try:
                     for name, view in views:
-                        if self.mode == "bf16" and name + "_scale_inv" in params:
+                        if self.targets is not None:
+                            _land_shard(params[self.targets[name].name], view, self.targets[name])
+                        elif self.mode == "bf16" and name + "_scale_inv" in params:
                             quantize_blockwise(view, out=params[name], scale_out=params[name + "_scale_inv"],
                                                check_finite=False)  # fmt: skip
                         else:
@@ -171,6 +199,12 @@ class Receiver(Endpoint):
                 prefix = layer_prefix(layer_idx)
                 for e in plan.entries:
                     name = prefix + e.name
+                    if self.targets is not None:
+                        t = self.targets[name]
+                        if t.name not in params:
+                            raise KeyError(f"params: missing {t.name!r} ({t.dtype}, {t.shape}; vLLM's name)")
+                        check_param(t.name, params[t.name], t.dtype, tuple(t.shape), self.device)
+                        continue
                     if name not in params:
                         raise KeyError(f"params: missing {name!r} ({e.dtype}, {tuple(e.shape)})")
                     p = params[name]
@@ -328,3 +362,16 @@ def quantized_dtype(e, params: Mapping[str, torch.Tensor], name: str) -> torch.d
     if name + "_scale_inv" in params:
         return torch.float8_e4m3fn
     return e.dtype
+
+
+# (engine dtype, wire dtype) pairs a landing converts exactly: vLLM keeps a few small tensors
+# (indexer.k_norm, e_score_correction_bias) in float32 while the trainer sends bf16.
+_WIDENING = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16)}
+
+
+def _land_shard(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> None:
+    """Copy this rank's cut of a received entry into its engine parameter (no full-size
+    temporary; a widening entry is one small 1-D tensor, converted whole)."""
+    if dst.dtype != view.dtype:
+        view = view.to(dst.dtype)
+    copy_shard_into(dst, view, target.shard)
