@@ -119,7 +119,7 @@ class Receiver(Endpoint):
             layer_idx = self.layer_ids[pos]
             self._recv_header(header, pos, DATA, layer_idx, plan.nbytes)
             buf, slot = self.ring.slot(pos, plan.nbytes)
-            code = 0
+            bad = False
             try:
                 with on_stream(self.recv_stream):
                     if self.ring.used[slot] and self.ring.free[slot] is not None:
@@ -127,23 +127,16 @@ class Receiver(Endpoint):
                         self.recv_stream.wait_event(self.ring.free[slot])
                     self.comm.broadcast(buf, self.src)
                     if checksum:
-                        got = layer_checksum(buf, self.ring.scratch)
-                        bad = int((got != header[5]).item())
-                        code = refusal_code(BAD_CHECKSUM, self.rank) if bad else 0
+                        bad = bool((layer_checksum(buf, self.ring.scratch) != header[5]).item())
                 if self.recv_stream is not None:
                     torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
             except Exception as exc:
                 raise UpdateAborted(f"receiving layer {layer_idx} failed: {exc}") from exc
-            verdict = self.vote(code)
-            if code:
-                raise UpdateAborted(
-                    f"layer {layer_idx}: the checksum of the {plan.nbytes} bytes received differs from "
-                    "the sender's (a short, long or corrupted message); every rank was stopped"
-                )
-            if verdict:
-                raise UpdateAborted(
-                    f"{describe_refusal(verdict)} (layer {layer_idx}); the update was stopped"
-                )
+            refused = UpdateAborted(
+                f"layer {layer_idx}: the checksum of the {plan.nbytes} bytes received differs from "
+                "the sender's (a short, long or corrupted message); every rank was stopped"
+            ) if bad else None  # fmt: skip
+            self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
             prefix = layer_prefix(layer_idx)
             try:
                 yield layer_idx, [(prefix + name, view) for name, view in plan.views(buf)]
@@ -244,11 +237,7 @@ class Receiver(Endpoint):
                 f"manifest length: expected 1 to {self.max_manifest_bytes} bytes (max_manifest_bytes), "
                 f"got {n}"
             )
-        verdict = self.vote(refusal_code(REFUSED_PRELUDE, self.rank) if refused else 0)
-        if refused is not None:
-            raise refused
-        if verdict:
-            raise UpdateAborted(f"{describe_refusal(verdict)}; nothing was sent")
+        self._settle(refused, REFUSED_PRELUDE, "; nothing was sent")
         data = torch.empty(n, dtype=torch.uint8, device=self.device)
         try:
             self.comm.broadcast(data, self.src)
@@ -259,15 +248,10 @@ class Receiver(Endpoint):
         try:
             manifest = decode_manifest(raw)
             self._check_manifest(manifest)
-            refused = self._params_error
-            code = refusal_code(REFUSED_PARAMS, self.rank) if refused else 0
+            refused, reason = self._params_error, REFUSED_PARAMS
         except ManifestMismatch as exc:
-            refused, code = exc, refusal_code(REFUSED_MANIFEST, self.rank)
-        verdict = self.vote(code)
-        if refused is not None:
-            raise refused
-        if verdict:
-            raise UpdateAborted(f"{describe_refusal(verdict)}; nothing was sent")
+            refused, reason = exc, REFUSED_MANIFEST
+        self._settle(refused, reason, "; nothing was sent")
         return bool(manifest["checksum"])
 
     def _check_manifest(self, got: object) -> None:
@@ -322,11 +306,17 @@ class Receiver(Endpoint):
                 f"layer header {where}: expected {names[k]} {show(want[k])} (the manifest's), got "
                 f"{show(got[k])}; refused before receiving anything of it, every rank was stopped"
             )
-        verdict = self.vote(refusal_code(REFUSED_HEADER, self.rank) if problem else 0)
-        if problem is not None:
-            raise problem
+        self._settle(problem, REFUSED_HEADER, f" ({where}); the update was stopped")
+
+    def _settle(self, refused: Exception | None, reason: int, context: str) -> None:
+        """One vote: this rank refuses for ``reason`` when ``refused`` holds its error (then
+        raises it), and raises ``UpdateAborted`` naming another rank's refusal (``context``
+        appended) when one refused; returns when every rank voted 0."""
+        verdict = self.vote(refusal_code(reason, self.rank) if refused is not None else 0)
+        if refused is not None:
+            raise refused
         if verdict:
-            raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
+            raise UpdateAborted(f"{describe_refusal(verdict)}{context}")
 
     def _refuse_next_step(self, header: torch.Tensor, pos: int) -> None:
         """After a local failure: take part in the next header and refuse at its vote, so every
