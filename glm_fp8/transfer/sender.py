@@ -160,7 +160,8 @@ class Broadcaster(Endpoint):
         """Read the receivers' verdict on the last layer sent (queued behind its data)."""
         if self._pending:
             self._pending = False
-            code = int(self.post_vote.item())
+            with on_stream(self.comm_stream):  # the stream the vote was reduced on
+                code = int(self.post_vote.item())
             if code:
                 raise ReceiverRefused(f"{describe_refusal(code)}; the update was stopped")
 
