@@ -90,8 +90,9 @@ def convert_layer(
         ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order (every entry, written
         or not), views into ``out``.
 
-    Memory: above inputs and ``out``, nothing for Hopper; for Blackwell the float32 scales
-    before packing (O(number of blocks) bytes). Every check runs before any write.
+    Memory: above inputs and ``out``, for Hopper only the finite check's maximum of each
+    passthrough source (a few bytes per entry); for Blackwell also the float32 scales before
+    packing (O(number of blocks) bytes). Every check runs before any write.
     """
     layer = strip_layer(state_dict, layer_idx)
     if plan is None:
