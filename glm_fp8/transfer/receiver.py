@@ -15,8 +15,8 @@ from glm_fp8.plan import LayerPlan, layer_prefix
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, my_rank, on_stream
 from glm_fp8.transfer.wire import (
-    _ABORTS,
     ABORT,
+    ABORT_REASONS,
     BAD_CHECKSUM,
     COMPLETE,
     CONSUMER_FAILED,
@@ -294,7 +294,7 @@ class Receiver(Endpoint):
             raise UpdateAborted(f"the link to the sender failed: {exc}") from exc
         where = f"before layer {layer_idx}" if status == DATA else "after the last layer"
         if got[0] == MAGIC and got[1] == ABORT:
-            why = _ABORTS.get(got[6], f"reason {got[6]}")
+            why = ABORT_REASONS.get(got[6], f"reason {got[6]}")
             raise UpdateAborted(f"the sender aborted the update {where}: {why}")
         want = [MAGIC, status, layer_idx, pos, nbytes]
         problem = None

@@ -19,7 +19,7 @@ Wire protocol (version 2), broadcasts from ``src`` and all-reduce (MAX) votes of
 
 A vote is an ``int64[1]`` all-reduce with MAX: every rank contributes 0 or a refusal code
 ``reason * 2**20 + rank`` (never negative), so no rank's value can hide another's refusal, and
-every rank leaves the update at the same step with an error naming the first reason. A
+every rank leaves the update at the same step with an error naming the highest refusal. A
 receiver whose consumer fails (a parameter copy raises, the loop is left early) refuses at its
 next vote. Only a dead or silent peer is left to the process group's timeout.
 """
@@ -43,7 +43,7 @@ HEADER_WORDS = 8
 
 # Refusal reasons, in increasing precedence (a vote's MAX reports the highest).
 REFUSED_PRELUDE, REFUSED_MANIFEST, REFUSED_PARAMS, REFUSED_HEADER, BAD_CHECKSUM, CONSUMER_FAILED = range(1, 7)
-_REASONS = {
+REFUSAL_REASONS = {
     REFUSED_PRELUDE: "refused the manifest's prelude (magic, version or length)",
     REFUSED_MANIFEST: "refused the manifest",
     REFUSED_PARAMS: "refused its parameters (name, shape, dtype, device or requires_grad)",
@@ -53,7 +53,7 @@ _REASONS = {
 }
 # Why the sender aborted (the header's reason word).
 ABORT_ERROR, ABORT_ORDER = 1, 2
-_ABORTS = {
+ABORT_REASONS = {
     ABORT_ERROR: "the sender hit an error",
     ABORT_ORDER: "the sender was handed a layer other than announced",
 }
@@ -66,7 +66,7 @@ def refusal_code(reason: int, rank: int) -> int:
 
 def describe_refusal(code: int) -> str:
     reason, rank = code >> _RANK_BITS, code & ((1 << _RANK_BITS) - 1)
-    return f"rank {rank} {_REASONS.get(reason, f'refused (unknown reason {reason})')}"
+    return f"rank {rank} {REFUSAL_REASONS.get(reason, f'refused (unknown reason {reason})')}"
 
 
 class UpdateAborted(RuntimeError):
