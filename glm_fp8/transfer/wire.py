@@ -38,7 +38,7 @@ PROTOCOL_VERSION = 2
 MAGIC = int.from_bytes(b"glm_fp8\x02", "little")  # first word of the prelude and of every header
 DATA, COMPLETE, ABORT = 1, 2, 3
 STATUSES = {DATA: "DATA", COMPLETE: "COMPLETE", ABORT: "ABORT"}
-MAX_MANIFEST_BYTES = 64 << 20  # default cap; a GLM-5 manifest is about 0.2 MiB
+MAX_MANIFEST_BYTES = 64 << 20  # default cap; a GLM-5 manifest is about 0.26 MiB
 HEADER_WORDS = 8
 
 # Refusal reasons, in increasing precedence (a vote's MAX reports the highest).
