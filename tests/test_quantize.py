@@ -174,7 +174,7 @@ def test_launch_arguments_follow_the_kernel_signature():
     tensors, ints = _launch_args(srcs, q, s, None)
     names = quantize_blockwise_kernel.arg_names
     constexprs = ["NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8",
-                  "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "BR", "BC"]  # fmt: skip
+                  "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "PAIRED_CVT", "BR", "BC"]  # fmt: skip
     assert names[: len(tensors)] == ["p_q", "p_s", "p_flag", "p_x0", "p_x1", "p_x2", "p_x3"]
     assert names[len(tensors) + len(ints) :] == constexprs
     by_name = dict(zip(names[len(tensors) :], ints))

@@ -122,7 +122,7 @@ _MAX_COMPILED_KERNELS = 4096  # distinct shapes/strides/alignments; cleared when
 
 
 _CONSTEXPR_NAMES = ("NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8",
-                    "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "BR", "BC")  # fmt: skip
+                    "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "PAIRED_CVT", "BR", "BC")  # fmt: skip
 
 
 def _launch_args(
@@ -172,10 +172,13 @@ def launch_triton(
     # Row gather needs row-major sources: with a column stride other than 1 (a transposed
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
+    # Two elements per fp8 cvt only where the tile's layout is the store's (row-major sources
+    # and output rows): elsewhere ptxas miscompiled the paired cvt (triton_quantize.py).
+    paired_cvt = row_gather and q.stride(2) == 1
     # In signature order after the integers (_CONSTEXPR_NAMES).
     constexprs = (len(sources), row_gather, config.cb_per_prog, config.programs_per_sm > 0,
                   config.num_stages, ue8m0, soft_fp8, config.fma_div, not interpret, nonfinite is not None,
-                  config.signed_quotient, BLOCK, BLOCK)  # fmt: skip
+                  config.signed_quotient, paired_cvt, BLOCK, BLOCK)  # fmt: skip
     aligned_out = _stores_vectorize(q)
     kernel = quantize_blockwise_kernel if aligned_out else quantize_blockwise_kernel_unaligned_out
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}

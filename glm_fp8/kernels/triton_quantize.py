@@ -62,7 +62,7 @@ def _quantize_tile(
     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
     NUM_SRC: tl.constexpr, ROW_GATHER: tl.constexpr, UE8M0: tl.constexpr,
     SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr, FLAG: tl.constexpr,
-    SIGNED_Y: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    SIGNED_Y: tl.constexpr, PAIRED_CVT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """Quantize one 128x128 tile of the row-concatenated sources into q and its scale."""
     o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)  # [BR]
@@ -124,16 +124,17 @@ def _quantize_tile(
         b_y = tl.math.div_rn(b_n, b_s)
     if SOFT_FP8:
         b_code = _e4m3_code_soft(tl.minimum(tl.abs(b_y), 448.0, propagate_nan=tl.PropagateNan.ALL))
-    elif ROW_GATHER:
+    elif PAIRED_CVT:
         # cvt.rn.satfinite: RNE, and values past +-448 saturate (the clamp of docs/numerics.md).
         b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        # The same cvt, one element per instruction, its byte zero-extended to 32 bits. Without
-        # row gather the tile is held column-major and its bytes reach the row-major store
-        # through shared memory; the paired cvt's 16-bit results were then packed two by two
-        # and ptxas (12.8 as bundled with Triton 3.6, and 12.9) folded one pair into
-        # F2FP...PACK_AB_MERGE_C and read the other's high byte from a wrong register: a
-        # quarter of the bytes were wrong (odd rows, columns 0-7 of every 16), scales right.
+        # The same cvt, one element per instruction, its byte zero-extended to 32 bits. When the
+        # tile's register layout and the store's differ (a column-major source, or an output
+        # whose rows are not contiguous), its bytes reach the store through shared memory; the
+        # paired cvt's 16-bit results were then packed two by two and ptxas (12.8 as bundled
+        # with Triton 3.6, and 12.9) folded one pair into F2FP...PACK_AB_MERGE_C and read the
+        # other's high byte from a wrong register (H200: a quarter of the bytes wrong, scales
+        # right).
         b_code = tl.inline_asm_elementwise(
             "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
             "=r,r", [b_y], dtype=tl.int32, is_pure=True, pack=1,
@@ -167,6 +168,7 @@ def _quantize_blockwise(
     NAN_MAX: tl.constexpr,  # NaN-propagating max reduction (GPU) instead of max + sum(x * 0)
     FLAG: tl.constexpr,  # write p_flag for non-finite blocks
     SIGNED_Y: tl.constexpr,  # quotient from x (sign kept) instead of |x|: fewer live registers
+    PAIRED_CVT: tl.constexpr,  # two elements per fp8 cvt: only row-major sources and output
     BR: tl.constexpr = 128,
     BC: tl.constexpr = 128,
 ):  # fmt: skip
@@ -181,7 +183,7 @@ def _quantize_blockwise(
                 p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
                 s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
                 s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, BR, BC,
+                NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, PAIRED_CVT, BR, BC,
             )  # fmt: skip
     else:
         n_cg = tl.cdiv(n_cb, CB_PER_PROG)
@@ -196,7 +198,8 @@ def _quantize_blockwise(
                     p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
                     s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
                     s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, BR, BC,
+                    NUM_SRC, ROW_GATHER, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, PAIRED_CVT,
+                    BR, BC,
                 )  # fmt: skip
 
 
