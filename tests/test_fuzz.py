@@ -801,3 +801,20 @@ def test_float32_w2_stored_transposed(device, backend, scale_fmt):
     got = quantize_experts(w1, w3, w2, scale_fmt=scale_fmt, backend=backend)
     assert_same_bits(got.w13, got.w13_scale_inv, ref[0], ref[1])
     assert_same_bits(got.w2, got.w2_scale_inv, ref[2], ref[3])
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+def test_one_column_w2_from_row_major_rows(device, backend, scale_fmt):
+    """H200 fuzz seed 20261558 (Triton 3.6): w2 of one column, 255 rows, each a slice of a row
+    of 6 (row stride 6, column stride 1) into an exact [1, 255, 1] output, whose row stride is
+    then 1 as well; bytes from row 66 on came back wrong."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    w1 = torch.randn(1, 1, 255, generator=gen, device=device, dtype=torch.float16)
+    w3 = torch.randn(1, 1, 255, generator=gen, device=device, dtype=torch.float16)
+    w2 = (torch.randn(1, 255, 6, generator=gen, device=device, dtype=torch.float16) * 0.01)[:, :, 1:2]
+    assert w2.stride() == (1530, 6, 1)
+    ref = quantize_experts_ref(w1, w3, w2, scale_fmt)
+    got = quantize_experts(w1, w3, w2, scale_fmt=scale_fmt, backend=backend)
+    assert got.w2.stride(1) == 1
+    assert_same_bits(got.w13, got.w13_scale_inv, ref[0], ref[1])
+    assert_same_bits(got.w2, got.w2_scale_inv, ref[2], ref[3])

@@ -173,8 +173,10 @@ def launch_triton(
     # view) Triton 3.6 vectorized the per-row pointers across a source boundary (seen on H200).
     row_gather = all(src.stride(2) == 1 and src.stride(1) != 1 for src in sources)
     # Two elements per fp8 cvt only where the tile's layout is the store's (row-major sources
-    # and output rows): elsewhere ptxas miscompiled the paired cvt (triton_quantize.py).
-    paired_cvt = row_gather and q.stride(2) == 1
+    # and output rows): elsewhere ptxas miscompiled the paired cvt (triton_quantize.py). A row
+    # stride of 1 too (a one-column output) is excluded: Triton specializes integer arguments
+    # equal to 1, the store then looks contiguous along rows and took the other layout (H200).
+    paired_cvt = row_gather and q.stride(2) == 1 and q.stride(1) != 1
     # In signature order after the integers (_CONSTEXPR_NAMES).
     constexprs = (len(sources), row_gather, config.cb_per_prog, config.programs_per_sm > 0,
                   config.num_stages, ue8m0, soft_fp8, config.fma_div, not interpret, nonfinite is not None,
