@@ -95,8 +95,6 @@ def small_cases() -> list[Case]:
     ]
 
 
-
-
 @dataclass
 class Prepared:
     """Input sets (rotated to defeat the L2 cache), preallocated outputs, copy destinations."""

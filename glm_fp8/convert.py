@@ -153,7 +153,7 @@ def _fill_layer(
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     # The passthrough sources join the kernels' finite check: one flag, one host read per layer.
     also = [(prefix + s, layer[s]) for e in passthrough for s in e.sources]
-    run_jobs(jobs, "ue8m0" if blackwell else "fp32", check_finite, None, backend, also=also)
+    run_jobs(jobs, plan.scale_fmt, check_finite, None, backend, also=also)
     for scales, packed in packs:
         pack_ue8m0_sm100(scales, packed)
     return views

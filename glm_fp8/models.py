@@ -68,6 +68,13 @@ _MOE_MLP = [
     _r("mlp.shared_experts.down_proj.weight", "mlp.shared_expert.w2", q=True, squeeze=True),
 ]  # fmt: skip
 
+# The MTP layer's own tensors (beside a sparse layer's; docs/layouts.md#mtp-layer-glm-5-layer-78)
+# and the model's non-layer tensors: never quantized, passed through in the trainer's dtype.
+MTP_RULES = [_r("enorm.weight"), _r("hnorm.weight"), _r("eh_proj.weight"), _r("shared_head.norm.weight"),
+             _r("shared_head.head.weight")]  # fmt: skip
+REST_RULES = [_r("model.embed_tokens.weight"), _r("model.norm.weight"), _r("lm_head.weight")]
+REST = -1  # the layer index the non-layer tensors travel under (their names carry no prefix)
+
 FAMILIES: dict[str, tuple[list[Rule], list[Rule], list[Rule]]] = {
     # model_type: (attention + norms, dense MLP, sparse MLP)
     "glm_moe_dsa": (_NORMS + _MLA_DSA_ATTENTION, _DENSE_MLP, _MOE_MLP),
@@ -162,7 +169,6 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-
 # GLM-5 with every width divided by 24 (hidden 256, 11 experts): the demo's and the CPU
 # benchmarks' model, small enough for Triton's CPU interpreter.
 SMALL_GLM5 = {
@@ -212,17 +218,64 @@ def load_config(model: str | None = None, config_path: str | None = None) -> dic
     return dict(PRESETS[model])
 
 
+def mtp_layer_index(config: Mapping) -> int | None:
+    """The MTP layer's index (``num_hidden_layers``) when the config has one, else None. Only one
+    MTP layer (``num_nextn_predict_layers`` 1) is supported."""
+    n = config.get("num_nextn_predict_layers") or 0
+    if n not in (0, 1):
+        raise ValueError(f"config.num_nextn_predict_layers: only 0 or 1 MTP layer is supported, got {n!r}")
+    return config["num_hidden_layers"] if n == 1 else None
+
+
+def model_layer_ids(config: Mapping, *, mtp: bool = True) -> list[int]:
+    """Every decoder layer of a config, then its MTP layer when it has one (and ``mtp``): the
+    ``layer_ids`` of a whole-model update."""
+    ids = list(range(config["num_hidden_layers"]))
+    m = mtp_layer_index(config)
+    return ids + [m] if mtp and m is not None else ids
+
+
+def rest_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
+    """Trainer shapes of the non-layer tensors (embeddings, final norm, untied lm_head)."""
+    for key in ("vocab_size", "hidden_size"):
+        if key not in config:
+            raise ValueError(
+                f"config.{key}: required for the non-layer tensors (e.g. vocab_size 154880 for GLM-5)"
+            )
+    if config.get("tie_word_embeddings", False):
+        raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
+                         "its own tensor)")  # fmt: skip
+    v, h = config["vocab_size"], config["hidden_size"]
+    return {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+
+
 def is_sparse_layer(config: Mapping, layer_idx: int) -> bool:
     """The one dense-or-sparse rule: layers from ``first_k_dense_replace`` on hold experts."""
     return layer_idx >= config.get("first_k_dense_replace", 0)
 
 
 def layer_shapes(config: Mapping, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    """Trainer tensor shapes of layer ``layer_idx`` of a config (names without the prefix)."""
+    """Trainer tensor shapes of layer ``layer_idx`` of a config (names without the prefix): a
+    decoder layer, the MTP layer (a sparse layer and its own tensors) or ``REST`` (the non-layer
+    tensors under their full names)."""
     model_type = config.get("model_type")
     if model_type not in SHAPES:
         raise ValueError(f"config.model_type: expected one of {sorted(SHAPES)}, got {model_type!r}")
-    return SHAPES[model_type](config, is_sparse_layer(config, layer_idx))
+    if layer_idx == REST:
+        return rest_shapes(config)
+    n = config["num_hidden_layers"]
+    mtp = mtp_layer_index(config)
+    if not 0 <= layer_idx < n and layer_idx != mtp:
+        extra = f" or {mtp} (the MTP layer)" if mtp is not None else ""
+        raise ValueError(
+            f"layer_idx: expected 0..{n - 1}{extra} or {REST} (the non-layer tensors), got {layer_idx}"
+        )
+    shapes = SHAPES[model_type](config, is_sparse_layer(config, layer_idx))
+    if layer_idx == mtp:
+        h, v = config["hidden_size"], config["vocab_size"]
+        shapes.update({"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                       "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h)})  # fmt: skip
+    return shapes
 
 
 def infer_model_type(names: set[str]) -> str:

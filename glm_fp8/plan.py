@@ -8,16 +8,27 @@ config.json) or inferred from one layer's state dict, and then reused for every 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from glm_fp8.models import FAMILIES, infer_model_type, is_sparse_layer, layer_shapes
+from glm_fp8.models import (
+    FAMILIES,
+    MTP_RULES,
+    REST,
+    REST_RULES,
+    infer_model_type,
+    is_sparse_layer,
+    layer_shapes,
+    mtp_layer_index,
+)
+from glm_fp8.models import model_layer_ids as model_layer_ids  # re-exported: whole-model layer_ids
 from glm_fp8.numerics import ceil_blocks
 
 ALIGN = 256  # bytes: every view is aligned for any dtype, and NCCL likes 256-byte chunks
 TARGETS = ("hopper", "blackwell")
+SCALE_FMTS = ("fp32", "ue8m0")
 _DTYPE_NAMES = {
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float32: "float32",
@@ -60,12 +71,13 @@ class PlanEntry:
 class LayerPlan:
     """Every kernel-format entry of one layer, packed into one byte buffer of ``nbytes``."""
 
-    kind: str  # "dense" or "sparse"
+    kind: str  # "dense", "sparse", "mtp" (a sparse layer and the MTP layer's own tensors) or "rest"
     target: str
     quantize: bool
     entries: tuple[PlanEntry, ...]
     inputs: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = field(default_factory=dict)
     nbytes: int = 0
+    scale_fmt: str = "fp32"  # "ue8m0": power-of-two scales (DeepGEMM); always so for Blackwell
 
     def views(self, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         for e in self.entries:
@@ -105,16 +117,31 @@ def build_plan(
     *,
     target: str = "hopper",
     quantize: bool = True,
+    scale_fmt: str | None = None,
 ) -> LayerPlan:
     """Plan one layer from its trainer tensors' shapes and dtypes (dtype None: not known yet,
-    the entry takes the source's dtype at conversion)."""
+    the entry takes the source's dtype at conversion). The layer is a decoder layer, the MTP
+    layer (it holds ``enorm.weight``) or the non-layer tensors (``model.embed_tokens.weight``
+    and the rest, under their full names). ``scale_fmt``: "fp32" (default for Hopper) or
+    "ue8m0" (power-of-two scales, as DeepGEMM needs; Blackwell's only format)."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: expected one of {sorted(FAMILIES)}, got {model_type!r}")
     if target not in TARGETS:
         raise ValueError(f"target: expected one of {TARGETS}, got {target!r}")
+    if scale_fmt is None:
+        scale_fmt = "ue8m0" if target == "blackwell" else "fp32"
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
+    if target == "blackwell" and scale_fmt != "ue8m0":
+        raise ValueError("scale_fmt: Blackwell's packed scales are ue8m0 only, got 'fp32'")
     attention, dense, sparse = FAMILIES[model_type]
-    kind = "sparse" if "mlp.experts.w1" in inputs else "dense"
-    rules = attention + (sparse if kind == "sparse" else dense)
+    if any(r.out in inputs for r in REST_RULES):
+        kind, rules = "rest", REST_RULES
+    else:
+        kind = "sparse" if "mlp.experts.w1" in inputs else "dense"
+        rules = attention + (sparse if kind == "sparse" else dense)
+        if "enorm.weight" in inputs:
+            kind, rules = "mtp", rules + MTP_RULES
     entries: list[PlanEntry] = []
     offset = 0
     used: set[str] = set()
@@ -142,7 +169,7 @@ def build_plan(
     extra = sorted(set(inputs) - used)
     if extra:
         raise KeyError(f"{extra[0]}: not a tensor of a {model_type} {kind} layer (no rule uses it)")
-    return LayerPlan(kind, target, quantize, tuple(entries), dict(inputs), offset)
+    return LayerPlan(kind, target, quantize, tuple(entries), dict(inputs), offset, scale_fmt)
 
 
 def squeezed(x: torch.Tensor | tuple[int, ...], squeeze: bool):
@@ -155,8 +182,9 @@ def squeezed(x: torch.Tensor | tuple[int, ...], squeeze: bool):
 
 
 def layer_prefix(layer_idx: int) -> str:
-    """The one place the decoder-layer prefix is spelled: ``model.layers.{i}.``."""
-    return f"model.layers.{layer_idx}."
+    """The one place the decoder-layer prefix is spelled: ``model.layers.{i}.`` (and none for
+    ``REST``, the non-layer tensors, whose plan names are full names)."""
+    return "" if layer_idx == REST else f"model.layers.{layer_idx}."
 
 
 def strip_layer(state_dict: Mapping[str, torch.Tensor], layer_idx: int) -> dict[str, torch.Tensor]:
@@ -177,22 +205,34 @@ def plan_from_config(
     dtype: torch.dtype = torch.bfloat16,
     target: str = "hopper",
     quantize: bool = True,
+    scale_fmt: str | None = None,
 ) -> LayerPlan:
-    """Plan layer ``layer_idx`` of a model config; passthrough entries take ``dtype``."""
+    """Plan layer ``layer_idx`` of a model config (a decoder layer, the MTP layer or ``REST``);
+    passthrough entries take ``dtype``."""
     shapes = layer_shapes(config, layer_idx)
     return build_plan(config["model_type"], {k: (s, dtype) for k, s in shapes.items()}, target=target,
-                      quantize=quantize)  # fmt: skip
+                      quantize=quantize, scale_fmt=scale_fmt)  # fmt: skip
 
 
-def plans_for_model(config: Mapping, mode: str = "fp8", target: str = "hopper") -> list[LayerPlan]:
-    """One plan per decoder layer of a model config, built once per kind of layer."""
-    cache: dict[bool, LayerPlan] = {}
+def plans_for_model(
+    config: Mapping,
+    mode: str = "fp8",
+    target: str = "hopper",
+    layer_ids: Sequence[int] | None = None,
+    scale_fmt: str | None = None,
+) -> list[LayerPlan]:
+    """One plan per layer of ``layer_ids`` (default: every decoder layer; the MTP layer and
+    ``REST`` may be listed too), built once per kind of layer."""
+    cache: dict[object, LayerPlan] = {}
     out = []
-    for i in range(config["num_hidden_layers"]):
-        sparse = is_sparse_layer(config, i)
-        if sparse not in cache:
-            cache[sparse] = plan_from_config(config, i, target=target, quantize=mode == "fp8")
-        out.append(cache[sparse])
+    mtp = mtp_layer_index(config)
+    for i in range(config["num_hidden_layers"]) if layer_ids is None else layer_ids:
+        kind = i if i in (REST, mtp) else is_sparse_layer(config, i)
+        if kind not in cache:
+            cache[kind] = plan_from_config(
+                config, i, target=target, quantize=mode == "fp8", scale_fmt=scale_fmt
+            )
+        out.append(cache[kind])
     return out
 
 

@@ -162,12 +162,12 @@ def convert_layer_ref(layer: Mapping[str, torch.Tensor], layer_idx: int, plan: L
     """
     out = {}
     prefix = layer_prefix(layer_idx)
-    fmt = "ue8m0" if plan.target == "blackwell" else "fp32"
+    fmt, packed = plan.scale_fmt, plan.target == "blackwell"
     pending = None
     for e in plan.entries:
         if e.op == "scale":
             s = pending
-            out[prefix + e.name] = pack_ue8m0_sm100_ref(s, e.shape[-2]) if fmt == "ue8m0" else s
+            out[prefix + e.name] = pack_ue8m0_sm100_ref(s, e.shape[-2]) if packed else s
             continue
         srcs = [squeezed(layer[s], e.squeeze) for s in e.sources]
         cat = torch.cat(srcs, dim=-2 if srcs[0].dim() >= 2 else 0)

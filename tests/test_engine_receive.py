@@ -1,20 +1,22 @@
-"""Sharded engines: each receiver lands exactly its shard of every decoder layer under vLLM's
-names, and every byte equals the reference conversion cut by the layout rule.
+"""Sharded engines and the whole model: each receiver lands exactly its shard of every tensor of
+the update (embeddings, decoder layers, final norm, lm_head, the MTP layer) under vLLM's names.
 
-Invariant: for a receiver at ``EngineLayout`` L, after ``load_into(params)``, each parameter
-``params[n]`` equals ``take_shard(reference entry, shard of n at L)`` bit for bit, in vLLM's
-dtype; a misnamed parameter is refused before anything is written, on every rank. One sender
-and 2 or 4 engine ranks over gloo, on the CPU (a tiny GLM-5: two dense and two sparse layers,
-every sharded width a multiple of 128).
+Invariant: for a receiver at ``EngineLayout`` L, after ``load_into(params)`` with ``params`` as
+``engine_params(config, L)`` lists them, each ``params[n]`` equals ``take_shard(reference entry,
+shard of n at L)`` bit for bit, in vLLM's dtype; padded vocabulary rows are zero. A misnamed
+parameter, parameters of another layout or a layout vLLM refuses are refused before anything
+is written, on every rank. One sender and 2 or 4 engine ranks over gloo, on the CPU (a tiny
+GLM-5: two dense and two sparse layers, an MTP layer, vocab 1000, padded to 1024).
 """
 
 import pytest
 import torch
 
-from glm_fp8.models import TINY_GLM5
+from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
 from glm_fp8.testing import launch, synthetic_layer
 
 FILL = 0x5A  # every parameter starts as this byte: an unwritten one shows
+WHOLE = model_layer_ids(TINY_GLM5)  # layers 0-3, then the MTP layer 4
 
 
 def _layouts(case: str, world: int):
@@ -25,72 +27,127 @@ def _layouts(case: str, world: int):
         return [EngineLayout(tp_size=2, tp_rank=r) for r in range(n)]
     if case == "ep2":
         return [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(n)]
+    if case == "tp4":  # o_proj's 256 columns over 4 ranks: 64 each, which vLLM refuses
+        return [EngineLayout(tp_size=4, tp_rank=r) for r in range(n)]
     return [EngineLayout(tp_size=2, tp_rank=r % 2, dp_size=2, dp_rank=r // 2) for r in range(n)]  # tp2 x dp2
 
 
-def _decoder_params(layout, misname: bool = False) -> dict[str, torch.Tensor]:
-    """The engine parameters of the decoder layers at ``layout`` (vLLM names), poisoned."""
-    from glm_fp8.engine import engine_params
+def _params(layout, fault: str | None = None) -> dict[str, torch.Tensor]:
+    """Every engine parameter at ``layout`` (vLLM names), poisoned; ``fault`` breaks one."""
+    from glm_fp8.engine import EngineLayout, engine_params
 
+    specs = engine_params(TINY_GLM5, EngineLayout() if fault == "other_layout" else layout)
     params = {}
-    for name, p in engine_params(TINY_GLM5, layout).items():
-        if name.startswith("model.layers.") and int(name.split(".")[2]) < TINY_GLM5["num_hidden_layers"]:
-            params[name] = torch.empty(p.shape, dtype=p.dtype)
-            params[name].view(torch.uint8).fill_(FILL)
-    if misname:
+    for name, p in specs.items():
+        params[name] = torch.empty(p.shape, dtype=p.dtype)
+        params[name].view(torch.uint8).fill_(FILL)
+    if fault == "misname":
         name = "model.layers.2.mlp.experts.routed_experts.w13_weight"
         params[name.replace("routed_experts.", "")] = params.pop(name)  # the flat name vLLM does not use
     return params
 
 
-def _rank(rank, world, case, misname):
-    from glm_fp8.engine import engine_params, take_shard
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+def _rank(rank, world, case, fault, scale_fmt):
+    from glm_fp8.engine import EngineLayout, engine_params, take_shard
     from glm_fp8.plan import plan_from_config, strip_layer
     from glm_fp8.reference import convert_layer_ref
     from glm_fp8.transfer import Broadcaster, Receiver
 
-    layers = TINY_GLM5["num_hidden_layers"]
+    kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, scale_fmt=scale_fmt, device="cpu")
     if rank == 0:
-        Broadcaster(None, 0, config=TINY_GLM5, device="cpu").broadcast_model(
-            (i, synthetic_layer(TINY_GLM5, i)) for i in range(layers)
+        Broadcaster(None, 0, **kw).broadcast_model(
+            ((i, synthetic_layer(TINY_GLM5, i)) for i in WHOLE), rest=synthetic_layer(TINY_GLM5, REST)
         )
         return None
     layout = _layouts(case, world)[rank - 1]
-    params = _decoder_params(layout, misname=misname and rank == 1)
+    params = _params(EngineLayout() if case == "tp4" else layout, fault if rank == 1 else None)
     try:
-        Receiver(None, 0, config=TINY_GLM5, layout=layout, device="cpu").load_into(params)
+        Receiver(None, 0, layout=layout, **kw).load_into(params)
     except BaseException:
-        assert all(bool((p.view(torch.uint8) == FILL).all()) for p in params.values())  # nothing written
+        assert all(bool((_as_bytes(p) == FILL).all()) for p in params.values())  # nothing written
         raise
     targets = {p.kernel_name: p for p in engine_params(TINY_GLM5, layout).values()}
-    checked = 0
-    for i in range(layers):
+    assert len(targets) == len(params)
+    checked, padded = set(), 0
+    for i in [*WHOLE, REST]:
         layer = strip_layer(synthetic_layer(TINY_GLM5, i), i)
-        ref = convert_layer_ref(layer, i, plan_from_config(TINY_GLM5, i))
-        for kernel_name, full in ref.items():
+        plan = plan_from_config(TINY_GLM5, i, scale_fmt=scale_fmt)
+        for kernel_name, full in convert_layer_ref(layer, i, plan).items():
             t = targets[kernel_name]
             want = take_shard(full, t.shard).to(t.dtype)
             got = params[t.name]
             assert got.shape == want.shape and got.dtype == want.dtype, t.name
-            as_bytes = (lambda x: x.contiguous().view(torch.uint8))  # noqa: E731
-            assert torch.equal(as_bytes(got), as_bytes(want)), f"{t.name}: bytes differ"
-            checked += got.numel()
-    return checked
+            assert torch.equal(_as_bytes(got), _as_bytes(want)), f"{t.name}: bytes differ"
+            if t.shard.kind == "vocab" and t.shard.pad:
+                assert not _as_bytes(got[-t.shard.pad :]).any(), f"{t.name}: padded rows not zero"
+                padded += t.shard.pad
+            checked.add(t.name)
+    assert checked == set(params), set(params) - checked  # every parameter is part of the update
+    return padded
 
 
 @pytest.mark.parametrize("case, world", [("tp2", 3), ("ep2", 3), ("tp2xdp2", 5)])
-def test_every_rank_lands_exactly_its_shard(case, world):
-    results = launch(world, _rank, (case, False), timeout_s=120)
+def test_every_rank_lands_exactly_its_shard_of_the_whole_model(case, world):
+    results = launch(world, _rank, (case, None, None), timeout_s=120)
     bad = {r: v for r, v in results.items() if v[0] != "ok"}
     assert not bad, bad
-    assert all(results[r][1] > 0 for r in range(1, world))
+    # vocab 1000 padded to 1024: at TP=2 the second rank's half holds 24 zero rows of
+    # embed_tokens, lm_head and the MTP head; EP=2 (attention TP 1) holds all 1024 rows.
+    pads = {r: results[r][1] for r in range(1, world)}
+    assert all(p == 3 * 24 for p in pads.values()) if case == "ep2" else sorted(set(pads.values())) == [0, 72]
 
 
-def test_a_misnamed_parameter_is_refused_on_every_rank_before_anything_is_written():
-    results = launch(3, _rank, ("tp2", True), timeout_s=60)
+def test_power_of_two_scales_land_as_sent():
+    """scale_fmt='ue8m0' (DeepGEMM's power-of-two scales) end to end, against the ue8m0 reference."""
+    results = launch(3, _rank, ("tp2", None, "ue8m0"), timeout_s=120)
+    assert all(v[0] == "ok" for v in results.values()), results
+
+
+@pytest.mark.parametrize(
+    "fault, match",
+    [
+        ("misname", "KeyError: .*routed_experts.w13_weight"),
+        ("other_layout", r"ValueError: params\['model.layers.0.self_attn.q_b_proj.weight'\]: "
+                         r"expected .* \(256, 256\), got .* \(512, 256\)"),
+    ],
+)
+def test_bad_params_are_refused_on_every_rank_before_anything_is_written(fault, match):
+    import re
+
+    results = launch(3, _rank, ("tp2", fault, None), timeout_s=60)
     assert results[0][0] == "ManifestMismatch" and "rank 1 refused its parameters" in results[0][1]
-    assert results[1][0] == "KeyError" and "routed_experts.w13_weight" in results[1][1]
+    assert re.search(match, f"{results[1][0]}: {results[1][1]}"), results[1]
     assert results[2][0] == "UpdateAborted" and "rank 1 refused its parameters" in results[2][1]
+
+
+def test_a_layout_vllm_refuses_stops_every_rank_at_the_first_vote():
+    results = launch(3, _rank, ("tp4", None, None), timeout_s=60)
+    assert results[0][0] == "ManifestMismatch" and "refused its parameters" in results[0][1]
+    for r in (1, 2):
+        assert results[r][0] in ("ValueError", "UpdateAborted"), results[r]
+    assert any(results[r][0] == "ValueError" and "o_proj" in results[r][1] for r in (1, 2)), results
+
+
+def test_rest_must_be_given_when_announced_and_announced_when_given():
+    for flag, give, why in [(True, False, "none were given"), (False, True, "built without rest=True")]:
+        results = launch(2, _send_rest_case, (flag, give), timeout_s=60)
+        assert results[0][0] == "LayerOrderError" and why in results[0][1], results
+        assert results[1][0] == "UpdateAborted" and "handed a layer other than announced" in results[1][1]
+
+
+def _send_rest_case(rank, world, flag, give):
+    from glm_fp8.transfer import Broadcaster, Receiver
+
+    kw = dict(config=TINY_GLM5, rest=flag, device="cpu")
+    if rank == 0:
+        layers = ((i, synthetic_layer(TINY_GLM5, i)) for i in range(4))
+        rest = synthetic_layer(TINY_GLM5, REST) if give else None
+        return Broadcaster(None, 0, **kw).broadcast_model(layers, rest=rest)
+    return len(list(Receiver(None, 0, **kw).receive()))
 
 
 def test_a_layout_needs_the_config_and_fp8():
@@ -101,3 +158,7 @@ def test_a_layout_needs_the_config_and_fp8():
         Receiver(None, 0, config=TINY_GLM5, layout=EngineLayout(), mode="bf16", device="cpu")
     with pytest.raises(TypeError, match="layout: expected an EngineLayout"):
         Receiver(None, 0, config=TINY_GLM5, layout=(2, 0), device="cpu")
+    with pytest.raises(ValueError, match="layer_ids: layer 5 is not a layer of the model"):
+        Receiver(None, 0, config=TINY_GLM5, layer_ids=[0, 5], device="cpu")
+    with pytest.raises(ValueError, match="scale_fmt: expected one of"):
+        Receiver(None, 0, config=TINY_GLM5, scale_fmt="e8m0", device="cpu")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.engine.layout import MTP_OWN, EngineLayout, Shard, _Rules, split_name
-from glm_fp8.models import is_sparse_layer
+from glm_fp8.models import is_sparse_layer, mtp_layer_index
 from glm_fp8.plan import layer_prefix, plan_from_config
 
 # Entries vLLM builds in float32 whatever the model dtype (docs/layouts.md#names-dtypes-shards-glm-5).
@@ -35,15 +35,6 @@ class EngineParam:
     shape: tuple[int, ...]
     dtype: torch.dtype
     shard: Shard
-
-
-def mtp_layer_index(config: Mapping) -> int | None:
-    """The MTP layer's index (``num_hidden_layers``) when the config has one, else None. Only one
-    MTP layer (``num_nextn_predict_layers`` 1) is supported."""
-    n = config.get("num_nextn_predict_layers") or 0
-    if n not in (0, 1):
-        raise ValueError(f"config.num_nextn_predict_layers: only 0 or 1 MTP layer is supported, got {n!r}")
-    return config["num_hidden_layers"] if n == 1 else None
 
 
 def engine_name(kernel_name: str, config: Mapping | None = None) -> str:
@@ -129,8 +120,8 @@ def engine_params(
     """Every parameter a vLLM 0.34 worker at ``layout`` holds for the model (target model then
     the MTP drafter), keyed by vLLM name: ``model.embed_tokens.weight``, each decoder layer's
     entries (in plan order), ``model.norm.weight``, ``lm_head.weight``, then the MTP layer
-    (``num_nextn_predict_layers`` 1): ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
-    ``shared_head.head`` and ``mtp_block.<sparse-layer names>``. The drafter's ``embed_tokens``
+    (``num_nextn_predict_layers`` 1): ``mtp_block.<sparse-layer names>``, then ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and ``shared_head.head``. The drafter's ``embed_tokens``
     is the target's (aliased), so it is listed once. Raises ValueError where vLLM would refuse
     the layout or glm_fp8 does not support it (see ``shard_for``)."""
     _check_config(config)
@@ -145,14 +136,14 @@ def engine_params(
         out[name] = EngineParam(name, kernel, full, shard.shape(full), dt, shard)
 
     h, v = config["hidden_size"], config["vocab_size"]
-    plans: dict[bool, list[tuple[str, tuple[int, ...]]]] = {}
+    plans: dict[object, list[tuple[str, tuple[int, ...]]]] = {}
 
     def layer(i: int) -> None:
-        sparse = is_sparse_layer(config, i)
-        if sparse not in plans:
+        kind = "mtp" if i == mtp else is_sparse_layer(config, i)
+        if kind not in plans:
             plan = plan_from_config(config, i, dtype=dtype, quantize=quantize)
-            plans[sparse] = [(e.name, tuple(e.shape)) for e in plan.entries]
-        for short, full in plans[sparse]:
+            plans[kind] = [(e.name, tuple(e.shape)) for e in plan.entries]
+        for short, full in plans[kind]:
             add(layer_prefix(i) + short, full)
 
     add("model.embed_tokens.weight", (v, h))
@@ -161,12 +152,7 @@ def engine_params(
     add("model.norm.weight", (h,))
     add("lm_head.weight", (v, h))
     if mtp is not None:
-        p = layer_prefix(mtp)
-        own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-               "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h)}  # fmt: skip
-        for short, full in own.items():
-            add(p + short, full)
-        layer(mtp)
+        layer(mtp)  # its plan: the sparse layer's entries, then enorm, hnorm, eh_proj, shared_head
     return out
 
 

@@ -137,7 +137,11 @@ def _quantize_tile(
         # right).
         b_code = tl.inline_asm_elementwise(
             "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
-            "=r,r", [b_y], dtype=tl.int32, is_pure=True, pack=1,
+            "=r,r",
+            [b_y],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
         )
     # The sign bit of x goes on the byte whatever the quotient's zero sign: -0.0 gives 0x80.
     b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm_fp8.plan import LayerPlan, plans_for_model
+from glm_fp8.models import REST, mtp_layer_index
+from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
 from glm_fp8.transfer.wire import Comm, checksum_scratch
 
 MODES = ("fp8", "bf16")
@@ -52,9 +53,11 @@ class Ring:
 class Endpoint:
     """The shared setup of ``Broadcaster`` and ``Receiver``.
 
-    ``layer_ids`` (default: every decoder layer of the model) are the layers of this update in
-    order, and ``plans[k]`` is the plan of ``layer_ids[k]``; both sides build the manifest from
-    them (``glm_fp8.transfer.wire.manifest_of``). ``link_stream`` is the stream the link's
+    ``layer_ids`` (default: every decoder layer of the model; ``glm_fp8.plan.model_layer_ids``
+    adds the MTP layer) are the layers of this update in order, then ``REST`` (-1: the
+    embeddings, final norm and lm_head, which travel last) when ``rest`` is true; ``plans[k]``
+    is the plan of ``layer_ids[k]``. Both sides build the manifest from them
+    (``glm_fp8.transfer.wire.manifest_of``). ``link_stream`` is the stream the link's
     collectives run on (None on the CPU).
     """
 
@@ -71,26 +74,49 @@ class Endpoint:
         ring: int,
         mode: str,
         device: torch.device | str | None,
+        rest: bool = False,
+        scale_fmt: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if (config is None) == (plans is None):
             raise ValueError("config / plans: pass exactly one of them")
+        if scale_fmt not in (None, *SCALE_FMTS):
+            raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
         self.comm, self.src, self.mode = Comm(comm), src, mode
-        all_plans = list(plans) if plans is not None else plans_for_model(config, mode)
+        if plans is not None:
+            if rest:
+                raise ValueError("rest: needs config= (the non-layer tensors' plan is built from it)")
+            if scale_fmt is not None:
+                raise ValueError(
+                    "scale_fmt: with plans=, the plans' own scale_fmt is used; pass config= instead"
+                )
+            known = list(range(len(plans)))
+        else:
+            known = list(range(config["num_hidden_layers"]))
+            mtp = mtp_layer_index(config)
+            known += [mtp] if mtp is not None else []
         if layer_ids is None:
-            self.layer_ids = list(range(len(all_plans)))
+            self.layer_ids = list(range(len(plans) if plans is not None else config["num_hidden_layers"]))
         else:
             self.layer_ids = [int(i) for i in layer_ids]
-            bad = [i for i in self.layer_ids if not 0 <= i < len(all_plans)]
+            bad = [i for i in self.layer_ids if i not in known]
             if bad:
-                last = len(all_plans) - 1
-                raise ValueError(f"layer_ids: layer {bad[0]} is not a layer of the model (0..{last})")
+                raise ValueError(
+                    f"layer_ids: layer {bad[0]} is not a layer of the model ({known[0]}..{known[-1]}"
+                    f"{', the last the MTP layer' if plans is None and mtp is not None else ''})"
+                )
             if len(set(self.layer_ids)) != len(self.layer_ids):
                 raise ValueError(f"layer_ids: expected distinct layers, got {self.layer_ids}")
         if not self.layer_ids:
             raise ValueError("layer_ids: expected at least one layer")
-        self.plans = [all_plans[i] for i in self.layer_ids]
+        self.rest = bool(rest)
+        if self.rest:
+            self.layer_ids.append(REST)
+        if plans is not None:
+            self.plans = [plans[i] for i in self.layer_ids]
+        else:
+            self.plans = plans_for_model(config, mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
         self.device = torch.device(device) if device else default_device()
         self.ring = Ring(ring, max(p.nbytes for p in self.plans), self.device)
         self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -187,6 +187,7 @@ def collect_layer(
         names = {e.name for e in plan.entries if e.op != "scale" and e not in stacks}
         views = convert_layer(rest, layer_idx, out=buf, plan=plan, check_finite=False, only=names)
     me = torch.distributed.get_rank()
+    fmt = plan.scale_fmt
     for e in stacks:
         srcs = [layer[s] for s in e.sources]
         q, sc = (views[prefix + e.name], views[prefix + e.name + "_scale_inv"]) if sending else (None, None)
@@ -204,7 +205,7 @@ def collect_layer(
                 got = [gather_rows(t, a, b, sender, c[: b - a] if sending else None, gather_dtype)
                        for t, c in zip(srcs, chunks)]  # fmt: skip
                 if sending:
-                    quantize_blockwise(got, out=q[a:b], scale_out=sc[a:b], check_finite=False)
+                    quantize_blockwise(got, out=q[a:b], scale_out=sc[a:b], scale_fmt=fmt, check_finite=False)
             continue
         layout = shard_layout(srcs[0])
         lo, hi = layout.owned(me)
@@ -212,9 +213,11 @@ def collect_layer(
         q_own = s_own = None
         if hi > lo:
             if sending:
-                quantize_blockwise(local, out=q[lo:hi], scale_out=sc[lo:hi], check_finite=False)
+                quantize_blockwise(
+                    local, out=q[lo:hi], scale_out=sc[lo:hi], scale_fmt=fmt, check_finite=False
+                )
             else:
-                q_own, s_own = quantize_blockwise(local, check_finite=False)
+                q_own, s_own = quantize_blockwise(local, scale_fmt=fmt, check_finite=False)
         for owner, (olo, ohi) in zip(layout.ranks, layout.bounds):
             if ohi > olo and owner != sender:  # the sender quantized its own in place
                 mine = me == owner

@@ -45,8 +45,8 @@ class Receiver(Endpoint):
 
     Args:
         comm, src: as for ``Broadcaster``.
-        config / plans, layer_ids: what this engine expects; a manifest that differs is refused
-            before any parameter is touched.
+        config / plans, layer_ids, rest, scale_fmt: what this engine expects (as for
+            ``Broadcaster``); a manifest that differs is refused before any parameter is touched.
         ring: receive buffers (2: receive layer i+1 while layer i is copied out).
         mode: must match the sender's. "bf16" quantizes on receive (``load_into``).
         max_manifest_bytes: the longest manifest accepted (default 64 MiB); a longer announced
@@ -54,7 +54,9 @@ class Receiver(Endpoint):
         layout: this engine rank's ``EngineLayout`` (needs ``config``): ``load_into`` then lands
             each entry's shard under vLLM's name and dtype (``glm_fp8.engine.engine_params``),
             copied out of the received layer buffer part by part, with no full-size temporary.
-            None: full-size parameters under the kernel-format names.
+            A layout vLLM refuses is refused at ``load_into``'s first vote (every rank stops
+            there; this one raises the ValueError). None: full-size parameters under the
+            kernel-format names.
     """
 
     def __init__(
@@ -69,12 +71,15 @@ class Receiver(Endpoint):
         mode: str = "fp8",
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         layout: EngineLayout | None = None,
+        rest: bool = False,
+        scale_fmt: str | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device)  # fmt: skip
+                         device=device, rest=rest, scale_fmt=scale_fmt)  # fmt: skip
         self.layout = layout
         self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
+        self._layout_error: ValueError | None = None
         if layout is not None:
             if not isinstance(layout, EngineLayout):
                 raise TypeError(f"layout: expected an EngineLayout or None, got {type(layout).__name__}")
@@ -85,13 +90,12 @@ class Receiver(Endpoint):
                     "layout: a sharded engine receives mode='fp8' only (quantizing a bf16 shard on "
                     "receive is not supported yet); use layout=None for mode='bf16'"
                 )
-            params = engine_params(config, layout)
-            self.targets = {p.kernel_name: p for p in params.values()}
-            for layer_idx, plan in zip(self.layer_ids, self.plans):
-                for e in plan.entries:
-                    p = self.targets[layer_prefix(layer_idx) + e.name]
-                    if p.dtype != e.dtype and (p.dtype, e.dtype) not in _WIDENING:
-                        raise ValueError(f"{p.name}: the engine holds {p.dtype}, the wire carries {e.dtype}")
+            try:
+                self.targets = self._targets(config, layout)
+            except ValueError as exc:
+                # A layout vLLM refuses: raised by load_into after every rank voted on it, so
+                # that the sender and the other engine ranks stop too instead of timing out.
+                self._layout_error = exc
         if max_manifest_bytes < 1:
             raise ValueError(f"max_manifest_bytes: expected at least 1, got {max_manifest_bytes}")
         self.max_manifest_bytes = int(max_manifest_bytes)
@@ -100,6 +104,15 @@ class Receiver(Endpoint):
         self.expected = manifest_of(self.plans, self.layer_ids, mode)
         self.rank = my_rank()
         self._params_error: Exception | None = None
+
+    def _targets(self, config: Mapping, layout: EngineLayout) -> dict[str, EngineParam]:
+        targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
+        for layer_idx, plan in zip(self.layer_ids, self.plans):
+            for e in plan.entries:
+                p = targets[layer_prefix(layer_idx) + e.name]
+                if p.dtype != e.dtype and (p.dtype, e.dtype) not in _WIDENING:
+                    raise ValueError(f"{p.name}: the engine holds {p.dtype}, the wire carries {e.dtype}")
+        return targets
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, view)`` for every entry of every layer. A view stays valid until the
@@ -158,25 +171,26 @@ class Receiver(Endpoint):
         every rank stops there. Raises ``UpdateAborted`` if the update did not complete
         (``params`` then hold a mix of layers and must not be served as the new weights).
         """
-        self._params_error = self._check_params(params)
+        self._params_error = self._layout_error or self._check_params(params)
         stats = UpdateStats()
         t0 = time.perf_counter()
         layers = self.receive_layers()
         try:
             for layer_idx, views in layers:
                 t = time.perf_counter()
+                pos = self.layer_ids.index(layer_idx)
+                fmt = self.plans[pos].scale_fmt
                 try:
                     for name, view in views:
                         if self.targets is not None:
                             _land_shard(params[self.targets[name].name], view, self.targets[name])
                         elif self.mode == "bf16" and name + "_scale_inv" in params:
                             quantize_blockwise(view, out=params[name], scale_out=params[name + "_scale_inv"],
-                                               check_finite=False)  # fmt: skip
+                                               scale_fmt=fmt, check_finite=False)  # fmt: skip
                         else:
                             params[name].copy_(view, non_blocking=True)
                 except BaseException as exc:
                     layers.throw(exc)  # refuses at the next vote, then re-raises exc
-                pos = self.layer_ids.index(layer_idx)
                 stats.layers.append(LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t))
         finally:
             self._params_error = None
@@ -271,8 +285,13 @@ class Receiver(Endpoint):
             if g != w:
                 if isinstance(g, dict) and g.get("layer") != w["layer"]:
                     raise ManifestMismatch(
-                        f"manifest: expected layers {self.layer_ids} in this order, got layer "
-                        f"{g.get('layer')!r} where {w['layer']} was expected"
+                        f"manifest: expected layers {self.layer_ids} in this order (-1: the non-layer "
+                        f"tensors), got layer {g.get('layer')!r} where {w['layer']} was expected"
+                    )
+                if isinstance(g, dict) and g.get("scale_fmt") != w["scale_fmt"]:
+                    raise ManifestMismatch(
+                        f"manifest: layer {w['layer']}: expected scale_fmt {w['scale_fmt']!r} (this "
+                        f"receiver's), got {g.get('scale_fmt')!r}; sender and receivers need the same one"
                     )
                 ge = {e.get("name"): e for e in g.get("entries", [])} if isinstance(g, dict) else {}
                 for e in w["entries"]:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, strip_layer
 from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, my_rank, on_stream
 from glm_fp8.transfer.gather import GATHERS, collect_layer
@@ -40,9 +41,13 @@ class Broadcaster(Endpoint):
         src: rank that sends (this process).
         config / plans: the model config (plans for every layer are built from it) or one
             ``LayerPlan`` per layer; the manifest needs them before the first layer is sent.
-        layer_ids: the layers this update sends, in order (default: every decoder layer);
-            receivers must expect the same list. ``broadcast_model`` must be handed exactly
-            these layers in this order.
+        layer_ids: the layers this update sends, in order (default: every decoder layer;
+            ``glm_fp8.plan.model_layer_ids(config)`` adds the MTP layer); receivers must expect
+            the same list. ``broadcast_model`` must be handed exactly these layers in this order.
+        rest: the update also carries the non-layer tensors (``model.embed_tokens.weight``,
+            ``model.norm.weight``, ``lm_head.weight``), sent after the last layer.
+        scale_fmt: "fp32" (default) or "ue8m0": power-of-two block scales, for engines whose
+            DeepGEMM kernels require them (vLLM on Hopper with DeepGEMM; Blackwell always).
         ring: layer buffers (default 2: convert i+1 while i is sent; 1 serializes).
         mode: "fp8" ships kernel-format fp8 entries; "bf16" ships unquantized kernel-format
             entries for receivers that quantize on receive (half the sender's work, twice the
@@ -72,10 +77,12 @@ class Broadcaster(Endpoint):
         chunk_experts: int = 8,
         gather_dtype: torch.dtype | None = torch.bfloat16,
         checksum: bool = True,
+        rest: bool = False,
+        scale_fmt: str | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device)  # fmt: skip
+                         device=device, rest=rest, scale_fmt=scale_fmt)  # fmt: skip
         if gather not in GATHERS:
             raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
         if chunk_experts < 1:
@@ -90,13 +97,19 @@ class Broadcaster(Endpoint):
         self.post_vote = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._pending = False  # the receivers' vote on the last layer sent, not read yet
 
-    def broadcast_model(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> UpdateStats:
-        """Send every layer of ``layers`` (``(layer_idx, state_dict)`` in the announced order).
+    def broadcast_model(
+        self,
+        layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
+        rest: Mapping[str, torch.Tensor] | None = None,
+    ) -> UpdateStats:
+        """Send every layer of ``layers`` (``(layer_idx, state_dict)`` in the announced order),
+        then ``rest`` (the non-layer tensors under their full names) when the update announced
+        them (``rest=True`` at construction).
 
         Raises (and every receiver raises ``UpdateAborted`` at the same step) on any error: a
-        layer other than announced (``LayerOrderError``, before any byte of it is sent),
-        non-finite weights, a bad state dict, or a receiver's refusal (``ManifestMismatch``
-        before the first layer, ``ReceiverRefused`` after it).
+        layer other than announced, or ``rest`` missing or unannounced (``LayerOrderError``,
+        before any byte of it is sent), non-finite weights, a bad state dict, or a receiver's
+        refusal (``ManifestMismatch`` before the first layer, ``ReceiverRefused`` after it).
         """
         stats = UpdateStats()
         t0 = time.perf_counter()
@@ -106,12 +119,18 @@ class Broadcaster(Endpoint):
         self._pending = False
         self._send_manifest()
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        n_layers = len(self.plans) - self.rest
         try:
+            if self.rest != (rest is not None):
+                raise LayerOrderError(
+                    "rest: the manifest announced the non-layer tensors, none were given" if self.rest else
+                    "rest: given, but this Broadcaster was built without rest=True (not in the manifest)"
+                )  # fmt: skip
             count = 0
             for pos, (layer_idx, sd) in enumerate(layers):
-                if pos >= len(self.plans):
+                if pos >= n_layers:
                     raise LayerOrderError(
-                        f"layers: got layer {layer_idx} after the {len(self.plans)} the manifest announced"
+                        f"layers: got layer {layer_idx} after the {n_layers} the manifest announced"
                     )
                 if layer_idx != self.layer_ids[pos]:
                     raise LayerOrderError(
@@ -124,8 +143,12 @@ class Broadcaster(Endpoint):
                     LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t_layer)
                 )
                 count += 1
-            if count != len(self.plans):
-                raise LayerOrderError(f"layers: got {count}, the manifest announced {len(self.plans)}")
+            if count != n_layers:
+                raise LayerOrderError(f"layers: got {count}, the manifest announced {n_layers}")
+            if self.rest:
+                t_layer = time.perf_counter()
+                self._send_layer(n_layers, REST, rest, header)
+                stats.layers.append(LayerStats(REST, self.plans[-1].nbytes, time.perf_counter() - t_layer))
         except ReceiverRefused:
             raise  # every rank stopped at that vote: nothing more to send
         except BaseException as exc:

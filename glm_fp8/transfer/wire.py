@@ -6,8 +6,9 @@ Wire protocol (version 2), broadcasts from ``src`` and all-reduce (MAX) votes of
    wrong magic or version, or a length outside ``(0, max_manifest_bytes]``, before it
    allocates anything from that length.
 2. The manifest, UTF-8 JSON (data only, no pickle): ``{"format", "version", "mode",
-   "checksum", "layers": [{"layer": i, "nbytes": n, "entries": [{name, dtype, shape, offset,
-   nbytes}]}]}``; vote. A receiver refuses a manifest that differs from what it expects, and
+   "checksum", "layers": [{"layer": i, "nbytes": n, "scale_fmt": "fp32" | "ue8m0", "entries":
+   [{name, dtype, shape, offset, nbytes}]}]}``, the non-layer tensors (if sent) last as layer
+   -1; vote. A receiver refuses a manifest that differs from what it expects, and
    refuses here too when its own parameters failed their checks.
 3. Per announced layer: header ``int64[8]`` = ``[MAGIC, DATA, layer index, position, nbytes,
    checksum, 0, 0]``; vote (a receiver refuses a header whose fields disagree with the
@@ -46,7 +47,7 @@ REFUSED_PRELUDE, REFUSED_MANIFEST, REFUSED_PARAMS, REFUSED_HEADER, BAD_CHECKSUM,
 REFUSAL_REASONS = {
     REFUSED_PRELUDE: "refused the manifest's prelude (magic, version or length)",
     REFUSED_MANIFEST: "refused the manifest",
-    REFUSED_PARAMS: "refused its parameters (name, shape, dtype, device or requires_grad)",
+    REFUSED_PARAMS: "refused its parameters (name, shape, dtype, device or requires_grad) or its layout",
     REFUSED_HEADER: "refused a layer header that disagrees with the manifest",
     BAD_CHECKSUM: "received a layer whose checksum differs from the sender's",
     CONSUMER_FAILED: "failed while landing a layer in its parameters",
@@ -85,7 +86,6 @@ class LayerOrderError(ValueError):
     """``broadcast_model`` was handed a layer other than the one the manifest announced next."""
 
 
-
 def header_words(status: int, layer_idx: int, pos: int, nbytes: int = 0, reason: int = 0) -> list[int]:
     """A layer header's ``HEADER_WORDS`` words; the checksum word (5) is filled on the device."""
     return [MAGIC, status, layer_idx, pos, nbytes, 0, reason, 0]
@@ -100,7 +100,8 @@ def manifest_of(
         "mode": mode,
         "checksum": checksum,
         "layers": [
-            {"layer": i, "nbytes": p.nbytes, "entries": p.manifest()} for i, p in zip(layer_ids, plans)
+            {"layer": i, "nbytes": p.nbytes, "scale_fmt": p.scale_fmt, "entries": p.manifest()}
+            for i, p in zip(layer_ids, plans)
         ],
     }
 
