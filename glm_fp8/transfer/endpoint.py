@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
-from glm_fp8.transfer.wire import Comm, checksum_scratch
+from glm_fp8.transfer.scatter import Scatter
+from glm_fp8.transfer.wire import Comm, checksum_scratch, manifest_of
 
 MODES = ("fp8", "bf16")
 
@@ -56,7 +58,9 @@ class Endpoint:
     ``layer_ids`` (default: every decoder layer of the model; ``glm_fp8.plan.model_layer_ids``
     adds the MTP layer) are the layers of this update in order, then ``REST`` (-1: the
     embeddings, final norm and lm_head, which travel last) when ``rest`` is true; ``plans[k]``
-    is the plan of ``layer_ids[k]``. Both sides build the manifest from them
+    is the plan of ``layer_ids[k]``. ``engines`` (scatter mode, ``glm_fp8.transfer.scatter``):
+    the ``EngineLayout`` of every rank of the link, None at the sender's; each engine rank then
+    receives only its shard. Both sides build the manifest from them
     (``glm_fp8.transfer.wire.manifest_of``). ``link_stream`` is the stream the link's
     collectives run on (None on the CPU).
     """
@@ -76,6 +80,7 @@ class Endpoint:
         device: torch.device | str | None,
         rest: bool = False,
         scale_fmt: str | None = None,
+        engines: Sequence[EngineLayout | None] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -118,8 +123,27 @@ class Endpoint:
         else:
             self.plans = plans_for_model(config, mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
         self.device = torch.device(device) if device else default_device()
-        self.ring = Ring(ring, max(p.nbytes for p in self.plans), self.device)
+        self.scatter: Scatter | None = None
+        if engines is not None:
+            if config is None or mode != "fp8":
+                raise ValueError("engines: scatter mode needs config= and mode='fp8'")
+            self.scatter = Scatter(comm, src, config, self.plans, self.layer_ids, engines)
+        self.ring = Ring(ring, self._slot_nbytes(), self.device)
         self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def _slot_nbytes(self) -> int:
+        """The ring's slot size: the largest layer buffer."""
+        return max(p.nbytes for p in self.plans)
+
+    def wire_nbytes(self, pos: int) -> int:
+        """The bytes the sender sends for the layer at ``pos`` (its header's byte count)."""
+        return self.scatter.layers[pos].nbytes if self.scatter is not None else self.plans[pos].nbytes
+
+    def manifest(self, checksum: bool) -> dict:
+        m = manifest_of(self.plans, self.layer_ids, self.mode, checksum)
+        if self.scatter is not None:
+            m["scatter"] = self.scatter.manifest()
+        return m
 
     def vote(self, code: int) -> int:
         """Contribute ``code`` (0: fine; never negative) to an all-reduce MAX on the link and

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from glm_fp8.engine.layout import EngineLayout, copy_shard_into
 from glm_fp8.engine.specs import EngineParam, engine_params
@@ -34,8 +35,8 @@ from glm_fp8.transfer.wire import (
     UpdateAborted,
     decode_manifest,
     describe_refusal,
+    is_process_group,
     layer_checksum,
-    manifest_of,
     refusal_code,
 )
 
@@ -73,10 +74,19 @@ class Receiver(Endpoint):
         layout: EngineLayout | None = None,
         rest: bool = False,
         scale_fmt: str | None = None,
+        engines: Sequence[EngineLayout | None] | None = None,
         device: torch.device | str | None = None,
     ):
+        self.link_rank = _link_rank(comm)
+        if engines is not None:
+            if layout is None:
+                raise ValueError("engines: scatter mode needs this rank's layout= too")
+            if not 0 <= self.link_rank < len(engines) or engines[self.link_rank] != layout:
+                mine = engines[self.link_rank] if 0 <= self.link_rank < len(engines) else None
+                raise ValueError(f"layout: expected engines[{self.link_rank}] (this rank's entry), which is "
+                                 f"{mine}; got {layout}")  # fmt: skip
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device, rest=rest, scale_fmt=scale_fmt)  # fmt: skip
+                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines)  # fmt: skip
         self.layout = layout
         self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
         self._layout_error: ValueError | None = None
@@ -101,7 +111,7 @@ class Receiver(Endpoint):
         self.max_manifest_bytes = int(max_manifest_bytes)
         self.recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.link_stream = self.recv_stream
-        self.expected = manifest_of(self.plans, self.layer_ids, mode)
+        self.expected = self.manifest(False)
         self.rank = my_rank()
         self._params_error: Exception | None = None
 
@@ -113,6 +123,12 @@ class Receiver(Endpoint):
                 if p.dtype != e.dtype and (p.dtype, e.dtype) not in _WIDENING:
                     raise ValueError(f"{p.name}: the engine holds {p.dtype}, the wire carries {e.dtype}")
         return targets
+
+    def _slot_nbytes(self) -> int:
+        if self.scatter is None:
+            return super()._slot_nbytes()
+        return max(s.packs[self.scatter.my_class(pos, self.link_rank)].nbytes
+                   for pos, s in enumerate(self.scatter.layers))  # fmt: skip
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, view)`` for every entry of every layer. A view stays valid until the
@@ -130,29 +146,43 @@ class Receiver(Endpoint):
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         for pos, plan in enumerate(self.plans):
             layer_idx = self.layer_ids[pos]
-            self._recv_header(header, pos, DATA, layer_idx, plan.nbytes)
-            buf, slot = self.ring.slot(pos, plan.nbytes)
+            self._recv_header(header, pos, DATA, layer_idx, self.wire_nbytes(pos))
+            pack = None
+            if self.scatter is not None:
+                k = self.scatter.my_class(pos, self.link_rank)
+                pack, group = self.scatter.layers[pos].packs[k], self.scatter.layers[pos].classes[k]
+            nbytes = plan.nbytes if pack is None else pack.nbytes
+            buf, slot = self.ring.slot(pos, nbytes)
             bad = False
             try:
                 with on_stream(self.recv_stream):
                     if self.ring.used[slot] and self.ring.free[slot] is not None:
                         # Wait until what the consumer queued on this slot's last layer is done.
                         self.recv_stream.wait_event(self.ring.free[slot])
-                    self.comm.broadcast(buf, self.src)
-                    if checksum:
-                        bad = bool((layer_checksum(buf, self.ring.scratch) != header[5]).item())
+                    if pack is None:
+                        self.comm.broadcast(buf, self.src)
+                        if checksum:
+                            bad = bool((layer_checksum(buf, self.ring.scratch) != header[5]).item())
+                    else:
+                        dist.broadcast(buf, self.scatter.src_global, group=self.scatter.groups[group])
+                        got = layer_checksum(buf[: pack.data_nbytes], self.ring.scratch)
+                        bad = bool((got != pack.checksum_word(buf)).item())
                 if self.recv_stream is not None:
                     torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
             except Exception as exc:
                 raise UpdateAborted(f"receiving layer {layer_idx} failed: {exc}") from exc
             refused = UpdateAborted(
-                f"layer {layer_idx}: the checksum of the {plan.nbytes} bytes received differs from "
+                f"layer {layer_idx}: the checksum of the {nbytes} bytes received differs from "
                 "the sender's (a short, long or corrupted message); every rank was stopped"
             ) if bad else None  # fmt: skip
             self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
             prefix = layer_prefix(layer_idx)
+            if pack is None:
+                views = [(prefix + name, view) for name, view in plan.views(buf)]
+            else:
+                views = list(pack.views(buf))
             try:
-                yield layer_idx, [(prefix + name, view) for name, view in plan.views(buf)]
+                yield layer_idx, views
             except BaseException:
                 # The consumer failed on this layer (or stopped early): stop every rank at the
                 # next vote, then let the consumer's error through.
@@ -182,7 +212,9 @@ class Receiver(Endpoint):
                 fmt = self.plans[pos].scale_fmt
                 try:
                     for name, view in views:
-                        if self.targets is not None:
+                        if self.scatter is not None:
+                            _land_piece(params[self.targets[name].name], view, self.targets[name])
+                        elif self.targets is not None:
                             _land_shard(params[self.targets[name].name], view, self.targets[name])
                         elif self.mode == "bf16" and name + "_scale_inv" in params:
                             quantize_blockwise(view, out=params[name], scale_out=params[name + "_scale_inv"],
@@ -277,6 +309,15 @@ class Receiver(Endpoint):
                 raise ManifestMismatch(f"manifest: expected {key}={want[key]!r}, got {got.get(key)!r}")
         if not isinstance(got.get("checksum"), bool):
             raise ManifestMismatch(f"manifest: expected checksum true or false, got {got.get('checksum')!r}")
+        if got.get("scatter") != want.get("scatter"):
+            engines = [
+                (m or {}).get("engines") if isinstance(m, dict) else m
+                for m in (want.get("scatter"), got.get("scatter"))
+            ]
+            raise ManifestMismatch(
+                "manifest: the scatter plan differs (engines= must be the same list on every rank): "
+                f"expected engines {engines[0]}, got {engines[1]}"
+            )
         layers = got.get("layers")
         if not isinstance(layers, list) or len(layers) != len(want["layers"]):
             n = len(layers) if isinstance(layers, list) else layers
@@ -384,3 +425,22 @@ def _land_shard(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> N
     if dst.dtype != view.dtype:
         view = view.to(dst.dtype)
     copy_shard_into(dst, view, target.shard)
+
+
+def _land_piece(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> None:
+    """Scatter mode: ``view`` is already this rank's cut without its padding rows; those are
+    zeroed here."""
+    shard = target.shard
+    if shard.kind == "replicated":
+        dst.copy_(view)
+        return
+    n = shard.length - shard.pad
+    dst.narrow(shard.dim, 0, n).copy_(view)
+    if shard.pad:
+        dst.narrow(shard.dim, n, shard.pad).zero_()
+
+
+def _link_rank(comm: object | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(comm) if comm is None or is_process_group(comm) else dist.get_rank()

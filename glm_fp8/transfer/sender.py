@@ -9,9 +9,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.models import REST
-from glm_fp8.plan import LayerPlan, strip_layer
-from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, my_rank, on_stream
+from glm_fp8.plan import LayerPlan, layer_prefix, strip_layer
+from glm_fp8.transfer.endpoint import Endpoint, LayerStats, Ring, UpdateStats, my_rank, on_stream
 from glm_fp8.transfer.gather import GATHERS, collect_layer
 from glm_fp8.transfer.wire import (
     ABORT,
@@ -28,7 +29,6 @@ from glm_fp8.transfer.wire import (
     describe_refusal,
     header_words,
     layer_checksum,
-    manifest_of,
 )
 
 
@@ -48,6 +48,10 @@ class Broadcaster(Endpoint):
             ``model.norm.weight``, ``lm_head.weight``), sent after the last layer.
         scale_fmt: "fp32" (default) or "ue8m0": power-of-two block scales, for engines whose
             DeepGEMM kernels require them (vLLM on Hopper with DeepGEMM; Blackwell always).
+        engines: scatter mode: the ``EngineLayout`` of every rank of the link (None at ``src``),
+            the same list on every rank. Each layer is converted whole, then every class of
+            ranks that hold the same shard gets only those bytes (``glm_fp8.transfer.scatter``);
+            ``scatter.bytes_per_rank()`` says how many. Needs a ProcessGroup link.
         ring: layer buffers (default 2: convert i+1 while i is sent; 1 serializes).
         mode: "fp8" ships kernel-format fp8 entries; "bf16" ships unquantized kernel-format
             entries for receivers that quantize on receive (half the sender's work, twice the
@@ -79,10 +83,11 @@ class Broadcaster(Endpoint):
         checksum: bool = True,
         rest: bool = False,
         scale_fmt: str | None = None,
+        engines: Sequence[EngineLayout | None] | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device, rest=rest, scale_fmt=scale_fmt)  # fmt: skip
+                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines)  # fmt: skip
         if gather not in GATHERS:
             raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
         if chunk_experts < 1:
@@ -91,6 +96,9 @@ class Broadcaster(Endpoint):
         self.collect_args = dict(mode=mode, gather=gather, chunk_experts=chunk_experts, sender=my_rank(),
                                  gather_dtype=gather_dtype, device=self.device)  # fmt: skip
         cuda = self.device.type == "cuda"
+        if self.scatter is not None:
+            # The classes' regions of one layer, side by side: one ring of them.
+            self.pack_ring = Ring(ring, max(s.nbytes for s in self.scatter.layers), self.device)
         self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
         self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
         self.link_stream = self.comm_stream
@@ -166,7 +174,7 @@ class Broadcaster(Endpoint):
         return stats
 
     def _send_manifest(self) -> None:
-        manifest = manifest_of(self.plans, self.layer_ids, self.mode, self.checksum)
+        manifest = self.manifest(self.checksum)
         payload = json.dumps(manifest).encode()
         prelude = torch.tensor([MAGIC, PROTOCOL_VERSION, len(payload), 0], dtype=torch.int64)
         self.comm.broadcast(prelude.to(self.device), self.src)
@@ -211,6 +219,7 @@ class Broadcaster(Endpoint):
         buf, slot = self.ring.slot(pos, plan.nbytes)
         caller = torch.cuda.current_stream(self.device) if self.convert_stream is not None else None
         checksum = None
+        regions: list[torch.Tensor] = []
         with on_stream(self.convert_stream):
             if caller is not None:
                 # The layer may have just been written on the caller's stream.
@@ -221,7 +230,9 @@ class Broadcaster(Endpoint):
             # The finite check is this loop's only host wait per layer; the previous layer keeps
             # the wire busy meanwhile.
             collect_layer(plan, strip_layer(sd, layer_idx), layer_idx, buf, **self.collect_args)
-            if self.checksum:
+            if self.scatter is not None:
+                regions = self._pack(pos, layer_idx, buf)
+            elif self.checksum:
                 checksum = layer_checksum(buf, self.ring.scratch)
             ready = None
             if self.convert_stream is not None:
@@ -234,21 +245,52 @@ class Broadcaster(Endpoint):
         self._resolve_pending()
         if ready is not None:
             self.comm_stream.wait_event(ready)
-        self._send_header(header, DATA, layer_idx, pos, 0, plan.nbytes, checksum)
+        self._send_header(header, DATA, layer_idx, pos, 0, self.wire_nbytes(pos), checksum)
         # Every receiver checked the header against the manifest. This host read waits for the
         # previous layer's data to leave, which the ring waits for anyway.
         code = self.vote(0)
         if code:
             raise ReceiverRefused(f"{describe_refusal(code)} (layer {layer_idx}); the update was stopped")
         with on_stream(self.comm_stream):
-            self.comm.broadcast(buf, self.src)
-            if self.ring.free[slot] is not None:
-                self.ring.free[slot].record(self.comm_stream)
+            if self.scatter is None:
+                self.comm.broadcast(buf, self.src)
+                if self.ring.free[slot] is not None:
+                    self.ring.free[slot].record(self.comm_stream)
+            else:
+                self._send_regions(pos, regions)
             # The receivers' verdict on what arrived; read before the next header goes out.
             self.post_vote.zero_()
             self.comm.all_reduce_max(self.post_vote)
         self._pending = True
         self.ring.used[slot] = True
+
+    def _pack(self, pos: int, layer_idx: int, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Cut every class's region of the layer out of ``buf`` into the pack ring (on the
+        convert stream), each followed by its checksum."""
+        layer = self.scatter.layers[pos]
+        packed, slot = self.pack_ring.slot(pos, layer.nbytes)
+        if self.pack_ring.used[slot] and self.pack_ring.free[slot] is not None:
+            self.convert_stream.wait_event(self.pack_ring.free[slot])
+        full = {layer_prefix(layer_idx) + name: view for name, view in self.plans[pos].views(buf)}
+        regions = []
+        for pack, offset in zip(layer.packs, layer.offsets):
+            region = packed[offset : offset + pack.nbytes]
+            pack.pack_into(full, region)
+            pack.checksum_word(region).copy_(
+                layer_checksum(region[: pack.data_nbytes], self.pack_ring.scratch)
+            )
+            regions.append(region)
+        self._pack_slot = slot
+        return regions
+
+    def _send_regions(self, pos: int, regions: list[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        for ranks, region in zip(self.scatter.layers[pos].classes, regions):
+            dist.broadcast(region, self.scatter.src_global, group=self.scatter.groups[ranks])
+        if self.pack_ring.free[self._pack_slot] is not None:
+            self.pack_ring.free[self._pack_slot].record(self.comm_stream)
+        self.pack_ring.used[self._pack_slot] = True
 
     def _sync(self) -> None:
         if self.comm_stream is not None:

@@ -1,0 +1,108 @@
+"""One engine rank's share of a layer on the wire (scatter mode, docs/layouts.md#scatter-mode):
+the cut of every entry that the rank holds (``Shard`` without its zero padding rows), packed one
+after another into one region, and the classes of ranks that hold the same bytes (data-parallel
+replicas, EP ranks for replicated tensors) and so share one broadcast of that region.
+
+Region layout: the pieces in plan order, each at a multiple of 256 bytes, then one int64: the
+region's checksum (``glm_fp8.transfer.wire.layer_checksum`` of the bytes before it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.engine.layout import EngineLayout, Shard, _Rules, copy_shard_into
+from glm_fp8.plan import ALIGN, LayerPlan, layer_prefix
+
+CHECKSUM_BYTES = 8
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """One entry's cut for one rank: ``shard`` (padding dropped) of the full kernel-format entry
+    ``name``, ``shape`` in wire ``dtype``, at ``offset`` in the region."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    shard: Shard
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    def view(self, region: torch.Tensor) -> torch.Tensor:
+        return region[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardPack:
+    """Every piece of one layer that one rank holds; ``nbytes`` includes the checksum word."""
+
+    pieces: tuple[ShardPiece, ...]
+    nbytes: int
+
+    @property
+    def data_nbytes(self) -> int:
+        return self.nbytes - CHECKSUM_BYTES
+
+    @property
+    def key(self) -> tuple[Shard, ...]:
+        """Equal keys: the ranks receive the same bytes."""
+        return tuple(p.shard for p in self.pieces)
+
+    def pack_into(self, full: Mapping[str, torch.Tensor], region: torch.Tensor) -> None:
+        """Write each piece, cut from the full entry views ``full`` (by prefixed name), into
+        ``region`` (uint8, ``nbytes`` long); the checksum word is left to the caller."""
+        for p in self.pieces:
+            copy_shard_into(p.view(region), full[p.name], p.shard)
+
+    def views(self, region: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        for p in self.pieces:
+            yield p.name, p.view(region)
+
+    def checksum_word(self, region: torch.Tensor) -> torch.Tensor:
+        return region[self.data_nbytes : self.nbytes].view(torch.int64)[0]
+
+
+def shard_pack(plan: LayerPlan, layer_idx: int, config: Mapping, layout: EngineLayout) -> ShardPack:
+    """The region a rank at ``layout`` receives for layer ``layer_idx`` (``REST`` too) in scatter
+    mode. Raises ValueError where vLLM would refuse the layout (``shard_for``)."""
+    rules = _Rules(config, layout, plan.quantize)
+    prefix = layer_prefix(layer_idx)
+    pieces, offset = [], 0
+    for e in plan.entries:
+        shard = rules.shard(prefix + e.name, e.shape)
+        shard = dataclasses.replace(shard, pad=0)  # padding rows are zeroed by the receiver, not sent
+        piece = ShardPiece(prefix + e.name, e.dtype, shard.shape(e.shape), offset, shard)
+        pieces.append(piece)
+        offset = _align(offset + piece.nbytes)
+    return ShardPack(tuple(pieces), offset + CHECKSUM_BYTES)
+
+
+def scatter_classes(packs: Sequence[ShardPack | None]) -> list[tuple[int, ...]]:
+    """Ranks (indices into ``packs``; None: not a receiver) grouped by equal packs, in order of
+    first appearance: each class shares one broadcast."""
+    classes: dict[tuple[Shard, ...], list[int]] = {}
+    for rank, pack in enumerate(packs):
+        if pack is not None:
+            classes.setdefault(pack.key, []).append(rank)
+    return [tuple(ranks) for ranks in classes.values()]
+
+
+def layout_words(layout: EngineLayout | None) -> list | None:
+    """A layout as JSON data, for the manifest."""
+    return None if layout is None else list(dataclasses.astuple(layout))
+
+
+__all__ = ["CHECKSUM_BYTES", "ShardPack", "ShardPiece", "layout_words", "scatter_classes", "shard_pack"]
