@@ -120,6 +120,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from glm_fp8.plan import plan_from_config
 
     config = _load_config(args, parser)
+    engine_table = _engine_bytes_table(args, config, parser) if args.engine_tp else None  # checked first
     gib = 2**30
     dense_idx, sparse_idx = 0, config.get("first_k_dense_replace", 0)
     plans = {}
@@ -154,6 +155,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             fits = lambda b: "yes" if resident + b / gib <= args.gpu_gib else "NO"  # noqa: E731
             table = [[name, f"{resident + b / gib:.1f}", fits(b)] for name, b in paths]
             print(tabulate(table, ["path (sparse layer)", "resident + peak GiB", f"fits {args.gpu_gib} GiB"]))
+    if engine_table:
+        print(engine_table)
     if args.entries:
         for kind, plan in plans.items():
             print(f"\n{kind} layer entries:")
@@ -161,6 +164,32 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      for e in plan.entries]  # fmt: skip
             print(tabulate(table, ["name", "dtype", "shape", "offset", "bytes"]))
     return 0
+
+
+def _engine_bytes_table(args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser) -> str:
+    from tabulate import tabulate
+
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.engine.pack import update_bytes
+
+    tp, dp = args.engine_tp, args.engine_dp
+    layouts = [EngineLayout.from_vllm(tp, r % tp, dp, r // tp, enable_expert_parallel=args.engine_ep)
+               for r in range(tp * dp)]  # fmt: skip
+    try:
+        full, per_rank = update_bytes(config, layouts, scale_fmt=args.scale_fmt)
+    except (KeyError, ValueError) as e:
+        parser.error(f"argument --engine-tp: {tp} with --engine-dp {dp}{' --engine-ep' if args.engine_ep else ''}: {e}")
+    gib = 2**30
+    lay = layouts[0]
+    what = f"EP {lay.ep_size}" if lay.expert_parallel else f"MoE TP {lay.moe_tp_size}"
+    title = (f"\nwhole-model fp8 update (every layer, MTP, embeddings, norm, lm_head) into {tp * dp} engine "
+             f"ranks (TP {tp} x DP {dp}, experts by {what}):")  # fmt: skip
+    distinct = sorted(set(per_rank))
+    ranks = {x: ", ".join(str(r) for r, b in enumerate(per_rank) if b == x) for x in distinct}
+    rows = [[ranks[x], f"{full / gib:.2f}", f"{x / gib:.2f}", f"{x / full:.3f}"] for x in distinct]
+    return (
+        title + "\n" + tabulate(rows, ["engine ranks", "full broadcast GiB", "scatter GiB", "scatter / full"])
+    )
 
 
 def _device_name(device) -> str:
@@ -237,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--gpu-gib", type=positive_float, default=139.0, help="usable memory per GPU")
     p.add_argument("--entries", action="store_true", help="list every entry with its offset")
+    p.add_argument(
+        "--engine-tp", type=positive_int,
+        help="vLLM tensor-parallel size: also show the wire bytes of a whole-model update per engine rank, "
+        "full broadcast against scatter",
+    )  # fmt: skip
+    p.add_argument("--engine-dp", type=positive_int, default=1, help="vLLM data-parallel size")
+    p.add_argument("--engine-ep", action="store_true", help="vLLM --enable-expert-parallel")
+    p.add_argument("--scale-fmt", choices=["fp32", "ue8m0"], help="block-scale format (ue8m0: DeepGEMM)")
     p.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     # Checks that need runtime knowledge (presets, files, cases, backends) report through the subparser.

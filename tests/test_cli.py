@@ -125,6 +125,20 @@ def test_plan_nodes(capsys):
     assert "(8 GPUs, layers only)" in out and "fits 80.0 GiB" in out
 
 
+def test_plan_engine_bytes(capsys):
+    """GLM-5 into TP=8 or EP=8: every engine rank receives 90.28 of the 706.06 GiB in scatter mode."""
+    for extra in ([], ["--engine-ep"]):
+        assert main(["plan", "--engine-tp", "8", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "into 8 engine ranks (TP 8 x DP 1" in out
+        assert re.search(r"^0, 1, 2, 3, 4, 5, 6, 7\s+706\.06\s+90\.28\s+0\.128$", out, re.M), out
+
+
+def test_plan_refuses_an_engine_layout_vllm_refuses(capsys):
+    line = _usage_error(capsys, ["plan", "--engine-tp", "64"])
+    assert "kv_b_proj.weight" in line and "multiple of 128" in line
+
+
 @pytest.mark.skipif(ON_GPU, reason="the CPU output only")
 def test_cpu_bench_prints_no_bandwidth(capsys):
     argv = ["bench", "--shapes", "small", "--case", "small-qkv", "--budget-ms", "50", "--no-compile"]

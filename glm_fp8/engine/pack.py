@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard, _Rules, copy_shard_into
-from glm_fp8.plan import ALIGN, LayerPlan, layer_prefix
+from glm_fp8.models import REST, model_layer_ids
+from glm_fp8.plan import ALIGN, LayerPlan, layer_prefix, plans_for_model
 
 CHECKSUM_BYTES = 8
 
@@ -100,9 +101,42 @@ def scatter_classes(packs: Sequence[ShardPack | None]) -> list[tuple[int, ...]]:
     return [tuple(ranks) for ranks in classes.values()]
 
 
+def update_bytes(
+    config: Mapping,
+    layouts: Sequence[EngineLayout],
+    *,
+    layer_ids: Sequence[int] | None = None,
+    rest: bool = True,
+    scale_fmt: str | None = None,
+) -> tuple[int, list[int]]:
+    """Wire bytes of one fp8 update: (what every engine rank receives from a full broadcast,
+    what each of ``layouts`` receives in scatter mode). Default: the whole model (every decoder
+    layer, the MTP layer, and the non-layer tensors when ``rest``)."""
+    ids = model_layer_ids(config) if layer_ids is None else list(layer_ids)
+    ids += [REST] if rest else []
+    plans = plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
+    sizes: dict[tuple[int, EngineLayout], int] = {}  # a pack's size depends on its plan, not its index
+    per_rank = [0] * len(layouts)
+    for plan, layer_idx in zip(plans, ids):
+        for r, lay in enumerate(layouts):
+            key = (id(plan), lay)
+            if key not in sizes:
+                sizes[key] = shard_pack(plan, layer_idx, config, lay).nbytes
+            per_rank[r] += sizes[key]
+    return sum(p.nbytes for p in plans), per_rank
+
+
 def layout_words(layout: EngineLayout | None) -> list | None:
     """A layout as JSON data, for the manifest."""
     return None if layout is None else list(dataclasses.astuple(layout))
 
 
-__all__ = ["CHECKSUM_BYTES", "ShardPack", "ShardPiece", "layout_words", "scatter_classes", "shard_pack"]
+__all__ = [
+    "CHECKSUM_BYTES",
+    "ShardPack",
+    "ShardPiece",
+    "layout_words",
+    "scatter_classes",
+    "shard_pack",
+    "update_bytes",
+]
