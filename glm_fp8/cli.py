@@ -178,7 +178,8 @@ def _engine_bytes_table(args: argparse.Namespace, config: dict, parser: argparse
     try:
         full, per_rank = update_bytes(config, layouts, scale_fmt=args.scale_fmt)
     except (KeyError, ValueError) as e:
-        parser.error(f"argument --engine-tp: {tp} with --engine-dp {dp}{' --engine-ep' if args.engine_ep else ''}: {e}")
+        ep = " --engine-ep" if args.engine_ep else ""
+        parser.error(f"argument --engine-tp: {tp} with --engine-dp {dp}{ep}: {e}")
     gib = 2**30
     lay = layouts[0]
     what = f"EP {lay.ep_size}" if lay.expert_parallel else f"MoE TP {lay.moe_tp_size}"
