@@ -34,9 +34,9 @@ class Scatter:
     """The scatter plan of one update, the same on every rank of the link.
 
     ``engines[r]``: the ``EngineLayout`` of link rank ``r``, None at the sender's rank (one entry
-    per rank of the link). ``groups`` maps each class this rank belongs to (a tuple of link ranks;
-    the sender: every class) to its process group, the sender and the class, which only its
-    members create (``use_local_synchronization``).
+    per rank of the link). ``groups`` maps each class (a tuple of link ranks) to its process group
+    (the sender and the class), created by every process of the default group, in the same
+    order: the link must span the default group's processes (``comm`` None, or a group of all).
     """
 
     def __init__(
@@ -74,17 +74,16 @@ class Scatter:
                 total += -(-packs[ranks[0]].nbytes // ALIGN) * ALIGN
             self.layers.append(LayerScatter(tuple(classes), tuple(packs[c[0]] for c in classes),
                                             tuple(offsets), total))  # fmt: skip
-        # Each rank creates the groups it belongs to (the sender: all), named by their ranks:
-        # with local synchronization no other process (the trainer's other ranks, say) takes part.
+        # Every rank creates every group, in the same order (torch.distributed.new_group's rule:
+        # every process of the default group takes part; with use_local_synchronization the
+        # gloo groups deadlocked here).
         to_global = (lambda r: r) if comm is None else (lambda r: dist.get_global_rank(comm, r))
         self.src_global = to_global(src)
-        me = dist.get_rank(comm)
         self.groups: dict[tuple[int, ...], object] = {}
         for layer in self.layers:
             for ranks in layer.classes:
-                if ranks not in self.groups and (me == src or me in ranks):
-                    members = sorted(to_global(r) for r in (src, *ranks))
-                    self.groups[ranks] = dist.new_group(members, use_local_synchronization=True)
+                if ranks not in self.groups:
+                    self.groups[ranks] = dist.new_group(sorted(to_global(r) for r in (src, *ranks)))
 
     def my_class(self, pos: int, rank: int) -> int:
         return next(k for k, ranks in enumerate(self.layers[pos].classes) if rank in ranks)
