@@ -109,6 +109,8 @@ def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> d
     if not isinstance(config, dict):
         parser.error(f"argument --config: {args.config!r} holds a JSON {type(config).__name__}, "
                      "expected an object (a Hugging Face config.json)")  # fmt: skip
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a multimodal wrapper (e.g. Kimi-K2.5): its text backbone
     return config
 
 
@@ -117,48 +119,54 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from tabulate import tabulate
 
     from glm_fp8.memory import estimate_memory, master_bytes_per_gpu
+    from glm_fp8.models import layer_kind
     from glm_fp8.plan import plan_from_config
 
     config = _load_config(args, parser)
     engine_table = _engine_bytes_table(args, config, parser) if args.engine_tp else None  # checked first
     gib = 2**30
-    dense_idx, sparse_idx = 0, config.get("first_k_dense_replace", 0)
-    plans = {}
+    plans: dict = {}  # layer kind -> (plan, layer indices), in order of first appearance
     try:
-        for kind, idx in (("dense", dense_idx), ("sparse", sparse_idx)):
-            if idx >= config["num_hidden_layers"] or (kind == "dense" and sparse_idx == 0):
-                continue
-            plans[kind] = plan_from_config(config, idx, target=args.target)
+        for i in range(config["num_hidden_layers"]):
+            kind = layer_kind(config, i)
+            if kind not in plans:
+                plans[kind] = (plan_from_config(config, i, target=args.target), [])
+            plans[kind][1].append(i)
     except (KeyError, TypeError, ValueError) as e:
         if not args.config:
             raise
         why = f"lacks the field {e}" if isinstance(e, KeyError) else f"is not a usable config: {e}"
         parser.error(f"argument --config: {args.config!r} {why}")
+    gather = torch.float32 if args.gather_dtype == "fp32" else torch.bfloat16
     rows = []
-    for kind, plan in plans.items():
-        est = estimate_memory(plan, torch.float32 if args.gather_dtype == "fp32" else torch.bfloat16)
-        rows.append([kind, len(plan.entries), f"{plan.nbytes / gib:.2f}", f"{est.inputs / gib:.2f}",
-                     f"{est.eager / gib:.1f}", f"{est.preallocated_stack / gib:.1f}",
-                     f"{est.glm_fp8 / gib:.1f}"])  # fmt: skip
-    print(f"{config['model_type']}: {config['num_hidden_layers']} layers, "
-          f"{sparse_idx} dense; target {args.target}; gathered in {args.gather_dtype}")  # fmt: skip
-    print(tabulate(rows, ["layer", "entries", "kernel-format GiB", "gathered GiB",
+    for kind, (plan, idx) in plans.items():
+        est = estimate_memory(plan, gather)
+        rows.append([kind, len(idx), _ranges(idx), len(plan.entries), f"{plan.nbytes / gib:.2f}",
+                     f"{est.inputs / gib:.2f}", f"{est.eager / gib:.1f}",
+                     f"{est.preallocated_stack / gib:.1f}", f"{est.glm_fp8 / gib:.1f}"])  # fmt: skip
+    total = sum(p.nbytes * len(idx) for p, idx in plans.values())
+    print(f"{config['model_type']}: {config['num_hidden_layers']} layers ("
+          + ", ".join(f"{len(idx)} {kind}" for kind, (_, idx) in plans.items())
+          + f"); target {args.target}; gathered in {args.gather_dtype}; "
+          f"all layers in kernel format {total / gib:.1f} GiB")  # fmt: skip
+    print(tabulate(rows, ["layer kind", "layers", "indices", "entries", "kernel-format GiB", "gathered GiB",
                           "eager peak GiB", "prealloc-stack peak GiB", "glm_fp8 peak GiB"]))  # fmt: skip
     if args.nodes:
         world = args.nodes * args.gpus_per_node
         resident = master_bytes_per_gpu(config, world) / gib
         print(f"\nresident fp32 master shards per GPU ({world} GPUs, layers only): {resident:.1f} GiB")
-        if "sparse" in plans:
-            est = estimate_memory(plans["sparse"])
-            paths = (("eager", est.eager), ("preallocated stack", est.preallocated_stack),
-                     ("glm_fp8", est.glm_fp8))  # fmt: skip
-            fits = lambda b: "yes" if resident + b / gib <= args.gpu_gib else "NO"  # noqa: E731
-            table = [[name, f"{resident + b / gib:.1f}", fits(b)] for name, b in paths]
-            print(tabulate(table, ["path (sparse layer)", "resident + peak GiB", f"fits {args.gpu_gib} GiB"]))
+        biggest = max(plans.items(), key=lambda kv: estimate_memory(kv[1][0]).eager)
+        est = estimate_memory(biggest[1][0])
+        paths = (("eager", est.eager), ("preallocated stack", est.preallocated_stack),
+                 ("glm_fp8", est.glm_fp8))  # fmt: skip
+        fits = lambda b: "yes" if resident + b / gib <= args.gpu_gib else "NO"  # noqa: E731
+        table = [[name, f"{resident + b / gib:.1f}", fits(b)] for name, b in paths]
+        head = [f"path ({biggest[0]} layer)", "resident + peak GiB", f"fits {args.gpu_gib} GiB"]
+        print(tabulate(table, head))
     if engine_table:
         print(engine_table)
     if args.entries:
-        for kind, plan in plans.items():
+        for kind, (plan, _) in plans.items():
             print(f"\n{kind} layer entries:")
             table = [[e.name, str(e.dtype).removeprefix("torch."), tuple(e.shape), e.offset, e.nbytes]
                      for e in plan.entries]  # fmt: skip
@@ -191,6 +199,17 @@ def _engine_bytes_table(args: argparse.Namespace, config: dict, parser: argparse
     return (
         title + "\n" + tabulate(rows, ["engine ranks", "full broadcast GiB", "scatter GiB", "scatter / full"])
     )
+
+
+def _ranges(idx: list[int]) -> str:
+    """Layer indices as ranges: [0, 1, 2, 6] -> "0-2, 6"."""
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    text = ", ".join(out)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _device_name(device) -> str:
@@ -254,12 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "plan",
         help="per-layer kernel-format sizes and predicted peak memory (no download)",
-        description="Kernel-format bytes per layer and the predicted peak transient memory of "
-        "converting one layer: eager (prime-rl), preallocated stack, glm_fp8 (see "
-        "glm_fp8.memory.estimate_memory for the model).",
+        description="The layer kinds of a model (dense / sparse MLP, with or without a DSA indexer as "
+        "the config's schedule says), how many layers of each, their kernel-format bytes and the "
+        "predicted peak transient memory of converting one: eager (prime-rl), preallocated stack, "
+        "glm_fp8 (see glm_fp8.memory.estimate_memory for the model).",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default="glm-5", help="preset: glm-5 or glm-4.5")
+    src.add_argument(
+        "--model", default="glm-5",
+        help="an embedded preset (glm-5, glm-5.2, glm-4.5, deepseek-v3, deepseek-v3.2, kimi-k2, qwen3-moe)",
+    )  # fmt: skip
     src.add_argument("--config", help="path to a Hugging Face config.json")
     p.add_argument("--target", choices=["hopper", "blackwell"], default="hopper")
     p.add_argument("--gather-dtype", choices=["bf16", "fp32"], default="bf16")

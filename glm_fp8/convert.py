@@ -15,8 +15,13 @@ import torch
 
 from glm_fp8 import _checks
 from glm_fp8.jobs import Job, NonFiniteError, plan_job, run_jobs
+from glm_fp8.models import INDEXER_PREFIX
 from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix, plan_from_state_dict, strip_layer
+
+_INDEXER_FULL = " (the plan's layer has an indexer: a full layer of the config's indexer schedule)"
+_INDEXER_SHARED = (" (the plan's layer has no indexer: a shared layer of the config's indexer schedule, "
+                   "which reuses the previous full layer's top-k)")  # fmt: skip
 
 
 def check_layer(
@@ -31,10 +36,12 @@ def check_layer(
     missing = [k for k in plan.inputs if k in needed and k not in layer]
     if missing:
         shape = plan.inputs[missing[0]][0]
-        raise KeyError(f"{prefix}{missing[0]}: missing; expected a tensor of shape {shape}")
+        hint = _INDEXER_FULL if missing[0].startswith(INDEXER_PREFIX) else ""
+        raise KeyError(f"{prefix}{missing[0]}: missing; expected a tensor of shape {shape}{hint}")
     extra = sorted(set(layer) - set(plan.inputs))
     if extra:
-        raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan has no entry for it")
+        hint = _INDEXER_SHARED if extra[0].startswith(INDEXER_PREFIX) else ""
+        raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan has no entry for it{hint}")
     named = [(prefix + k, t) for k, t in layer.items()]
     for name, t in named:
         _checks.check_tensor(name, t)  # a dense tensor with data: not sparse, not meta

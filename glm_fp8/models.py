@@ -23,15 +23,16 @@ class Rule:
     quantize: bool  # fp8 with 128x128 block scales; else copied in the source dtype
     squeeze: bool = False  # the trainer may hold a leading dim of 1 ([1, I, H] shared expert)
     optional: bool = False  # emitted only when the trainer layer has its sources
+    group: str = ""  # "indexer": emitted all together or not at all (IndexShare layers have none)
 
 
-def _r(out: str, *sources: str, q: bool = False, **kw: bool) -> Rule:
+def _r(out: str, *sources: str, q: bool = False, **kw) -> Rule:
     return Rule(out, sources or (out,), q, **kw)
 
 
 # Output order follows docs/layouts.md; a quantized entry's scale follows it.
 _NORMS = [_r("input_layernorm.weight"), _r("post_attention_layernorm.weight")]
-_MLA_DSA_ATTENTION = [
+_MLA_ATTENTION = [
     _r("self_attn.fused_qkv_a_proj.weight", "self_attn.q_a_proj.weight",
        "self_attn.kv_a_proj_with_mqa.weight", q=True),
     _r("self_attn.q_a_layernorm.weight"),
@@ -39,12 +40,16 @@ _MLA_DSA_ATTENTION = [
     _r("self_attn.q_b_proj.weight", q=True),
     _r("self_attn.kv_b_proj.weight", q=True),
     _r("self_attn.o_proj.weight", q=True),
-    _r("self_attn.indexer.wq_b.weight", q=True),
-    _r("self_attn.indexer.wk_weights_proj.weight", "self_attn.indexer.wk.weight",
-       "self_attn.indexer.weights_proj.weight"),
-    _r("self_attn.indexer.k_norm.weight"),
-    _r("self_attn.indexer.k_norm.bias"),
 ]  # fmt: skip
+INDEXER_PREFIX = "self_attn.indexer."
+_INDEXER = [
+    _r("self_attn.indexer.wq_b.weight", q=True, group="indexer"),
+    _r("self_attn.indexer.wk_weights_proj.weight", "self_attn.indexer.wk.weight",
+       "self_attn.indexer.weights_proj.weight", group="indexer"),
+    _r("self_attn.indexer.k_norm.weight", group="indexer"),
+    _r("self_attn.indexer.k_norm.bias", group="indexer"),
+]  # fmt: skip
+_MLA_DSA_ATTENTION = _MLA_ATTENTION + _INDEXER
 _GQA_ATTENTION = [
     _r("self_attn.qkv_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
        "self_attn.v_proj.weight", q=True),
@@ -75,18 +80,35 @@ MTP_RULES = [_r("enorm.weight"), _r("hnorm.weight"), _r("eh_proj.weight"), _r("s
 REST_RULES = [_r("model.embed_tokens.weight"), _r("model.norm.weight"), _r("lm_head.weight")]
 REST = -1  # the layer index the non-layer tensors travel under (their names carry no prefix)
 
+# Qwen3-MoE: no shared experts and no routing bias (vLLM 0.34 qwen3_moe.py::Qwen3MoeSparseMoeBlock).
+_QWEN3_MOE_MLP = [
+    _r("mlp.gate.weight", "mlp.router.gate.weight"),
+    _r("mlp.experts.w13_weight", "mlp.experts.w1", "mlp.experts.w3", q=True),
+    _r("mlp.experts.w2_weight", "mlp.experts.w2", q=True),
+]  # fmt: skip
+
 FAMILIES: dict[str, tuple[list[Rule], list[Rule], list[Rule]]] = {
     # model_type: (attention + norms, dense MLP, sparse MLP)
     "glm_moe_dsa": (_NORMS + _MLA_DSA_ATTENTION, _DENSE_MLP, _MOE_MLP),
+    "deepseek_v32": (_NORMS + _MLA_DSA_ATTENTION, _DENSE_MLP, _MOE_MLP),
+    "deepseek_v3": (_NORMS + _MLA_ATTENTION, _DENSE_MLP, _MOE_MLP),
+    "kimi_k2": (_NORMS + _MLA_ATTENTION, _DENSE_MLP, _MOE_MLP),
     "glm4_moe": (_NORMS + _GQA_ATTENTION, _DENSE_MLP, _MOE_MLP),
+    "qwen3_moe": (_NORMS + _GQA_ATTENTION, _DENSE_MLP, _QWEN3_MOE_MLP),
 }
+# Families whose layers carry a DSA indexer (unless the config's schedule shares it).
+INDEXER_FAMILIES = frozenset({"glm_moe_dsa", "deepseek_v32"})
 
 
-def _glm_moe_dsa_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
+def _mla_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tuple[int, ...]]:
+    """MLA with a q LoRA (GLM-5, DeepSeek-V3 / V3.2, Kimi-K2), plus the DSA indexer when the
+    family has one and ``indexer`` (False: an IndexShare "shared" layer)."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    ql, kvl = c["q_lora_rank"], c["kv_lora_rank"]
-    ih, idim = c["index_n_heads"], c["index_head_dim"]
+    ql, kvl = c.get("q_lora_rank"), c["kv_lora_rank"]
+    if ql is None:
+        raise ValueError("config.q_lora_rank: MLA without a q LoRA (q_proj, e.g. DeepSeek-V2-Lite) is not "
+                         "supported; expected an int")  # fmt: skip
     shapes = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
@@ -97,16 +119,22 @@ def _glm_moe_dsa_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
         "self_attn.q_b_proj.weight": (heads * (nope + rope), ql),
         "self_attn.kv_b_proj.weight": (heads * (nope + v), kvl),
         "self_attn.o_proj.weight": (h, heads * v),
-        "self_attn.indexer.wq_b.weight": (ih * idim, ql),
-        "self_attn.indexer.wk.weight": (idim, h),
-        "self_attn.indexer.weights_proj.weight": (ih, h),
-        "self_attn.indexer.k_norm.weight": (idim,),
-        "self_attn.indexer.k_norm.bias": (idim,),
     }
+    if indexer and c.get("model_type") in INDEXER_FAMILIES:
+        ih, idim = c["index_n_heads"], c["index_head_dim"]
+        shapes.update({
+            "self_attn.indexer.wq_b.weight": (ih * idim, ql),
+            "self_attn.indexer.wk.weight": (idim, h),
+            "self_attn.indexer.weights_proj.weight": (ih, h),
+            "self_attn.indexer.k_norm.weight": (idim,),
+            "self_attn.indexer.k_norm.bias": (idim,),
+        })  # fmt: skip
     return {**shapes, **_mlp_shapes(c, sparse)}
 
 
-def _glm4_moe_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
+def _gqa_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tuple[int, ...]]:
+    """GQA (GLM-4.5, Qwen3-MoE): q/k/v/o, the bias with ``attention_bias``, q/k norms with
+    ``use_qk_norm`` (always for Qwen3-MoE)."""
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or h // heads
     shapes = {
@@ -120,7 +148,7 @@ def _glm4_moe_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
     if c.get("attention_bias", False):
         shapes.update({"self_attn.q_proj.bias": (heads * hd,), "self_attn.k_proj.bias": (kv * hd,),
                        "self_attn.v_proj.bias": (kv * hd,)})  # fmt: skip
-    if c.get("use_qk_norm", False):
+    if c.get("use_qk_norm", False) or c.get("model_type") == "qwen3_moe":
         shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     return {**shapes, **_mlp_shapes(c, sparse)}
 
@@ -131,7 +159,12 @@ def _mlp_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
         inter = c["intermediate_size"]
         return {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
                 "mlp.down_proj.weight": (h, inter)}  # fmt: skip
-    e, i = c["n_routed_experts"], c["moe_intermediate_size"]
+    i = c["moe_intermediate_size"]
+    if c.get("model_type") == "qwen3_moe":
+        e = c["num_experts"]
+        return {"mlp.router.gate.weight": (e, h), "mlp.experts.w1": (e, i, h), "mlp.experts.w3": (e, i, h),
+                "mlp.experts.w2": (e, h, i)}  # fmt: skip
+    e = c["n_routed_experts"]
     si = i * c.get("n_shared_experts", 1)
     return {
         "mlp.router.gate.weight": (e, h),
@@ -145,9 +178,14 @@ def _mlp_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
     }
 
 
-SHAPES: dict[str, Callable[[Mapping, bool], dict[str, tuple[int, ...]]]] = {
-    "glm_moe_dsa": _glm_moe_dsa_shapes,
-    "glm4_moe": _glm4_moe_shapes,
+# (config, sparse, indexer) -> trainer shapes; ``indexer`` matters only for INDEXER_FAMILIES.
+SHAPES: dict[str, Callable[..., dict[str, tuple[int, ...]]]] = {
+    "glm_moe_dsa": _mla_shapes,
+    "deepseek_v32": _mla_shapes,
+    "deepseek_v3": _mla_shapes,
+    "kimi_k2": _mla_shapes,
+    "glm4_moe": _gqa_shapes,
+    "qwen3_moe": _gqa_shapes,
 }
 
 # Embedded configs (the fields the plans read), so `glm-fp8 plan` needs no download.
@@ -165,6 +203,51 @@ PRESETS: dict[str, dict] = {
         "first_k_dense_replace": 3, "n_routed_experts": 160, "moe_intermediate_size": 1536,
         "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 96,
         "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True, "use_qk_norm": True,
+    },
+    # zai-org/GLM-5.2 config.json (https://huggingface.co/zai-org/GLM-5.2/raw/main/config.json, as
+    # recorded in public test fixtures; retrieved 2026-06-17 by them): GLM-5's widths, IndexShare with a
+    # full indexer in layers 0-2 and every 4th layer from 6 (21 full, 57 shared; vLLM's offset rule
+    # with index_topk_freq 4, index_skip_topk_offset 3 gives the same), max_position_embeddings 1048576.
+    "glm-5.2": {
+        "model_type": "glm_moe_dsa", "hidden_size": 6144, "num_hidden_layers": 78,
+        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+        "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 64,
+        "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
+        "index_topk": 2048, "index_topk_freq": 4, "index_skip_topk_offset": 3, "index_topk_pattern": None,
+        "indexer_types": ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],
+        "vocab_size": 154880, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    },
+    "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 config.json (DeepseekV3ForCausalLM)
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+        "n_shared_experts": 1, "intermediate_size": 18432, "num_attention_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 129280, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+    },
+    "deepseek-v3.2": {  # deepseek-ai/DeepSeek-V3.2 config.json (DeepseekV32ForCausalLM): V3 + the indexer
+        "model_type": "deepseek_v32", "hidden_size": 7168, "num_hidden_layers": 61,
+        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+        "n_shared_experts": 1, "intermediate_size": 18432, "num_attention_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+        "vocab_size": 129280, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+    },
+    "kimi-k2": {  # moonshotai/Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM, model_type kimi_k2)
+        "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
+        "first_k_dense_replace": 1, "n_routed_experts": 384, "moe_intermediate_size": 2048,
+        "n_shared_experts": 1, "intermediate_size": 18432, "num_attention_heads": 64,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 163840, "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+    },
+    "qwen3-moe": {  # Qwen/Qwen3-235B-A22B config.json (Qwen3MoeForCausalLM)
+        "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_experts": 128,
+        "moe_intermediate_size": 1536, "intermediate_size": 12288, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "attention_bias": False, "vocab_size": 151936, "tie_word_embeddings": False,
     },
 }  # fmt: skip
 
@@ -194,6 +277,23 @@ SMALL_CONFIGS = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
     },
 }  # fmt: skip
+_SMALL_MLA = {
+    "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 3,
+    "moe_intermediate_size": 72, "intermediate_size": 150, "num_attention_heads": 2, "q_lora_rank": 130,
+    "kv_lora_rank": 70, "qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 40,
+}  # fmt: skip
+SMALL_CONFIGS.update({
+    # layers: 0 dense + indexer, 1 sparse without one (shared), 2 sparse + indexer
+    "glm-5.2": {**SMALL_CONFIGS["glm-5"], "index_topk": 64, "indexer_types": ["full", "shared", "full"]},
+    "deepseek-v3": {**PRESETS["deepseek-v3"], **_SMALL_MLA},
+    "deepseek-v3.2": {**PRESETS["deepseek-v3.2"], **_SMALL_MLA, "index_n_heads": 3, "index_head_dim": 24},
+    "kimi-k2": {**PRESETS["kimi-k2"], **_SMALL_MLA, "n_routed_experts": 5},
+    "qwen3-moe": {
+        **PRESETS["qwen3-moe"], "hidden_size": 200, "num_hidden_layers": 3, "num_experts": 3,
+        "moe_intermediate_size": 72, "intermediate_size": 150, "mlp_only_layers": [0],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
+    },
+})  # fmt: skip
 
 
 # GLM-5 shrunk so that every width vLLM shards is a multiple of 128 per rank at TP=2, EP=2 and
@@ -209,7 +309,8 @@ TINY_GLM5 = {
 
 
 def load_config(model: str | None = None, config_path: str | None = None) -> dict:
-    """A preset by name ("glm-5", "glm-4.5") or a Hugging Face config.json."""
+    """A preset by name (``PRESETS``: "glm-5", "glm-5.2", "glm-4.5", "deepseek-v3", ...) or a
+    Hugging Face config.json (``config_path``)."""
     if config_path:
         with open(config_path) as f:
             return json.load(f)
@@ -250,8 +351,103 @@ def rest_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
 
 
 def is_sparse_layer(config: Mapping, layer_idx: int) -> bool:
-    """The one dense-or-sparse rule: layers from ``first_k_dense_replace`` on hold experts."""
+    """The one dense-or-sparse rule: layers from ``first_k_dense_replace`` on hold experts;
+    Qwen3-MoE: vLLM's rule (``qwen3_moe.py::Qwen3MoeDecoderLayer``), a layer not in
+    ``mlp_only_layers`` with ``(layer_idx + 1) % decoder_sparse_step == 0``."""
+    if config.get("model_type") == "qwen3_moe":
+        step = config.get("decoder_sparse_step", 1) or 1
+        return layer_idx not in (config.get("mlp_only_layers") or ()) and (layer_idx + 1) % step == 0
     return layer_idx >= config.get("first_k_dense_replace", 0)
+
+
+# --- the DSA indexer schedule (IndexShare / IndexCache, docs/layouts.md#indexer-schedule) ------------
+
+
+def _prime_rl_skips_topk(config: Mapping, layer_idx: int) -> bool:
+    """prime-rl's trainer (``configuration_glm_moe_dsa.py::_index_cache_skip_topk``, with the
+    auto-enable of ``trainer/model.py``: a schedule in ``indexer_types`` with a "shared" entry
+    turns ``use_index_cache`` on). Precedence: ``index_topk_pattern``, then ``indexer_types``,
+    then ``layer_idx % index_topk_freq != 0`` (no offset). Nothing is skipped without
+    ``use_index_cache``."""
+    types = config.get("indexer_types")
+    if not (config.get("use_index_cache", False) or (types and "shared" in types)):
+        return False
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        return layer_idx < len(pattern) and pattern[layer_idx] == "S"
+    if types is not None:
+        return layer_idx < len(types) and types[layer_idx] == "shared"
+    return layer_idx % (config.get("index_topk_freq") or 1) != 0
+
+
+def _vllm_skip_topk_layers(config: Mapping) -> set[int]:
+    """vLLM 0.34's ``model_executor/models/utils.py::compute_skip_topk_layers`` (what
+    ``deepseek_v32/attention.py`` builds from on CUDA). Precedence: ``indexer_types`` (one entry
+    per layer, "full" or "shared"), then ``index_topk_pattern``, then
+    ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0`` (offset 2 by default);
+    ``use_index_cache`` is not read. vLLM applies it only when the config has ``index_topk``;
+    for the indexer families here it is applied whether the field is there or not."""
+    n = config["num_hidden_layers"]
+    types = config.get("indexer_types")
+    if types is not None:
+        if len(types) != n:
+            raise ValueError(f"config.indexer_types: expected one entry per hidden layer ({n}), "
+                             f"got {len(types)}")  # fmt: skip
+        bad = sorted(set(types) - {"full", "shared"})
+        if bad:
+            raise ValueError(f"config.indexer_types: only 'full' and 'shared' are allowed, got {bad}")
+        return {i for i, t in enumerate(types) if t == "shared"}
+    freq = config.get("index_topk_freq", 1)
+    if not isinstance(freq, int) or isinstance(freq, bool) or freq <= 0:
+        raise ValueError(f"config.index_topk_freq: expected a positive integer, got {freq!r}")
+    pattern = config.get("index_topk_pattern")
+    offset = config.get("index_skip_topk_offset", 2)
+    if pattern is not None:
+        return {i for i in range(min(n, len(pattern))) if pattern[i] == "S"}
+    return {i for i in range(n) if max(i - offset + 1, 0) % freq != 0}
+
+
+def skip_topk_layers(config: Mapping) -> frozenset[int]:
+    """Decoder layers built without a DSA indexer (IndexShare "shared" layers: they reuse the
+    top-k of the previous full layer and hold no ``self_attn.indexer.*`` tensors). Empty for
+    families without an indexer. The MTP layer (index ``num_hidden_layers``) always has one.
+
+    The trainer (prime-rl) and the engine (vLLM 0.34) read the schedule with different rules
+    (``_prime_rl_skips_topk``, ``_vllm_skip_topk_layers``); an update can only land when they agree,
+    so a config on which they disagree is refused here, naming the first layer that differs."""
+    if config.get("model_type") not in INDEXER_FAMILIES:
+        return frozenset()
+    engine = _vllm_skip_topk_layers(config)
+    for i in range(config["num_hidden_layers"]):
+        trainer = _prime_rl_skips_topk(config, i)
+        if trainer != (i in engine):
+            verdict = {True: "no indexer (shared)", False: "an indexer (full)"}
+            raise ValueError(
+                f"config: the indexer schedule is read differently by prime-rl and vLLM 0.34: layer {i} has "
+                f"{verdict[trainer]} for prime-rl (_index_cache_skip_topk: index_topk_pattern, then "
+                f"indexer_types, then i % index_topk_freq, only with use_index_cache) and "
+                f"{verdict[i in engine]} for vLLM (compute_skip_topk_layers: indexer_types, then "
+                "index_topk_pattern, then "
+                "max(i - index_skip_topk_offset + 1, 0) % index_topk_freq); give an explicit indexer_types "
+                "(docs/layouts.md#indexer-schedule)"
+            )
+    return frozenset(engine)
+
+
+def has_indexer(config: Mapping, layer_idx: int) -> bool:
+    """True when layer ``layer_idx`` carries ``self_attn.indexer.*`` (see ``skip_topk_layers``)."""
+    if config.get("model_type") not in INDEXER_FAMILIES:
+        return False
+    return layer_idx >= config["num_hidden_layers"] or layer_idx not in skip_topk_layers(config)
+
+
+def layer_kind(config: Mapping, layer_idx: int) -> str:
+    """The kind of layer ``layer_idx``, which decides its plan: "dense" or "sparse" (MLP), with
+    "/no-indexer" for a layer of an indexer family that the schedule shares."""
+    kind = "sparse" if is_sparse_layer(config, layer_idx) else "dense"
+    if config.get("model_type") in INDEXER_FAMILIES and not has_indexer(config, layer_idx):
+        kind += "/no-indexer"
+    return kind
 
 
 def layer_shapes(config: Mapping, layer_idx: int) -> dict[str, tuple[int, ...]]:
@@ -270,7 +466,7 @@ def layer_shapes(config: Mapping, layer_idx: int) -> dict[str, tuple[int, ...]]:
         raise ValueError(
             f"layer_idx: expected 0..{n - 1}{extra} or {REST} (the non-layer tensors), got {layer_idx}"
         )
-    shapes = SHAPES[model_type](config, is_sparse_layer(config, layer_idx))
+    shapes = SHAPES[model_type](config, is_sparse_layer(config, layer_idx), has_indexer(config, layer_idx))
     if layer_idx == mtp:
         h, v = config["hidden_size"], config["vocab_size"]
         shapes.update({"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
@@ -279,9 +475,15 @@ def layer_shapes(config: Mapping, layer_idx: int) -> dict[str, tuple[int, ...]]:
 
 
 def infer_model_type(names: set[str]) -> str:
+    """The rule set for a layer's tensors (short names): MLA layers plan as ``glm_moe_dsa`` (its
+    indexer entries are emitted only when the layer holds ``self_attn.indexer.*``, which covers
+    DeepSeek-V3 / V3.2 and Kimi-K2), GQA layers as ``glm4_moe``, or ``qwen3_moe`` when a sparse
+    layer has no shared expert."""
     if "self_attn.q_a_proj.weight" in names:
         return "glm_moe_dsa"
     if "self_attn.q_proj.weight" in names:
+        if "mlp.experts.w1" in names and "mlp.shared_expert.w1" not in names:
+            return "qwen3_moe"
         return "glm4_moe"
     raise ValueError(
         "state_dict: cannot tell the model family (no self_attn.q_a_proj.weight or "

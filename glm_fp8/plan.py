@@ -8,18 +8,21 @@ config.json) or inferred from one layer's state dict, and then reused for every 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from glm_fp8.models import (
     FAMILIES,
+    INDEXER_FAMILIES,
+    INDEXER_PREFIX,
     MTP_RULES,
     REST,
     REST_RULES,
+    has_indexer,
     infer_model_type,
-    is_sparse_layer,
+    layer_kind,
     layer_shapes,
     mtp_layer_index,
 )
@@ -71,7 +74,9 @@ class PlanEntry:
 class LayerPlan:
     """Every kernel-format entry of one layer, packed into one byte buffer of ``nbytes``."""
 
-    kind: str  # "dense", "sparse", "mtp" (a sparse layer and the MTP layer's own tensors) or "rest"
+    # "dense" or "sparse", + "/no-indexer" for an indexer family's shared layer (models.layer_kind);
+    # "mtp" (a sparse layer and the MTP layer's own tensors) or "rest" (the non-layer tensors)
+    kind: str
     target: str
     quantize: bool
     entries: tuple[PlanEntry, ...]
@@ -135,11 +140,16 @@ def build_plan(
     if target == "blackwell" and scale_fmt != "ue8m0":
         raise ValueError("scale_fmt: Blackwell's packed scales are ue8m0 only, got 'fp32'")
     attention, dense, sparse = FAMILIES[model_type]
+    indexer = False
     if any(r.out in inputs for r in REST_RULES):
         kind, rules = "rest", REST_RULES
     else:
         kind = "sparse" if "mlp.experts.w1" in inputs else "dense"
         rules = attention + (sparse if kind == "sparse" else dense)
+        # The indexer is all or nothing: an IndexShare "shared" layer holds none of its tensors.
+        indexer = any(k.startswith(INDEXER_PREFIX) for k in inputs)
+        if model_type in INDEXER_FAMILIES and not indexer:
+            kind += "/no-indexer"
         if "enorm.weight" in inputs:
             kind, rules = "mtp", rules + MTP_RULES
     entries: list[PlanEntry] = []
@@ -147,11 +157,13 @@ def build_plan(
     used: set[str] = set()
     for rule in rules:
         present = [s in inputs for s in rule.sources]
-        if rule.optional and not any(present):
+        if (rule.optional and not any(present)) or (rule.group == "indexer" and not indexer):
             continue
         for src, ok in zip(rule.sources, present):
             if not ok:
-                raise KeyError(f"{src}: missing from the layer (needed for {rule.out})")
+                hint = (f"; a layer holds every {INDEXER_PREFIX}* tensor or none (a shared IndexShare layer)"
+                        if rule.group == "indexer" else "")  # fmt: skip
+                raise KeyError(f"{src}: missing from the layer (needed for {rule.out}){hint}")
         used.update(rule.sources)
         shapes = [squeezed(tuple(inputs[s][0]), rule.squeeze) for s in rule.sources]
         rows = sum(s[-2] for s in shapes) if len(shapes[0]) >= 2 else sum(s[0] for s in shapes)
@@ -208,7 +220,8 @@ def plan_from_config(
     scale_fmt: str | None = None,
 ) -> LayerPlan:
     """Plan layer ``layer_idx`` of a model config (a decoder layer, the MTP layer or ``REST``);
-    passthrough entries take ``dtype``."""
+    passthrough entries take ``dtype``. The layer follows the config's indexer schedule
+    (``glm_fp8.models.skip_topk_layers``)."""
     shapes = layer_shapes(config, layer_idx)
     return build_plan(config["model_type"], {k: (s, dtype) for k, s in shapes.items()}, target=target,
                       quantize=quantize, scale_fmt=scale_fmt)  # fmt: skip
@@ -222,18 +235,38 @@ def plans_for_model(
     scale_fmt: str | None = None,
 ) -> list[LayerPlan]:
     """One plan per layer of ``layer_ids`` (default: every decoder layer; the MTP layer and
-    ``REST`` may be listed too), built once per kind of layer."""
+    ``REST`` may be listed too), built once per kind of layer (``glm_fp8.models.layer_kind``:
+    dense or sparse MLP, with or without an indexer)."""
     cache: dict[object, LayerPlan] = {}
     out = []
     mtp = mtp_layer_index(config)
     for i in range(config["num_hidden_layers"]) if layer_ids is None else layer_ids:
-        kind = i if i in (REST, mtp) else is_sparse_layer(config, i)
+        kind = i if i in (REST, mtp) else layer_kind(config, i)
         if kind not in cache:
             cache[kind] = plan_from_config(
                 config, i, target=target, quantize=mode == "fp8", scale_fmt=scale_fmt
             )
         out.append(cache[kind])
     return out
+
+
+def check_schedule(config: Mapping, layer_idx: int, names: Iterable[str]) -> None:
+    """Refuse a layer's tensors (short names) that disagree with the config's indexer schedule:
+    an ``self_attn.indexer.*`` tensor in a layer the schedule shares, or none in a full layer.
+    KeyError naming the layer's key."""
+    names = sorted(names)
+    if config.get("model_type") not in INDEXER_FAMILIES:
+        return
+    prefix = layer_prefix(layer_idx)
+    found = [k for k in names if k.startswith(INDEXER_PREFIX)]
+    if has_indexer(config, layer_idx):
+        if not found:
+            raise KeyError(f"{prefix}{INDEXER_PREFIX}wq_b.weight: missing; the config's indexer schedule "
+                           f"gives layer {layer_idx} an indexer (a full layer)")  # fmt: skip
+    elif found:
+        raise KeyError(f"{prefix}{found[0]}: unexpected; the config's indexer schedule makes layer "
+                       f"{layer_idx} a shared layer without an indexer (it reuses the previous full layer's "
+                       "top-k)")  # fmt: skip
 
 
 def plan_from_state_dict(

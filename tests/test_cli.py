@@ -115,8 +115,25 @@ def test_plan_glm5(capsys):
     assert main(["plan", "--model", "glm-5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("glm_moe_dsa: 78 layers")
-    assert re.search(r"^layer\s+entries\s+kernel-format GiB", out, re.M)
-    assert re.search(r"^dense\s+\d+", out, re.M) and re.search(r"^sparse\s+\d+", out, re.M)
+    assert re.search(r"^layer kind\s+layers\s+indices\s+entries\s+kernel-format GiB", out, re.M)
+    assert re.search(r"^dense\s+3\s+0-2\s", out, re.M) and re.search(r"^sparse\s+75\s+3-77\s", out, re.M)
+
+
+def test_plan_glm52_counts_layer_kinds(capsys, tmp_path):
+    """GLM-5.2's IndexShare schedule: 3 dense, 18 sparse with an indexer, 57 without; a layer
+    without an indexer has 5 entries fewer (wq_b, its scale, wk_weights_proj, k_norm weight, bias)."""
+    from glm_fp8.models import PRESETS
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PRESETS["glm-5.2"]))
+    for argv in (["plan", "--model", "glm-5.2"], ["plan", "--config", str(path)]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("glm_moe_dsa: 78 layers (3 dense, 57 sparse/no-indexer, 18 sparse)"), out
+        found = re.findall(r"^(\S+)\s+(\d+)\s+.*?\s(\d+)\s+[\d.]+\s", out, re.M)
+        rows = {m[0]: (int(m[1]), int(m[2])) for m in found}
+        assert rows["dense"][0] == 3 and rows["sparse"][0] == 18 and rows["sparse/no-indexer"][0] == 57
+        assert rows["sparse"][1] - rows["sparse/no-indexer"][1] == 5
 
 
 def test_plan_nodes(capsys):

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.engine.layout import MTP_OWN, EngineLayout, Shard, _Rules, split_name
-from glm_fp8.models import is_sparse_layer, mtp_layer_index
+from glm_fp8.models import layer_kind, mtp_layer_index, skip_topk_layers
 from glm_fp8.plan import layer_prefix, plan_from_config
 
 # Entries vLLM builds in float32 whatever the model dtype (docs/layouts.md#names-dtypes-shards-glm-5).
 _FLOAT32 = frozenset({"self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
                       "mlp.gate.e_score_correction_bias"})  # fmt: skip
 _FLOAT32_GLM4 = _FLOAT32 | {"mlp.gate.weight"}  # glm4_moe.py: GateLinear(params_dtype=torch.float32)
+# Families whose vLLM 0.34 modules the shard rules were read from (engine/layout.py).
+ENGINE_FAMILIES = frozenset({"glm_moe_dsa", "glm4_moe"})
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ def _check_config(config: Mapping) -> None:
     if config.get("tie_word_embeddings", False):
         raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
                          "its own ParallelLMHead in vLLM 0.34)")  # fmt: skip
+    if config["model_type"] not in ENGINE_FAMILIES:
+        raise ValueError(f"config.model_type: the engine's parameters are modelled for "
+                         f"{sorted(ENGINE_FAMILIES)} only (docs/layouts.md#engine-side-vllm-034), got "
+                         f"{config['model_type']!r}")  # fmt: skip
     if config.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"config.moe_layer_freq: only 1 is supported, got {config['moe_layer_freq']!r}")
     if config["model_type"] == "glm_moe_dsa":
@@ -91,27 +97,7 @@ def _check_config(config: Mapping) -> None:
                 "config.topk_method: vLLM builds mlp.gate.e_score_correction_bias only for 'noaux_tc', "
                 f"which glm_fp8's plans assume; got {config['topk_method']!r}"
             )
-        if _skip_topk_layers(config):
-            raise ValueError("config: layers without an indexer (indexer_types / index_topk_freq / "
-                             "index_topk_pattern, docs/layouts.md#names-dtypes-shards-glm-5) are not "
-                             "supported yet")  # fmt: skip
-
-
-def _skip_topk_layers(config: Mapping) -> set[int]:
-    """vLLM's ``compute_skip_topk_layers`` (model_executor/models/utils.py): layers built without
-    an indexer."""
-    if "index_topk" not in config:
-        return set()
-    n = config["num_hidden_layers"]
-    types = config.get("indexer_types")
-    if types is not None:
-        return {i for i, t in enumerate(types) if t == "shared"}
-    freq = config.get("index_topk_freq", 1)
-    pattern = config.get("index_topk_pattern")
-    offset = config.get("index_skip_topk_offset", 2)
-    if pattern is not None:
-        return {i for i in range(min(n, len(pattern))) if pattern[i] == "S"}
-    return {i for i in range(n) if max(i - offset + 1, 0) % freq != 0}
+    skip_topk_layers(config)  # the indexer schedule: refused when it is invalid or read two ways
 
 
 def engine_params(
@@ -136,10 +122,11 @@ def engine_params(
         out[name] = EngineParam(name, kernel, full, shard.shape(full), dt, shard)
 
     h, v = config["hidden_size"], config["vocab_size"]
-    plans: dict[object, list[tuple[str, tuple[int, ...]]]] = {}
+    plans: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
 
     def layer(i: int) -> None:
-        kind = "mtp" if i == mtp else is_sparse_layer(config, i)
+        # dense / sparse, with or without an indexer (the schedule's), or the MTP layer
+        kind = "mtp" if i == mtp else layer_kind(config, i)
         if kind not in plans:
             plan = plan_from_config(config, i, dtype=dtype, quantize=quantize)
             plans[kind] = [(e.name, tuple(e.shape)) for e in plan.entries]

@@ -8,21 +8,32 @@ from collections.abc import Mapping
 import torch
 
 from glm_fp8.convert import convert_layer
-from glm_fp8.plan import LayerPlan, plan_from_state_dict, strip_layer
+from glm_fp8.plan import LayerPlan, check_schedule, plan_from_state_dict, strip_layer
 
 _PLANS: dict[tuple, LayerPlan] = {}
 
 
 def convert_tt_layer_to_vllm_kernel(
-    state_dict: Mapping[str, torch.Tensor], layer_idx: int, quantize_fp8: bool = True
+    state_dict: Mapping[str, torch.Tensor],
+    layer_idx: int,
+    quantize_fp8: bool = True,
+    *,
+    config: Mapping | None = None,
 ) -> OrderedDict[str, torch.Tensor]:
     """prime-rl's signature: one trainer layer in kernel format, as views into one buffer.
 
     Same names, order, shapes, dtypes and bits as "torch.cat, then the reference quantizer"
     (``glm_fp8.reference.convert_layer_ref``). Plans are cached per layer shape. The buffer is
     allocated per call; use ``glm_fp8.convert.convert_layer(..., out=slot)`` to reuse one.
+
+    The layer's entries follow its tensors: a layer without ``self_attn.indexer.*`` (an
+    IndexShare "shared" layer) gets no indexer entries. Given the model ``config`` (a Hugging
+    Face config as a mapping), a layer whose indexer disagrees with the config's schedule is
+    refused (KeyError naming the layer's key) before anything is written.
     """
     layer = strip_layer(state_dict, layer_idx)
+    if config is not None:
+        check_schedule(config, layer_idx, layer)
     key = (quantize_fp8, tuple(sorted((k, tuple(t.shape), t.dtype) for k, t in layer.items())))
     plan = _PLANS.get(key)
     if plan is None:
