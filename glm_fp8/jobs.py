@@ -136,7 +136,10 @@ def nonfinite_flag(device: torch.device) -> torch.Tensor:
     flags = _flags.__dict__.setdefault("by_device", {})
     flag = flags.get(device)
     if flag is None:
-        flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        # A normal tensor even when the first call runs under torch.inference_mode(): an inference
+        # tensor could not be reset by a later call outside it (seen on the H200).
+        with torch.inference_mode(False):
+            flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return flag
 
 

@@ -389,3 +389,30 @@ def test_launch_config_range_edges_are_accepted(device):
     w1 = torch.randn(1, 4, 4, device=device)
     with pytest.raises(TypeError, match="^config: expected a LaunchConfig or None, got dict$"):
         quantize_experts(w1, w1, w1, config={"num_warps": 4})
+
+
+def test_a_first_call_under_inference_mode_leaves_later_calls_working(device):
+    """The finite check's flag is kept per thread and device: when a thread's first call runs
+    under torch.inference_mode(), later calls outside it must still reset the flag (it once was
+    an inference tensor, and every later call raised)."""
+    import threading
+
+    x = torch.randn(130, 140, device=device)
+    q_ref, s_ref = quantize_concat_ref([x])
+    results = []
+
+    def thread():
+        try:
+            with torch.inference_mode():
+                quantize_blockwise(x, backend="torch")
+            got_q, got_s = quantize_blockwise(x, backend="torch")
+            results.append(
+                torch.equal(got_q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got_s, s_ref)
+            )
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results.append(exc)
+
+    t = threading.Thread(target=thread)  # a fresh thread: its flag is allocated by the first call
+    t.start()
+    t.join(timeout=60)
+    assert results == [True], results

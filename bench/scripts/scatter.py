@@ -59,7 +59,7 @@ def main() -> None:
     buf = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
     packs = [shard_pack(plan, idx, config, lay) for lay in layouts]
     classes = scatter_classes(packs)
-    regions_nbytes = sum(packs[c[0]].nbytes for c in classes)
+    regions_nbytes = sum(-(-packs[c[0]].nbytes // 256) * 256 for c in classes)  # each region 256-aligned
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     packed = torch.empty(regions_nbytes, dtype=torch.uint8, device="cuda")
