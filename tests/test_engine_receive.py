@@ -69,7 +69,18 @@ def _rank(rank, world, case, fault, scale_fmt, scatter=False):
     layout = _layouts(case, world)[rank - 1]
     params = _params(EngineLayout() if case == "tp4" else layout, fault if rank == 1 else None)
     try:
-        Receiver(None, 0, layout=layout, **kw).load_into(params)
+        receiver = Receiver(None, 0, layout=layout, **kw)
+        if scatter:  # its ring holds its own largest region, not a layer
+            mine = [
+                s.packs[s.classes.index(next(c for c in s.classes if rank in c))]
+                for s in receiver.scatter.layers
+            ]
+            assert (
+                receiver.ring.slots[0].numel()
+                == max(p.nbytes for p in mine)
+                < max(p.nbytes for p in receiver.plans)
+            )
+        receiver.load_into(params)
     except BaseException:
         assert all(bool((_as_bytes(p) == FILL).all()) for p in params.values())  # nothing written
         raise
