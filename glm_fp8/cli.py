@@ -123,6 +123,11 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from glm_fp8.plan import plan_from_config
 
     config = _load_config(args, parser)
+    if args.trainer_gpus:
+        timing = _update_time(args, config, parser)
+        if args.json:
+            print(json.dumps(timing, indent=1))
+            return 0
     engine_table = _engine_bytes_table(args, config, parser) if args.engine_tp else None  # checked first
     gib = 2**30
     plans: dict = {}  # layer kind -> (plan, layer indices), in order of first appearance
@@ -165,6 +170,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(tabulate(table, head))
     if engine_table:
         print(engine_table)
+    if args.trainer_gpus:
+        _print_update_time(args, timing)
     if args.entries:
         for kind, (plan, _) in plans.items():
             print(f"\n{kind} layer entries:")
@@ -172,6 +179,37 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      for e in plan.entries]  # fmt: skip
             print(tabulate(table, ["name", "dtype", "shape", "offset", "bytes"]))
     return 0
+
+
+def _update_time(args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser) -> list[dict]:
+    from glm_fp8.update_time import Fleet, predict, predictions_json
+
+    fleet = Fleet(args.trainer_gpus, args.engines, args.engine_tp or 8, args.engine_dp, args.engine_ep,
+                  args.link_gbps, not args.experts_split)  # fmt: skip
+    try:
+        return predictions_json(predict(config, fleet, scale_fmt=args.scale_fmt))
+    except (KeyError, ValueError) as e:
+        parser.error(f"argument --trainer-gpus: {e}")
+
+
+def _print_update_time(args: argparse.Namespace, timing: list[dict]) -> None:
+    from tabulate import tabulate
+
+    from glm_fp8.update_time import CONVERT_SECONDS_PER_BYTE, PIPELINE_FACTOR
+
+    gib = 2**30
+    tp, dp = args.engine_tp or 8, args.engine_dp
+    print(f"\npredicted whole-model update: {args.trainer_gpus} trainer GPUs -> {args.engines} engine(s) of "
+          f"TP {tp} x DP {dp}{' EP' if args.engine_ep else ''}, {args.link_gbps:g} Gb/s per GPU "
+          f"(model: glm_fp8.update_time; pipeline factor {PIPELINE_FACTOR}, conversion "
+          f"{1 / CONVERT_SECONDS_PER_BYTE / 1e12:.2f} TB/s, both measured on the H200):")  # fmt: skip
+    rows = [[p["strategy"], p["senders"], f"{p['sent'] / gib:.1f}", f"{p['received'] / gib:.1f}",
+             f"{p['gathered'] / gib:.1f}", f"{p['seconds']:.2f}", f"{p['sender_peak'] / gib:.1f}"]
+            for p in timing]  # fmt: skip
+    print(tabulate(rows, ["strategy", "senders", "sent GiB (busiest)", "received GiB (busiest engine rank)",
+                          "gathered GiB (busiest sender)", "predicted s", "sender peak GiB"]))  # fmt: skip
+    for p in timing:
+        print(f"  {p['strategy']}: {p['arithmetic']}")
 
 
 def _engine_bytes_table(args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser) -> str:
@@ -298,6 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-dp", type=positive_int, default=1, help="vLLM data-parallel size")
     p.add_argument("--engine-ep", action="store_true", help="vLLM --enable-expert-parallel")
     p.add_argument("--scale-fmt", choices=["fp32", "ue8m0"], help="block-scale format (ue8m0: DeepGEMM)")
+    p.add_argument(
+        "--trainer-gpus", type=positive_int,
+        help="also predict the time of a whole-model update per strategy (glm_fp8.update_time) into "
+        "--engines replicas of the --engine-* layout",
+    )  # fmt: skip
+    p.add_argument("--engines", type=positive_int, default=1, help="engine replicas (with --trainer-gpus)")
+    p.add_argument("--link-gbps", type=positive_float, default=400.0, help="link per GPU, Gb/s")
+    p.add_argument(
+        "--experts-split",
+        action="store_true",
+        help="the trainer's shards split experts (not Shard(0) on the expert dim): gather them too",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="with --trainer-gpus: print the prediction as JSON only"
+    )
     p.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     # Checks that need runtime knowledge (presets, files, cases, backends) report through the subparser.

@@ -26,6 +26,7 @@ LAYERS = [
     ["transfer.gather"],
     ["transfer.sender", "transfer.receiver"],
     ["transfer", "engine", "integrations", "integrations.prime_rl", "integrations.vllm", "testing"],
+    ["update_time"],
     ["bench", "demo"],
     ["cli", "__init__"],
 ]

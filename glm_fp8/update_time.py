@@ -1,0 +1,194 @@
+"""The update-time model behind ``glm-fp8 plan --trainer-gpus``: for each way of moving one
+whole-model update (every layer, the MTP layer, embeddings, final norm, lm_head) from the
+trainer to a fleet of vLLM engines, the bytes the busiest rank sends, receives and gathers, the
+predicted time and a sender's transient memory.
+
+The model (docs/update_time.md says why each term is there):
+
+- Every GPU has one full-duplex link of ``link_gbps``; NCCL's pipelined broadcast carries each
+  byte over each link once, so a broadcast to many ranks costs its root what a send to one does.
+  Ranks that hold the same shard (engine replicas, data-parallel ranks) share one broadcast.
+- Layers are pipelined (convert layer i+1 while layer i is on the wire), so an update takes the
+  busiest rank's bytes over its link, times ``PIPELINE_FACTOR``, plus the pipeline's fill: one
+  layer's conversion.
+- Gathers over the trainer's links (FSDP shards to the rank that converts) are bf16 and overlap
+  with sending (the other direction of a full-duplex link), so they count as the rank's
+  incoming bytes.
+
+What it does not model: latency per message (votes, headers; a few hundred per update), link
+contention inside a node, stragglers, and the engines' post-load steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.engine.pack import scatter_classes, shard_pack
+from glm_fp8.models import REST, model_layer_ids
+from glm_fp8.plan import LayerPlan, plans_for_model
+
+# Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-03):
+# total / max(convert, link) of the pipelined sender, 6 GLM-5 sparse layers, checksum on.
+PIPELINE_FACTOR = 1.04
+# One GLM-5 sparse layer (9.20 GiB of kernel format) converted from bf16 in 8.26 ms.
+CONVERT_SECONDS_PER_BYTE = 8.26e-3 / (9.20 * 2**30)
+STRATEGIES = ("bf16 broadcast", "fp8 broadcast", "fp8 scatter", "fp8 many senders")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Trainer GPUs, engine replicas and their vLLM layout, and the link of each GPU.
+
+    ``experts_whole``: the trainer's shards hold whole experts (FSDP2 or expert parallel,
+    ``Shard(0)`` on the expert dim), so each rank can quantize and send its own experts; else
+    the expert stacks are gathered like every other tensor.
+    """
+
+    trainer_gpus: int
+    engines: int = 1
+    engine_tp: int = 8
+    engine_dp: int = 1
+    engine_ep: bool = False
+    link_gbps: float = 400.0
+    experts_whole: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("trainer_gpus", "engines", "engine_tp", "engine_dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Fleet.{name}: expected an int >= 1, got {value!r}")
+        if not self.link_gbps > 0:
+            raise ValueError(f"Fleet.link_gbps: expected > 0, got {self.link_gbps!r}")
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * 1e9 / 8
+
+    def layouts(self) -> list[EngineLayout]:
+        """One engine's ranks (every replica has the same)."""
+        tp, dp = self.engine_tp, self.engine_dp
+        return [EngineLayout.from_vllm(tp, r % tp, dp, r // tp, enable_expert_parallel=self.engine_ep)
+                for r in range(tp * dp)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One strategy: bytes of the busiest sender (out), engine rank (in) and sender (gathered
+    in), the predicted seconds of a whole update, and a sender's peak transient bytes above
+    its resident shards."""
+
+    strategy: str
+    senders: int
+    sent: int
+    received: int
+    gathered: int
+    seconds: float
+    sender_peak: int
+    arithmetic: str
+
+
+def _whole(config: Mapping, mode: str, scale_fmt: str | None) -> tuple[list[int], list[LayerPlan]]:
+    ids = [*model_layer_ids(config), REST]
+    return ids, plans_for_model(config, mode, layer_ids=ids, scale_fmt=scale_fmt)
+
+
+def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
+    bw = fleet.link_bytes_per_s
+    t = PIPELINE_FACTOR * busiest / bw + CONVERT_SECONDS_PER_BYTE * fill_bytes
+    text = (f"{PIPELINE_FACTOR} x {busiest / 1e9:.1f} GB / {bw / 1e9:.1f} GB/s + fill "
+            f"{CONVERT_SECONDS_PER_BYTE * fill_bytes * 1e3:.1f} ms = {t:.2f} s")  # fmt: skip
+    return t, text
+
+
+def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> list[Prediction]:
+    """The four strategies of ``STRATEGIES`` for a whole-model update of ``config`` into
+    ``fleet`` (see the module docstring for the model). Raises ValueError where vLLM would refuse
+    the engine layout."""
+    t_gpus = fleet.trainer_gpus
+    gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
+    out = []
+    bf16 = torch.bfloat16
+
+    # One sender converts everything after gathering it; every engine rank receives everything.
+    # fp8 with whole experts: each rank quantizes its experts and only fp8 travels to the sender
+    # (gather="quantize_then_gather", what "auto" picks).
+    for strategy, mode in (("bf16 broadcast", "bf16"), ("fp8 broadcast", "fp8")):
+        ids, plans = _whole(config, mode, scale_fmt)
+        total = sum(p.nbytes for p in plans)
+        gathered = gather(_sender_inputs(plans, mode == "fp8" and fleet.experts_whole))
+        biggest = max(plans, key=lambda p: p.nbytes)
+        peak = biggest.input_bytes(bf16) + 2 * biggest.nbytes  # gathered layer + ring of 2
+        t, text = _time(fleet, max(total, gathered), biggest.nbytes if mode == "fp8" else 0)
+        out.append(Prediction(strategy, 1, total, total, gathered, t, peak, text))
+
+    # fp8 with engine layouts: each distinct region once per layer (replicas share a broadcast).
+    ids, plans = _whole(config, "fp8", scale_fmt)
+    layouts = fleet.layouts()
+    regions = expert = 0  # bytes of every distinct region, and their routed-expert part
+    per_rank = [0] * len(layouts)
+    layer_regions = []
+    cache: dict[int, tuple[list, list]] = {}
+    for plan, idx in zip(plans, ids):
+        if id(plan) not in cache:
+            packs = [shard_pack(plan, idx, config, lay) for lay in layouts]
+            cache[id(plan)] = (packs, scatter_classes(packs))
+        packs, classes = cache[id(plan)]
+        distinct = [packs[c[0]] for c in classes]
+        layer_regions.append(sum(p.nbytes for p in distinct))
+        regions += layer_regions[-1]
+        expert += sum(pc.nbytes for p in distinct for pc in p.pieces if ".mlp.experts." in pc.name)
+        for r, p in enumerate(packs):
+            per_rank[r] += p.nbytes
+    inputs = sum(p.input_bytes(bf16) for p in plans)
+    expert_inputs = sum(
+        bf16.itemsize * math.prod(shape)
+        for p in plans
+        for name, (shape, _) in p.inputs.items()
+        if name.startswith("mlp.experts.")
+    )
+    received = max(per_rank)
+    biggest = max(range(len(plans)), key=lambda k: plans[k].nbytes)
+
+    sent = regions
+    gathered = gather(_sender_inputs(plans, fleet.experts_whole))
+    t, text = _time(fleet, max(sent, received, gathered), plans[biggest].nbytes)
+    peak = plans[biggest].input_bytes(bf16) + 2 * plans[biggest].nbytes + 2 * max(layer_regions)
+    out.append(Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text))
+
+    # Many senders: each trainer rank sends 1/T of the distinct regions; with whole experts
+    # it quantizes its own experts (no gather), the rest is gathered to whichever rank sends it.
+    sent = -(-regions // t_gpus)
+    gathered = gather(inputs - expert_inputs if fleet.experts_whole else inputs) // t_gpus
+    busiest = max(sent, received, gathered)
+    fill = -(-plans[biggest].nbytes // t_gpus)
+    t, text = _time(fleet, busiest, fill)
+    layer_share = -(-max(layer_regions) // t_gpus)
+    peak = -(-plans[biggest].input_bytes(bf16) // t_gpus) + 2 * layer_share
+    out.append(Prediction("fp8 many senders", t_gpus, sent, received, gathered, t, peak, text))
+    return out
+
+
+def _sender_inputs(plans: list[LayerPlan], fp8_experts: bool) -> int:
+    """Bytes one sender collects for ``plans``: bf16 inputs, or for the routed experts their fp8
+    bytes and scales when every rank quantizes its own (``fp8_experts``)."""
+    total = 0
+    for p in plans:
+        for name, (shape, _) in p.inputs.items():
+            if not (fp8_experts and name.startswith("mlp.experts.")):
+                total += torch.bfloat16.itemsize * math.prod(shape)
+        if fp8_experts:
+            total += sum(e.nbytes for e in p.entries if e.name.startswith("mlp.experts."))
+    return total
+
+
+def predictions_json(preds: list[Prediction]) -> list[dict]:
+    return [asdict(p) for p in preds]
+
+
+__all__ = ["CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "STRATEGIES", "Fleet", "Prediction", "predict",
+           "predictions_json"]  # fmt: skip

@@ -1,0 +1,82 @@
+"""The update-time model: its figures follow from the plans' bytes and its two measured
+constants, exactly as its arithmetic line states, and the issue's target case holds.
+
+Invariant: for every strategy, ``seconds == PIPELINE_FACTOR * max(sent, received, gathered) /
+link + CONVERT_SECONDS_PER_BYTE * fill``, and the bytes are those of the plans (a whole-model
+fp8 update of GLM-5 is 706.06 GiB; an engine rank at EP=8 receives 90.28 GiB of it).
+"""
+
+import json
+import re
+
+import pytest
+
+from glm_fp8.cli import main
+from glm_fp8.engine import EngineLayout
+from glm_fp8.engine.pack import update_bytes
+from glm_fp8.models import PRESETS
+from glm_fp8.update_time import PIPELINE_FACTOR, STRATEGIES, Fleet, predict
+
+GLM5 = PRESETS["glm-5"]
+GIB = 2**30
+
+
+def test_glm5_into_four_ep8_engines_from_32_trainer_gpus():
+    """The target: a whole GLM-5 fp8 update into 4 engines of 8 H200 (EP=8) from 32 trainer
+    H200 at 400 Gb/s per GPU, predicted at most 3 s with many senders."""
+    fleet = Fleet(trainer_gpus=32, engines=4, engine_tp=8, engine_ep=True, link_gbps=400)
+    preds = {p.strategy: p for p in predict(GLM5, fleet)}
+    assert tuple(preds) == STRATEGIES
+    layouts = [EngineLayout.from_vllm(8, r, enable_expert_parallel=True) for r in range(8)]
+    full, per_rank = update_bytes(GLM5, layouts)
+    assert preds["fp8 broadcast"].sent == full and round(full / GIB, 2) == 706.06
+    for name in ("fp8 scatter", "fp8 many senders"):
+        assert preds[name].received == max(per_rank) and round(max(per_rank) / GIB, 2) == 90.28
+    many = preds["fp8 many senders"]
+    assert many.senders == 32 and many.seconds <= 3.0
+    # bound by the engine ranks' links: 90.28 GiB at 50 GB/s, times the pipeline factor
+    assert many.seconds == pytest.approx(PIPELINE_FACTOR * max(per_rank) / 50e9, rel=1e-3)
+    assert preds["bf16 broadcast"].sent > 1.9 * full  # twice the bytes (plus bf16 passthrough alike)
+    assert preds["bf16 broadcast"].seconds > 10 * many.seconds
+
+
+def test_every_figure_is_its_arithmetic():
+    fleet = Fleet(trainer_gpus=16, engines=2, engine_tp=4, engine_dp=2, engine_ep=True, link_gbps=200)
+    for p in predict(GLM5, fleet):
+        busiest, bw, fill_ms, total = map(float, re.fullmatch(
+            r"[\d.]+ x ([\d.]+) GB / ([\d.]+) GB/s \+ fill ([\d.]+) ms = ([\d.]+) s", p.arithmetic
+        ).groups())  # fmt: skip
+        assert bw == 25.0
+        assert busiest == pytest.approx(max(p.sent, p.received, p.gathered) / 1e9, abs=0.05)
+        assert p.seconds == pytest.approx(PIPELINE_FACTOR * busiest / bw + fill_ms / 1e3, abs=0.01)
+        assert round(p.seconds, 2) == total
+
+
+def test_more_senders_and_faster_links_never_predict_longer():
+    times = [
+        {p.strategy: p.seconds for p in predict(GLM5, Fleet(trainer_gpus=t, engine_ep=True, link_gbps=g))}
+        for t, g in ((8, 400), (32, 400), (32, 800))
+    ]
+    assert times[1]["fp8 many senders"] <= times[0]["fp8 many senders"]
+    assert all(times[2][s] < times[1][s] for s in STRATEGIES)
+    # whole experts: no expert bytes are gathered; split experts gather them in bf16
+    whole = predict(GLM5, Fleet(trainer_gpus=32, engine_ep=True))[-1]
+    split = predict(GLM5, Fleet(trainer_gpus=32, engine_ep=True, experts_whole=False))[-1]
+    assert split.gathered > 10 * whole.gathered
+
+
+@pytest.mark.parametrize("field, value", [("trainer_gpus", 0), ("engines", 1.5), ("link_gbps", 0.0)])
+def test_bad_fleet_is_refused(field, value):
+    with pytest.raises(ValueError, match=f"Fleet.{field}: expected"):
+        Fleet(**{"trainer_gpus": 8, field: value})
+
+
+def test_cli_prints_the_table_and_the_json(capsys):
+    argv = ["plan", "--trainer-gpus", "32", "--engines", "4", "--engine-tp", "8", "--engine-ep"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predicted whole-model update: 32 trainer GPUs -> 4 engine(s) of TP 8 x DP 1 EP" in out
+    assert re.search(r"^fp8 many senders\s+32\s+22\.6\s+90\.3\s+", out, re.M), out
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [p["strategy"] for p in got] == list(STRATEGIES) and got[-1]["seconds"] <= 3.0
