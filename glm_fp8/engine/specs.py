@@ -107,9 +107,11 @@ def engine_params(
     the MTP drafter), keyed by vLLM name: ``model.embed_tokens.weight``, each decoder layer's
     entries (in plan order), ``model.norm.weight``, ``lm_head.weight``, then the MTP layer
     (``num_nextn_predict_layers`` 1): ``mtp_block.<sparse-layer names>``, then ``enorm``,
-    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and ``shared_head.head``. The drafter's ``embed_tokens``
-    is the target's (aliased), so it is listed once. Raises ValueError where vLLM would refuse
-    the layout or glm_fp8 does not support it (see ``shard_for``)."""
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and ``shared_head.head``. The drafter's
+    ``embed_tokens`` is the target's (aliased), so it is listed once; ``shared_head.head`` is
+    listed, though a running engine makes it the target's ``lm_head`` too (docs/vllm.md).
+    Raises ValueError where vLLM would refuse the layout or glm_fp8 does not support it (see
+    ``shard_for``)."""
     _check_config(config)
     rules = _Rules(config, layout, quantize)
     mtp = mtp_layer_index(config)
