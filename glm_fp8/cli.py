@@ -219,8 +219,7 @@ def _engine_bytes_table(args: argparse.Namespace, config: dict, parser: argparse
     from glm_fp8.engine.pack import update_bytes
 
     tp, dp = args.engine_tp, args.engine_dp
-    layouts = [EngineLayout.from_vllm(tp, r % tp, dp, r // tp, enable_expert_parallel=args.engine_ep)
-               for r in range(tp * dp)]  # fmt: skip
+    layouts = EngineLayout.all_ranks(tp, dp, args.engine_ep)
     try:
         full, per_rank = update_bytes(config, layouts, scale_fmt=args.scale_fmt)
     except (KeyError, ValueError) as e:

@@ -103,7 +103,8 @@ class LayerPlan:
         )
 
 
-def _align(n: int, a: int = ALIGN) -> int:
+def align(n: int, a: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``a`` (default: ``ALIGN``, where every buffer view starts)."""
     return -(-n // a) * a
 
 
@@ -113,7 +114,7 @@ def _scale_entry(name: str, shape: tuple[int, ...], target: str, offset: int) ->
     if target == "hopper":
         return PlanEntry(name, "scale", torch.float32, (*g, *nb), offset)
     p = -(-nb[1] // 4)  # four ue8m0 exponent bytes per int32, DeepGEMM SM100
-    return PlanEntry(name, "scale", torch.int32, (*g, n, p), offset, storage_shape=(*g, p, _align(n, 4)))
+    return PlanEntry(name, "scale", torch.int32, (*g, n, p), offset, storage_shape=(*g, p, align(n, 4)))
 
 
 def build_plan(
@@ -171,13 +172,13 @@ def build_plan(
         if rule.quantize and quantize:
             entries.append(PlanEntry(rule.out, "quantize", torch.float8_e4m3fn, shape, offset,
                                      rule.sources, rule.squeeze))  # fmt: skip
-            offset = _align(offset + entries[-1].nbytes)
+            offset = align(offset + entries[-1].nbytes)
             entries.append(_scale_entry(rule.out + "_scale_inv", shape, target, offset))
         else:
             op = "copy" if len(rule.sources) == 1 else "concat"
             dtype = inputs[rule.sources[0]][1] or torch.bfloat16
             entries.append(PlanEntry(rule.out, op, dtype, shape, offset, rule.sources, rule.squeeze))
-        offset = _align(offset + entries[-1].nbytes)
+        offset = align(offset + entries[-1].nbytes)
     extra = sorted(set(inputs) - used)
     if extra:
         raise KeyError(f"{extra[0]}: not a tensor of a {model_type} {kind} layer (no rule uses it)")

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.pack import scatter_classes, shard_pack
+from glm_fp8.engine.pack import update_regions
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, plans_for_model
 
@@ -71,9 +71,7 @@ class Fleet:
 
     def layouts(self) -> list[EngineLayout]:
         """One engine's ranks (every replica has the same)."""
-        tp, dp = self.engine_tp, self.engine_dp
-        return [EngineLayout.from_vllm(tp, r % tp, dp, r // tp, enable_expert_parallel=self.engine_ep)
-                for r in range(tp * dp)]  # fmt: skip
+        return EngineLayout.all_ranks(self.engine_tp, self.engine_dp, self.engine_ep)
 
 
 @dataclass(frozen=True)
@@ -92,9 +90,8 @@ class Prediction:
     arithmetic: str
 
 
-def _whole(config: Mapping, mode: str, scale_fmt: str | None) -> tuple[list[int], list[LayerPlan]]:
-    ids = [*model_layer_ids(config), REST]
-    return ids, plans_for_model(config, mode, layer_ids=ids, scale_fmt=scale_fmt)
+def _whole(config: Mapping, mode: str, scale_fmt: str | None) -> list[LayerPlan]:
+    return plans_for_model(config, mode, layer_ids=[*model_layer_ids(config), REST], scale_fmt=scale_fmt)
 
 
 def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
@@ -118,7 +115,7 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
     # fp8 with whole experts: each rank quantizes its experts and only fp8 travels to the sender
     # (gather="quantize_then_gather", what "auto" picks).
     for strategy, mode in (("bf16 broadcast", "bf16"), ("fp8 broadcast", "fp8")):
-        ids, plans = _whole(config, mode, scale_fmt)
+        plans = _whole(config, mode, scale_fmt)
         total = sum(p.nbytes for p in plans)
         gathered = gather(_sender_inputs(plans, mode == "fp8" and fleet.experts_whole))
         biggest = max(plans, key=lambda p: p.nbytes)
@@ -127,30 +124,10 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
         out.append(Prediction(strategy, 1, total, total, gathered, t, peak, text))
 
     # fp8 with engine layouts: each distinct region once per layer (replicas share a broadcast).
-    ids, plans = _whole(config, "fp8", scale_fmt)
-    layouts = fleet.layouts()
-    regions = expert = 0  # bytes of every distinct region, and their routed-expert part
-    per_rank = [0] * len(layouts)
-    layer_regions = []
-    cache: dict[int, tuple[list, list]] = {}
-    for plan, idx in zip(plans, ids):
-        if id(plan) not in cache:
-            packs = [shard_pack(plan, idx, config, lay) for lay in layouts]
-            cache[id(plan)] = (packs, scatter_classes(packs))
-        packs, classes = cache[id(plan)]
-        distinct = [packs[c[0]] for c in classes]
-        layer_regions.append(sum(p.nbytes for p in distinct))
-        regions += layer_regions[-1]
-        expert += sum(pc.nbytes for p in distinct for pc in p.pieces if ".mlp.experts." in pc.name)
-        for r, p in enumerate(packs):
-            per_rank[r] += p.nbytes
-    inputs = sum(p.input_bytes(bf16) for p in plans)
-    expert_inputs = sum(
-        bf16.itemsize * math.prod(shape)
-        for p in plans
-        for name, (shape, _) in p.inputs.items()
-        if name.startswith("mlp.experts.")
-    )
+    u = update_regions(config, fleet.layouts(), scale_fmt=scale_fmt)
+    plans, per_rank = u.plans, u.per_rank
+    layer_regions = [layer.wire_nbytes for layer in u.layers]
+    regions = sum(layer_regions)
     received = max(per_rank)
     biggest = max(range(len(plans)), key=lambda k: plans[k].nbytes)
 
@@ -163,7 +140,7 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
     # Many senders: each trainer rank sends 1/T of the distinct regions; with whole experts
     # it quantizes its own experts (no gather), the rest is gathered to whichever rank sends it.
     sent = -(-regions // t_gpus)
-    gathered = gather(inputs - expert_inputs if fleet.experts_whole else inputs) // t_gpus
+    gathered = gather(_bf16_inputs(plans, experts=False if fleet.experts_whole else None)) // t_gpus
     busiest = max(sent, received, gathered)
     fill = -(-plans[biggest].nbytes // t_gpus)
     t, text = _time(fleet, busiest, fill)
@@ -173,17 +150,24 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
     return out
 
 
+def _bf16_inputs(plans: list[LayerPlan], experts: bool | None = None) -> int:
+    """bf16 bytes of the trainer tensors of ``plans``: all, only the routed experts' (True) or
+    all but theirs (False)."""
+    return sum(
+        torch.bfloat16.itemsize * math.prod(shape)
+        for p in plans
+        for name, (shape, _) in p.inputs.items()
+        if experts is None or name.startswith("mlp.experts.") == experts
+    )
+
+
 def _sender_inputs(plans: list[LayerPlan], fp8_experts: bool) -> int:
     """Bytes one sender collects for ``plans``: bf16 inputs, or for the routed experts their fp8
     bytes and scales when every rank quantizes its own (``fp8_experts``)."""
-    total = 0
-    for p in plans:
-        for name, (shape, _) in p.inputs.items():
-            if not (fp8_experts and name.startswith("mlp.experts.")):
-                total += torch.bfloat16.itemsize * math.prod(shape)
-        if fp8_experts:
-            total += sum(e.nbytes for e in p.entries if e.name.startswith("mlp.experts."))
-    return total
+    if not fp8_experts:
+        return _bf16_inputs(plans)
+    fp8 = sum(e.nbytes for p in plans for e in p.entries if e.name.startswith("mlp.experts."))
+    return _bf16_inputs(plans, experts=False) + fp8
 
 
 def predictions_json(preds: list[Prediction]) -> list[dict]:

@@ -72,8 +72,7 @@ def _rank(rank, world, case, fault, scale_fmt, scatter=False):
         receiver = Receiver(None, 0, layout=layout, **kw)
         if scatter:  # its ring holds its own largest region, not a layer
             mine = [
-                s.packs[s.classes.index(next(c for c in s.classes if rank in c))]
-                for s in receiver.scatter.layers
+                s.packs[receiver.scatter.my_class(pos, rank)] for pos, s in enumerate(receiver.scatter.layers)
             ]
             assert (
                 receiver.ring.slots[0].numel()

@@ -27,7 +27,7 @@ def test_glm5_into_four_ep8_engines_from_32_trainer_gpus():
     fleet = Fleet(trainer_gpus=32, engines=4, engine_tp=8, engine_ep=True, link_gbps=400)
     preds = {p.strategy: p for p in predict(GLM5, fleet)}
     assert tuple(preds) == STRATEGIES
-    layouts = [EngineLayout.from_vllm(8, r, enable_expert_parallel=True) for r in range(8)]
+    layouts = EngineLayout.all_ranks(8, enable_expert_parallel=True)
     full, per_rank = update_bytes(GLM5, layouts)
     assert preds["fp8 broadcast"].sent == full and round(full / GIB, 2) == 706.06
     for name in ("fp8 scatter", "fp8 many senders"):

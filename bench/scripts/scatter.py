@@ -19,10 +19,11 @@ from tabulate import tabulate
 
 from glm_fp8.convert import convert_layer
 from glm_fp8.engine import EngineLayout
-from glm_fp8.engine.pack import scatter_classes, shard_pack, update_bytes
+from glm_fp8.engine.pack import layer_scatter, update_bytes
 from glm_fp8.models import PRESETS
 from glm_fp8.plan import plan_from_config
-from glm_fp8.transfer.wire import checksum_scratch, layer_checksum
+from glm_fp8.transfer.scatter import pack_regions
+from glm_fp8.transfer.wire import checksum_scratch
 
 
 def _median_s(fn, runs: int = 5) -> float:
@@ -44,11 +45,7 @@ def main() -> None:
     p.add_argument("--ep", action="store_true")
     args = p.parse_args()
     config = PRESETS["glm-5"]
-    tp, dp = args.tp, args.dp
-    ep = args.ep
-    layouts = [
-        EngineLayout.from_vllm(tp, r % tp, dp, r // tp, enable_expert_parallel=ep) for r in range(tp * dp)
-    ]
+    layouts = EngineLayout.all_ranks(args.tp, args.dp, args.ep)
     idx = config["first_k_dense_replace"]
     plan = plan_from_config(config, idx)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -57,26 +54,19 @@ def main() -> None:
         for k, (shape, _) in plan.inputs.items()
     }
     buf = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
-    packs = [shard_pack(plan, idx, config, lay) for lay in layouts]
-    classes = scatter_classes(packs)
-    regions_nbytes = sum(-(-packs[c[0]].nbytes // 256) * 256 for c in classes)  # each region 256-aligned
+    layer_sc = layer_scatter(plan, idx, config, layouts)
+    regions_nbytes = layer_sc.nbytes  # the regions side by side, each 256-aligned
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     packed = torch.empty(regions_nbytes, dtype=torch.uint8, device="cuda")
-    scratch = checksum_scratch(max(packs[c[0]].nbytes for c in classes), buf.device)
+    scratch = checksum_scratch(max(pk.nbytes for pk in layer_sc.packs), buf.device)
 
     def convert():
         convert_layer(layer, idx, out=buf, plan=plan)
 
     def pack():
         full = {f"model.layers.{idx}.{name}": view for name, view in plan.views(buf)}
-        offset = 0
-        for c in classes:
-            pk = packs[c[0]]
-            region = packed[offset : offset + pk.nbytes]
-            pk.pack_into(full, region)
-            pk.checksum_word(region).copy_(layer_checksum(region[: pk.data_nbytes], scratch))
-            offset += -(-pk.nbytes // 256) * 256
+        pack_regions(layer_sc, full, packed, scratch)
 
     convert()
     t_convert = _median_s(convert)
@@ -86,7 +76,7 @@ def main() -> None:
     t_copy = _median_s(lambda: buf[half : 2 * half].copy_(buf[:half])) * 2  # the whole buffer's bytes
     gib = 2**30
     print(f"GLM-5 sparse layer {idx}: {plan.nbytes / gib:.2f} GiB kernel format; {len(layouts)} engine "
-          f"ranks, {len(classes)} classes, regions {regions_nbytes / gib:.2f} GiB")  # fmt: skip
+          f"ranks, {len(layer_sc.classes)} classes, regions {regions_nbytes / gib:.2f} GiB")  # fmt: skip
     print(tabulate([
         ["convert (bf16 -> layer buffer)", f"{t_convert * 1e3:.2f}", ""],
         ["pack every region + checksums", f"{t_pack * 1e3:.2f}", f"{t_pack / t_convert:.3f} x convert"],

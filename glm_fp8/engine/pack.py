@@ -18,13 +18,9 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard, _Rules, copy_shard_into
 from glm_fp8.models import REST, model_layer_ids
-from glm_fp8.plan import ALIGN, LayerPlan, layer_prefix, plans_for_model
+from glm_fp8.plan import LayerPlan, align, layer_prefix, plans_for_model
 
 CHECKSUM_BYTES = 8
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ def shard_pack(plan: LayerPlan, layer_idx: int, config: Mapping, layout: EngineL
         shard = dataclasses.replace(shard, pad=0)  # padding rows are zeroed by the receiver, not sent
         piece = ShardPiece(prefix + e.name, e.dtype, shard.shape(e.shape), offset, shard)
         pieces.append(piece)
-        offset = _align(offset + piece.nbytes)
+        offset = align(offset + piece.nbytes)
     return ShardPack(tuple(pieces), offset + CHECKSUM_BYTES)
 
 
@@ -101,6 +97,75 @@ def scatter_classes(packs: Sequence[ShardPack | None]) -> list[tuple[int, ...]]:
     return [tuple(ranks) for ranks in classes.values()]
 
 
+@dataclass(frozen=True)
+class LayerScatter:
+    """One layer in scatter mode: each class's ranks, its pack and its region's offset in the
+    sender's buffer of ``nbytes`` (regions side by side, each at a multiple of 256 bytes)."""
+
+    classes: tuple[tuple[int, ...], ...]
+    packs: tuple[ShardPack, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def wire_nbytes(self) -> int:
+        """What the sender sends for the layer: every class's region once."""
+        return sum(p.nbytes for p in self.packs)
+
+
+def layer_scatter(
+    plan: LayerPlan, layer_idx: int, config: Mapping, engines: Sequence[EngineLayout | None]
+) -> LayerScatter:
+    """The classes of ``engines`` (None: not a receiver) for one layer and where their regions
+    lie in the sender's buffer."""
+    packs = [None if lay is None else shard_pack(plan, layer_idx, config, lay) for lay in engines]
+    classes = scatter_classes(packs)
+    offsets, total = [], 0
+    for ranks in classes:
+        offsets.append(total)
+        total = align(total + packs[ranks[0]].nbytes)
+    return LayerScatter(tuple(classes), tuple(packs[c[0]] for c in classes), tuple(offsets), total)
+
+
+@dataclass(frozen=True)
+class UpdateRegions:
+    """Bytes of one fp8 update into one engine's ranks: ``full`` (what every rank receives from a
+    full broadcast), ``per_rank`` (what each receives in scatter mode), ``layers`` (each layer's
+    ``LayerScatter``) and their ``plans``."""
+
+    full: int
+    per_rank: list[int]
+    layers: list[LayerScatter]
+    plans: list[LayerPlan]
+
+
+def update_regions(
+    config: Mapping,
+    layouts: Sequence[EngineLayout],
+    *,
+    layer_ids: Sequence[int] | None = None,
+    rest: bool = True,
+    scale_fmt: str | None = None,
+) -> UpdateRegions:
+    """The scatter plan of one fp8 update, without a link. Default: the whole model (every decoder
+    layer, the MTP layer, and the non-layer tensors when ``rest``)."""
+    ids = model_layer_ids(config) if layer_ids is None else list(layer_ids)
+    ids += [REST] if rest else []
+    plans = plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
+    cache: dict[int, LayerScatter] = {}  # a layer's regions depend on its plan, not its index
+    layers = []
+    per_rank = [0] * len(layouts)
+    for plan, layer_idx in zip(plans, ids):
+        if id(plan) not in cache:
+            cache[id(plan)] = layer_scatter(plan, layer_idx, config, layouts)
+        layer = cache[id(plan)]
+        layers.append(layer)
+        for ranks, pack in zip(layer.classes, layer.packs):
+            for r in ranks:
+                per_rank[r] += pack.nbytes
+    return UpdateRegions(sum(p.nbytes for p in plans), per_rank, layers, plans)
+
+
 def update_bytes(
     config: Mapping,
     layouts: Sequence[EngineLayout],
@@ -110,20 +175,9 @@ def update_bytes(
     scale_fmt: str | None = None,
 ) -> tuple[int, list[int]]:
     """Wire bytes of one fp8 update: (what every engine rank receives from a full broadcast,
-    what each of ``layouts`` receives in scatter mode). Default: the whole model (every decoder
-    layer, the MTP layer, and the non-layer tensors when ``rest``)."""
-    ids = model_layer_ids(config) if layer_ids is None else list(layer_ids)
-    ids += [REST] if rest else []
-    plans = plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
-    sizes: dict[tuple[int, EngineLayout], int] = {}  # a pack's size depends on its plan, not its index
-    per_rank = [0] * len(layouts)
-    for plan, layer_idx in zip(plans, ids):
-        for r, lay in enumerate(layouts):
-            key = (id(plan), lay)
-            if key not in sizes:
-                sizes[key] = shard_pack(plan, layer_idx, config, lay).nbytes
-            per_rank[r] += sizes[key]
-    return sum(p.nbytes for p in plans), per_rank
+    what each of ``layouts`` receives in scatter mode); see ``update_regions``."""
+    u = update_regions(config, layouts, layer_ids=layer_ids, rest=rest, scale_fmt=scale_fmt)
+    return u.full, u.per_rank
 
 
 def layout_words(layout: EngineLayout | None) -> list | None:
@@ -133,10 +187,14 @@ def layout_words(layout: EngineLayout | None) -> list | None:
 
 __all__ = [
     "CHECKSUM_BYTES",
+    "LayerScatter",
     "ShardPack",
     "ShardPiece",
+    "UpdateRegions",
+    "layer_scatter",
     "layout_words",
     "scatter_classes",
     "shard_pack",
     "update_bytes",
+    "update_regions",
 ]

@@ -10,24 +10,29 @@ or every rank for a layer that is replicated) share one broadcast.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.pack import ShardPack, layout_words, scatter_classes, shard_pack
-from glm_fp8.plan import ALIGN, LayerPlan
-from glm_fp8.transfer.wire import is_process_group
+from glm_fp8.engine.pack import LayerScatter, layer_scatter, layout_words
+from glm_fp8.plan import LayerPlan
+from glm_fp8.transfer.wire import is_process_group, layer_checksum
 
 
-@dataclass(frozen=True)
-class LayerScatter:
-    """One layer: each class's ranks, its pack and its region's offset in the sender's buffer."""
-
-    classes: tuple[tuple[int, ...], ...]
-    packs: tuple[ShardPack, ...]
-    offsets: tuple[int, ...]
-    nbytes: int  # every region, as the sender sends them
+def pack_regions(
+    layer: LayerScatter, full: Mapping[str, torch.Tensor], packed: torch.Tensor, scratch: torch.Tensor
+) -> list[torch.Tensor]:
+    """Cut every class's region of one layer out of its full entry views ``full`` (by prefixed
+    name) into ``packed`` (``layer.nbytes`` bytes), each followed by its checksum; returns the
+    regions. ``scratch``: ``checksum_scratch`` of the largest region."""
+    regions = []
+    for pack, offset in zip(layer.packs, layer.offsets):
+        region = packed[offset : offset + pack.nbytes]
+        pack.pack_into(full, region)
+        pack.checksum_word(region).copy_(layer_checksum(region[: pack.data_nbytes], scratch))
+        regions.append(region)
+    return regions
 
 
 class Scatter:
@@ -64,16 +69,7 @@ class Scatter:
             if lay is not None and not isinstance(lay, EngineLayout):
                 raise TypeError(f"engines[{r}]: expected an EngineLayout, got {type(lay).__name__}")
         self.engines = engines
-        self.layers: list[LayerScatter] = []
-        for plan, layer_idx in zip(plans, layer_ids):
-            packs = [None if lay is None else shard_pack(plan, layer_idx, config, lay) for lay in engines]
-            classes = scatter_classes(packs)
-            offsets, total = [], 0
-            for ranks in classes:
-                offsets.append(total)
-                total += -(-packs[ranks[0]].nbytes // ALIGN) * ALIGN
-            self.layers.append(LayerScatter(tuple(classes), tuple(packs[c[0]] for c in classes),
-                                            tuple(offsets), total))  # fmt: skip
+        self.layers = [layer_scatter(p, i, config, engines) for p, i in zip(plans, layer_ids)]
         # Every rank creates every group, in the same order (torch.distributed.new_group's rule:
         # every process of the default group takes part; with use_local_synchronization the
         # gloo groups deadlocked here).
@@ -104,4 +100,4 @@ class Scatter:
         return out
 
 
-__all__ = ["LayerScatter", "Scatter"]
+__all__ = ["Scatter", "pack_regions"]

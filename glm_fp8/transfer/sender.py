@@ -14,6 +14,7 @@ from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, layer_prefix, strip_layer
 from glm_fp8.transfer.endpoint import Endpoint, LayerStats, Ring, UpdateStats, my_rank, on_stream
 from glm_fp8.transfer.gather import GATHERS, collect_layer
+from glm_fp8.transfer.scatter import pack_regions
 from glm_fp8.transfer.wire import (
     ABORT,
     ABORT_ERROR,
@@ -272,16 +273,8 @@ class Broadcaster(Endpoint):
         if self.pack_ring.used[slot] and self.pack_ring.free[slot] is not None:
             self.convert_stream.wait_event(self.pack_ring.free[slot])
         full = {layer_prefix(layer_idx) + name: view for name, view in self.plans[pos].views(buf)}
-        regions = []
-        for pack, offset in zip(layer.packs, layer.offsets):
-            region = packed[offset : offset + pack.nbytes]
-            pack.pack_into(full, region)
-            pack.checksum_word(region).copy_(
-                layer_checksum(region[: pack.data_nbytes], self.pack_ring.scratch)
-            )
-            regions.append(region)
         self._pack_slot = slot
-        return regions
+        return pack_regions(layer, full, packed, self.pack_ring.scratch)
 
     def _send_regions(self, pos: int, regions: list[torch.Tensor]) -> None:
         import torch.distributed as dist
