@@ -172,6 +172,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(engine_table)
     if args.trainer_gpus:
         _print_update_time(args, timing)
+        if not args.experts_split:
+            _print_transfer_plan(args, config)
     if args.entries:
         for kind, (plan, _) in plans.items():
             print(f"\n{kind} layer entries:")
@@ -181,11 +183,38 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _update_time(args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser) -> list[dict]:
-    from glm_fp8.update_time import Fleet, predict, predictions_json
+def _fleet(args: argparse.Namespace):
+    from glm_fp8.update_time import Fleet
 
-    fleet = Fleet(args.trainer_gpus, args.engines, args.engine_tp or 8, args.engine_dp, args.engine_ep,
-                  args.link_gbps, not args.experts_split)  # fmt: skip
+    return Fleet(args.trainer_gpus, args.engines, args.engine_tp or 8, args.engine_dp, args.engine_ep,
+                 args.link_gbps, not args.experts_split)  # fmt: skip
+
+
+def _print_transfer_plan(args: argparse.Namespace, config: dict) -> None:
+    from tabulate import tabulate
+
+    from glm_fp8.engine.routes import describe
+    from glm_fp8.update_time import many_senders_plan
+
+    tp = many_senders_plan(config, _fleet(args), scale_fmt=args.scale_fmt)
+    gib = 2**30
+    n = len(tp.senders)
+    print()
+    print(f"many senders' transfer plan (glm_fp8.engine.routes; link ranks 0..{n - 1} the trainer GPUs, then "
+          f"the engines' ranks): each sender sends its own experts' part of every engine rank's shard and "
+          f"the entries it owns, one message per engine rank and layer (at most {tp.messages_per_layer()} "
+          f"messages per layer in all); the {min(n, 8)} busiest senders:")  # fmt: skip
+    rows = [[rank, experts, owned, f"{sent / gib:.2f}", msgs, f"{local / gib:.2f}", f"{send / gib:.2f}",
+             f"{tp.sender_peak(tp.senders.index(rank)) / gib:.2f}"]
+            for rank, experts, owned, sent, msgs, local, send in describe(tp)]  # fmt: skip
+    print(tabulate(rows, ["sender", "experts", "entries owned", "sent GiB", "messages", "convert slot GiB",
+                          "send slot GiB", "peak GiB (ring 2)"]))  # fmt: skip
+
+
+def _update_time(args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser) -> list[dict]:
+    from glm_fp8.update_time import predict, predictions_json
+
+    fleet = _fleet(args)
     try:
         return predictions_json(predict(config, fleet, scale_fmt=args.scale_fmt))
     except (KeyError, ValueError) as e:

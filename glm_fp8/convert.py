@@ -31,6 +31,25 @@ def check_layer(
     of the entries named in ``only``, or of all), no unknown key, dense tensors with data of the
     planned shapes, passthrough dtypes as planned, one device. Messages name ``prefix + key``.
     DTensors are checked by their global shape. Returns the device."""
+    wanted = check_layer_keys(plan, layer, prefix, only)
+    named = [(prefix + k, t) for k, t in layer.items()]
+    for e in wanted:
+        if e.op in ("copy", "concat"):
+            for s in e.sources:
+                if layer[s].dtype != e.dtype:
+                    raise TypeError(
+                        f"{prefix}{s}: expected dtype {e.dtype} (passed through to {e.name}), "
+                        f"got {layer[s].dtype}; plan from this state dict to keep its dtypes"
+                    )
+    return _checks.check_same_device(named)
+
+
+def check_layer_keys(
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
+) -> list:
+    """The part of ``check_layer`` that every trainer rank of a sharded layer decides alike:
+    every key needed, no unknown key, tensors with data, every (global) shape as planned.
+    Returns the entries checked (those in ``only``, or all)."""
     wanted = [e for e in plan.entries if only is None or e.name in only]
     needed = {s for e in wanted for s in e.sources}
     missing = [k for k in plan.inputs if k in needed and k not in layer]
@@ -42,22 +61,13 @@ def check_layer(
     if extra:
         hint = _INDEXER_SHARED if extra[0].startswith(INDEXER_PREFIX) else ""
         raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan has no entry for it{hint}")
-    named = [(prefix + k, t) for k, t in layer.items()]
-    for name, t in named:
-        _checks.check_tensor(name, t)  # a dense tensor with data: not sparse, not meta
+    for k, t in layer.items():
+        _checks.check_tensor(prefix + k, t)  # a dense tensor with data: not sparse, not meta
     for k, (shape, _) in plan.inputs.items():
         t = layer.get(k)
         if t is not None and tuple(t.shape) != tuple(shape):
             raise ValueError(f"{prefix}{k}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    for e in wanted:
-        if e.op in ("copy", "concat"):
-            for s in e.sources:
-                if layer[s].dtype != e.dtype:
-                    raise TypeError(
-                        f"{prefix}{s}: expected dtype {e.dtype} (passed through to {e.name}), "
-                        f"got {layer[s].dtype}; plan from this state dict to keep its dtypes"
-                    )
-    return _checks.check_same_device(named)
+    return wanted
 
 
 def convert_layer(
@@ -210,15 +220,31 @@ def check_finite_entries(
     NaN/Inf (a quantized entry's NaN/Inf shows in its scales): max |x| of every such entry in
     one multi-tensor reduction, one host read; no temporary beyond a float per entry. For
     buffers written piece by piece, where the kernels' own flag was not used."""
+    raise_if_non_finite(entry_norms(plan, buf, ops), layer_idx)
+
+
+def entry_norms(
+    plan: LayerPlan, buf: torch.Tensor, ops: tuple[str, ...] = ("scale", "copy", "concat")
+) -> tuple[list[str], torch.Tensor | None]:
+    """The device half of ``check_finite_entries``: (entry names, max |x| of each, stacked),
+    queued on the current stream with no host read, so that a pipeline can read it later."""
     floating = [(e.name, e.view(buf)) for e in plan.entries if e.op in ops and e.dtype.is_floating_point]
-    norms = torch._foreach_norm([v for _, v in floating], float("inf")) if floating else []
-    if norms and not bool(torch.isfinite(torch.stack(norms)).all()):
-        bad = next(n for (n, _), m in zip(floating, norms) if not torch.isfinite(m))
-        bad = bad.removesuffix("_scale_inv")
-        raise NonFiniteError(
-            f"{layer_prefix(layer_idx)}{bad}: NaN or Inf in its sources; the update was aborted",
-            source=layer_prefix(layer_idx) + bad, expert=None, block=(-1, -1),
-        )  # fmt: skip
+    if not floating:
+        return [], None
+    return [n for n, _ in floating], torch.stack(torch._foreach_norm([v for _, v in floating], float("inf")))
 
 
-__all__ = ["check_finite_entries", "check_layer", "convert_layer", "pack_ue8m0_sm100"]
+def raise_if_non_finite(norms: tuple[list[str], torch.Tensor | None], layer_idx: int) -> None:
+    """The host half of ``check_finite_entries``: one read of ``entry_norms``' result."""
+    names, values = norms
+    if values is None or bool(torch.isfinite(values).all()):
+        return
+    bad = next(n for n, m in zip(names, values) if not torch.isfinite(m)).removesuffix("_scale_inv")
+    raise NonFiniteError(
+        f"{layer_prefix(layer_idx)}{bad}: NaN or Inf in its sources; the update was aborted",
+        source=layer_prefix(layer_idx) + bad, expert=None, block=(-1, -1),
+    )  # fmt: skip
+
+
+__all__ = ["check_finite_entries", "check_layer", "check_layer_keys", "convert_layer", "entry_norms",
+           "pack_ue8m0_sm100", "raise_if_non_finite"]  # fmt: skip

@@ -7,6 +7,7 @@ config.json) or inferred from one layer's state dict, and then reused for every 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,6 +96,20 @@ class LayerPlan:
              "offset": e.offset, "nbytes": e.nbytes}
             for e in self.entries
         ]  # fmt: skip
+
+    def subset(self, names: Iterable[str]) -> LayerPlan:
+        """The plan of only the entries named in ``names`` (a quantized entry keeps its scale
+        when both are named), laid out afresh one after another; ``inputs`` keeps their
+        sources. A sender that converts part of a layer (``glm_fp8.engine.routes``) fills one."""
+        names = set(names)
+        entries, offset = [], 0
+        for e in self.entries:
+            if e.name in names:
+                entries.append(dataclasses.replace(e, offset=offset))
+                offset = align(offset + e.nbytes)
+        sources = {s for e in entries for s in e.sources}
+        inputs = {k: v for k, v in self.inputs.items() if k in sources}
+        return dataclasses.replace(self, entries=tuple(entries), inputs=inputs, nbytes=offset)
 
     def input_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the trainer tensors this layer reads (in ``dtype`` if given)."""

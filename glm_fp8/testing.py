@@ -1,6 +1,7 @@
 """What tests, the demo and the benchmarks share: a multi-process launcher (gloo or NCCL, one
-process per rank, bounded in time) and deterministic synthetic trainer layers. The small model
-configs live in ``glm_fp8.models`` (``SMALL_GLM5``, ``SMALL_CONFIGS``)."""
+process per rank, bounded in time), deterministic synthetic trainer layers (plain or as
+FSDP2-style DTensors) and the reference of what an engine rank must hold after an update. The
+small model configs live in ``glm_fp8.models`` (``SMALL_GLM5``, ``SMALL_CONFIGS``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from datetime import timedelta
 
 import torch
 
-from glm_fp8.plan import layer_prefix, plan_from_config
+from glm_fp8.engine.layout import EngineLayout, take_shard
+from glm_fp8.engine.specs import engine_params
+from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
+from glm_fp8.reference import convert_layer_ref
 
 
 def synthetic_layer(config: Mapping, layer_idx: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -24,6 +28,34 @@ def synthetic_layer(config: Mapping, layer_idx: int, dtype=torch.bfloat16) -> di
         prefix + k: (torch.randn(shape, generator=gen) * 0.02).to(dtype)
         for k, (shape, _) in plan.inputs.items()
     }
+
+
+def sharded_layer(config: Mapping, layer_idx: int, mesh, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """``synthetic_layer`` as FSDP2 holds it on a 1-D ``mesh``: every tensor of two or more dims
+    ``Shard(0)`` (an expert stack so holds whole experts), 1-D tensors replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()])
+            for k, t in synthetic_layer(config, layer_idx, dtype).items()}  # fmt: skip
+
+
+def reference_engine_params(
+    config: Mapping, layout: EngineLayout, layer_ids, *, scale_fmt: str | None = None, dtype=torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """What an engine rank at ``layout`` must hold after an update of ``layer_ids`` (``REST``
+    included when listed) from ``synthetic_layer`` tensors of ``dtype``: the reference
+    conversion (``glm_fp8.reference``, from the tensors cast to bf16) cut by the rank's shard,
+    in vLLM's dtype, by vLLM's name."""
+    targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
+    out = {}
+    for i in layer_ids:
+        layer = strip_layer(synthetic_layer(config, i, dtype), i)
+        layer = {k: t.to(torch.bfloat16) for k, t in layer.items()}
+        plan = plan_from_config(config, i, scale_fmt=scale_fmt)
+        for kernel_name, full in convert_layer_ref(layer, i, plan).items():
+            t = targets[kernel_name]
+            out[t.name] = take_shard(full, t.shard).to(t.dtype)
+    return out
 
 
 def _free_port() -> int:

@@ -29,6 +29,7 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.pack import update_regions
+from glm_fp8.engine.routes import TransferPlan, transfer_plan
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, plans_for_model
 
@@ -45,8 +46,9 @@ class Fleet:
     """Trainer GPUs, engine replicas and their vLLM layout, and the link of each GPU.
 
     ``experts_whole``: the trainer's shards hold whole experts (FSDP2 or expert parallel,
-    ``Shard(0)`` on the expert dim), so each rank can quantize and send its own experts; else
-    the expert stacks are gathered like every other tensor.
+    ``Shard(0)`` on the expert dim), so each rank can quantize and send its own experts (many
+    senders); else the expert stacks are gathered like every other tensor and many senders do
+    not apply.
     """
 
     trainer_gpus: int
@@ -137,17 +139,30 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
     peak = plans[biggest].input_bytes(bf16) + 2 * plans[biggest].nbytes + 2 * max(layer_regions)
     out.append(Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text))
 
-    # Many senders: each trainer rank sends 1/T of the distinct regions; with whole experts
-    # it quantizes its own experts (no gather), the rest is gathered to whichever rank sends it.
-    sent = -(-regions // t_gpus)
-    gathered = gather(_bf16_inputs(plans, experts=False if fleet.experts_whole else None)) // t_gpus
-    busiest = max(sent, received, gathered)
-    fill = -(-plans[biggest].nbytes // t_gpus)
-    t, text = _time(fleet, busiest, fill)
-    layer_share = -(-max(layer_regions) // t_gpus)
-    peak = -(-plans[biggest].input_bytes(bf16) // t_gpus) + 2 * layer_share
-    out.append(Prediction("fp8 many senders", t_gpus, sent, received, gathered, t, peak, text))
+    # Many senders (glm_fp8.engine.routes, only with whole experts): each trainer rank quantizes
+    # its own experts (no gather) and sends every engine rank its part of them, point to point;
+    # each other entry is gathered on, converted and sent by one owner. The transfer plan gives
+    # every byte: what the busiest sender sends, what an engine rank receives, what an owner
+    # gathers (the part other ranks hold), the largest conversion (the pipeline's fill).
+    if fleet.experts_whole:
+        tp = many_senders_plan(config, fleet, scale_fmt=scale_fmt)
+        sent = max(tp.sent_bytes())
+        received = max(tp.received_bytes().values())
+        gathered = max(gather(sum(tp.gathered_bytes(s))) for s in range(t_gpus))
+        fill = max(tp.sender_buffers(s)[0] for s in range(t_gpus))
+        t, text = _time(fleet, max(sent, received, gathered), fill)
+        peak = max(tp.sender_peak(s) for s in range(t_gpus))
+        out.append(Prediction("fp8 many senders", t_gpus, sent, received, gathered, t, peak, text))
     return out
+
+
+def many_senders_plan(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> TransferPlan:
+    """The transfer plan of a whole-model update into ``fleet`` from its trainer GPUs (link ranks
+    0..T-1, then the engines' ranks, engine by engine)."""
+    ids = [*model_layer_ids(config), REST]
+    plans = plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
+    engines = [None] * fleet.trainer_gpus + fleet.layouts() * fleet.engines
+    return transfer_plan(config, plans, ids, engines, range(fleet.trainer_gpus))
 
 
 def _bf16_inputs(plans: list[LayerPlan], experts: bool | None = None) -> int:
@@ -174,5 +189,5 @@ def predictions_json(preds: list[Prediction]) -> list[dict]:
     return [asdict(p) for p in preds]
 
 
-__all__ = ["CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "STRATEGIES", "Fleet", "Prediction", "predict",
-           "predictions_json"]  # fmt: skip
+__all__ = ["CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "STRATEGIES", "Fleet", "Prediction",
+           "many_senders_plan", "predict", "predictions_json"]  # fmt: skip

@@ -21,7 +21,7 @@ LAYERS = [
     ["quantize"],
     ["convert", "memory", "engine.layout"],
     ["transfer.wire", "engine.specs", "engine.pack"],
-    ["transfer.scatter"],
+    ["transfer.scatter", "engine.routes"],
     ["transfer.endpoint", "engine.postload"],
     ["transfer.gather"],
     ["transfer.sender", "transfer.receiver"],

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.engine.routes import TransferPlan, transfer_plan
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
 from glm_fp8.transfer.scatter import Scatter
-from glm_fp8.transfer.wire import Comm, checksum_scratch, manifest_of
+from glm_fp8.transfer.wire import Comm, checksum_scratch, is_process_group, manifest_of
 
 MODES = ("fp8", "bf16")
 
@@ -60,9 +61,11 @@ class Endpoint:
     embeddings, final norm and lm_head, which travel last) when ``rest`` is true; ``plans[k]``
     is the plan of ``layer_ids[k]``. ``engines`` (scatter mode, ``glm_fp8.transfer.scatter``):
     the ``EngineLayout`` of every rank of the link, None at the sender's; each engine rank then
-    receives only its shard. Both sides build the manifest from them
-    (``glm_fp8.transfer.wire.manifest_of``). ``link_stream`` is the stream the link's
-    collectives run on (None on the CPU).
+    receives only its shard. ``senders`` (many senders, ``glm_fp8.engine.routes``): the link
+    ranks of every trainer rank, in the order of their expert chunks (``engines`` None at each);
+    each sends its own experts' share to the engine ranks that hold them, ``src`` leads the
+    steps. Both sides build the manifest from them (``glm_fp8.transfer.wire.manifest_of``).
+    ``link_stream`` is the stream the link's collectives run on (None on the CPU).
     """
 
     link_stream: torch.cuda.Stream | None = None
@@ -81,6 +84,7 @@ class Endpoint:
         rest: bool = False,
         scale_fmt: str | None = None,
         engines: Sequence[EngineLayout | None] | None = None,
+        senders: Sequence[int] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -123,8 +127,18 @@ class Endpoint:
         else:
             self.plans = plans_for_model(config, mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
         self.device = torch.device(device) if device else default_device()
+        self.link_rank = link_rank(comm)
         self.scatter: Scatter | None = None
-        if engines is not None:
+        self.routes: TransferPlan | None = None
+        self.trainer_group = None
+        if senders is not None:
+            if engines is None or config is None or mode != "fp8":
+                raise ValueError("senders: many senders need engines=, config= and mode='fp8'")
+            if src not in senders:
+                raise ValueError(f"src: expected one of the senders {list(senders)} (it leads), got {src}")
+            self.routes = transfer_plan(config, self.plans, self.layer_ids, engines, senders)
+            self.trainer_group = _trainer_group(comm, self.routes.senders)
+        elif engines is not None:
             if config is None or mode != "fp8":
                 raise ValueError("engines: scatter mode needs config= and mode='fp8'")
             self.scatter = Scatter(comm, src, config, self.plans, self.layer_ids, engines)
@@ -136,13 +150,18 @@ class Endpoint:
         return max(p.nbytes for p in self.plans)
 
     def wire_nbytes(self, pos: int) -> int:
-        """The bytes the sender sends for the layer at ``pos`` (its header's byte count)."""
+        """The bytes the sender sends for the layer at ``pos`` (its header's byte count; with many
+        senders, every segment of the layer once)."""
+        if self.routes is not None:
+            return self.routes.layers[pos].wire_nbytes
         return self.scatter.layers[pos].nbytes if self.scatter is not None else self.plans[pos].nbytes
 
     def manifest(self, checksum: bool) -> dict:
         m = manifest_of(self.plans, self.layer_ids, self.mode, checksum)
         if self.scatter is not None:
             m["scatter"] = self.scatter.manifest()
+        if self.routes is not None:
+            m["senders"] = self.routes.manifest()
         return m
 
     def vote(self, code: int) -> int:
@@ -152,6 +171,29 @@ class Endpoint:
             self.vote_buf.fill_(max(0, code))
             self.comm.all_reduce_max(self.vote_buf)
             return int(self.vote_buf.item())
+
+
+def link_rank(comm: object | None) -> int:
+    """This process's rank on the link: the group's rank, a stand-in's ``rank``, else the global
+    rank (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    if comm is not None and not is_process_group(comm) and isinstance(getattr(comm, "rank", None), int):
+        return comm.rank
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(comm) if comm is None or is_process_group(comm) else dist.get_rank()
+
+
+def _trainer_group(comm: object | None, senders: Sequence[int]):
+    """The senders' own process group (their step votes), created by every process of the
+    default group as ``torch.distributed.new_group`` requires; None for a stand-in link."""
+    import torch.distributed as dist
+
+    if not (comm is None or is_process_group(comm)) or not dist.is_initialized():
+        return None
+    glob = [r if comm is None else dist.get_global_rank(comm, r) for r in senders]
+    return dist.new_group(sorted(glob))
 
 
 def my_rank() -> int:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from glm_fp8.convert import check_finite_entries, check_layer, convert_layer
+from glm_fp8.convert import check_finite_entries, check_layer, check_layer_keys, convert_layer
+from glm_fp8.engine.routes import LayerRoutes, chunk_bounds, stack_entries
 from glm_fp8.plan import LayerPlan, layer_prefix, plans_for_model, strip_layer
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.transfer.endpoint import default_device
@@ -58,10 +59,7 @@ def shard_layout(t: torch.Tensor) -> ShardLayout | None:
     if type(placement) is not Shard:  # not _StridedShard (FSDP2 + TP): gathered whole
         return None
     dim = placement.dim % t.dim()
-    n, w = t.shape[dim], len(ranks)
-    size = -(-n // w)  # torch.chunk: ceil-sized pieces first, trailing ranks may hold nothing
-    bounds = tuple((min(r * size, n), min((r + 1) * size, n)) for r in range(w))
-    return ShardLayout(mesh.get_group(), ranks, dim, bounds)
+    return ShardLayout(mesh.get_group(), ranks, dim, chunk_bounds(t.shape[dim], len(ranks)))
 
 
 def gather_rows(
@@ -261,3 +259,100 @@ def _choose_gather(
     if gather == "auto":
         return "quantize_then_gather" if can_qtg else "chunked"
     return gather
+
+
+# --- many senders (glm_fp8.engine.routes): each trainer rank converts its own share ---------------
+
+
+def check_own_layer(
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    layer_idx: int,
+    senders: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+) -> None:
+    """What every sender checks of a layer before any gather, so that all of them gather or
+    none does: keys and global shapes (``check_layer_keys``), expert stacks that are plain
+    tensors or DTensors sharded on the expert dim over the senders (global ranks ``senders``)
+    in their order, other DTensors on a mesh of the senders."""
+    from torch.distributed.tensor import DTensor
+
+    prefix = layer_prefix(layer_idx)
+    check_layer_keys(plan, layer, prefix)
+    stacks = {s for e in stack_entries(plan) for s in e.sources}
+    for k, t in sorted(layer.items()):
+        if not isinstance(t, DTensor):
+            continue
+        ranks = tuple(int(r) for r in t.device_mesh.mesh.flatten().tolist())
+        if k in stacks:
+            lay = shard_layout(t)
+            if lay is None or lay.dim != 0 or lay.ranks != tuple(senders) or lay.bounds != tuple(bounds):
+                got = (
+                    "no 1-D Shard placement" if lay is None else f"dim {lay.dim} over ranks {list(lay.ranks)}"
+                )
+                raise ValueError(
+                    f"{prefix}{k}: many senders need each expert stack sharded on the expert dim (Shard(0)) "
+                    f"over the senders {list(senders)} in this order, each holding experts "
+                    f"{[list(b) for b in bounds]}; got {got}"
+                )
+        elif sorted(ranks) != sorted(senders):
+            raise ValueError(
+                f"{prefix}{k}: a DTensor on ranks {list(ranks)}; many senders gather it on its owner among "
+                f"the senders {list(senders)}, so its mesh must be theirs"
+            )
+
+
+def collect_own(
+    routes: LayerRoutes,
+    t: int,
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    buf: torch.Tensor,
+    *,
+    senders: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+    gather_dtype: torch.dtype | None,
+    device: torch.device,
+    check_finite: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Sender ``t``'s share of one layer (``check_own_layer`` passed on every sender): gather the
+    sources of the entries each sender owns onto it (collective over the senders, in the same
+    order on each), then convert ``t``'s own entries and its experts of every stack into
+    ``buf`` (``routes.local_plans[t]``). Returns the converted views by prefixed name (none when
+    ``t`` has nothing of this layer). Memory above ``buf``: the gathered sources of the entries
+    ``t`` owns, and its experts cast to ``gather_dtype`` when they are DTensors of another dtype.
+    ``check_finite=False``: no host read; the caller checks ``buf`` (``entry_norms``)."""
+    from torch.distributed.tensor import DTensor
+
+    prefix = layer_prefix(routes.layer_idx)
+    owner_of = {s: routes.owners[prefix + e.name] for e in plan.entries if prefix + e.name in routes.owners
+                for s in e.sources}  # fmt: skip
+    inputs: dict[str, torch.Tensor] = {}
+    for k in sorted(owner_of):  # the same order on every sender: the gathers pair up
+        x, owner = layer[k], owner_of[k]
+        if isinstance(x, DTensor):
+            if shard_layout(x) is not None:
+                out = (
+                    torch.empty(x.shape, dtype=gather_dtype or x.dtype, device=device) if owner == t else None
+                )
+                got = gather_rows(x, 0, x.shape[0], senders[owner], out, gather_dtype)
+            else:
+                got = full_value(x, gather_dtype)  # collective over the senders' mesh
+            if owner == t:
+                inputs[k] = got.to(device)
+        elif owner == t:
+            inputs[k] = x
+    lo, hi = bounds[t]
+    if hi > lo:
+        for k in {s for e in stack_entries(plan) for s in e.sources}:
+            x = layer[k]
+            if isinstance(x, DTensor):
+                x = x.to_local()
+                inputs[k] = x.to(gather_dtype) if gather_dtype is not None and x.dtype != gather_dtype else x
+            else:
+                inputs[k] = x.narrow(0, lo, hi - lo)
+    local = routes.local_plans[t]
+    if not local.entries:
+        return {}
+    out = buf[: local.nbytes]
+    return dict(convert_layer(inputs, routes.layer_idx, out=out, plan=local, check_finite=check_finite))

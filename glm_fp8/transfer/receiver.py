@@ -14,7 +14,7 @@ from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.numerics import blocks_shape
 from glm_fp8.plan import LayerPlan, layer_prefix
 from glm_fp8.quantize import quantize_blockwise
-from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, my_rank, on_stream
+from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, link_rank, my_rank, on_stream
 from glm_fp8.transfer.wire import (
     ABORT,
     ABORT_REASONS,
@@ -35,7 +35,6 @@ from glm_fp8.transfer.wire import (
     UpdateAborted,
     decode_manifest,
     describe_refusal,
-    is_process_group,
     layer_checksum,
     refusal_code,
 )
@@ -58,6 +57,11 @@ class Receiver(Endpoint):
             A layout vLLM refuses is refused at ``load_into``'s first vote (every rank stops
             there; this one raises the ValueError). None: full-size parameters under the
             kernel-format names.
+        engines: scatter mode (one sender), the same list as the sender's: this rank receives
+            only its shard's bytes.
+        senders: many senders (with ``engines``), the same list as the senders': this rank
+            receives its shard from every trainer rank that holds a part of it
+            (``glm_fp8.engine.routes``); use ``load_into``.
     """
 
     def __init__(
@@ -75,9 +79,10 @@ class Receiver(Endpoint):
         rest: bool = False,
         scale_fmt: str | None = None,
         engines: Sequence[EngineLayout | None] | None = None,
+        senders: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ):
-        self.link_rank = _link_rank(comm)
+        self.link_rank = link_rank(comm)
         if engines is not None:
             if layout is None:
                 raise ValueError("engines: scatter mode needs this rank's layout= too")
@@ -86,7 +91,8 @@ class Receiver(Endpoint):
                 raise ValueError(f"layout: expected engines[{self.link_rank}] (this rank's entry), which is "
                                  f"{mine}; got {layout}")  # fmt: skip
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines)  # fmt: skip
+                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines,
+                         senders=senders)  # fmt: skip
         self.layout = layout
         self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
         self._layout_error: ValueError | None = None
@@ -125,6 +131,9 @@ class Receiver(Endpoint):
         return targets
 
     def _slot_nbytes(self) -> int:
+        if self.routes is not None:
+            return max(lay.recv_nbytes[self.routes.class_of(pos, self.link_rank)]
+                       for pos, lay in enumerate(self.routes.layers))  # fmt: skip
         if self.scatter is None:
             return super()._slot_nbytes()
         return max(s.packs[self.scatter.my_class(pos, self.link_rank)].nbytes
@@ -141,17 +150,31 @@ class Receiver(Endpoint):
     def receive_layers(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
         """Yield ``(layer_idx, [(name, view), ...])`` per layer, each only after every rank
         voted that it arrived intact. If the consumer raises while handling a layer (or stops
-        iterating early), this receiver refuses at the next vote, so every rank stops there."""
+        iterating early), this receiver refuses at the next vote, so every rank stops there.
+        Not with many senders, where an expert stack arrives in pieces: use ``load_into``."""
+        if self.routes is not None:
+            raise TypeError("receive_layers: with senders= an expert stack arrives in pieces from several "
+                            "trainer ranks; use load_into(params), which lands each piece")  # fmt: skip
+        return self._layers(pieces=False)
+
+    def _layers(self, pieces: bool) -> Iterator[tuple[int, list[tuple]]]:
+        """``receive_layers``; with ``pieces`` each item is ``(name, view, experts)``, experts
+        the global expert range a many-senders piece covers (None: all the rank holds)."""
         checksum = self._recv_manifest()
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         for pos, plan in enumerate(self.plans):
             layer_idx = self.layer_ids[pos]
             self._recv_header(header, pos, DATA, layer_idx, self.wire_nbytes(pos))
-            pack = None
+            pack = segments = None
             if self.scatter is not None:
                 k = self.scatter.my_class(pos, self.link_rank)
                 pack, group = self.scatter.layers[pos].packs[k], self.scatter.layers[pos].classes[k]
-            nbytes = plan.nbytes if pack is None else pack.nbytes
+                nbytes = pack.nbytes
+            elif self.routes is not None:
+                k = self.routes.class_of(pos, self.link_rank)
+                segments, nbytes = self.routes.layers[pos].of_class(k), self.routes.layers[pos].recv_nbytes[k]
+            else:
+                nbytes = plan.nbytes
             buf, slot = self.ring.slot(pos, nbytes)
             bad = False
             try:
@@ -159,7 +182,9 @@ class Receiver(Endpoint):
                     if self.ring.used[slot] and self.ring.free[slot] is not None:
                         # Wait until what the consumer queued on this slot's last layer is done.
                         self.recv_stream.wait_event(self.ring.free[slot])
-                    if pack is None:
+                    if segments is not None:
+                        bad = self._recv_segments(buf, segments)
+                    elif pack is None:
                         self.comm.broadcast(buf, self.src)
                         if checksum:
                             bad = bool((layer_checksum(buf, self.ring.scratch) != header[5]).item())
@@ -177,10 +202,15 @@ class Receiver(Endpoint):
             ) if bad else None  # fmt: skip
             self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
             prefix = layer_prefix(layer_idx)
-            if pack is None:
-                views = [(prefix + name, view) for name, view in plan.views(buf)]
+            if segments is not None:
+                views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.experts)
+                         for s in segments for p in s.pieces]  # fmt: skip
+            elif pack is None:
+                views = [(prefix + name, view, None) for name, view in plan.views(buf)]
             else:
-                views = list(pack.views(buf))
+                views = [(name, view, None) for name, view in pack.views(buf)]
+            if not pieces:
+                views = [(name, view) for name, view, _ in views]
             try:
                 yield layer_idx, views
             except BaseException:
@@ -193,6 +223,17 @@ class Receiver(Endpoint):
             self.ring.used[slot] = True
         self._recv_header(header, len(self.plans), COMPLETE, -1, 0)
 
+    def _recv_segments(self, buf: torch.Tensor, segments) -> bool:
+        """Receive this rank's segments of a layer from their senders into ``buf``; True when
+        a checksum differs."""
+        msgs = [
+            (buf[s.recv_offset : s.recv_offset + s.nbytes], self.routes.senders[s.sender]) for s in segments
+        ]
+        self.comm.exchange([], msgs)
+        bad = [layer_checksum(m[: s.data_nbytes], self.ring.scratch) != s.checksum_word(m)
+               for s, (m, _) in zip(segments, msgs)]  # fmt: skip
+        return bool(torch.stack(bad).any().item()) if bad else False
+
     def load_into(self, params: Mapping[str, torch.Tensor]) -> UpdateStats:
         """Copy (fp8 mode) or quantize (bf16 mode) every received entry into ``params``.
 
@@ -204,16 +245,16 @@ class Receiver(Endpoint):
         self._params_error = self._layout_error or self._check_params(params)
         stats = UpdateStats()
         t0 = time.perf_counter()
-        layers = self.receive_layers()
+        layers = self._layers(pieces=True)
         try:
             for layer_idx, views in layers:
                 t = time.perf_counter()
                 pos = self.layer_ids.index(layer_idx)
                 fmt = self.plans[pos].scale_fmt
                 try:
-                    for name, view in views:
-                        if self.scatter is not None:
-                            _land_piece(params[self.targets[name].name], view, self.targets[name])
+                    for name, view, experts in views:
+                        if self.scatter is not None or self.routes is not None:
+                            _land_piece(params[self.targets[name].name], view, self.targets[name], experts)
                         elif self.targets is not None:
                             _land_shard(params[self.targets[name].name], view, self.targets[name])
                         elif self.mode == "bf16" and name + "_scale_inv" in params:
@@ -427,10 +468,19 @@ def _land_shard(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> N
     copy_shard_into(dst, view, target.shard)
 
 
-def _land_piece(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> None:
+def _land_piece(
+    dst: torch.Tensor, view: torch.Tensor, target: EngineParam, experts: tuple[int, int] | None = None
+) -> None:
     """Scatter mode: ``view`` is already this rank's cut without its padding rows; those are
-    zeroed here."""
+    zeroed here. Many senders: ``experts`` [a, b) (global ids) of an expert stack, cut along its
+    other dims; they land at the rank's rows for those experts."""
     shard = target.shard
+    if experts is not None:
+        first = shard.parts[0][0] if shard.kind == "experts" else 0
+        dst = dst.narrow(0, experts[0] - first, experts[1] - experts[0])
+        if shard.kind == "experts":
+            dst.copy_(view)
+            return
     if shard.kind == "replicated":
         dst.copy_(view)
         return
@@ -438,9 +488,3 @@ def _land_piece(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> N
     dst.narrow(shard.dim, 0, n).copy_(view)
     if shard.pad:
         dst.narrow(shard.dim, n, shard.pad).zero_()
-
-
-def _link_rank(comm: object | None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(comm) if comm is None or is_process_group(comm) else dist.get_rank()

@@ -9,11 +9,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from glm_fp8.convert import entry_norms, raise_if_non_finite
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, layer_prefix, strip_layer
-from glm_fp8.transfer.endpoint import Endpoint, LayerStats, Ring, UpdateStats, my_rank, on_stream
-from glm_fp8.transfer.gather import GATHERS, collect_layer
+from glm_fp8.transfer.endpoint import Endpoint, LayerStats, Ring, UpdateStats, link_rank, my_rank, on_stream
+from glm_fp8.transfer.gather import GATHERS, check_own_layer, collect_layer, collect_own
 from glm_fp8.transfer.scatter import pack_regions
 from glm_fp8.transfer.wire import (
     ABORT,
@@ -24,12 +25,17 @@ from glm_fp8.transfer.wire import (
     HEADER_WORDS,
     MAGIC,
     PROTOCOL_VERSION,
+    REFUSED_MANIFEST,
+    SENDER_FAILED,
     LayerOrderError,
     ManifestMismatch,
     ReceiverRefused,
+    UpdateAborted,
     describe_refusal,
     header_words,
     layer_checksum,
+    refusal_code,
+    refusal_reason,
 )
 
 
@@ -53,6 +59,12 @@ class Broadcaster(Endpoint):
             the same list on every rank. Each layer is converted whole, then every class of
             ranks that hold the same shard gets only those bytes (``glm_fp8.transfer.scatter``);
             ``scatter.bytes_per_rank()`` says how many. Needs a ProcessGroup link.
+        senders: many senders (with ``engines``, None at every sender): the link ranks of every
+            trainer rank, in the order of the expert chunks they hold. Every one of them builds a
+            Broadcaster with the same arguments and calls ``broadcast_model`` with its own
+            (sharded) state dicts; each converts and sends its own experts and the entries it
+            owns (``routes``, a ``glm_fp8.engine.routes.TransferPlan``), ``src`` leads the steps.
+            Any sender's failure stops every rank at that layer's vote.
         ring: layer buffers (default 2: convert i+1 while i is sent; 1 serializes).
         mode: "fp8" ships kernel-format fp8 entries; "bf16" ships unquantized kernel-format
             entries for receivers that quantize on receive (half the sender's work, twice the
@@ -85,10 +97,14 @@ class Broadcaster(Endpoint):
         rest: bool = False,
         scale_fmt: str | None = None,
         engines: Sequence[EngineLayout | None] | None = None,
+        senders: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ):
+        if senders is not None:
+            self.me = _sender_index(comm, senders)
         super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines)  # fmt: skip
+                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines,
+                         senders=senders)  # fmt: skip
         if gather not in GATHERS:
             raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
         if chunk_experts < 1:
@@ -100,11 +116,21 @@ class Broadcaster(Endpoint):
         if self.scatter is not None:
             # The classes' regions of one layer, side by side: one ring of them.
             self.pack_ring = Ring(ring, max(s.nbytes for s in self.scatter.layers), self.device)
+        if self.routes is not None:
+            # This sender's segments of one layer, side by side (the ring holds its converted share).
+            self.pack_ring = Ring(ring, self.routes.sender_buffers(self.me)[1], self.device)
+            import torch.distributed as dist
+
+            glob = [r if comm is None or not dist.is_initialized() else dist.get_global_rank(comm, r)
+                    for r in self.routes.senders]  # fmt: skip
+            self.senders_global = glob
+            self.is_src = self.link_rank == src
         self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
         self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
         self.link_stream = self.comm_stream
         self.post_vote = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._pending = False  # the receivers' vote on the last layer sent, not read yet
+        self._manifest_payload: bytes | None = None
 
     def broadcast_model(
         self,
@@ -126,26 +152,55 @@ class Broadcaster(Endpoint):
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         self._pending = False
+        if self.routes is not None:
+            self._broadcast_many(layers, rest, stats)
+        else:
+            self._broadcast_one(layers, rest, stats)
+        self._sync()
+        stats.seconds = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
+        return stats
+
+    def _rest_error(self, rest: Mapping[str, torch.Tensor] | None) -> LayerOrderError | None:
+        if self.rest == (rest is not None):
+            return None
+        return LayerOrderError(
+            "rest: the manifest announced the non-layer tensors, none were given" if self.rest else
+            "rest: given, but this Broadcaster was built without rest=True (not in the manifest)"
+        )  # fmt: skip
+
+    def _order_error(self, pos: int, layer_idx: int) -> LayerOrderError | None:
+        """The error when ``layers`` hands ``layer_idx`` at position ``pos``, else None."""
+        n_layers = len(self.plans) - self.rest
+        if pos >= n_layers:
+            return LayerOrderError(
+                f"layers: got layer {layer_idx} after the {n_layers} the manifest announced"
+            )
+        if layer_idx != self.layer_ids[pos]:
+            return LayerOrderError(
+                f"layers: got layer {layer_idx} at position {pos}; the manifest announced layer "
+                f"{self.layer_ids[pos]} there (announced order: {self.layer_ids})"
+            )
+        return None
+
+    def _broadcast_one(
+        self,
+        layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
+        rest: Mapping[str, torch.Tensor] | None,
+        stats: UpdateStats,
+    ) -> None:
+        """This rank sends the whole update; on any error an ABORT header stops the receivers."""
         self._send_manifest()
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         n_layers = len(self.plans) - self.rest
         try:
-            if self.rest != (rest is not None):
-                raise LayerOrderError(
-                    "rest: the manifest announced the non-layer tensors, none were given" if self.rest else
-                    "rest: given, but this Broadcaster was built without rest=True (not in the manifest)"
-                )  # fmt: skip
+            if (err := self._rest_error(rest)) is not None:
+                raise err
             count = 0
             for pos, (layer_idx, sd) in enumerate(layers):
-                if pos >= n_layers:
-                    raise LayerOrderError(
-                        f"layers: got layer {layer_idx} after the {n_layers} the manifest announced"
-                    )
-                if layer_idx != self.layer_ids[pos]:
-                    raise LayerOrderError(
-                        f"layers: got layer {layer_idx} at position {pos}; the manifest announced layer "
-                        f"{self.layer_ids[pos]} there (announced order: {self.layer_ids})"
-                    )
+                if (err := self._order_error(pos, layer_idx)) is not None:
+                    raise err
                 t_layer = time.perf_counter()
                 self._send_layer(pos, layer_idx, sd, header)
                 stats.layers.append(
@@ -168,15 +223,181 @@ class Broadcaster(Endpoint):
         code = self.vote(0)
         if code:
             raise ReceiverRefused(f"{describe_refusal(code)}; the update did not complete")
-        self._sync()
-        stats.seconds = time.perf_counter() - t0
-        if self.device.type == "cuda":
-            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
-        return stats
+
+    def _slot_nbytes(self) -> int:
+        if self.routes is not None:
+            return self.routes.sender_buffers(self.me)[0]
+        return super()._slot_nbytes()
+
+    # --- many senders --------------------------------------------------------------------------
+
+    def _broadcast_many(
+        self,
+        layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
+        rest: Mapping[str, torch.Tensor] | None,
+        stats: UpdateStats,
+    ) -> None:
+        """Every sender runs the same steps (one per announced layer, then COMPLETE), whatever
+        its ``layers`` yield: a step's own problem becomes its vote, so the senders never fall out
+        of step. Per step: check the layer (every sender alike), the senders' vote (all gather or
+        none), gather and convert this sender's share into a ring slot, pack its segments, then
+        the leader's header and every rank's vote on the link, then the messages."""
+        self._norms = None
+        self._many_manifest()
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        it = iter(layers)
+        for pos in range(len(self.plans) + 1):
+            t_layer = time.perf_counter()
+            err: BaseException | None = None
+            item = None
+            try:
+                item = self._next_item(it, pos, rest)
+                if item is not None:
+                    check_own_layer(self.plans[pos], strip_layer(item[1], item[0]), item[0],
+                                    self.senders_global, self.routes.bounds)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - voted on below, then raised
+                err = exc
+            peers_failed = self._senders_vote(err)
+            if item is not None and err is None and not peers_failed:
+                try:
+                    self._convert_own(pos, *item)
+                except Exception as exc:  # noqa: BLE001 - voted on below, then raised
+                    err = exc
+            self._resolve_pending()
+            if self._norms is not None:
+                # The layer's finite check, read only now that the previous layer left: a host
+                # read while a transfer is in flight can wait for it (a copy engine's queue).
+                try:
+                    norms, self._norms = self._norms, None
+                    raise_if_non_finite(norms, item[0])
+                except Exception as exc:  # noqa: BLE001 - voted on below, then raised
+                    err = exc
+            last = pos == len(self.plans)
+            layer_idx = -1 if last else self.layer_ids[pos]
+            self._send_header(header, COMPLETE if last else DATA, layer_idx, pos, 0,
+                              0 if last else self.wire_nbytes(pos))  # fmt: skip
+            verdict = self.vote(refusal_code(SENDER_FAILED, my_rank()) if err is not None else 0)
+            if err is not None:
+                raise err
+            if verdict:
+                if refusal_reason(verdict) == SENDER_FAILED:
+                    raise UpdateAborted(f"{describe_refusal(verdict)} (step {pos}); every rank was stopped")
+                where = (
+                    "the update did not complete" if last else f"layer {layer_idx}; the update was stopped"
+                )
+                raise ReceiverRefused(f"{describe_refusal(verdict)} ({where})")
+            if last:
+                break
+            self._send_segments(pos)
+            stats.layers.append(LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t_layer))
+
+    def _next_item(self, it, pos: int, rest: Mapping[str, torch.Tensor] | None):
+        """The ``(layer_idx, state dict)`` of step ``pos`` (None at the COMPLETE step), or a
+        ``LayerOrderError`` when ``layers`` / ``rest`` disagree with the manifest."""
+        n_layers = len(self.plans) - self.rest
+        if pos == 0 and (err := self._rest_error(rest)) is not None:
+            raise err
+        if pos < n_layers:
+            got = next(it, None)
+            if got is None:
+                raise LayerOrderError(f"layers: got {pos}, the manifest announced {n_layers}")
+            if (err := self._order_error(pos, got[0])) is not None:
+                raise err
+            return got
+        if pos == n_layers and self.rest:
+            return REST, rest
+        extra = next(it, None)
+        if extra is not None:
+            raise self._order_error(n_layers, extra[0])
+        return None
+
+    def _senders_vote(self, err: BaseException | None) -> bool:
+        """The senders' own vote before any gather (their group, not the link): True when
+        another sender failed its checks, so that no sender waits in a gather for it."""
+        if self.trainer_group is None:
+            return False
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(err is not None)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.trainer_group)
+        return bool(flag.item()) and err is None
+
+    def _convert_own(self, pos: int, layer_idx: int, sd: Mapping[str, torch.Tensor]) -> None:
+        """Gather, convert and pack this sender's share of the layer at ``pos`` (convert stream)."""
+        routes = self.routes.layers[pos]
+        buf, _ = self.ring.slot(pos, routes.local_plans[self.me].nbytes)
+        packed, slot = self.pack_ring.slot(pos, routes.send_nbytes[self.me])
+        caller = torch.cuda.current_stream(self.device) if self.convert_stream is not None else None
+        with on_stream(self.convert_stream):
+            if caller is not None:
+                self.convert_stream.wait_stream(caller)
+            if self.pack_ring.used[slot] and self.pack_ring.free[slot] is not None:
+                self.convert_stream.wait_event(self.pack_ring.free[slot])
+            local = routes.local_plans[self.me]
+            views = collect_own(
+                routes, self.me, self.plans[pos], strip_layer(sd, layer_idx), buf,
+                senders=self.senders_global, bounds=self.routes.bounds,
+                gather_dtype=self.collect_args["gather_dtype"], device=self.device, check_finite=False,
+            )  # fmt: skip
+            # NaN/Inf shows in the scales and passthrough entries: read after the previous send.
+            self._norms = entry_norms(local, buf[: local.nbytes]) if views else None
+            first = self.routes.bounds[self.me][0]
+            for seg in routes.of_sender(self.me):
+                out = packed[seg.send_offset : seg.send_offset + seg.nbytes]
+                seg.pack_into(views, out, first)
+                seg.checksum_word(out).copy_(layer_checksum(out[: seg.data_nbytes], self.pack_ring.scratch))
+            self._ready = None
+            if self.convert_stream is not None:
+                self._ready = torch.cuda.Event()
+                self._ready.record(self.convert_stream)
+        if caller is not None:
+            caller.wait_event(self._ready)
+        self._pack_slot = slot
+
+    def _send_segments(self, pos: int) -> None:
+        routes = self.routes.layers[pos]
+        packed = self.pack_ring.slots[self._pack_slot]
+        sends = [(packed[s.send_offset : s.send_offset + s.nbytes], r)
+                 for s in routes.of_sender(self.me) for r in routes.classes[s.cls]]  # fmt: skip
+        with on_stream(self.comm_stream):
+            if self._ready is not None:
+                self.comm_stream.wait_event(self._ready)
+            self.comm.exchange(sends, [])
+            if self.pack_ring.free[self._pack_slot] is not None:
+                self.pack_ring.free[self._pack_slot].record(self.comm_stream)
+            self.post_vote.zero_()
+            self.comm.all_reduce_max(self.post_vote)
+        self.pack_ring.used[self._pack_slot] = True
+        self._pending = True
+
+    def _many_manifest(self) -> None:
+        """The leader sends the prelude and the manifest as ``_send_manifest``; every other sender
+        receives them too and refuses one that differs from its own."""
+        if self.is_src:
+            self._send_manifest()
+            return
+        payload = self._payload()
+        prelude = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.comm.broadcast(prelude, self.src)
+        same = prelude.tolist()[2] == len(payload)
+        code = self.vote(0 if same else refusal_code(REFUSED_MANIFEST, my_rank()))
+        if code:
+            raise ManifestMismatch(f"{describe_refusal(code)}; nothing was sent")
+        data = torch.empty(len(payload), dtype=torch.uint8, device=self.device)
+        self.comm.broadcast(data, self.src)
+        same = torch.equal(data.cpu(), torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        code = self.vote(0 if same else refusal_code(REFUSED_MANIFEST, my_rank()))
+        if code:
+            raise ManifestMismatch(f"{describe_refusal(code)}; nothing was sent")
+
+    def _payload(self) -> bytes:
+        """The manifest as sent: the same for every update of this Broadcaster, built once."""
+        if self._manifest_payload is None:
+            self._manifest_payload = json.dumps(self.manifest(self.checksum)).encode()
+        return self._manifest_payload
 
     def _send_manifest(self) -> None:
-        manifest = self.manifest(self.checksum)
-        payload = json.dumps(manifest).encode()
+        payload = self._payload()
         prelude = torch.tensor([MAGIC, PROTOCOL_VERSION, len(payload), 0], dtype=torch.int64)
         self.comm.broadcast(prelude.to(self.device), self.src)
         code = self.vote(0)
@@ -288,3 +509,11 @@ class Broadcaster(Endpoint):
     def _sync(self) -> None:
         if self.comm_stream is not None:
             self.comm_stream.synchronize()
+
+
+def _sender_index(comm: object | None, senders: Sequence[int]) -> int:
+    me = link_rank(comm)
+    if me not in list(senders):
+        raise ValueError(f"senders: this process (link rank {me}) is not one of the senders {list(senders)}; "
+                         "engine ranks build a Receiver")  # fmt: skip
+    return list(senders).index(me)

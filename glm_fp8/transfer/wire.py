@@ -18,6 +18,13 @@ Wire protocol (version 2), broadcasts from ``src`` and all-reduce (MAX) votes of
 4. A last header COMPLETE (position = number of layers); vote (a consumer that failed on the
    last layer refuses here). Or, at any header, ABORT with a reason code: the sender failed.
 
+Scatter mode sends each class of engine ranks its region by a broadcast in the class's own
+group. With many senders (docs/layouts.md#many-senders) every trainer rank takes part in the
+prelude, manifest, header and votes (``src`` leads), a layer's bytes travel as point-to-point
+segments (``Comm.exchange``) from every sender to the engine ranks, each ending in its checksum
+word, and a sender's failure is its vote at that layer's header (``SENDER_FAILED``), never an
+ABORT header.
+
 A vote is an ``int64[1]`` all-reduce with MAX: every rank contributes 0 or a refusal code
 ``reason * 2**20 + rank`` (never negative), so no rank's value can hide another's refusal, and
 every rank leaves the update at the same step with an error naming the highest refusal. A
@@ -43,7 +50,8 @@ MAX_MANIFEST_BYTES = 64 << 20  # default cap; a GLM-5 manifest is about 0.26 MiB
 HEADER_WORDS = 8
 
 # Refusal reasons, in increasing precedence (a vote's MAX reports the highest).
-REFUSED_PRELUDE, REFUSED_MANIFEST, REFUSED_PARAMS, REFUSED_HEADER, BAD_CHECKSUM, CONSUMER_FAILED = range(1, 7)
+(REFUSED_PRELUDE, REFUSED_MANIFEST, REFUSED_PARAMS, REFUSED_HEADER, BAD_CHECKSUM, CONSUMER_FAILED,
+ SENDER_FAILED) = range(1, 8)  # fmt: skip
 REFUSAL_REASONS = {
     REFUSED_PRELUDE: "refused the manifest's prelude (magic, version or length)",
     REFUSED_MANIFEST: "refused the manifest",
@@ -51,6 +59,7 @@ REFUSAL_REASONS = {
     REFUSED_HEADER: "refused a layer header that disagrees with the manifest",
     BAD_CHECKSUM: "received a layer whose checksum differs from the sender's",
     CONSUMER_FAILED: "failed while landing a layer in its parameters",
+    SENDER_FAILED: "(a sender) failed: a layer other than announced, a bad state dict or non-finite weights",
 }
 # Why the sender aborted (the header's reason word).
 ABORT_ERROR, ABORT_ORDER = 1, 2
@@ -63,6 +72,10 @@ _RANK_BITS = 20
 
 def refusal_code(reason: int, rank: int) -> int:
     return (reason << _RANK_BITS) + (rank & ((1 << _RANK_BITS) - 1))
+
+
+def refusal_reason(code: int) -> int:
+    return code >> _RANK_BITS
 
 
 def describe_refusal(code: int) -> str:
@@ -175,6 +188,26 @@ class Comm:
         else:
             raise TypeError(f"comm: {type(self.comm).__name__} has no all_reduce for the votes")
 
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
+    ) -> None:
+        """Point-to-point messages of one step (many senders), ``(tensor, peer link rank)``
+        each, posted together and waited for: every rank posts all of its own, so no order
+        between peers can deadlock."""
+        if self.comm is None or is_process_group(self.comm):
+            import torch.distributed as dist
+
+            glob = (lambda r: r) if self.comm is None else (lambda r: dist.get_global_rank(self.comm, r))
+            ops = [dist.P2POp(dist.isend, t, glob(r), self.comm) for t, r in sends]
+            ops += [dist.P2POp(dist.irecv, t, glob(r), self.comm) for t, r in recvs]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+        elif hasattr(self.comm, "exchange"):
+            self.comm.exchange(sends, recvs)
+        else:
+            raise TypeError(f"comm: {type(self.comm).__name__} has no point-to-point exchange (many senders "
+                            "need a torch.distributed ProcessGroup)")  # fmt: skip
+
 
 def is_process_group(obj: object) -> bool:
     import torch.distributed as dist
@@ -185,10 +218,12 @@ def is_process_group(obj: object) -> bool:
 class HostSinkComm:
     """Stand-in communicator for one-GPU benchmarks and tests: a "broadcast" from this rank is
     a device-to-host copy into pinned memory on the current stream, about the speed of one
-    inter-node link. ``keep=True`` keeps a copy of every message for checking."""
+    inter-node link. ``keep=True`` keeps a copy of every message for checking. ``rank``: the
+    link rank this process plays (many senders: which sender's share it sends)."""
 
-    def __init__(self, keep: bool = False):
+    def __init__(self, keep: bool = False, rank: int = 0):
         self.keep = keep
+        self.rank = rank
         self.sent: list[torch.Tensor] = []
         self._pinned: dict[int, torch.Tensor] = {}
 
@@ -207,3 +242,12 @@ class HostSinkComm:
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         return None  # no receivers to refuse
+
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
+    ) -> None:
+        """Many senders' messages: each send is a device-to-host copy, as ``broadcast``."""
+        if recvs:
+            raise ValueError("HostSinkComm: a sink only sends; it has nothing to receive")
+        for t, _ in sends:
+            self.broadcast(t, 0)

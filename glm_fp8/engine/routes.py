@@ -1,0 +1,358 @@
+"""Many senders (docs/layouts.md#many-senders): which trainer rank sends which bytes of an
+update to which engine rank.
+
+Sender ``t`` of ``T`` (the trainer ranks, in the order of their expert chunks) holds whole
+routed experts: the t-th ``torch.chunk`` of every expert stack, as FSDP2 and expert parallelism
+(``Shard(0)``) place them. It quantizes them itself and sends each class of engine ranks (ranks
+that hold the same shard, ``glm_fp8.engine.pack.scatter_classes``) the part of their shard that
+lies in its experts. A layer's other entries are gathered on one sender, their owner, which
+converts and sends them; owners are chosen so that the senders send about as many bytes.
+
+Per layer, each sender sends each engine rank at most one message, a ``Segment``: its pieces
+one after another at multiples of 256 bytes, then a checksum word. An engine rank's layer
+buffer holds its class's segments side by side, in sender order; a sender's send buffer holds
+its segments side by side, in class order. The plan is computed once per update
+configuration, identically on every rank, and reused every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.engine.layout import EngineLayout, Shard, copy_shard_into
+from glm_fp8.engine.pack import CHECKSUM_BYTES, ShardPiece, layer_scatter, layout_words
+from glm_fp8.models import REST
+from glm_fp8.plan import LayerPlan, PlanEntry, align, build_plan, layer_prefix
+
+_WHOLE = Shard("replicated")
+_VOCAB_SIZED = ("shared_head.head.weight",)  # the MTP layer's own head, as large as lm_head
+
+
+def chunk_bounds(n: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """[lo, hi) of each of ``parts`` pieces of ``n`` rows as ``torch.chunk`` (and so FSDP2's
+    ``Shard(0)``) cuts them: ceil-sized pieces first, trailing pieces may be empty."""
+    size = -(-n // parts) if parts else 0
+    return tuple((min(t * size, n), min((t + 1) * size, n)) for t in range(parts))
+
+
+def stack_entries(plan: LayerPlan) -> list[PlanEntry]:
+    """The routed-expert stacks of a layer (3-D quantized entries) and their scales."""
+    out = []
+    for k, e in enumerate(plan.entries):
+        if e.op == "quantize" and len(e.shape) == 3:
+            out += [e, plan.entries[k + 1]]
+    return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What sender ``sender`` sends every rank of class ``cls`` for one layer: ``pieces`` (each
+    at its offset from the segment's start), then the checksum word; ``nbytes`` includes it.
+    It lies at ``send_offset`` in the sender's send buffer and at ``recv_offset`` in each
+    receiving rank's layer buffer."""
+
+    sender: int
+    cls: int
+    pieces: tuple[ShardPiece, ...]
+    nbytes: int
+    send_offset: int
+    recv_offset: int
+
+    @property
+    def data_nbytes(self) -> int:
+        return self.nbytes - CHECKSUM_BYTES
+
+    def checksum_word(self, seg: torch.Tensor) -> torch.Tensor:
+        """The checksum word of the segment's bytes ``seg``."""
+        return seg[self.data_nbytes : self.nbytes].view(torch.int64)[0]
+
+    def pack_into(self, views: Mapping[str, torch.Tensor], seg: torch.Tensor, first_expert: int) -> None:
+        """Cut every piece out of the sender's converted entries ``views`` (by prefixed name;
+        an expert stack holds the sender's experts from global id ``first_expert`` on) into the
+        segment's bytes ``seg``; the checksum word is left to the caller."""
+        for p in self.pieces:
+            src = views[p.name]
+            if p.experts is not None:
+                a, b = p.experts
+                src = src.narrow(0, a - first_expert, b - a)
+            copy_shard_into(p.view(seg), src, p.shard)
+
+
+@dataclass(frozen=True)
+class LayerRoutes:
+    """One layer's routes: ``classes`` (link ranks that receive the same bytes), ``segments``
+    (by class, then sender), ``owners`` (each entry other than the expert stacks, by prefixed
+    name: the sender that gathers, converts and sends it), ``local_plans`` (per sender: the
+    part of the layer it converts, possibly nothing), the bytes of each sender's send buffer
+    and of each class's receive buffer."""
+
+    layer_idx: int
+    classes: tuple[tuple[int, ...], ...]
+    segments: tuple[Segment, ...]
+    owners: dict[str, int]
+    local_plans: tuple[LayerPlan, ...]
+    send_nbytes: tuple[int, ...]
+    recv_nbytes: tuple[int, ...]
+
+    def of_sender(self, t: int) -> list[Segment]:
+        return [s for s in self.segments if s.sender == t]
+
+    def of_class(self, k: int) -> list[Segment]:
+        return [s for s in self.segments if s.cls == k]
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Every segment once: the layer's distinct bytes on the wire (its header's count)."""
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Routes of one update: ``senders`` (link ranks, in expert-chunk order), ``engines`` (one
+    entry per link rank, None at each sender), each sender's routed experts ``bounds`` and
+    every layer's routes (in the update's order)."""
+
+    senders: tuple[int, ...]
+    engines: tuple[EngineLayout | None, ...]
+    bounds: tuple[tuple[int, int], ...]
+    layers: tuple[LayerRoutes, ...]
+
+    def class_of(self, pos: int, rank: int) -> int:
+        return next(k for k, ranks in enumerate(self.layers[pos].classes) if rank in ranks)
+
+    def sent_bytes(self) -> list[int]:
+        """Bytes each sender sends in a whole update (a segment once per receiving rank)."""
+        out = [0] * len(self.senders)
+        for layer in self.layers:
+            for s in layer.segments:
+                out[s.sender] += s.nbytes * len(layer.classes[s.cls])
+        return out
+
+    def received_bytes(self) -> dict[int, int]:
+        """Bytes each engine rank (link rank) receives in a whole update."""
+        out: dict[int, int] = {}
+        for layer in self.layers:
+            for k, ranks in enumerate(layer.classes):
+                for r in ranks:
+                    out[r] = out.get(r, 0) + layer.recv_nbytes[k]
+        return out
+
+    def sender_buffers(self, t: int) -> tuple[int, int]:
+        """(largest local conversion buffer, largest send buffer) of sender ``t``: one ring slot
+        of each."""
+        return (max((lay.local_plans[t].nbytes for lay in self.layers), default=0),
+                max((lay.send_nbytes[t] for lay in self.layers), default=0))  # fmt: skip
+
+    def gathered_bytes(self, t: int) -> list[int]:
+        """Per layer, the trainer tensors sender ``t`` gathers (the sources of the entries it
+        owns there, whole, in their planned dtypes); it holds one layer's at a time."""
+        out = []
+        for lay in self.layers:
+            plan = lay.local_plans[t]
+            own = {name for name, owner in lay.owners.items() if owner == t}
+            prefix = layer_prefix(lay.layer_idx)
+            srcs = {s for e in plan.entries if prefix + e.name in own for s in e.sources}
+            out.append(sum((plan.inputs[s][1] or torch.bfloat16).itemsize * _numel(plan.inputs[s][0])
+                           for s in srcs))  # fmt: skip
+        return out
+
+    def sender_peak(self, t: int, ring: int = 2) -> int:
+        """Sender ``t``'s transient bytes above its resident shards: ``ring`` slots of its local
+        conversion buffer and of its send buffer, and one layer's gathered tensors."""
+        local, send = self.sender_buffers(t)
+        return ring * (local + send) + max(self.gathered_bytes(t), default=0)
+
+    def messages_per_layer(self) -> int:
+        """The most messages one layer takes (every segment to every rank of its class)."""
+        return max(sum(len(lay.classes[s.cls]) for s in lay.segments) for lay in self.layers)
+
+    def manifest(self) -> dict:
+        return {
+            "senders": list(self.senders),
+            "engines": [layout_words(lay) for lay in self.engines],
+            "bounds": [list(b) for b in self.bounds],
+            "layers": [
+                [[s.sender, list(lay.classes[s.cls]), s.nbytes] for s in lay.segments] for lay in self.layers
+            ],  # fmt: skip
+        }
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def transfer_plan(
+    config: Mapping,
+    plans: Sequence[LayerPlan],
+    layer_ids: Sequence[int],
+    engines: Sequence[EngineLayout | None],
+    senders: Sequence[int],
+) -> TransferPlan:
+    """The routes of an fp8 update of ``layer_ids`` (``plans[k]`` the plan of ``layer_ids[k]``)
+    from ``senders`` (link ranks) into ``engines`` (one entry per link rank; None exactly at
+    the senders). Raises ValueError for a plan the senders cannot carry out, or where vLLM
+    would refuse an engine layout."""
+    senders = tuple(int(s) for s in senders)
+    engines = tuple(engines)
+    if not senders:
+        raise ValueError("senders: expected at least one trainer rank")
+    if len(set(senders)) != len(senders):
+        raise ValueError(f"senders: expected distinct link ranks, got {list(senders)}")
+    for r, lay in enumerate(engines):
+        if (r in senders) != (lay is None):
+            raise ValueError(f"engines[{r}]: expected " + ("None (a sender)" if r in senders else
+                             f"the EngineLayout of rank {r}, got None"))  # fmt: skip
+        if lay is not None and not isinstance(lay, EngineLayout):
+            raise TypeError(f"engines[{r}]: expected an EngineLayout, got {type(lay).__name__}")
+    bad = [s for s in senders if not 0 <= s < len(engines)]
+    if bad:
+        raise ValueError(f"senders: rank {bad[0]} is not a rank of the link (0..{len(engines) - 1})")
+    n_senders = len(senders)
+    scatters, cache = [], {}
+    for plan, layer_idx in zip(plans, layer_ids):
+        if id(plan) not in cache:
+            cache[id(plan)] = (layer_idx, layer_scatter(plan, layer_idx, config, engines))
+        first, scatter = cache[id(plan)]
+        scatters.append(_renamed(scatter, layer_prefix(first), layer_prefix(layer_idx)))
+    experts = {e.shape[0] for p in plans for e in stack_entries(p)}
+    if len(experts) > 1:
+        raise ValueError(
+            f"plans: expected one number of routed experts in every layer, got {sorted(experts)}"
+        )
+    n_experts = experts.pop() if experts else 0
+    bounds = chunk_bounds(n_experts, n_senders)
+    owners = _owners(plans, layer_ids, scatters, bounds, n_experts)
+    local_cache: dict[tuple, LayerPlan] = {}
+    layers = []
+    for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
+        scatter = scatters[pos]
+        prefix = layer_prefix(layer_idx)
+        stacks = {prefix + e.name for e in stack_entries(plan)}
+        segments, recv_nbytes = [], []
+        for k, pack in enumerate(scatter.packs):
+            recv = 0
+            for t, (lo, hi) in enumerate(bounds):
+                pieces, off = [], 0
+                for p in pack.pieces:
+                    if p.name in stacks:
+                        es, ee = p.shard.parts[0] if p.shard.kind == "experts" else (0, n_experts)
+                        a, b = max(es, lo), min(ee, hi)
+                        if a >= b:
+                            continue
+                        shard = _WHOLE if p.shard.kind == "experts" else p.shard
+                        piece = ShardPiece(p.name, p.dtype, (b - a, *p.shape[1:]), off, shard, (a, b))
+                    elif owners[pos][p.name] == t:
+                        piece = dataclasses.replace(p, offset=off)
+                    else:
+                        continue
+                    pieces.append(piece)
+                    off = align(off + piece.nbytes)
+                if pieces:
+                    segments.append(Segment(t, k, tuple(pieces), off + CHECKSUM_BYTES, 0, recv))
+                    recv = align(recv + off + CHECKSUM_BYTES)
+            recv_nbytes.append(recv)
+        send_nbytes = [0] * n_senders
+        placed = []
+        for s in segments:  # class order within each sender
+            placed.append(dataclasses.replace(s, send_offset=send_nbytes[s.sender]))
+            send_nbytes[s.sender] = align(send_nbytes[s.sender] + s.nbytes)
+        local_plans = []
+        for t, (lo, hi) in enumerate(bounds):
+            owned = frozenset(n[len(prefix) :] for n, o in owners[pos].items() if o == t)
+            key = (id(plan), hi - lo, owned)
+            if key not in local_cache:
+                local_cache[key] = _local_plan(config, plan, hi - lo, owned)
+            local_plans.append(local_cache[key])
+        layers.append(LayerRoutes(layer_idx, scatter.classes, tuple(placed), owners[pos], tuple(local_plans),
+                                  tuple(send_nbytes), tuple(recv_nbytes)))  # fmt: skip
+    return TransferPlan(senders, engines, bounds, tuple(layers))
+
+
+def _renamed(scatter, old: str, new: str):
+    if old == new:
+        return scatter
+    packs = tuple(
+        dataclasses.replace(
+            pk, pieces=tuple(dataclasses.replace(p, name=new + p.name[len(old) :]) for p in pk.pieces)
+        )  # fmt: skip
+        for pk in scatter.packs
+    )
+    return dataclasses.replace(scatter, packs=packs)
+
+
+def _owners(plans, layer_ids, scatters, bounds, n_experts) -> list[dict[str, int]]:
+    """Each entry other than the expert stacks gets one owner: a decoder layer's entries go
+    together (one gather per layer), the non-layer tensors and vocabulary-sized entries (the
+    MTP layer's head) one by one: they are the largest entries of a model. Largest group first,
+    each to the sender that sends the fewest bytes so far, counting its share of the expert
+    stacks (greedy, deterministic)."""
+    n = len(bounds)
+    load = [0] * n
+    groups: list[tuple[int, int, list[str]]] = []  # (bytes sent, position, names)
+    for pos, (plan, layer_idx, scatter) in enumerate(zip(plans, layer_ids, scatters)):
+        prefix = layer_prefix(layer_idx)
+        stacks = {prefix + e.name for e in stack_entries(plan)}
+        sent: dict[str, int] = {}
+        for ranks, pack in zip(scatter.classes, scatter.packs):
+            for p in pack.pieces:
+                sent[p.name] = sent.get(p.name, 0) + p.nbytes * len(ranks)
+        for name in stacks:
+            for t, (lo, hi) in enumerate(bounds):
+                load[t] += sent.get(name, 0) * (hi - lo) // max(n_experts, 1)
+        others = [prefix + e.name for e in plan.entries if prefix + e.name not in stacks]
+        alone = [[x] for x in others if layer_idx == REST or x.endswith(_VOCAB_SIZED)]
+        together = [x for x in others if [x] not in alone]
+        for names in alone + [together]:
+            if names:
+                groups.append((sum(sent.get(x, 0) for x in names), pos, names))
+    owners: list[dict[str, int]] = [{} for _ in plans]
+    for nbytes, pos, names in sorted(groups, key=lambda g: (-g[0], g[1])):
+        t = min(range(n), key=lambda i: (load[i], i))
+        load[t] += nbytes
+        for name in names:
+            owners[pos][name] = t
+    return owners
+
+
+def _local_plan(config: Mapping, plan: LayerPlan, n_local: int, owned: frozenset[str]) -> LayerPlan:
+    """What one sender converts of a layer: its ``n_local`` experts of every expert stack (with
+    their scales) and the entries it owns (short names), laid out afresh."""
+    stacks = stack_entries(plan)
+    srcs = {s for e in stacks for s in e.sources}
+    inputs = {k: ((n_local, *shape[1:]) if k in srcs else shape, dtype)
+              for k, (shape, dtype) in plan.inputs.items()}  # fmt: skip
+    local = build_plan(config["model_type"], inputs, target=plan.target, quantize=plan.quantize,
+                       scale_fmt=plan.scale_fmt) if srcs else plan  # fmt: skip
+    keep = set(owned) | ({e.name for e in stacks} if n_local else set())
+    return local.subset(keep)
+
+
+def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
+    """Rows for ``glm-fp8 plan``: per sender (the ``top`` busiest), its experts, the entries it
+    owns, bytes sent, messages per update and its ring slots."""
+    sent = tp.sent_bytes()
+    order = sorted(range(len(tp.senders)), key=lambda t: (-sent[t], t))[:top]
+    for t in order:
+        owned = sum(1 for lay in tp.layers for o in lay.owners.values() if o == t)
+        msgs = sum(len(lay.classes[s.cls]) for lay in tp.layers for s in lay.of_sender(t))
+        local, send = tp.sender_buffers(t)
+        lo, hi = tp.bounds[t] if tp.bounds else (0, 0)
+        yield [tp.senders[t], f"{lo}..{hi - 1}" if hi > lo else "-", owned, sent[t], msgs, local, send]
+
+
+__all__ = [
+    "LayerRoutes",
+    "Segment",
+    "TransferPlan",
+    "chunk_bounds",
+    "describe",
+    "stack_entries",
+    "transfer_plan",
+]

@@ -1,0 +1,216 @@
+"""Many senders: every trainer rank converts and sends its own share of the update (its whole
+experts of every stack, and the entries it owns) straight to the engine ranks that hold them.
+
+Invariant: after ``load_into(params)`` on every engine rank, each ``params[n]`` equals the
+reference conversion cut by the rank's shard, bit for bit (``glm_fp8.testing
+.reference_engine_params``), exactly as with one sender; every parameter is written; a sender
+sends only its own experts' bytes and the entries it owns, and the engine ranks receive exactly
+their shard. Any rank's failure (a sender's bad layer, non-finite weights, a layer out of order,
+a receiver's consumer) stops every rank at the same step, with the failing rank named. Trainer
+ranks hold FSDP2-style DTensors (``Shard(0)``) on a gloo CPU mesh; a whole tiny GLM-5 (two
+dense and two sparse layers, 4 experts, the MTP layer, embeddings and head).
+"""
+
+import math
+
+import pytest
+import torch
+
+from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.testing import launch
+
+FILL = 0x5A
+WHOLE = model_layer_ids(TINY_GLM5)
+
+
+def _layouts(case: str, n: int):
+    from glm_fp8.engine import EngineLayout
+
+    if case == "tp2":
+        return [EngineLayout(tp_size=2, tp_rank=r) for r in range(n)]
+    if case == "ep2":
+        return [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(n)]
+    if case == "ep4":
+        return EngineLayout.all_ranks(1, 4, True)
+    return [EngineLayout(tp_size=2, tp_rank=r % 2, dp_size=2, dp_rank=r // 2) for r in range(n)]  # tp2 x dp2
+
+
+def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from glm_fp8.engine import engine_params
+    from glm_fp8.testing import reference_engine_params, sharded_layer
+    from glm_fp8.transfer import Broadcaster, Receiver
+
+    mesh = DeviceMesh("cpu", torch.arange(n_senders))  # every rank creates its groups
+    layouts = _layouts(case, world - n_senders)
+    engines = [None] * n_senders + layouts
+    kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, device="cpu", engines=engines,
+              senders=list(range(n_senders)))  # fmt: skip
+    if rank < n_senders:
+        other = {"scale_fmt": "ue8m0"} if fault == "manifest" and rank == 1 else {}  # another manifest
+        sender = Broadcaster(None, 0, **kw, **other)
+
+        def layers():
+            for i in WHOLE:
+                sd = sharded_layer(TINY_GLM5, i, mesh, dtype)
+                if fault == "shard1" and i == 2:  # experts split along I: no sender holds a whole one
+                    from torch.distributed.tensor import Shard, distribute_tensor
+
+                    for k in [k for k in sd if ".mlp.experts." in k]:
+                        sd[k] = distribute_tensor(sd[k].full_tensor(), mesh, [Shard(1)])
+                if fault == "nan" and i == 2 and rank == n_senders - 1:
+                    sd["model.layers.2.mlp.experts.w1"].to_local()[0, 3, 5] = float("nan")
+                if fault == "order" and i == 3 and rank == 1:
+                    i = 4  # the wrong index only: building layer 4 here would be a collective of its own
+                yield i, sd
+
+        stats = sender.broadcast_model(layers(), rest=sharded_layer(TINY_GLM5, REST, mesh, dtype))
+        routes = sender.routes
+        return stats.nbytes, routes.sent_bytes()[sender.me], routes.received_bytes()
+    layout = layouts[rank - n_senders]
+    params = {}
+    for name, p in engine_params(TINY_GLM5, layout).items():
+        params[name] = torch.empty(p.shape, dtype=p.dtype)
+        params[name].view(torch.uint8).fill_(FILL)
+    receiver = Receiver(None, 0, layout=layout, **kw)
+    if fault == "consumer" and rank == world - 1:
+        w2 = "model.layers.3.mlp.experts.routed_experts.w2_weight"
+        params[w2] = params[w2][:, :1]
+        receiver._check_params = lambda p: None  # a consumer that breaks mid-update, not at the check
+    assert receiver.ring.slots[0].numel() == max(
+        lay.recv_nbytes[receiver.routes.class_of(pos, rank)] for pos, lay in enumerate(receiver.routes.layers)
+    )
+    receiver.load_into(params)
+    want = reference_engine_params(TINY_GLM5, layout, [*WHOLE, REST], dtype=dtype)
+    assert set(want) == set(params)  # every parameter is part of the update
+    for name, ref in want.items():
+        got = params[name]
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        assert torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    return sum(p.nbytes for p in params.values())
+
+
+@pytest.mark.parametrize(
+    "n_senders, case, engines",
+    [(2, "tp2", 2), (2, "ep2", 2), (3, "tp2", 2), (4, "ep4", 4), (4, "tp2xdp2", 4)],
+)
+def test_every_engine_byte_equals_the_reference_from_many_senders(n_senders, case, engines):
+    """3 senders over 4 experts hold 2, 2 and 0 (torch.chunk): the last sends only what it owns."""
+    world = n_senders + engines
+    results = launch(world, _rank, (n_senders, case), timeout_s=150)
+    bad = {r: v for r, v in results.items() if v[0] != "ok"}
+    assert not bad, bad
+    sent = [results[t][1][1] for t in range(n_senders)]
+    received = results[0][1][2]
+    # What leaves the senders is what the engine ranks receive (their buffers also hold the
+    # alignment between segments), and each receives about its shard (its parameters, less
+    # vLLM's float32 widenings, plus alignment and checksum words).
+    slack = (world - n_senders) * len(WHOLE + [REST]) * n_senders * 256
+    assert 0 <= sum(received.values()) - sum(sent) < slack
+    for r in range(n_senders, world):
+        held = results[r][1]
+        assert held * 0.5 < received[r] < held + len(WHOLE + [REST]) * n_senders * 24 * 256, (r, received[r])
+    assert min(sent) > 0
+
+
+def test_fp32_masters_are_cast_to_bf16_as_with_one_sender():
+    results = launch(4, _rank, (2, "tp2", None, torch.float32), timeout_s=150)
+    assert all(v[0] == "ok" for v in results.values()), results
+
+
+@pytest.mark.parametrize(
+    "fault, culprit, why",
+    [
+        ("nan", 1, "NonFiniteError"),  # the last sender's own expert: found after its gathers
+        ("order", 1, "LayerOrderError"),  # one sender handed layer 4 where layer 3 was announced
+        ("consumer", 3, "RuntimeError"),  # an engine rank's landing fails mid-update
+    ],
+)
+def test_any_ranks_failure_stops_every_rank_at_the_same_step(fault, culprit, why):
+    results = launch(4, _rank, (2, "tp2", fault), timeout_s=60)
+    assert results[culprit][0] == why, results
+    for r, (status, msg) in results.items():
+        if r == culprit:
+            continue
+        assert status in ("UpdateAborted", "ReceiverRefused"), (r, status, msg)
+        assert f"rank {culprit} " in msg, (r, msg)
+
+
+def test_the_plan_balances_senders_and_covers_every_byte():
+    """Every piece of every class's shard comes from exactly one sender, experts from the sender
+    that holds them; senders' bytes differ by at most the largest entry one of them owns."""
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.engine.pack import layer_scatter
+    from glm_fp8.engine.routes import transfer_plan
+    from glm_fp8.models import PRESETS
+    from glm_fp8.plan import plans_for_model
+
+    cfg = PRESETS["glm-5"]
+    ids = model_layer_ids(cfg) + [REST]
+    plans = plans_for_model(cfg, "fp8", layer_ids=ids)
+    engines = [None] * 32 + [lay for _ in range(4) for lay in EngineLayout.all_ranks(8, 1, True)]
+    tp = transfer_plan(cfg, plans, ids, engines, range(32))
+    assert tp.bounds == tuple((8 * t, 8 * t + 8) for t in range(32))
+    for pos in (0, 3, len(ids) - 2, len(ids) - 1):  # dense, sparse, MTP, the non-layer tensors
+        full = layer_scatter(plans[pos], ids[pos], cfg, engines)
+        lay = tp.layers[pos]
+        assert lay.classes == full.classes
+        for k, pack in enumerate(full.packs):
+            got: dict[str, int] = {}
+            for seg in lay.of_class(k):
+                lo, hi = tp.bounds[seg.sender]
+                for p in seg.pieces:
+                    got[p.name] = got.get(p.name, 0) + p.nbytes
+                    if p.experts is not None:
+                        assert lo <= p.experts[0] < p.experts[1] <= hi
+                    else:
+                        assert lay.owners[p.name] == seg.sender
+            assert got == {p.name: p.nbytes for p in pack.pieces}
+    sent = tp.sent_bytes()
+    received = tp.received_bytes()
+    assert 0 <= sum(received.values()) - sum(sent) < 32 * len(ids) * 32 * 256
+    # lm_head: each of the 32 ranks its eighth: the whole entry 4 times (greedy's bound)
+    biggest = max(p.nbytes for p in plans[-1].entries) * 4
+    assert max(sent) - min(sent) <= biggest
+    # EP=8: every rank its 32 experts, each in segments of its own (alignment and checksums)
+    assert max(received.values()) - min(received.values()) < len(ids) * 32 * (256 + 8)
+    assert math.isclose(max(received.values()) / 2**30, 90.28, abs_tol=0.01)
+
+
+def test_a_sender_with_another_manifest_is_refused_before_anything_is_sent():
+    results = launch(4, _rank, (2, "tp2", "manifest"), timeout_s=60)
+    assert results[1][0] == "ManifestMismatch" and "rank 1 refused the manifest" in results[1][1], results
+    assert results[0][0] == "ManifestMismatch" and "rank 1 refused the manifest" in results[0][1], results
+    for r in (2, 3):
+        assert results[r][0] == "UpdateAborted" and "rank 1 refused the manifest" in results[r][1], results
+
+
+def test_expert_stacks_split_inside_experts_are_refused_naming_the_tensor():
+    """Shard(1) expert stacks: no sender holds whole experts; every sender refuses at that
+    layer before any gather, naming the tensor, and every engine rank stops there."""
+    results = launch(4, _rank, (2, "tp2", "shard1"), timeout_s=60)
+    for r in (0, 1):
+        status, msg = results[r]
+        assert status == "ValueError" and "model.layers.2.mlp.experts.w1: many senders need" in msg, results
+    for r in (2, 3):
+        assert results[r][0] == "UpdateAborted" and "(a sender) failed" in results[r][1], results
+
+
+def test_bad_many_senders_arguments_are_refused():
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver
+
+    engines = [None, None, EngineLayout(tp_size=2, tp_rank=0), EngineLayout(tp_size=2, tp_rank=1)]
+    kw = dict(config=TINY_GLM5, device="cpu")
+    with pytest.raises(ValueError, match="senders: many senders need engines="):
+        Broadcaster(HostSinkComm(), 0, senders=[0, 1], **kw)
+    with pytest.raises(ValueError, match=r"src: expected one of the senders \[0, 1\]"):
+        Broadcaster(HostSinkComm(), 2, senders=[0, 1], engines=engines, **kw)
+    with pytest.raises(ValueError, match=r"this process \(link rank 3\) is not one of the senders"):
+        Broadcaster(HostSinkComm(rank=3), 0, senders=[0, 1], engines=engines, **kw)
+    with pytest.raises(ValueError, match=r"engines\[1\]: expected None \(a sender\)"):
+        Broadcaster(HostSinkComm(), 0, senders=[0, 1], engines=[None, *engines[2:], None], **kw)
+    receiver = Receiver(HostSinkComm(rank=2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
+    with pytest.raises(TypeError, match="receive_layers: with senders= an expert stack arrives in pieces"):
+        receiver.receive_layers()
