@@ -201,9 +201,10 @@ def _print_transfer_plan(args: argparse.Namespace, config: dict) -> None:
     n = len(tp.senders)
     print()
     print(f"many senders' transfer plan (glm_fp8.engine.routes; link ranks 0..{n - 1} the trainer GPUs, then "
-          f"the engines' ranks): each sender sends its own experts' part of every engine rank's shard and "
-          f"the entries it owns, one message per engine rank and layer (at most {tp.messages_per_layer()} "
-          f"messages per layer in all); the {min(n, 8)} busiest senders:")  # fmt: skip
+          f"the engines' ranks): each sender sends every engine rank the part of its shard in the sender's "
+          f"rows (its experts, its slice of the embeddings and heads) and in the entries it owns, one "
+          f"message per engine rank and layer (at most {tp.messages_per_layer()} messages per layer in "
+          f"all); the {min(n, 8)} busiest senders:")  # fmt: skip
     rows = [[rank, experts, owned, f"{sent / gib:.2f}", msgs, f"{local / gib:.2f}", f"{send / gib:.2f}",
              f"{tp.sender_peak(tp.senders.index(rank)) / gib:.2f}"]
             for rank, experts, owned, sent, msgs, local, send in describe(tp)]  # fmt: skip

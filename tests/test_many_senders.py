@@ -42,6 +42,10 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
     from glm_fp8.testing import reference_engine_params, sharded_layer
     from glm_fp8.transfer import Broadcaster, Receiver
 
+    if fault in ("split", "split_replicated"):
+        import glm_fp8.engine.routes as routes
+
+        routes.SPLIT_MIN_BYTES = 0  # split every passthrough matrix by rows, as GLM-5's largest are
     mesh = DeviceMesh("cpu", torch.arange(n_senders))  # every rank creates its groups
     layouts = _layouts(case, world - n_senders)
     engines = [None] * n_senders + layouts
@@ -65,7 +69,13 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
                     i = 4  # the wrong index only: building layer 4 here would be a collective of its own
                 yield i, sd
 
-        stats = sender.broadcast_model(layers(), rest=sharded_layer(TINY_GLM5, REST, mesh, dtype))
+        rest = sharded_layer(TINY_GLM5, REST, mesh, dtype)
+        if fault == "split_replicated":  # rows not where the split wants them: gathered row by row
+            from torch.distributed.tensor import Replicate, distribute_tensor
+
+            name = "model.embed_tokens.weight"
+            rest[name] = distribute_tensor(rest[name].full_tensor(), mesh, [Replicate()])
+        stats = sender.broadcast_model(layers(), rest=rest)
         routes = sender.routes
         return stats.nbytes, routes.sent_bytes()[sender.me], routes.received_bytes()
     layout = layouts[rank - n_senders]
@@ -114,6 +124,19 @@ def test_every_engine_byte_equals_the_reference_from_many_senders(n_senders, cas
     assert min(sent) > 0
 
 
+@pytest.mark.parametrize(
+    "n_senders, case, fault",
+    [(3, "tp2", "split"), (2, "ep2", "split"), (2, "tp2", "split_replicated")],
+)
+def test_large_passthrough_matrices_split_by_rows_land_exactly(n_senders, case, fault):
+    """Every passthrough matrix split by rows over the senders (in GLM-5 only those of 64 MiB
+    or more: embeddings, heads, eh_proj): 3 senders cut the 1000-row vocabulary at 334 and 668,
+    across TP=2's cut at 512 and its 24 zero padding rows; a replicated embedding is gathered
+    row range by row range; every byte still equals the reference."""
+    results = launch(n_senders + 2, _rank, (n_senders, case, fault), timeout_s=150)
+    assert all(v[0] == "ok" for v in results.values()), results
+
+
 def test_fp32_masters_are_cast_to_bf16_as_with_one_sender():
     results = launch(4, _rank, (2, "tp2", None, torch.float32), timeout_s=150)
     assert all(v[0] == "ok" for v in results.values()), results
@@ -138,8 +161,9 @@ def test_any_ranks_failure_stops_every_rank_at_the_same_step(fault, culprit, why
 
 
 def test_the_plan_balances_senders_and_covers_every_byte():
-    """Every piece of every class's shard comes from exactly one sender, experts from the sender
-    that holds them; senders' bytes differ by at most the largest entry one of them owns."""
+    """Every piece of every class's shard comes from exactly one sender, a split entry's rows
+    (experts, vocabulary rows) from the sender that holds them; senders' bytes stay within 2 GiB
+    of each other."""
     from glm_fp8.engine import EngineLayout
     from glm_fp8.engine.pack import layer_scatter
     from glm_fp8.engine.routes import transfer_plan
@@ -159,20 +183,22 @@ def test_the_plan_balances_senders_and_covers_every_byte():
         for k, pack in enumerate(full.packs):
             got: dict[str, int] = {}
             for seg in lay.of_class(k):
-                lo, hi = tp.bounds[seg.sender]
                 for p in seg.pieces:
                     got[p.name] = got.get(p.name, 0) + p.nbytes
-                    if p.experts is not None:
-                        assert lo <= p.experts[0] < p.experts[1] <= hi
+                    if p.rows is not None:  # experts, or rows of a large passthrough matrix
+                        lo, hi = lay.splits[p.name][seg.sender]
+                        assert lo <= p.rows[0] < p.rows[1] <= hi
                     else:
                         assert lay.owners[p.name] == seg.sender
             assert got == {p.name: p.nbytes for p in pack.pieces}
     sent = tp.sent_bytes()
     received = tp.received_bytes()
     assert 0 <= sum(received.values()) - sum(sent) < 32 * len(ids) * 32 * 256
-    # lm_head: each of the 32 ranks its eighth: the whole entry 4 times (greedy's bound)
-    biggest = max(p.nbytes for p in plans[-1].entries) * 4
-    assert max(sent) - min(sent) <= biggest
+    # Greedy's bound: the largest group one sender owns (a decoder layer's other entries, sent
+    # to 4 replicas); the embeddings, heads and eh_proj are split by rows over every sender.
+    assert all(name not in lay.owners for lay in tp.layers for name in lay.splits)
+    assert tp.layers[-1].splits.keys() == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert max(sent) - min(sent) < 2 * 2**30
     # EP=8: every rank its 32 experts, each in segments of its own (alignment and checksums)
     assert max(received.values()) - min(received.values()) < len(ids) * 32 * (256 + 8)
     assert math.isclose(max(received.values()) / 2**30, 90.28, abs_tol=0.01)

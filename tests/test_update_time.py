@@ -36,10 +36,10 @@ def test_glm5_into_four_ep8_engines_from_32_trainer_gpus():
     many = preds["fp8 many senders"]
     assert many.senders == 32 and many.seconds <= 3.0
     # Point to point, a sender sends its part to each replica: about what an engine rank
-    # receives; the busiest sender owns lm_head (at TP=8 to 4 replicas: 7.09 GiB of its 92.61).
-    assert round(many.sent / GIB, 2) == 92.61
+    # receives (the busiest sender owns three decoder layers' other entries besides its rows).
+    assert round(many.sent / GIB, 2) == 91.06
     assert many.seconds == pytest.approx(PIPELINE_FACTOR * many.sent / 50e9, rel=2e-3)
-    assert many.sender_peak < 11 * GIB  # the lm_head owner's ring: 2 x (1.77 + 1.77) GiB + its gather
+    assert many.sender_peak < 3.1 * GIB  # two slots of conversion and of send buffers, one gather
     assert preds["bf16 broadcast"].sent > 1.9 * full  # twice the bytes (plus bf16 passthrough alike)
     assert preds["bf16 broadcast"].seconds > 10 * many.seconds
 
@@ -81,9 +81,9 @@ def test_cli_prints_the_table_and_the_json(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "predicted whole-model update: 32 trainer GPUs -> 4 engine(s) of TP 8 x DP 1 EP" in out
-    assert re.search(r"^fp8 many senders\s+32\s+92\.6\s+90\.3\s+", out, re.M), out
+    assert re.search(r"^fp8 many senders\s+32\s+91\.1\s+90\.3\s+", out, re.M), out
     assert "many senders' transfer plan" in out
-    assert re.search(r"^\s+1\s+8\.\.15\s+1\s+92\.61\s", out, re.M), out
+    assert re.search(r"^\s+4\s+32\.\.39\s+69\s+91\.06\s", out, re.M), out
     assert main([*argv, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [p["strategy"] for p in got] == list(STRATEGIES) and got[-1]["seconds"] <= 3.0

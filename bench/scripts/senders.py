@@ -50,8 +50,8 @@ def _check_bytes(sender: Broadcaster, sink: HostSinkComm, layer: dict) -> tuple[
             got = next(msgs).to(sender.device)
             for p in seg.pieces:
                 full = ref[p.name]
-                if p.experts is not None:
-                    full = full.narrow(0, p.experts[0], p.experts[1] - p.experts[0])
+                if p.rows is not None:
+                    full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
                 want = take_shard(full, p.shard).contiguous().view(torch.uint8).flatten()
                 have = p.view(got).contiguous().view(torch.uint8).flatten()
                 checked += want.numel()
@@ -77,7 +77,7 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
     stats = sender.broadcast_model(stream())  # resets the peak first
     peak = torch.cuda.max_memory_allocated() - base  # its rings and everything transient
     routes = sender.routes.layers
-    me, bounds = sender.me, sender.routes.bounds
+    me = sender.me
     msgs = [[(sender.pack_ring.slots[0][s.send_offset : s.send_offset + s.nbytes], r)
              for s in lay.of_sender(me) for r in lay.classes[s.cls]] for lay in routes]  # fmt: skip
     t_link = _timed(lambda: [sink.exchange(m, []) for m in msgs])
@@ -87,10 +87,10 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
         for pos, (i, sd) in enumerate(stream()):
             lay = routes[pos]
             views = collect_own(lay, me, sender.plans[pos], strip_layer(sd, i), local_buf,
-                                senders=sender.senders_global, bounds=bounds, gather_dtype=torch.bfloat16,
+                                senders=sender.senders_global, gather_dtype=torch.bfloat16,
                                 device=sender.device)  # fmt: skip
             for seg in lay.of_sender(me):
-                seg.pack_into(views, send_buf[seg.send_offset : seg.send_offset + seg.nbytes], bounds[me][0])
+                seg.pack_into(views, send_buf[seg.send_offset : seg.send_offset + seg.nbytes], lay.starts(me))
 
     t_convert = _timed(convert_only)
     local, send = sender.routes.sender_buffers(me)

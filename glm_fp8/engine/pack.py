@@ -26,16 +26,17 @@ CHECKSUM_BYTES = 8
 @dataclass(frozen=True)
 class ShardPiece:
     """One entry's cut for one rank: ``shard`` (padding dropped) of the full kernel-format entry
-    ``name``, ``shape`` in wire ``dtype``, at ``offset`` in the region. ``experts``: the piece
-    covers only the routed experts [a, b) (global ids) of an expert stack, cut by ``shard``
-    along its other dims (many senders, ``glm_fp8.engine.routes``); None: all the rank holds."""
+    ``name``, ``shape`` in wire ``dtype``, at ``offset`` in the region. ``rows``: the piece
+    covers only rows [a, b) of the full entry's dim 0 (the routed experts of a stack, a range
+    of vocabulary rows), cut by ``shard`` along its other dims (many senders,
+    ``glm_fp8.engine.routes``); None: all the rank holds."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int
     shard: Shard
-    experts: tuple[int, int] | None = None
+    rows: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -1,12 +1,14 @@
 """Many senders (docs/layouts.md#many-senders): which trainer rank sends which bytes of an
 update to which engine rank.
 
-Sender ``t`` of ``T`` (the trainer ranks, in the order of their expert chunks) holds whole
-routed experts: the t-th ``torch.chunk`` of every expert stack, as FSDP2 and expert parallelism
-(``Shard(0)``) place them. It quantizes them itself and sends each class of engine ranks (ranks
-that hold the same shard, ``glm_fp8.engine.pack.scatter_classes``) the part of their shard that
-lies in its experts. A layer's other entries are gathered on one sender, their owner, which
-converts and sends them; owners are chosen so that the senders send about as many bytes.
+Two kinds of entries are split by rows (dim 0) over the ``T`` senders (the trainer ranks, in
+the order of their shards), sender ``t`` taking the t-th ``torch.chunk`` as FSDP2 and expert
+parallelism (``Shard(0)``) place them: the routed-expert stacks (whole experts, with their
+scales) and the large passthrough matrices (embeddings, ``lm_head``, the MTP layer's head and
+``eh_proj``). Each sender converts its rows itself and sends each class of engine ranks (ranks
+that hold the same shard, ``glm_fp8.engine.pack.scatter_classes``) the part of their shard in
+those rows. A layer's other entries are gathered on one sender, their owner, which converts and
+sends them; owners are chosen so that the senders send about as many bytes.
 
 Per layer, each sender sends each engine rank at most one message, a ``Segment``: its pieces
 one after another at multiples of 256 bytes, then a checksum word. An engine rank's layer
@@ -29,7 +31,9 @@ from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, PlanEntry, align, build_plan, layer_prefix
 
 _WHOLE = Shard("replicated")
-_VOCAB_SIZED = ("shared_head.head.weight",)  # the MTP layer's own head, as large as lm_head
+# Passthrough matrices at least this large are split by rows: the embeddings, lm_head, the MTP
+# head and eh_proj in GLM-5 (whole, they would load one sender with 7 GiB more than the others).
+SPLIT_MIN_BYTES = 64 << 20
 
 
 def chunk_bounds(n: int, parts: int) -> tuple[tuple[int, int], ...]:
@@ -46,6 +50,19 @@ def stack_entries(plan: LayerPlan) -> list[PlanEntry]:
         if e.op == "quantize" and len(e.shape) == 3:
             out += [e, plan.entries[k + 1]]
     return out
+
+
+def split_entries(plan: LayerPlan) -> list[PlanEntry]:
+    """The entries split by rows over the senders: the expert stacks (and their scales) and the
+    passthrough matrices of ``SPLIT_MIN_BYTES`` or more copied from one source (a row range of
+    a concatenation would span its sources)."""
+    big = [e for e in plan.entries if e.op == "copy" and len(e.shape) == 2 and e.nbytes >= SPLIT_MIN_BYTES]
+    return stack_entries(plan) + big
+
+
+def _along_rows(shard: Shard, ndim: int) -> bool:
+    """The shard cuts dim 0 (experts under EP, vocabulary rows under TP)."""
+    return shard.kind != "replicated" and shard.dim is not None and shard.dim % ndim == 0
 
 
 @dataclass(frozen=True)
@@ -70,29 +87,32 @@ class Segment:
         """The checksum word of the segment's bytes ``seg``."""
         return seg[self.data_nbytes : self.nbytes].view(torch.int64)[0]
 
-    def pack_into(self, views: Mapping[str, torch.Tensor], seg: torch.Tensor, first_expert: int) -> None:
-        """Cut every piece out of the sender's converted entries ``views`` (by prefixed name;
-        an expert stack holds the sender's experts from global id ``first_expert`` on) into the
-        segment's bytes ``seg``; the checksum word is left to the caller."""
+    def pack_into(
+        self, views: Mapping[str, torch.Tensor], seg: torch.Tensor, starts: Mapping[str, int]
+    ) -> None:
+        """Cut every piece out of the sender's converted entries ``views`` (by prefixed name; a
+        split entry holds the sender's rows from ``starts[name]`` on) into the segment's bytes
+        ``seg``; the checksum word is left to the caller."""
         for p in self.pieces:
             src = views[p.name]
-            if p.experts is not None:
-                a, b = p.experts
-                src = src.narrow(0, a - first_expert, b - a)
+            if p.rows is not None:
+                a, b = p.rows
+                src = src.narrow(0, a - starts[p.name], b - a)
             copy_shard_into(p.view(seg), src, p.shard)
 
 
 @dataclass(frozen=True)
 class LayerRoutes:
     """One layer's routes: ``classes`` (link ranks that receive the same bytes), ``segments``
-    (by class, then sender), ``owners`` (each entry other than the expert stacks, by prefixed
-    name: the sender that gathers, converts and sends it), ``local_plans`` (per sender: the
-    part of the layer it converts, possibly nothing), the bytes of each sender's send buffer
-    and of each class's receive buffer."""
+    (by class, then sender), ``splits`` (each split entry, by prefixed name: every sender's
+    rows), ``owners`` (every other entry: the sender that gathers, converts and sends it),
+    ``local_plans`` (per sender: the part of the layer it converts, possibly nothing), the
+    bytes of each sender's send buffer and of each class's receive buffer."""
 
     layer_idx: int
     classes: tuple[tuple[int, ...], ...]
     segments: tuple[Segment, ...]
+    splits: dict[str, tuple[tuple[int, int], ...]]
     owners: dict[str, int]
     local_plans: tuple[LayerPlan, ...]
     send_nbytes: tuple[int, ...]
@@ -103,6 +123,10 @@ class LayerRoutes:
 
     def of_class(self, k: int) -> list[Segment]:
         return [s for s in self.segments if s.cls == k]
+
+    def starts(self, t: int) -> dict[str, int]:
+        """Where sender ``t``'s rows of each split entry begin (``Segment.pack_into``)."""
+        return {name: bounds[t][0] for name, bounds in self.splits.items()}
 
     @property
     def wire_nbytes(self) -> int:
@@ -226,34 +250,30 @@ def transfer_plan(
         raise ValueError(
             f"plans: expected one number of routed experts in every layer, got {sorted(experts)}"
         )
-    n_experts = experts.pop() if experts else 0
-    bounds = chunk_bounds(n_experts, n_senders)
-    owners = _owners(plans, layer_ids, scatters, bounds, n_experts)
+    bounds = chunk_bounds(experts.pop() if experts else 0, n_senders)
+    splits = [{layer_prefix(i) + e.name: chunk_bounds(e.shape[0], n_senders) for e in split_entries(p)}
+              for p, i in zip(plans, layer_ids)]  # fmt: skip
+    owners = _owners(plans, layer_ids, scatters, splits, n_senders)
     local_cache: dict[tuple, LayerPlan] = {}
     layers = []
     for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
-        scatter = scatters[pos]
+        scatter, split = scatters[pos], splits[pos]
         prefix = layer_prefix(layer_idx)
-        stacks = {prefix + e.name for e in stack_entries(plan)}
         segments, recv_nbytes = [], []
         for k, pack in enumerate(scatter.packs):
             recv = 0
-            for t, (lo, hi) in enumerate(bounds):
+            for t in range(n_senders):
                 pieces, off = [], 0
                 for p in pack.pieces:
-                    if p.name in stacks:
-                        es, ee = p.shard.parts[0] if p.shard.kind == "experts" else (0, n_experts)
-                        a, b = max(es, lo), min(ee, hi)
-                        if a >= b:
-                            continue
-                        shard = _WHOLE if p.shard.kind == "experts" else p.shard
-                        piece = ShardPiece(p.name, p.dtype, (b - a, *p.shape[1:]), off, shard, (a, b))
+                    if p.name in split:
+                        piece = _row_piece(p, split[p.name][t], off)
                     elif owners[pos][p.name] == t:
                         piece = dataclasses.replace(p, offset=off)
                     else:
-                        continue
-                    pieces.append(piece)
-                    off = align(off + piece.nbytes)
+                        piece = None
+                    if piece is not None:
+                        pieces.append(piece)
+                        off = align(off + piece.nbytes)
                 if pieces:
                     segments.append(Segment(t, k, tuple(pieces), off + CHECKSUM_BYTES, 0, recv))
                     recv = align(recv + off + CHECKSUM_BYTES)
@@ -264,15 +284,35 @@ def transfer_plan(
             placed.append(dataclasses.replace(s, send_offset=send_nbytes[s.sender]))
             send_nbytes[s.sender] = align(send_nbytes[s.sender] + s.nbytes)
         local_plans = []
-        for t, (lo, hi) in enumerate(bounds):
+        for t in range(n_senders):
             owned = frozenset(n[len(prefix) :] for n, o in owners[pos].items() if o == t)
-            key = (id(plan), hi - lo, owned)
+            rows = tuple((n[len(prefix) :], b[t][1] - b[t][0]) for n, b in split.items())
+            key = (id(plan), rows, owned)
             if key not in local_cache:
-                local_cache[key] = _local_plan(config, plan, hi - lo, owned)
+                local_cache[key] = _local_plan(config, plan, dict(rows), owned)
             local_plans.append(local_cache[key])
-        layers.append(LayerRoutes(layer_idx, scatter.classes, tuple(placed), owners[pos], tuple(local_plans),
-                                  tuple(send_nbytes), tuple(recv_nbytes)))  # fmt: skip
+        layers.append(LayerRoutes(layer_idx, scatter.classes, tuple(placed), split, owners[pos],
+                                  tuple(local_plans), tuple(send_nbytes), tuple(recv_nbytes)))  # fmt: skip
     return TransferPlan(senders, engines, bounds, tuple(layers))
+
+
+def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece | None:
+    """The part of a class's piece ``p`` of a split entry in one sender's ``rows`` [lo, hi) of
+    dim 0, or None: rows of the class's own row range (EP experts, a TP vocabulary slice) whole,
+    or every row cut along the class's other dim."""
+    lo, hi = rows
+    if _along_rows(p.shard, len(p.shape)):
+        if not p.shard.parts:  # a rank whose vocabulary slice is all padding
+            return None
+        start, stop = p.shard.parts[0]
+        shard = _WHOLE
+    else:
+        start, stop = 0, p.shape[0]  # the class holds every row, cut along another dim
+        shard = p.shard
+    a, b = max(start, lo), min(stop, hi)
+    if a >= b:
+        return None
+    return ShardPiece(p.name, p.dtype, (b - a, *p.shape[1:]), offset, shard, (a, b))
 
 
 def _renamed(scatter, old: str, new: str):
@@ -287,50 +327,48 @@ def _renamed(scatter, old: str, new: str):
     return dataclasses.replace(scatter, packs=packs)
 
 
-def _owners(plans, layer_ids, scatters, bounds, n_experts) -> list[dict[str, int]]:
-    """Each entry other than the expert stacks gets one owner: a decoder layer's entries go
-    together (one gather per layer), the non-layer tensors and vocabulary-sized entries (the
-    MTP layer's head) one by one: they are the largest entries of a model. Largest group first,
-    each to the sender that sends the fewest bytes so far, counting its share of the expert
-    stacks (greedy, deterministic)."""
-    n = len(bounds)
-    load = [0] * n
+def _owners(plans, layer_ids, scatters, splits, n_senders: int) -> list[dict[str, int]]:
+    """Each entry that is not split gets one owner: a decoder layer's go together (one gather
+    per layer), the non-layer tensors one by one. Largest group first, each to the sender that
+    sends the fewest bytes so far, counting its rows of the split entries (greedy,
+    deterministic)."""
+    load = [0] * n_senders
     groups: list[tuple[int, int, list[str]]] = []  # (bytes sent, position, names)
     for pos, (plan, layer_idx, scatter) in enumerate(zip(plans, layer_ids, scatters)):
         prefix = layer_prefix(layer_idx)
-        stacks = {prefix + e.name for e in stack_entries(plan)}
         sent: dict[str, int] = {}
         for ranks, pack in zip(scatter.classes, scatter.packs):
             for p in pack.pieces:
                 sent[p.name] = sent.get(p.name, 0) + p.nbytes * len(ranks)
-        for name in stacks:
+        for name, bounds in splits[pos].items():
+            rows = max(bounds[-1][1], 1)
             for t, (lo, hi) in enumerate(bounds):
-                load[t] += sent.get(name, 0) * (hi - lo) // max(n_experts, 1)
-        others = [prefix + e.name for e in plan.entries if prefix + e.name not in stacks]
-        alone = [[x] for x in others if layer_idx == REST or x.endswith(_VOCAB_SIZED)]
-        together = [x for x in others if [x] not in alone]
-        for names in alone + [together]:
+                load[t] += sent.get(name, 0) * (hi - lo) // rows
+        others = [prefix + e.name for e in plan.entries if prefix + e.name not in splits[pos]]
+        for names in [[x] for x in others] if layer_idx == REST else [others]:
             if names:
                 groups.append((sum(sent.get(x, 0) for x in names), pos, names))
     owners: list[dict[str, int]] = [{} for _ in plans]
     for nbytes, pos, names in sorted(groups, key=lambda g: (-g[0], g[1])):
-        t = min(range(n), key=lambda i: (load[i], i))
+        t = min(range(n_senders), key=lambda i: (load[i], i))
         load[t] += nbytes
         for name in names:
             owners[pos][name] = t
     return owners
 
 
-def _local_plan(config: Mapping, plan: LayerPlan, n_local: int, owned: frozenset[str]) -> LayerPlan:
-    """What one sender converts of a layer: its ``n_local`` experts of every expert stack (with
-    their scales) and the entries it owns (short names), laid out afresh."""
-    stacks = stack_entries(plan)
-    srcs = {s for e in stacks for s in e.sources}
-    inputs = {k: ((n_local, *shape[1:]) if k in srcs else shape, dtype)
+def _local_plan(
+    config: Mapping, plan: LayerPlan, rows: Mapping[str, int], owned: frozenset[str]
+) -> LayerPlan:
+    """What one sender converts of a layer: its ``rows[name]`` rows of every split entry (short
+    names; an expert stack with its scale) and the entries it owns, laid out afresh."""
+    split = {e.name: e for e in split_entries(plan)}
+    src_rows = {s: rows[name] for name, e in split.items() for s in e.sources}
+    inputs = {k: ((src_rows[k], *shape[1:]) if k in src_rows else shape, dtype)
               for k, (shape, dtype) in plan.inputs.items()}  # fmt: skip
     local = build_plan(config["model_type"], inputs, target=plan.target, quantize=plan.quantize,
-                       scale_fmt=plan.scale_fmt) if srcs else plan  # fmt: skip
-    keep = set(owned) | ({e.name for e in stacks} if n_local else set())
+                       scale_fmt=plan.scale_fmt) if src_rows else plan  # fmt: skip
+    keep = set(owned) | {name for name in split if rows[name]}
     return local.subset(keep)
 
 
@@ -351,8 +389,10 @@ __all__ = [
     "LayerRoutes",
     "Segment",
     "TransferPlan",
+    "SPLIT_MIN_BYTES",
     "chunk_bounds",
     "describe",
+    "split_entries",
     "stack_entries",
     "transfer_plan",
 ]

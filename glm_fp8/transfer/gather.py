@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from glm_fp8.convert import check_finite_entries, check_layer, check_layer_keys, convert_layer
-from glm_fp8.engine.routes import LayerRoutes, chunk_bounds, stack_entries
+from glm_fp8.engine.routes import LayerRoutes, chunk_bounds, split_entries, stack_entries
 from glm_fp8.plan import LayerPlan, layer_prefix, plans_for_model, strip_layer
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.transfer.endpoint import default_device
@@ -310,17 +310,18 @@ def collect_own(
     buf: torch.Tensor,
     *,
     senders: Sequence[int],
-    bounds: Sequence[tuple[int, int]],
     gather_dtype: torch.dtype | None,
     device: torch.device,
     check_finite: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Sender ``t``'s share of one layer (``check_own_layer`` passed on every sender): gather the
     sources of the entries each sender owns onto it (collective over the senders, in the same
-    order on each), then convert ``t``'s own entries and its experts of every stack into
-    ``buf`` (``routes.local_plans[t]``). Returns the converted views by prefixed name (none when
-    ``t`` has nothing of this layer). Memory above ``buf``: the gathered sources of the entries
-    ``t`` owns, and its experts cast to ``gather_dtype`` when they are DTensors of another dtype.
+    order on each), then convert ``t``'s own entries and its rows of every split entry (its
+    experts of every stack, its vocabulary slice) into ``buf`` (``routes.local_plans[t]``).
+    Returns the converted views by prefixed name (none when ``t`` has nothing of this layer).
+    Memory above ``buf``: the gathered sources of the entries ``t`` owns, its rows of a split
+    entry held otherwise than split alike, and its experts cast to ``gather_dtype`` when they
+    are DTensors of another dtype.
     ``check_finite=False``: no host read; the caller checks ``buf`` (``entry_norms``)."""
     from torch.distributed.tensor import DTensor
 
@@ -342,15 +343,31 @@ def collect_own(
                 inputs[k] = got.to(device)
         elif owner == t:
             inputs[k] = x
-    lo, hi = bounds[t]
-    if hi > lo:
-        for k in {s for e in stack_entries(plan) for s in e.sources}:
+    # Split entries: this sender's rows (its experts; its slice of the vocabulary). A DTensor
+    # already sharded so holds them; otherwise each sender's rows are gathered onto it.
+    for e in split_entries(plan):
+        rows = routes.splits[prefix + e.name]
+        lo, hi = rows[t]
+        for k in e.sources:
             x = layer[k]
-            if isinstance(x, DTensor):
-                x = x.to_local()
-                inputs[k] = x.to(gather_dtype) if gather_dtype is not None and x.dtype != gather_dtype else x
-            else:
-                inputs[k] = x.narrow(0, lo, hi - lo)
+            if not isinstance(x, DTensor):
+                if hi > lo:
+                    inputs[k] = x.narrow(0, lo, hi - lo)
+                continue
+            lay = shard_layout(x)
+            if lay is not None and lay.dim == 0 and lay.ranks == tuple(senders) and lay.bounds == rows:
+                if hi > lo:
+                    local = x.to_local()
+                    cast = gather_dtype is not None and local.dtype != gather_dtype
+                    inputs[k] = local.to(gather_dtype) if cast else local
+                continue
+            for u, (a, b) in enumerate(rows):  # the same order on every sender
+                if b > a:
+                    mine = u == t
+                    out = torch.empty((b - a, *x.shape[1:]), dtype=gather_dtype or x.dtype, device=device)
+                    got = gather_rows(x, a, b, senders[u], out if mine else None, gather_dtype)
+                    if mine:
+                        inputs[k] = got
     local = routes.local_plans[t]
     if not local.entries:
         return {}

@@ -158,8 +158,8 @@ class Receiver(Endpoint):
         return self._layers(pieces=False)
 
     def _layers(self, pieces: bool) -> Iterator[tuple[int, list[tuple]]]:
-        """``receive_layers``; with ``pieces`` each item is ``(name, view, experts)``, experts
-        the global expert range a many-senders piece covers (None: all the rank holds)."""
+        """``receive_layers``; with ``pieces`` each item is ``(name, view, rows)``, rows the
+        range of the full entry's dim 0 a many-senders piece covers (None: all the rank holds)."""
         checksum = self._recv_manifest()
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         for pos, plan in enumerate(self.plans):
@@ -203,7 +203,7 @@ class Receiver(Endpoint):
             self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
             prefix = layer_prefix(layer_idx)
             if segments is not None:
-                views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.experts)
+                views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.rows)
                          for s in segments for p in s.pieces]  # fmt: skip
             elif pack is None:
                 views = [(prefix + name, view, None) for name, view in plan.views(buf)]
@@ -252,9 +252,9 @@ class Receiver(Endpoint):
                 pos = self.layer_ids.index(layer_idx)
                 fmt = self.plans[pos].scale_fmt
                 try:
-                    for name, view, experts in views:
+                    for name, view, rows in views:
                         if self.scatter is not None or self.routes is not None:
-                            _land_piece(params[self.targets[name].name], view, self.targets[name], experts)
+                            _land_piece(params[self.targets[name].name], view, self.targets[name], rows)
                         elif self.targets is not None:
                             _land_shard(params[self.targets[name].name], view, self.targets[name])
                         elif self.mode == "bf16" and name + "_scale_inv" in params:
@@ -262,6 +262,14 @@ class Receiver(Endpoint):
                                                scale_fmt=fmt, check_finite=False)  # fmt: skip
                         else:
                             params[name].copy_(view, non_blocking=True)
+                    if self.routes is not None:
+                        # A padded parameter's rows past V, which no sender sends (a rank may
+                        # hold nothing but padding and receive no piece of it).
+                        prefix = layer_prefix(layer_idx)
+                        for e in self.plans[pos].entries:
+                            target = self.targets[prefix + e.name]
+                            if target.shard.pad:
+                                _zero_padding(params[target.name], target)
                 except BaseException as exc:
                     layers.throw(exc)  # refuses at the next vote, then re-raises exc
                 stats.layers.append(LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t))
@@ -469,16 +477,18 @@ def _land_shard(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> N
 
 
 def _land_piece(
-    dst: torch.Tensor, view: torch.Tensor, target: EngineParam, experts: tuple[int, int] | None = None
+    dst: torch.Tensor, view: torch.Tensor, target: EngineParam, rows: tuple[int, int] | None = None
 ) -> None:
     """Scatter mode: ``view`` is already this rank's cut without its padding rows; those are
-    zeroed here. Many senders: ``experts`` [a, b) (global ids) of an expert stack, cut along its
-    other dims; they land at the rank's rows for those experts."""
+    zeroed here. Many senders: ``rows`` [a, b) of the full entry's dim 0 (experts, vocabulary
+    rows), cut along its other dims, land at the rank's rows for them (padding rows: see
+    ``_zero_padding``)."""
     shard = target.shard
-    if experts is not None:
-        first = shard.parts[0][0] if shard.kind == "experts" else 0
-        dst = dst.narrow(0, experts[0] - first, experts[1] - experts[0])
-        if shard.kind == "experts":
+    if rows is not None:
+        along_rows = shard.kind != "replicated" and shard.dim % dst.dim() == 0
+        first = shard.parts[0][0] if along_rows else 0
+        dst = dst.narrow(0, rows[0] - first, rows[1] - rows[0])
+        if along_rows or shard.kind == "replicated":
             dst.copy_(view)
             return
     if shard.kind == "replicated":
@@ -488,3 +498,10 @@ def _land_piece(
     dst.narrow(shard.dim, 0, n).copy_(view)
     if shard.pad:
         dst.narrow(shard.dim, n, shard.pad).zero_()
+
+
+def _zero_padding(dst: torch.Tensor, target: EngineParam) -> None:
+    """Zero a padded parameter's padding rows (vocabulary rows past V)."""
+    shard = target.shard
+    if shard.pad:
+        dst.narrow(shard.dim, shard.length - shard.pad, shard.pad).zero_()

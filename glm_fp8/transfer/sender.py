@@ -336,15 +336,15 @@ class Broadcaster(Endpoint):
             local = routes.local_plans[self.me]
             views = collect_own(
                 routes, self.me, self.plans[pos], strip_layer(sd, layer_idx), buf,
-                senders=self.senders_global, bounds=self.routes.bounds,
-                gather_dtype=self.collect_args["gather_dtype"], device=self.device, check_finite=False,
+                senders=self.senders_global, gather_dtype=self.collect_args["gather_dtype"],
+                device=self.device, check_finite=False,
             )  # fmt: skip
             # NaN/Inf shows in the scales and passthrough entries: read after the previous send.
             self._norms = entry_norms(local, buf[: local.nbytes]) if views else None
-            first = self.routes.bounds[self.me][0]
+            starts = routes.starts(self.me)
             for seg in routes.of_sender(self.me):
                 out = packed[seg.send_offset : seg.send_offset + seg.nbytes]
-                seg.pack_into(views, out, first)
+                seg.pack_into(views, out, starts)
                 seg.checksum_word(out).copy_(layer_checksum(out[: seg.data_nbytes], self.pack_ring.scratch))
             self._ready = None
             if self.convert_stream is not None:
