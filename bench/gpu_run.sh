@@ -6,7 +6,9 @@
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/test_fuzz.py
 # with FUZZ_CASES (default 400) cases per GPU backend from seed FUZZ_SEED, FUZZ_BUDGET_S seconds
-# at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s.
+# at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s. GPU_TESTS=1 sets
+# TEST_PATHS to the test files that run on the GPU (the rest are CPU gloo tests that CI runs;
+# the whole suite no longer finishes in one call's 10 minutes beside the fuzz).
 set -uo pipefail
 LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -30,6 +32,10 @@ if [ "${FUZZ:-1}" = 1 ]; then
 fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
 if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  TEST_PATHS="tests/test_backends.py tests/test_broadcast.py tests/test_convert.py tests/test_errors.py
+    tests/test_quantize.py tests/test_cli.py"
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   # tests/test_fuzz.py ran in FUZZ above, if on.
   timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} \
