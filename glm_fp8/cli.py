@@ -124,7 +124,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     config = _load_config(args, parser)
     if args.trainer_gpus:
-        timing = _update_time(args, config, parser)
+        timing, transfer = _update_time(args, config, parser)
         if args.json:
             print(json.dumps(timing, indent=1))
             return 0
@@ -172,8 +172,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(engine_table)
     if args.trainer_gpus:
         _print_update_time(args, timing)
-        if not args.experts_split:
-            _print_transfer_plan(args, config)
+        if transfer is not None:
+            _print_transfer_plan(transfer)
     if args.entries:
         for kind, (plan, _) in plans.items():
             print(f"\n{kind} layer entries:")
@@ -190,13 +190,11 @@ def _fleet(args: argparse.Namespace):
                  args.link_gbps, not args.experts_split)  # fmt: skip
 
 
-def _print_transfer_plan(args: argparse.Namespace, config: dict) -> None:
+def _print_transfer_plan(tp) -> None:
     from tabulate import tabulate
 
     from glm_fp8.engine.routes import describe
-    from glm_fp8.update_time import many_senders_plan
 
-    tp = many_senders_plan(config, _fleet(args), scale_fmt=args.scale_fmt)
     gib = 2**30
     n = len(tp.senders)
     print()
@@ -212,12 +210,16 @@ def _print_transfer_plan(args: argparse.Namespace, config: dict) -> None:
                           "send slot GiB", "peak GiB (ring 2)"]))  # fmt: skip
 
 
-def _update_time(args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser) -> list[dict]:
-    from glm_fp8.update_time import predict, predictions_json
+def _update_time(
+    args: argparse.Namespace, config: dict, parser: argparse.ArgumentParser
+) -> tuple[list[dict], object]:
+    """The predictions as JSON data, and the many senders' transfer plan (None: split experts)."""
+    from glm_fp8.update_time import many_senders_plan, predict, predictions_json
 
     fleet = _fleet(args)
     try:
-        return predictions_json(predict(config, fleet, scale_fmt=args.scale_fmt))
+        transfer = None if args.experts_split else many_senders_plan(config, fleet, scale_fmt=args.scale_fmt)
+        return predictions_json(predict(config, fleet, scale_fmt=args.scale_fmt, transfer=transfer)), transfer
     except (KeyError, ValueError) as e:
         parser.error(f"argument --trainer-gpus: {e}")
 

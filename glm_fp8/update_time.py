@@ -104,10 +104,13 @@ def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
     return t, text
 
 
-def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> list[Prediction]:
+def predict(
+    config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None, transfer: TransferPlan | None = None
+) -> list[Prediction]:
     """The four strategies of ``STRATEGIES`` for a whole-model update of ``config`` into
-    ``fleet`` (see the module docstring for the model). Raises ValueError where vLLM would refuse
-    the engine layout."""
+    ``fleet`` (see the module docstring for the model); ``transfer``: the fleet's
+    ``many_senders_plan`` when the caller has it already. Raises ValueError where vLLM would
+    refuse the engine layout."""
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
     out = []
@@ -145,7 +148,7 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
     # every byte: what the busiest sender sends, what an engine rank receives, what an owner
     # gathers (the part other ranks hold), the largest conversion (the pipeline's fill).
     if fleet.experts_whole:
-        tp = many_senders_plan(config, fleet, scale_fmt=scale_fmt)
+        tp = transfer or many_senders_plan(config, fleet, scale_fmt=scale_fmt, plans=plans)
         sent = max(tp.sent_bytes())
         received = max(tp.received_bytes().values())
         gathered = max(gather(sum(tp.gathered_bytes(s))) for s in range(t_gpus))
@@ -156,11 +159,14 @@ def predict(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> l
     return out
 
 
-def many_senders_plan(config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None) -> TransferPlan:
+def many_senders_plan(
+    config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None, plans: list[LayerPlan] | None = None
+) -> TransferPlan:
     """The transfer plan of a whole-model update into ``fleet`` from its trainer GPUs (link ranks
-    0..T-1, then the engines' ranks, engine by engine)."""
+    0..T-1, then the engines' ranks, engine by engine); ``plans``: the update's fp8 plans, if
+    built already."""
     ids = [*model_layer_ids(config), REST]
-    plans = plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
+    plans = plans or plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
     engines = [None] * fleet.trainer_gpus + fleet.layouts() * fleet.engines
     return transfer_plan(config, plans, ids, engines, range(fleet.trainer_gpus))
 

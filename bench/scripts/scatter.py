@@ -66,7 +66,7 @@ def main() -> None:
 
     def pack():
         full = {f"model.layers.{idx}.{name}": view for name, view in plan.views(buf)}
-        pack_regions(layer_sc, full, packed, scratch)
+        pack_regions(layer_sc.packs, layer_sc.offsets, full, packed, scratch)
 
     convert()
     t_convert = _median_s(convert)

@@ -220,6 +220,10 @@ class Shard:
         """True when the cut is a plain narrow of the full tensor (``take_shard`` returns a view)."""
         return self.kind == "replicated" or (len(self.parts) == 1 and self.pad == 0)
 
+    def cuts_rows(self, ndim: int) -> bool:
+        """The cut is along dim 0 of an ``ndim``-D tensor (experts under EP, vocabulary rows)."""
+        return self.kind != "replicated" and self.dim is not None and self.dim % ndim == 0
+
     @property
     def length(self) -> int:
         """The rank's size along ``dim``."""

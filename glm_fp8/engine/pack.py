@@ -62,11 +62,18 @@ class ShardPack:
         """Equal keys: the ranks receive the same bytes."""
         return tuple(p.shard for p in self.pieces)
 
-    def pack_into(self, full: Mapping[str, torch.Tensor], region: torch.Tensor) -> None:
-        """Write each piece, cut from the full entry views ``full`` (by prefixed name), into
-        ``region`` (uint8, ``nbytes`` long); the checksum word is left to the caller."""
+    def pack_into(
+        self, full: Mapping[str, torch.Tensor], region: torch.Tensor, starts: Mapping[str, int] | None = None
+    ) -> None:
+        """Write each piece, cut from the entry views ``full`` (by prefixed name), into ``region``
+        (uint8, ``nbytes`` long); the checksum word is left to the caller. A piece with ``rows``
+        is cut from a view that holds only some rows of its entry, from ``starts[name]`` on."""
         for p in self.pieces:
-            copy_shard_into(p.view(region), full[p.name], p.shard)
+            src = full[p.name]
+            if p.rows is not None:
+                a, b = p.rows
+                src = src.narrow(0, a - starts[p.name], b - a)
+            copy_shard_into(p.view(region), src, p.shard)
 
     def views(self, region: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         for p in self.pieces:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_fp8.engine.layout import EngineLayout, Shard, copy_shard_into
-from glm_fp8.engine.pack import CHECKSUM_BYTES, ShardPiece, layer_scatter, layout_words
+from glm_fp8.engine.layout import EngineLayout, Shard
+from glm_fp8.engine.pack import CHECKSUM_BYTES, ShardPack, ShardPiece, layer_scatter, layout_words
 from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, PlanEntry, align, build_plan, layer_prefix
 
@@ -60,45 +60,17 @@ def split_entries(plan: LayerPlan) -> list[PlanEntry]:
     return stack_entries(plan) + big
 
 
-def _along_rows(shard: Shard, ndim: int) -> bool:
-    """The shard cuts dim 0 (experts under EP, vocabulary rows under TP)."""
-    return shard.kind != "replicated" and shard.dim is not None and shard.dim % ndim == 0
-
-
 @dataclass(frozen=True)
-class Segment:
-    """What sender ``sender`` sends every rank of class ``cls`` for one layer: ``pieces`` (each
-    at its offset from the segment's start), then the checksum word; ``nbytes`` includes it.
-    It lies at ``send_offset`` in the sender's send buffer and at ``recv_offset`` in each
-    receiving rank's layer buffer."""
+class Segment(ShardPack):
+    """What sender ``sender`` sends every rank of class ``cls`` for one layer: a ``ShardPack`` of
+    the pieces it has of the class's region (a split entry's pieces name their ``rows``), then
+    the checksum word. It lies at ``send_offset`` in the sender's send buffer and at
+    ``recv_offset`` in each receiving rank's layer buffer."""
 
-    sender: int
-    cls: int
-    pieces: tuple[ShardPiece, ...]
-    nbytes: int
-    send_offset: int
-    recv_offset: int
-
-    @property
-    def data_nbytes(self) -> int:
-        return self.nbytes - CHECKSUM_BYTES
-
-    def checksum_word(self, seg: torch.Tensor) -> torch.Tensor:
-        """The checksum word of the segment's bytes ``seg``."""
-        return seg[self.data_nbytes : self.nbytes].view(torch.int64)[0]
-
-    def pack_into(
-        self, views: Mapping[str, torch.Tensor], seg: torch.Tensor, starts: Mapping[str, int]
-    ) -> None:
-        """Cut every piece out of the sender's converted entries ``views`` (by prefixed name; a
-        split entry holds the sender's rows from ``starts[name]`` on) into the segment's bytes
-        ``seg``; the checksum word is left to the caller."""
-        for p in self.pieces:
-            src = views[p.name]
-            if p.rows is not None:
-                a, b = p.rows
-                src = src.narrow(0, a - starts[p.name], b - a)
-            copy_shard_into(p.view(seg), src, p.shard)
+    sender: int = 0
+    cls: int = 0
+    send_offset: int = 0
+    recv_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,7 +97,7 @@ class LayerRoutes:
         return [s for s in self.segments if s.cls == k]
 
     def starts(self, t: int) -> dict[str, int]:
-        """Where sender ``t``'s rows of each split entry begin (``Segment.pack_into``)."""
+        """Where sender ``t``'s rows of each split entry begin (``ShardPack.pack_into``)."""
         return {name: bounds[t][0] for name, bounds in self.splits.items()}
 
     @property
@@ -275,7 +247,8 @@ def transfer_plan(
                         pieces.append(piece)
                         off = align(off + piece.nbytes)
                 if pieces:
-                    segments.append(Segment(t, k, tuple(pieces), off + CHECKSUM_BYTES, 0, recv))
+                    seg = Segment(tuple(pieces), off + CHECKSUM_BYTES, sender=t, cls=k, recv_offset=recv)
+                    segments.append(seg)
                     recv = align(recv + off + CHECKSUM_BYTES)
             recv_nbytes.append(recv)
         send_nbytes = [0] * n_senders
@@ -301,7 +274,7 @@ def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece 
     dim 0, or None: rows of the class's own row range (EP experts, a TP vocabulary slice) whole,
     or every row cut along the class's other dim."""
     lo, hi = rows
-    if _along_rows(p.shard, len(p.shape)):
+    if p.shard.cuts_rows(len(p.shape)):
         if not p.shard.parts:  # a rank whose vocabulary slice is all padding
             return None
         start, stop = p.shard.parts[0]

@@ -485,19 +485,17 @@ def _land_piece(
     ``_zero_padding``)."""
     shard = target.shard
     if rows is not None:
-        along_rows = shard.kind != "replicated" and shard.dim % dst.dim() == 0
-        first = shard.parts[0][0] if along_rows else 0
-        dst = dst.narrow(0, rows[0] - first, rows[1] - rows[0])
-        if along_rows or shard.kind == "replicated":
+        cuts_rows = shard.cuts_rows(dst.dim())
+        dst = dst.narrow(0, rows[0] - (shard.parts[0][0] if cuts_rows else 0), rows[1] - rows[0])
+        if cuts_rows:  # the rank's own rows, whole
             dst.copy_(view)
             return
     if shard.kind == "replicated":
         dst.copy_(view)
         return
-    n = shard.length - shard.pad
-    dst.narrow(shard.dim, 0, n).copy_(view)
-    if shard.pad:
-        dst.narrow(shard.dim, n, shard.pad).zero_()
+    dst.narrow(shard.dim, 0, shard.length - shard.pad).copy_(view)
+    if rows is None:
+        _zero_padding(dst, target)
 
 
 def _zero_padding(dst: torch.Tensor, target: EngineParam) -> None:

@@ -15,21 +15,27 @@ import torch
 import torch.distributed as dist
 
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.pack import LayerScatter, layer_scatter, layout_words
+from glm_fp8.engine.pack import ShardPack, layer_scatter, layout_words
 from glm_fp8.plan import LayerPlan
 from glm_fp8.transfer.wire import is_process_group, layer_checksum
 
 
 def pack_regions(
-    layer: LayerScatter, full: Mapping[str, torch.Tensor], packed: torch.Tensor, scratch: torch.Tensor
+    packs: Sequence[ShardPack],
+    offsets: Sequence[int],
+    full: Mapping[str, torch.Tensor],
+    packed: torch.Tensor,
+    scratch: torch.Tensor,
+    starts: Mapping[str, int] | None = None,
 ) -> list[torch.Tensor]:
-    """Cut every class's region of one layer out of its full entry views ``full`` (by prefixed
-    name) into ``packed`` (``layer.nbytes`` bytes), each followed by its checksum; returns the
-    regions. ``scratch``: ``checksum_scratch`` of the largest region."""
+    """Cut each of ``packs`` (a layer's class regions, or a sender's segments) out of the entry
+    views ``full`` (by prefixed name; ``starts``: see ``ShardPack.pack_into``) into ``packed``
+    at ``offsets``, each followed by its checksum; returns the regions. ``scratch``:
+    ``checksum_scratch`` of the largest."""
     regions = []
-    for pack, offset in zip(layer.packs, layer.offsets):
+    for pack, offset in zip(packs, offsets):
         region = packed[offset : offset + pack.nbytes]
-        pack.pack_into(full, region)
+        pack.pack_into(full, region, starts)
         pack.checksum_word(region).copy_(layer_checksum(region[: pack.data_nbytes], scratch))
         regions.append(region)
     return regions

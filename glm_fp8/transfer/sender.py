@@ -341,11 +341,9 @@ class Broadcaster(Endpoint):
             )  # fmt: skip
             # NaN/Inf shows in the scales and passthrough entries: read after the previous send.
             self._norms = entry_norms(local, buf[: local.nbytes]) if views else None
-            starts = routes.starts(self.me)
-            for seg in routes.of_sender(self.me):
-                out = packed[seg.send_offset : seg.send_offset + seg.nbytes]
-                seg.pack_into(views, out, starts)
-                seg.checksum_word(out).copy_(layer_checksum(out[: seg.data_nbytes], self.pack_ring.scratch))
+            mine = routes.of_sender(self.me)
+            pack_regions(mine, [s.send_offset for s in mine], views, packed, self.pack_ring.scratch,
+                         routes.starts(self.me))  # fmt: skip
             self._ready = None
             if self.convert_stream is not None:
                 self._ready = torch.cuda.Event()
@@ -495,7 +493,7 @@ class Broadcaster(Endpoint):
             self.convert_stream.wait_event(self.pack_ring.free[slot])
         full = {layer_prefix(layer_idx) + name: view for name, view in self.plans[pos].views(buf)}
         self._pack_slot = slot
-        return pack_regions(layer, full, packed, self.pack_ring.scratch)
+        return pack_regions(layer.packs, layer.offsets, full, packed, self.pack_ring.scratch)
 
     def _send_regions(self, pos: int, regions: list[torch.Tensor]) -> None:
         import torch.distributed as dist
