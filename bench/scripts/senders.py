@@ -102,7 +102,10 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
             f"{sent / t_link / 1e9:.1f}", f"{peak / 2**30:.3f}", f"{predicted / 2**30:.3f}",
             f"{peak / predicted:.3f}", f"{checked}/{differ}",
             f"{1e3 * sorted(s.seconds for s in stats.layers)[len(stats.layers) // 2]:.1f}",
-            f"{1e3 * max(s.seconds for s in stats.layers):.1f}"]  # fmt: skip
+            f"{1e3 * max(s.seconds for s in stats.layers):.1f}",
+            f"{1e3 * (stats.seconds - sum(s.seconds for s in stats.layers)):.1f}",
+            " ".join(f"{1e3 * s.seconds:.1f}" for s in stats.layers[:3]) + " .. "
+            + " ".join(f"{1e3 * s.seconds:.1f}" for s in stats.layers[-2:])]  # fmt: skip
 
 
 def main() -> None:
@@ -133,7 +136,8 @@ def main() -> None:
     print(tabulate(rows, ["engines", "sender", "entries owned", "sent GiB/layer", "messages/layer", "total s",
                           "link alone s", "convert+pack alone s", "total / link", "link GB/s", "peak GiB",
                           "predicted GiB", "peak / predicted", "layer-0 bytes checked/differ",
-                          "step ms (median)", "step ms (max)"]))  # fmt: skip
+                          "step ms (median)", "step ms (max)", "outside steps ms",
+                          "steps ms (first 3 .. last 2)"]))  # fmt: skip
 
 
 if __name__ == "__main__":
