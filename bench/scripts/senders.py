@@ -4,7 +4,7 @@ alone (the same messages, device-to-host into pinned memory) and its conversion 
 peak memory against the transfer plan's prediction; and its bytes against the reference.
 
     python3 bench/scripts/senders.py [--layers 16] [--senders 32] [--engines 4] [--tp 8] [--ep]
-                                     [--sender 0 ...]
+                                     [--sender 0 ...] [--gc freeze]
 
 GLM-5 sparse layers from bf16 (Gaussian x 0.02); one layer's tensors are reused for every layer
 (each layer is still converted and sent). The sender is link rank ``t`` of ``--senders`` trainer
@@ -16,7 +16,9 @@ one conversion slot and one send slot, twice.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
+from collections import defaultdict
 
 import torch
 from tabulate import tabulate
@@ -40,6 +42,47 @@ class _KeepFirst(HostSinkComm):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.keep = len(self.sent) < self.n
         super().broadcast(tensor, src)
+
+
+class _GcPauses:
+    """Time spent in Python's garbage collector, by generation, while it is installed."""
+
+    def __init__(self):
+        self.seconds: dict[int, list[float]] = defaultdict(list)
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[info["generation"]].append(time.perf_counter() - self._t0)
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+    def summary(self) -> str:
+        return " ".join(f"g{g}: {len(v)}x {1e3 * sum(v):.1f}" for g, v in sorted(self.seconds.items()))
+
+
+def _phase_timers(sender: Broadcaster, names: tuple[str, ...]) -> dict[str, list[float]]:
+    """Wrap the sender's methods ``names`` with host timers (seconds of each call)."""
+    times: dict[str, list[float]] = defaultdict(list)
+    for name in names:
+        fn = getattr(sender, name)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                times[_name].append(time.perf_counter() - t0)
+
+        setattr(sender, name, timed)
+    return times
 
 
 def _timed(fn) -> float:
@@ -73,7 +116,7 @@ def _check_bytes(sender: Broadcaster, sink: HostSinkComm, layer: dict) -> tuple[
 
 
 def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: str, layer: dict,
-             stream) -> list:  # fmt: skip
+             stream, gc_mode: str) -> list:  # fmt: skip
     """One sender's row: its pipeline, link alone, conversion alone, memory, bytes checked."""
     torch.cuda.empty_cache()
     check_sink = _KeepFirst(t, 3 + 4 * n_senders)  # the prelude, manifest, header; layer 0
@@ -87,7 +130,27 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
     sink = HostSinkComm(rank=t)
     sender = Broadcaster(sink, t, **kw)
     sender.broadcast_model(stream())  # warm-up; pins the sink's buffers
-    stats = sender.broadcast_model(stream())  # resets the peak first
+    if gc_mode == "freeze":
+        gc.collect()
+        gc.freeze()
+    phases = _phase_timers(sender, ("_next_item", "_convert_own", "_resolve_pending", "_send_header", "vote",
+                                    "_send_segments"))  # fmt: skip
+    with _GcPauses() as pauses:
+        stats = sender.broadcast_model(stream())  # resets the peak first
+    if gc_mode == "freeze":
+        gc.unfreeze()
+    steps = [s.seconds for s in stats.layers]
+    worst = sorted(range(len(steps)), key=steps.__getitem__)[-3:][::-1]
+    print(
+        f"sender {t}: gc during the update: {pauses.summary() or 'none'}; slowest steps: "
+        + ", ".join(f"#{i} {1e3 * steps[i]:.1f} ms" for i in worst)
+    )
+    for name, ts in phases.items():
+        i = max(range(len(ts)), key=ts.__getitem__)
+        print(
+            f"  {name:17s} calls {len(ts):3d}  sum {1e3 * sum(ts):8.1f} ms  "
+            f"max {1e3 * ts[i]:6.2f} ms (call {i})"
+        )
     peak = torch.cuda.max_memory_allocated() - base  # its rings and everything transient
     routes = sender.routes.layers
     me = sender.me
@@ -129,6 +192,12 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--ep", action="store_true")
     p.add_argument("--sender", type=int, nargs="+", default=[0, 1])
+    p.add_argument(
+        "--gc",
+        choices=("on", "freeze"),
+        default="on",
+        help="freeze: gc.freeze() after the warm-up (the collector skips what exists then)",
+    )
     args = p.parse_args()
     n = args.layers
     config = {**PRESETS["glm-5"], "num_hidden_layers": n, "first_k_dense_replace": 0,
@@ -144,7 +213,7 @@ def main() -> None:
     )
     engines = [None] * args.senders + EngineLayout.all_ranks(args.tp, 1, args.ep) * args.engines
     kind = f"{args.engines} x {'EP' if args.ep else 'TP'}{args.tp}"
-    rows = [_measure(t, n, config, engines, args.senders, kind, layer, stream) for t in args.sender]
+    rows = [_measure(t, n, config, engines, args.senders, kind, layer, stream, args.gc) for t in args.sender]
     print(f"{n} GLM-5 sparse layers, {args.senders} senders into {kind}; stand-in link: D2H, pinned memory")
     print(tabulate(rows, ["engines", "sender", "entries owned", "sent GiB/layer", "messages/layer", "total s",
                           "link alone s", "convert+pack alone s", "total / link", "link GB/s", "peak GiB",
