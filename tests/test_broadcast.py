@@ -178,3 +178,76 @@ def test_streams_single_gpu_with_poisoned_released_inputs(ring):
         for name, view in plan.views(msgs[2 * i + 1]):
             ref = want[f"model.layers.{i}.{name}"]
             assert torch.equal(view.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+
+
+def _many_senders_sink(fault: str | None):
+    """Sender 1 of 2 into TP=2 on the GPU, its messages kept by a HostSinkComm; the caller
+    overwrites each layer's inputs with NaN as soon as the sender asks for the next one."""
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.transfer import Broadcaster, HostSinkComm
+
+    config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
+    n = config["num_hidden_layers"]
+    sink = HostSinkComm(keep=True, rank=1)
+    engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
+    # src=1: the sender leads, as a stand-in link has no peers to take the manifest from it
+    sender = Broadcaster(sink, 1, config=config, engines=engines, senders=[0, 1], device="cuda")
+
+    def layers():
+        prev = None
+        for i in range(n):
+            if prev is not None:
+                for t in prev.values():
+                    t.fill_(float("nan"))
+            prev = {k: v.cuda() for k, v in synthetic_layer(config, i).items()}
+            if fault == "nan" and i == 2:  # one of sender 1's own experts (torch.chunk: experts 2, 3)
+                prev["model.layers.2.mlp.experts.w2"][3, 1, 7] = float("inf")
+            yield i, prev
+
+    return config, n, sink, sender, layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream ordering needs a GPU (run on the H200)")
+def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
+    """One of many senders on the GPU: every message of every layer equals the reference cut by
+    its pieces' shards and rows, though each layer's inputs turn to NaN once the next is asked
+    for (no read after release; the finite check, folded into the vote on the device, sees the
+    layer as converted); the header table and the COMPLETE header close the update."""
+    from glm_fp8.engine import take_shard
+    from glm_fp8.plan import layer_prefix, plan_from_config
+    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
+
+    config, n, sink, sender, layers = _many_senders_sink(None)
+    sender.broadcast_model(layers())
+    torch.cuda.synchronize()
+    msgs = iter(sink.sent[2:])  # after the prelude and the manifest
+    checked = 0
+    for i, lay in enumerate(sender.routes.layers):
+        assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, i, sender.wire_nbytes(i)]
+        layer = {k.removeprefix(layer_prefix(i)): t for k, t in synthetic_layer(config, i).items()}
+        ref = convert_layer_ref(layer, i, plan_from_config(config, i))
+        for seg in lay.of_sender(sender.me):
+            for _ in lay.classes[seg.cls]:
+                got = next(msgs)
+                for p in seg.pieces:
+                    full = ref[p.name]
+                    if p.rows is not None:
+                        full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
+                    want = take_shard(full, p.shard).contiguous().view(torch.uint8)
+                    assert torch.equal(p.view(got).contiguous().view(torch.uint8), want.cpu()), (i, p.name)
+                    checked += want.numel()
+    assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, n] and next(msgs, None) is None
+    assert checked > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
+def test_many_senders_non_finite_share_is_raised_by_its_sender_on_the_gpu():
+    """An Inf in one of the sender's own experts: its vote (decided on the device) stops the
+    update at that layer's header, and the sender raises NonFiniteError naming the entry."""
+    from glm_fp8 import NonFiniteError
+
+    _, _, sink, sender, layers = _many_senders_sink("nan")
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.2\.mlp\.experts"):
+        sender.broadcast_model(layers())

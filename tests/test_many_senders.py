@@ -75,8 +75,12 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
 
             name = "model.embed_tokens.weight"
             rest[name] = distribute_tensor(rest[name].full_tensor(), mesh, [Replicate()])
+        if fault == "checksum":  # refused at layer 2 (below); then the next update, on the same group
+            first = _first_update(lambda: sender.broadcast_model(layers(), rest=rest))
         stats = sender.broadcast_model(layers(), rest=rest)
         routes = sender.routes
+        if fault == "checksum":
+            return first
         return stats.nbytes, routes.sent_bytes()[sender.me], routes.received_bytes()
     layout = layouts[rank - n_senders]
     params = {}
@@ -91,6 +95,18 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
     assert receiver.ring.slots[0].numel() == max(
         lay.recv_nbytes[receiver.routes.class_of(pos, rank)] for pos, lay in enumerate(receiver.routes.layers)
     )
+    if fault == "checksum":
+        receive = receiver._recv_segments
+        if rank == world - 1:  # its third layer (layer 2) arrives with a checksum that differs
+            calls = []
+
+            def corrupted(buf, segments):
+                calls.append(1)
+                return receive(buf, segments) or len(calls) == 3
+
+            receiver._recv_segments = corrupted
+        first = _first_update(lambda: receiver.load_into(params))
+        receiver._recv_segments = receive
     receiver.load_into(params)
     want = reference_engine_params(TINY_GLM5, layout, [*WHOLE, REST], dtype=dtype)
     assert set(want) == set(params)  # every parameter is part of the update
@@ -98,7 +114,17 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
         got = params[name]
         assert got.dtype == ref.dtype and got.shape == ref.shape, name
         assert torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    if fault == "checksum":
+        return first
     return sum(p.nbytes for p in params.values())
+
+
+def _first_update(update) -> tuple[str, str]:
+    try:
+        update()
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return type(exc).__name__, str(exc)
+    return "ok", ""
 
 
 @pytest.mark.parametrize(
@@ -240,3 +266,17 @@ def test_bad_many_senders_arguments_are_refused():
     receiver = Receiver(HostSinkComm(rank=2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
     with pytest.raises(TypeError, match="receive_layers: with senders= an expert stack arrives in pieces"):
         receiver.receive_layers()
+
+
+def test_a_refused_layer_stops_every_rank_and_the_next_update_lands():
+    """An engine rank refuses layer 2 at its checksum vote. The senders queue the next step's
+    header before they read that vote, so every receiver takes that header on its way out: the
+    link stays in step, and the next update on the same group lands every byte (checked in
+    ``_rank``)."""
+    results = launch(4, _rank, (2, "tp2", "checksum"), timeout_s=60)
+    assert all(status == "ok" for status, _ in results.values()), results
+    first = {r: v for r, (_, v) in results.items()}
+    assert first[3][0] == "UpdateAborted" and "checksum" in first[3][1], first[3]
+    for r in (0, 1, 2):
+        assert first[r][0] == ("ReceiverRefused" if r < 2 else "UpdateAborted"), (r, first[r])
+        assert "rank 3 " in first[r][1] and "checksum" in first[r][1], (r, first[r])
