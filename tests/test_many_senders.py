@@ -269,10 +269,10 @@ def test_bad_many_senders_arguments_are_refused():
 
 
 def test_a_refused_layer_stops_every_rank_and_the_next_update_lands():
-    """An engine rank refuses layer 2 at its checksum vote. The senders queue the next step's
-    header before they read that vote, so every receiver takes that header on its way out: the
-    link stays in step, and the next update on the same group lands every byte (checked in
-    ``_rank``)."""
+    """An engine rank refuses layer 2 at its checksum vote: every rank stops at that vote (the
+    senders raise ReceiverRefused, the other engine rank UpdateAborted, both naming rank 3), no
+    collective is left half matched, and the next update on the same group lands every byte
+    (checked in ``_rank``)."""
     results = launch(4, _rank, (2, "tp2", "checksum"), timeout_s=60)
     assert all(status == "ok" for status, _ in results.values()), results
     first = {r: v for r, (_, v) in results.items()}

@@ -200,13 +200,7 @@ class Receiver(Endpoint):
                 f"layer {layer_idx}: the checksum of the {nbytes} bytes received differs from "
                 "the sender's (a short, long or corrupted message); every rank was stopped"
             ) if bad else None  # fmt: skip
-            try:
-                self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
-            except UpdateAborted:
-                if segments is not None:
-                    # Many senders queue the next header before they read this verdict.
-                    self._take_header(header)
-                raise
+            self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
             prefix = layer_prefix(layer_idx)
             if segments is not None:
                 views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.rows)
@@ -436,22 +430,14 @@ class Receiver(Endpoint):
     def _refuse_next_step(self, header: torch.Tensor, pos: int) -> None:
         """After a local failure: take part in the next header and refuse at its vote, so every
         rank stops there instead of waiting for a timeout."""
-        status = self._take_header(header)
-        if status is not None and status != ABORT:
-            try:
-                self.vote(refusal_code(CONSUMER_FAILED, self.rank))
-            except Exception:  # noqa: BLE001 - the link is gone too; the local error is what matters
-                pass
-
-    def _take_header(self, header: torch.Tensor) -> int | None:
-        """Receive the next header on the way out of an update: its status, or None when the
-        link failed too (the error that ends the update is already on its way)."""
         try:
             with on_stream(self.recv_stream):
                 self.comm.broadcast(header, self.src)
-                return int(header[1].item())
-        except Exception:  # noqa: BLE001 - see above
-            return None
+                status = int(header[1].item())
+            if status != ABORT:
+                self.vote(refusal_code(CONSUMER_FAILED, self.rank))
+        except Exception:  # noqa: BLE001 - the link is gone too; the local error is what matters
+            pass
 
 
 def check_param(

@@ -131,7 +131,6 @@ class Broadcaster(Endpoint):
         self.post_vote = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._pending = False  # the receivers' vote on the last layer sent, not read yet
         self._manifest_payload: bytes | None = None
-        self._headers: torch.Tensor | None = None  # many senders: every step's header words
 
     def broadcast_model(
         self,
@@ -242,8 +241,7 @@ class Broadcaster(Endpoint):
         its ``layers`` yield: a step's own problem becomes its vote, so the senders never fall out
         of step. Per step: check the layer (every sender alike), the senders' vote (all gather or
         none), gather and convert this sender's share into a ring slot, pack its segments, then
-        the leader's header, the verdict on the previous layer, every rank's vote on the link
-        (this sender's finite check included), then the messages."""
+        the leader's header and every rank's vote on the link, then the messages."""
         self._norms = None
         self._many_manifest()
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
@@ -265,20 +263,20 @@ class Broadcaster(Endpoint):
                     self._convert_own(pos, *item)
                 except Exception as exc:  # noqa: BLE001 - voted on below, then raised
                     err = exc
+            self._resolve_pending()
+            if self._norms is not None:
+                # The layer's finite check, read only now that the previous layer left: a host
+                # read while a transfer is in flight can wait for it (a copy engine's queue).
+                try:
+                    norms, self._norms = self._norms, None
+                    raise_if_non_finite(norms, item[0])
+                except Exception as exc:  # noqa: BLE001 - voted on below, then raised
+                    err = exc
             last = pos == len(self.plans)
             layer_idx = -1 if last else self.layer_ids[pos]
-            # Queued behind the previous layer's messages and verdict, before this host reads that
-            # verdict, so that the link does not wait for the host between layers. Receivers that
-            # stop at that verdict take this header first (``Receiver._layers``).
-            self._send_header_at(header, pos)
-            self._resolve_pending()
-            verdict = self._step_vote(err)
-            if err is None and verdict and self._norms is not None:
-                try:  # this sender's own NaN/Inf, if it voted so: the host read, on failure only
-                    raise_if_non_finite(self._norms, item[0])
-                except Exception as exc:  # noqa: BLE001 - raised below
-                    err = exc
-            self._norms = None
+            self._send_header(header, COMPLETE if last else DATA, layer_idx, pos, 0,
+                              0 if last else self.wire_nbytes(pos))  # fmt: skip
+            verdict = self.vote(refusal_code(SENDER_FAILED, my_rank()) if err is not None else 0)
             if err is not None:
                 raise err
             if verdict:
@@ -312,32 +310,6 @@ class Broadcaster(Endpoint):
         if extra is not None:
             raise self._order_error(n_layers, extra[0])
         return None
-
-    def _send_header_at(self, header: torch.Tensor, pos: int) -> None:
-        """The header of step ``pos`` (DATA, or COMPLETE after the last layer) from the table
-        built once per Broadcaster: a device copy, so queueing it waits for nothing."""
-        if self._headers is None:
-            words = [header_words(DATA, i, p, self.wire_nbytes(p)) for p, i in enumerate(self.layer_ids)]
-            words.append(header_words(COMPLETE, -1, len(self.plans)))
-            self._headers = torch.tensor(words, dtype=torch.int64, device=self.device)
-        with on_stream(self.comm_stream):
-            header.copy_(self._headers[pos])
-            self.comm.broadcast(header, self.src)
-
-    def _step_vote(self, err: BaseException | None) -> int:
-        """This sender's vote at a step's header: SENDER_FAILED when ``err`` holds its error or
-        its share of the layer holds NaN/Inf, the latter decided on the device (the finite check
-        needs no host read of its own before the vote)."""
-        mine = refusal_code(SENDER_FAILED, my_rank())
-        values = self._norms[1] if self._norms is not None and err is None else None
-        with on_stream(self.link_stream):
-            self.vote_buf.fill_(mine if err is not None else 0)
-            if values is not None:
-                if self._ready is not None:
-                    self.link_stream.wait_event(self._ready)
-                self.vote_buf.masked_fill_(~torch.isfinite(values).all(), mine)
-            self.comm.all_reduce_max(self.vote_buf)
-            return int(self.vote_buf.item())
 
     def _senders_vote(self, err: BaseException | None) -> bool:
         """The senders' own vote before any gather (their group, not the link): True when
