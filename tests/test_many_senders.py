@@ -96,17 +96,19 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
         lay.recv_nbytes[receiver.routes.class_of(pos, rank)] for pos, lay in enumerate(receiver.routes.layers)
     )
     if fault == "checksum":
-        receive = receiver._recv_segments
-        if rank == world - 1:  # its third layer (layer 2) arrives with a checksum that differs
+        exchange = receiver.comm.exchange
+        if rank == world - 1:  # one bit of its third layer's (layer 2's) first message flips on the wire
             calls = []
 
-            def corrupted(buf, segments):
+            def corrupted(sends, recvs):
+                exchange(sends, recvs)
                 calls.append(1)
-                return receive(buf, segments) or len(calls) == 3
+                if len(calls) == 3:
+                    recvs[0][0][0] ^= 0x10
 
-            receiver._recv_segments = corrupted
+            receiver.comm.exchange = corrupted
         first = _first_update(lambda: receiver.load_into(params))
-        receiver._recv_segments = receive
+        receiver.comm.exchange = exchange
     receiver.load_into(params)
     want = reference_engine_params(TINY_GLM5, layout, [*WHOLE, REST], dtype=dtype)
     assert set(want) == set(params)  # every parameter is part of the update
