@@ -253,6 +253,20 @@ def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float = 1
     return statistics.median(times)
 
 
+def wall_seconds(fn: Callable[[], object], runs: int = 1) -> float:
+    """Median wall-clock seconds of ``runs`` calls, the device synchronized before and after each
+    (for work that spans streams, host waits and copies, which ``time_ms``' events do not see)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(runs):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def peak_transient_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     """Peak bytes allocated above what was live before the call (outputs it returns included)."""
     if device.type != "cuda":

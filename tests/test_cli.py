@@ -171,3 +171,15 @@ def test_cpu_bench_prints_no_bandwidth(capsys):
         assert float(ms) > 0, row  # the time is still shown
         assert gbps == "n/a (CPU)" and share == "n/a (CPU)", row
     assert any(line.startswith("note:") and "interpreter" in line for line in lines[header:])
+
+
+def test_wall_seconds_is_the_median_of_its_runs():
+    """The bench scripts' wall clock: ``runs`` calls, each synchronized (a no-op without a GPU)."""
+    import time
+
+    from glm_fp8.bench import wall_seconds
+
+    calls = []
+    sleeps = iter([0.001, 0.05, 0.02])
+    t = wall_seconds(lambda: (calls.append(1), time.sleep(next(sleeps))), runs=3)
+    assert len(calls) == 3 and 0.02 <= t < 0.05

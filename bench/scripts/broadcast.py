@@ -11,24 +11,16 @@ conversion still runs per layer), so 8 layers fit beside the ring.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from tabulate import tabulate
 
+from glm_fp8.bench import wall_seconds
 from glm_fp8.convert import convert_layer
 from glm_fp8.models import PRESETS
 from glm_fp8.plan import plan_from_config
 from glm_fp8.transfer import Broadcaster, HostSinkComm
 from glm_fp8.transfer.wire import checksum_scratch, layer_checksum
-
-
-def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -50,12 +42,12 @@ def main() -> None:
     buf = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
     convert_layer(layer, 0, out=buf, plan=plan)  # compile, and size the pinned buffer below
     sink.broadcast(buf, 0)
-    t_convert = _timed(lambda: [convert_layer(layer, 0, out=buf, plan=plan) for _ in range(n)])
-    t_comm = _timed(lambda: [sink.broadcast(buf, 0) for _ in range(n)])
+    t_convert = wall_seconds(lambda: [convert_layer(layer, 0, out=buf, plan=plan) for _ in range(n)])
+    t_comm = wall_seconds(lambda: [sink.broadcast(buf, 0) for _ in range(n)])
     scratch = checksum_scratch(plan.nbytes, buf.device)
     layer_checksum(buf, scratch)
-    t_sum = _timed(lambda: [layer_checksum(buf, scratch) for _ in range(n)])
-    t_copy = _timed(lambda: [buf[: plan.nbytes // 2].copy_(buf[plan.nbytes // 2 :]) for _ in range(n)])
+    t_sum = wall_seconds(lambda: [layer_checksum(buf, scratch) for _ in range(n)])
+    t_copy = wall_seconds(lambda: [buf[: plan.nbytes // 2].copy_(buf[plan.nbytes // 2 :]) for _ in range(n)])
     buf = None  # noqa: F841 - free it before the ring is allocated
     rows = []
     for ring, checksum in ((2, True), (2, False), (1, True)):

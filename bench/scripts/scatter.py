@@ -11,12 +11,11 @@ One GLM-5 sparse layer from bf16 (inputs Gaussian x 0.02). Times are the median 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from tabulate import tabulate
 
+from glm_fp8.bench import wall_seconds
 from glm_fp8.convert import convert_layer
 from glm_fp8.engine import EngineLayout
 from glm_fp8.engine.pack import layer_scatter, update_bytes
@@ -27,15 +26,8 @@ from glm_fp8.transfer.wire import checksum_scratch
 
 
 def _median_s(fn, runs: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    fn()  # warm-up
+    return wall_seconds(fn, runs)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 from tabulate import tabulate
 
+from glm_fp8.bench import wall_seconds
 from glm_fp8.engine import EngineLayout, take_shard
 from glm_fp8.models import PRESETS
 from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
@@ -83,14 +84,6 @@ def _phase_timers(sender: Broadcaster, names: tuple[str, ...]) -> dict[str, list
 
         setattr(sender, name, timed)
     return times
-
-
-def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def _check_bytes(sender: Broadcaster, sink: HostSinkComm, layer: dict) -> tuple[int, int]:
@@ -156,7 +149,7 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
     me = sender.me
     msgs = [[(sender.pack_ring.slots[0][s.send_offset : s.send_offset + s.nbytes], r)
              for s in lay.of_sender(me) for r in lay.classes[s.cls]] for lay in routes]  # fmt: skip
-    t_link = _timed(lambda: [sink.exchange(m, []) for m in msgs])
+    t_link = wall_seconds(lambda: [sink.exchange(m, []) for m in msgs])
     local_buf, send_buf = sender.ring.slots[0], sender.pack_ring.slots[0]
 
     def convert_only():
@@ -169,7 +162,7 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
                 seg.pack_into(views, send_buf[seg.send_offset : seg.send_offset + seg.nbytes], lay.starts(me))
 
     convert_only()  # warm-up: the first call in a process can compile
-    t_convert = _timed(convert_only)
+    t_convert = wall_seconds(convert_only)
     local, send = sender.routes.sender_buffers(me)
     predicted = 2 * (local + send)  # ring of 2; plain inputs: nothing gathered
     sent = sum(m.nbytes for ms in msgs for m, _ in ms)
