@@ -212,8 +212,9 @@ def _many_senders_sink(fault: str | None):
 def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
     """One of many senders on the GPU: every message of every layer equals the reference cut by
     its pieces' shards and rows, though each layer's inputs turn to NaN once the next is asked
-    for (no read after release, and the finite check, read after the previous layer's send,
-    sees the layer as converted); a header per layer, then COMPLETE, close the update."""
+    for (no read after release, and the finite check, decided on the device and voted with the
+    layer's messages, sees the layer as converted); a header per layer, then COMPLETE, close the
+    update."""
     from glm_fp8.engine import take_shard
     from glm_fp8.plan import layer_prefix, plan_from_config
     from glm_fp8.reference import convert_layer_ref
@@ -244,9 +245,9 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
 def test_many_senders_non_finite_share_is_raised_by_its_sender_on_the_gpu():
-    """An Inf in one of the sender's own experts: its finite check, queued on the device and read
-    after the previous layer's send, stops the update at that layer's header vote, and the sender
-    raises NonFiniteError naming the entry."""
+    """An Inf in one of the sender's own experts: its finite check, decided on the device, is the
+    sender's vote on that layer's messages; that vote stops the update (read one step late), and
+    the sender raises NonFiniteError naming the entry."""
     from glm_fp8 import NonFiniteError
 
     _, _, sink, sender, layers = _many_senders_sink("nan")

@@ -88,9 +88,11 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
         params[name] = torch.empty(p.shape, dtype=p.dtype)
         params[name].view(torch.uint8).fill_(FILL)
     receiver = Receiver(None, 0, layout=layout, **kw)
-    if fault == "consumer" and rank == world - 1:
-        w2 = "model.layers.3.mlp.experts.routed_experts.w2_weight"
-        params[w2] = params[w2][:, :1]
+    if fault in ("consumer", "consumer_last") and rank == world - 1:
+        # the landing of a middle layer, or of the last (the non-layer tensors, voted at COMPLETE)
+        name = "model.layers.3.mlp.experts.routed_experts.w2_weight"
+        name = "lm_head.weight" if fault == "consumer_last" else name
+        params[name] = params[name][:, :1]
         receiver._check_params = lambda p: None  # a consumer that breaks mid-update, not at the check
     assert receiver.ring.slots[0].numel() == max(
         lay.recv_nbytes[receiver.routes.class_of(pos, rank)] for pos, lay in enumerate(receiver.routes.layers)
@@ -176,6 +178,7 @@ def test_fp32_masters_are_cast_to_bf16_as_with_one_sender():
         ("nan", 1, "NonFiniteError"),  # the last sender's own expert: found after its gathers
         ("order", 1, "LayerOrderError"),  # one sender handed layer 4 where layer 3 was announced
         ("consumer", 3, "RuntimeError"),  # an engine rank's landing fails mid-update
+        ("consumer_last", 3, "RuntimeError"),  # ... or on the last step's tensors (lm_head)
     ],
 )
 def test_any_ranks_failure_stops_every_rank_at_the_same_step(fault, culprit, why):
@@ -268,6 +271,40 @@ def test_bad_many_senders_arguments_are_refused():
     receiver = Receiver(HostSinkComm(rank=2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
     with pytest.raises(TypeError, match="receive_layers: with senders= an expert stack arrives in pieces"):
         receiver.receive_layers()
+    with pytest.raises(ValueError, match="ring: many senders need at least 2 receive buffers"):
+        Receiver(HostSinkComm(rank=2), 0, senders=[0, 1], engines=engines, layout=engines[2], ring=1, **kw)
+
+
+def test_a_sender_queues_the_next_layer_before_it_waits_for_a_vote():
+    """A sender's only host wait per layer, reading the previous layer's vote, comes after it
+    queued the next layer's messages, so the link always holds a layer while the host waits:
+    send 0, send 1, read 0, send 2, read 1, ..., then the last layer's vote and COMPLETE's.
+    (Sender 1 of 2 into TP=2 through the stand-in link, on the CPU; it leads, as a stand-in
+    has no peers.)"""
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.testing import synthetic_layer
+    from glm_fp8.transfer import Broadcaster, HostSinkComm
+
+    config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
+    n = config["num_hidden_layers"]
+    sink = HostSinkComm(rank=1)
+    engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
+    sender = Broadcaster(sink, 1, config=config, engines=engines, senders=[0, 1], device="cpu")
+    events = []
+    exchange, read = sink.exchange, sender.step_votes.read
+
+    def logged_exchange(sends, recvs):
+        events.append(f"send {sum(e.startswith('send') for e in events)}")
+        exchange(sends, recvs)
+
+    def logged_read(step):
+        events.append(f"read {step}")
+        return read(step)
+
+    sink.exchange, sender.step_votes.read = logged_exchange, logged_read
+    sender.broadcast_model((i, synthetic_layer(config, i)) for i in range(n))
+    want = ["send 0"] + [e for k in range(1, n) for e in (f"send {k}", f"read {k - 1}")]
+    assert events == want + [f"read {n - 1}", f"read {n}"]
 
 
 def test_a_refused_layer_stops_every_rank_and_the_next_update_lands():

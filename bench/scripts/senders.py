@@ -4,7 +4,7 @@ alone (the same messages, device-to-host into pinned memory) and its conversion 
 peak memory against the transfer plan's prediction; and its bytes against the reference.
 
     python3 bench/scripts/senders.py [--layers 16] [--senders 32] [--engines 4] [--tp 8] [--ep]
-                                     [--sender 0 ...] [--gc freeze]
+                                     [--sender 0 ...] [--gc freeze] [--repeats 5]
 
 GLM-5 sparse layers from bf16 (Gaussian x 0.02); one layer's tensors are reused for every layer
 (each layer is still converted and sent). The sender is link rank ``t`` of ``--senders`` trainer
@@ -109,8 +109,10 @@ def _check_bytes(sender: Broadcaster, sink: HostSinkComm, layer: dict) -> tuple[
 
 
 def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: str, layer: dict,
-             stream, gc_mode: str) -> list:  # fmt: skip
-    """One sender's row: its pipeline, link alone, conversion alone, memory, bytes checked."""
+             stream, gc_mode: str, repeats: int) -> list:  # fmt: skip
+    """One sender's row: its pipeline, link alone, conversion alone, memory, bytes checked; the
+    pipeline and the link alone timed ``repeats`` times, alternately, the median ratio's run
+    shown (and every ratio's range)."""
     torch.cuda.empty_cache()
     check_sink = _KeepFirst(t, 3 + 4 * n_senders)  # the prelude, manifest, header; layer 0
     kw = dict(config=config, engines=engines, senders=range(n_senders), device="cuda")
@@ -126,12 +128,24 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
     if gc_mode == "freeze":
         gc.collect()
         gc.freeze()
-    phases = _phase_timers(sender, ("_next_item", "_convert_own", "_resolve_pending", "_send_header", "vote",
-                                    "_send_segments"))  # fmt: skip
-    with _GcPauses() as pauses:
-        stats = sender.broadcast_model(stream())  # resets the peak first
+    phases = _phase_timers(sender, ("_next_item", "_convert_own", "_post_step", "_settle_step"))
+    routes = sender.routes.layers
+    me = sender.me
+    msgs = [[(sender.pack_ring.slots[0][s.send_offset : s.send_offset + s.nbytes], r)
+             for s in lay.of_sender(me) for r in lay.classes[s.cls]] for lay in routes]  # fmt: skip
+    runs = []  # (update stats, link alone s), interleaved so that both see the same clocks
+    peak = 0
+    for _ in range(repeats):
+        for ts in phases.values():
+            ts.clear()
+        with _GcPauses() as pauses:
+            stats = sender.broadcast_model(stream())  # resets the peak first
+        peak = max(peak, torch.cuda.max_memory_allocated() - base)  # its rings and everything transient
+        runs.append((stats, wall_seconds(lambda: [sink.exchange(m, []) for m in msgs])))
     if gc_mode == "freeze":
         gc.unfreeze()
+    ratios = sorted(st.seconds / t for st, t in runs)
+    stats, t_link = sorted(runs, key=lambda r: r[0].seconds / r[1])[len(runs) // 2]  # the median run
     steps = [s.seconds for s in stats.layers]
     worst = sorted(range(len(steps)), key=steps.__getitem__)[-3:][::-1]
     print(
@@ -144,12 +158,6 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
             f"  {name:17s} calls {len(ts):3d}  sum {1e3 * sum(ts):8.1f} ms  "
             f"max {1e3 * ts[i]:6.2f} ms (call {i})"
         )
-    peak = torch.cuda.max_memory_allocated() - base  # its rings and everything transient
-    routes = sender.routes.layers
-    me = sender.me
-    msgs = [[(sender.pack_ring.slots[0][s.send_offset : s.send_offset + s.nbytes], r)
-             for s in lay.of_sender(me) for r in lay.classes[s.cls]] for lay in routes]  # fmt: skip
-    t_link = wall_seconds(lambda: [sink.exchange(m, []) for m in msgs])
     local_buf, send_buf = sender.ring.slots[0], sender.pack_ring.slots[0]
 
     def convert_only():
@@ -168,7 +176,8 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
     sent = sum(m.nbytes for ms in msgs for m, _ in ms)
     owned = sum(1 for lay in routes for o in lay.owners.values() if o == me)
     return [kind, t, owned, f"{sent / n / 2**30:.3f}", sum(len(m) for m in msgs) // n,
-            f"{stats.seconds:.3f}", f"{t_link:.3f}", f"{t_convert:.3f}", f"{stats.seconds / t_link:.3f}",
+            f"{stats.seconds:.3f}", f"{t_link:.3f}", f"{t_convert:.3f}",
+            f"{stats.seconds / t_link:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})",
             f"{sent / t_link / 1e9:.1f}", f"{peak / 2**30:.3f}", f"{predicted / 2**30:.3f}",
             f"{peak / predicted:.3f}", f"{checked}/{differ}",
             f"{1e3 * sorted(s.seconds for s in stats.layers)[len(stats.layers) // 2]:.1f}",
@@ -186,6 +195,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--ep", action="store_true")
     p.add_argument("--sender", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--repeats", type=int, default=5, help="updates timed, each beside a link-alone timing")
     p.add_argument(
         "--gc",
         choices=("on", "freeze"),
@@ -207,11 +217,12 @@ def main() -> None:
     )
     engines = [None] * args.senders + EngineLayout.all_ranks(args.tp, 1, args.ep) * args.engines
     kind = f"{args.engines} x {'EP' if args.ep else 'TP'}{args.tp}"
-    rows = [_measure(t, n, config, engines, args.senders, kind, layer, stream, args.gc) for t in args.sender]
+    rows = [_measure(t, n, config, engines, args.senders, kind, layer, stream, args.gc, args.repeats)
+            for t in args.sender]  # fmt: skip
     print(f"{n} GLM-5 sparse layers, {args.senders} senders into {kind}; stand-in link: D2H, pinned memory")
     print(tabulate(rows, ["engines", "sender", "entries owned", "sent GiB/layer", "messages/layer", "total s",
-                          "link alone s", "convert+pack alone s", "total / link", "link GB/s", "peak GiB",
-                          "predicted GiB", "peak / predicted", "layer-0 bytes checked/differ",
+                          "link alone s", "convert+pack alone s", "total / link (median, range)", "link GB/s",
+                          "peak GiB", "predicted GiB", "peak / predicted", "layer-0 bytes checked/differ",
                           "step ms (median)", "step ms (max)", "outside steps ms",
                           "steps ms (first 3 .. last 2)"]))  # fmt: skip
 

@@ -13,7 +13,15 @@ from glm_fp8.engine.routes import TransferPlan, transfer_plan
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
 from glm_fp8.transfer.scatter import Scatter
-from glm_fp8.transfer.wire import Comm, checksum_scratch, is_process_group, manifest_of
+from glm_fp8.transfer.wire import (
+    COMPLETE,
+    DATA,
+    Comm,
+    checksum_scratch,
+    header_words,
+    is_process_group,
+    manifest_of,
+)
 
 MODES = ("fp8", "bf16")
 
@@ -164,6 +172,14 @@ class Endpoint:
             m["senders"] = self.routes.manifest()
         return m
 
+    def header_table(self) -> torch.Tensor:
+        """int64 [steps + 1, HEADER_WORDS] on the device: every step's header (many senders), the
+        announced layers' DATA headers and the last, COMPLETE. The leader sends its rows, the
+        engine ranks compare what arrives with theirs, both without a host round trip."""
+        rows = [header_words(DATA, i, pos, self.wire_nbytes(pos)) for pos, i in enumerate(self.layer_ids)]
+        rows.append(header_words(COMPLETE, -1, len(self.plans)))
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
     def vote(self, code: int) -> int:
         """Contribute ``code`` (0: fine; never negative) to an all-reduce MAX on the link and
         return every rank's maximum (a host read)."""
@@ -171,6 +187,42 @@ class Endpoint:
             self.vote_buf.fill_(max(0, code))
             self.comm.all_reduce_max(self.vote_buf)
             return int(self.vote_buf.item())
+
+
+class StepVotes:
+    """The votes of a pipelined many-senders update, read one step late: a step's vote is queued
+    on the link stream behind its messages and copied to host memory there, and the host reads it
+    only after it queued the next step, so the link always has a layer to carry (a host read
+    waits for that vote's copy only, not for what was queued after it). Two in flight at most:
+    step k's vote must be read before step k + 2 is queued."""
+
+    def __init__(self, comm: Comm, device: torch.device):
+        cuda = device.type == "cuda"
+        self.comm = comm
+        self.votes = torch.zeros(2, dtype=torch.int64, device=device)
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+    def post(self, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
+        """Queue step ``step``'s vote on the current stream: ``code`` (0: fine), raised to ``c``
+        for each ``(flag, c)`` whose device boolean ``flag`` is set (a check decided on the
+        device: a checksum, a header, non-finite weights), all-reduced MAX over the link."""
+        i = step % 2
+        buf = self.votes[i : i + 1]
+        buf.fill_(max(0, code))
+        for flag, c in flags:
+            torch.maximum(buf, flag.reshape(1).to(torch.int64) * c, out=buf)
+        self.comm.all_reduce_max(buf)
+        self.host[i : i + 1].copy_(buf, non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+
+    def read(self, step: int) -> int:
+        """Every rank's maximum at step ``step`` (waits for that vote only)."""
+        i = step % 2
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return int(self.host[i])
 
 
 def link_rank(comm: object | None) -> int:

@@ -14,7 +14,15 @@ from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.numerics import blocks_shape
 from glm_fp8.plan import LayerPlan, layer_prefix
 from glm_fp8.quantize import quantize_blockwise
-from glm_fp8.transfer.endpoint import Endpoint, LayerStats, UpdateStats, link_rank, my_rank, on_stream
+from glm_fp8.transfer.endpoint import (
+    Endpoint,
+    LayerStats,
+    StepVotes,
+    UpdateStats,
+    link_rank,
+    my_rank,
+    on_stream,
+)
 from glm_fp8.transfer.wire import (
     ABORT,
     ABORT_REASONS,
@@ -37,6 +45,7 @@ from glm_fp8.transfer.wire import (
     describe_refusal,
     layer_checksum,
     refusal_code,
+    refusal_reason,
 )
 
 
@@ -120,6 +129,16 @@ class Receiver(Endpoint):
         self.expected = self.manifest(False)
         self.rank = my_rank()
         self._params_error: Exception | None = None
+        if self.routes is not None:
+            if ring < 2:
+                raise ValueError(f"ring: many senders need at least 2 receive buffers (a layer waits for its "
+                                 f"vote while the next one arrives), got {ring}")  # fmt: skip
+            self.step_votes = StepVotes(self.comm, self.device)
+            self._headers = self.header_table()
+            self._header_bufs = torch.empty(2, HEADER_WORDS, dtype=torch.int64, device=self.device)
+            self._step_flags: list[tuple] = [(None, None), (None, None)]
+            cuda = self.device.type == "cuda"
+            self._landed = [torch.cuda.Event() if cuda else None for _ in self.ring.slots]
 
     def _targets(self, config: Mapping, layout: EngineLayout) -> dict[str, EngineParam]:
         targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
@@ -158,21 +177,18 @@ class Receiver(Endpoint):
         return self._layers(pieces=False)
 
     def _layers(self, pieces: bool) -> Iterator[tuple[int, list[tuple]]]:
-        """``receive_layers``; with ``pieces`` each item is ``(name, view, rows)``, rows the
-        range of the full entry's dim 0 a many-senders piece covers (None: all the rank holds)."""
+        """``receive_layers`` (one sender); with ``pieces`` each item is ``(name, view, None)``
+        as ``_layers_many`` yields them."""
         checksum = self._recv_manifest()
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         for pos, plan in enumerate(self.plans):
             layer_idx = self.layer_ids[pos]
             self._recv_header(header, pos, DATA, layer_idx, self.wire_nbytes(pos))
-            pack = segments = None
+            pack = None
             if self.scatter is not None:
                 k = self.scatter.my_class(pos, self.link_rank)
                 pack, group = self.scatter.layers[pos].packs[k], self.scatter.layers[pos].classes[k]
                 nbytes = pack.nbytes
-            elif self.routes is not None:
-                k = self.routes.class_of(pos, self.link_rank)
-                segments, nbytes = self.routes.layers[pos].of_class(k), self.routes.layers[pos].recv_nbytes[k]
             else:
                 nbytes = plan.nbytes
             buf, slot = self.ring.slot(pos, nbytes)
@@ -182,9 +198,7 @@ class Receiver(Endpoint):
                     if self.ring.used[slot] and self.ring.free[slot] is not None:
                         # Wait until what the consumer queued on this slot's last layer is done.
                         self.recv_stream.wait_event(self.ring.free[slot])
-                    if segments is not None:
-                        bad = self._recv_segments(buf, segments)
-                    elif pack is None:
+                    if pack is None:
                         self.comm.broadcast(buf, self.src)
                         if checksum:
                             bad = bool((layer_checksum(buf, self.ring.scratch) != header[5]).item())
@@ -202,10 +216,7 @@ class Receiver(Endpoint):
             ) if bad else None  # fmt: skip
             self._settle(refused, BAD_CHECKSUM, f" (layer {layer_idx}); the update was stopped")
             prefix = layer_prefix(layer_idx)
-            if segments is not None:
-                views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.rows)
-                         for s in segments for p in s.pieces]  # fmt: skip
-            elif pack is None:
+            if pack is None:
                 views = [(prefix + name, view, None) for name, view in plan.views(buf)]
             else:
                 views = [(name, view, None) for name, view in pack.views(buf)]
@@ -223,16 +234,123 @@ class Receiver(Endpoint):
             self.ring.used[slot] = True
         self._recv_header(header, len(self.plans), COMPLETE, -1, 0)
 
-    def _recv_segments(self, buf: torch.Tensor, segments) -> bool:
-        """Receive this rank's segments of a layer from their senders into ``buf``; True when
-        a checksum differs."""
+    # --- many senders --------------------------------------------------------------------------
+
+    def _layers_many(self) -> Iterator[tuple[int, list[tuple]]]:
+        """``_layers`` with many senders, pipelined; each item is ``(layer_idx, [(name, view,
+        rows)])``, ``rows`` the range of the full entry's dim 0 a piece covers (None: all the rank
+        holds). Per layer, queued with no host wait: the header, this rank's segments from their
+        senders and every rank's vote (this rank's header and checksum checks, decided on the
+        device). Then the previous layer's vote is read, and that layer handed out only if it
+        passed: the next layer is on the link meanwhile. A failed vote is read one step late:
+        every rank has queued the step after it, and raises once that is done. A consumer's
+        failure is this rank's vote at the next step it queues; COMPLETE is voted after the
+        last layer was handed out."""
+        self._recv_manifest()
+        n = len(self.plans)
+        failure: BaseException | None = None
+        for pos in range(n):
+            self._post_step(pos, failure)
+            if pos:
+                self._settle_step(pos - 1, failure)
+                if failure is None:
+                    failure = yield from self._hand_out(pos - 1)
+        self._settle_step(n - 1, failure)
+        if failure is None:
+            failure = yield from self._hand_out(n - 1)
+        self._post_step(n, failure)
+        self._settle_step(n, failure)
+
+    def _segments(self, pos: int) -> tuple[list, torch.Tensor, int]:
+        """This rank's segments of the layer at ``pos``, its ring slot's buffer for them, the slot."""
+        lay = self.routes.layers[pos]
+        k = self.routes.class_of(pos, self.link_rank)
+        buf, slot = self.ring.slot(pos, lay.recv_nbytes[k])
+        return lay.of_class(k), buf, slot
+
+    def _post_step(self, pos: int, failure: BaseException | None) -> None:
+        """Queue step ``pos`` on the receive stream: the header, this rank's segments (none at
+        COMPLETE, ``pos`` = number of layers) and its vote."""
+        i = pos % 2
+        header = self._header_bufs[i]
+        where = f"layer {self.layer_ids[pos]}" if pos < len(self.plans) else "the last header"
+        try:
+            with on_stream(self.recv_stream):
+                self.comm.broadcast(header, self.src)
+                header_bad = (header[:5] != self._headers[pos, :5]).any()
+                sum_bad = None
+                if pos < len(self.plans):
+                    segments, buf, slot = self._segments(pos)
+                    if self.ring.used[slot] and self.ring.free[slot] is not None:
+                        # Wait until what the consumer queued on this slot's last layer is done.
+                        self.recv_stream.wait_event(self.ring.free[slot])
+                    sum_bad = self._recv_segments(buf, segments)
+                    if self._landed[slot] is not None:
+                        self._landed[slot].record(self.recv_stream)
+                self._step_flags[i] = (header_bad, sum_bad)
+                flags = [(header_bad, refusal_code(REFUSED_HEADER, self.rank))]
+                flags += [(sum_bad, refusal_code(BAD_CHECKSUM, self.rank))] if sum_bad is not None else []
+                code = refusal_code(CONSUMER_FAILED, self.rank) if failure is not None else 0
+                self.step_votes.post(pos, code, flags)
+        except Exception as exc:
+            raise UpdateAborted(f"receiving {where} failed: {exc}") from exc
+
+    def _settle_step(self, pos: int, failure: BaseException | None) -> None:
+        """Read step ``pos``'s vote; when a rank refused, wait for the step queued after it (every
+        rank queued it), then raise: the consumer's error, else what this rank found, else an
+        ``UpdateAborted`` naming the rank that refused."""
+        verdict = self.step_votes.read(pos)
+        if not verdict:
+            return
+        if self.recv_stream is not None:
+            self.recv_stream.synchronize()
+        if failure is not None:
+            raise failure
+        last = pos == len(self.plans)
+        layer_idx = -1 if last else self.layer_ids[pos]
+        header_bad, sum_bad = self._step_flags[pos % 2]
+        if verdict != refusal_code(refusal_reason(verdict), self.rank):
+            header_bad = sum_bad = None  # another rank's refusal ranks higher: a sender that failed
+        if header_bad is not None and bool(header_bad):
+            status, nbytes = (COMPLETE, 0) if last else (DATA, self.wire_nbytes(pos))
+            got = self._header_bufs[pos % 2].tolist()
+            raise self._header_problem(got, pos, status, layer_idx, nbytes, "its segments were refused")
+        if sum_bad is not None and bool(sum_bad):
+            raise UpdateAborted(
+                f"layer {layer_idx}: the checksum of a segment received differs from its sender's (a "
+                "short, long or corrupted message); every rank was stopped"
+            )
+        where = "after the last layer" if last else f"layer {layer_idx}"
+        raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
+
+    def _hand_out(self, pos: int):
+        """Yield the layer at ``pos`` (its vote passed) to the consumer; return the consumer's
+        error, if it raised one into this generator, else None."""
+        segments, buf, slot = self._segments(pos)
+        if self._landed[slot] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._landed[slot])
+        views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.rows)
+                 for s in segments for p in s.pieces]  # fmt: skip
+        try:
+            yield self.layer_ids[pos], views
+        except BaseException as exc:  # noqa: BLE001 - voted on at the next step, then raised
+            return exc
+        finally:
+            if self.ring.free[slot] is not None:
+                self.ring.free[slot].record(torch.cuda.current_stream(self.device))
+            self.ring.used[slot] = True
+        return None
+
+    def _recv_segments(self, buf: torch.Tensor, segments) -> torch.Tensor | None:
+        """Receive this rank's segments of a layer from their senders into ``buf``; a device
+        boolean, set when a checksum differs (None: no segment)."""
         msgs = [
             (buf[s.recv_offset : s.recv_offset + s.nbytes], self.routes.senders[s.sender]) for s in segments
         ]
         self.comm.exchange([], msgs)
         bad = [layer_checksum(m[: s.data_nbytes], self.ring.scratch) != s.checksum_word(m)
                for s, (m, _) in zip(segments, msgs)]  # fmt: skip
-        return bool(torch.stack(bad).any().item()) if bad else False
+        return torch.stack(bad).any() if bad else None
 
     def load_into(self, params: Mapping[str, torch.Tensor]) -> UpdateStats:
         """Copy (fp8 mode) or quantize (bf16 mode) every received entry into ``params``.
@@ -245,7 +363,7 @@ class Receiver(Endpoint):
         self._params_error = self._layout_error or self._check_params(params)
         stats = UpdateStats()
         t0 = time.perf_counter()
-        layers = self._layers(pieces=True)
+        layers = self._layers_many() if self.routes is not None else self._layers(pieces=True)
         try:
             for layer_idx, views in layers:
                 t = time.perf_counter()
@@ -405,17 +523,26 @@ class Receiver(Endpoint):
         if got[0] == MAGIC and got[1] == ABORT:
             why = ABORT_REASONS.get(got[6], f"reason {got[6]}")
             raise UpdateAborted(f"the sender aborted the update {where}: {why}")
-        want = [MAGIC, status, layer_idx, pos, nbytes]
-        problem = None
-        if got[:5] != want:
-            names = ("magic", "status", "layer", "position", "nbytes")
-            k = next(i for i in range(5) if got[i] != want[i])
-            show = (lambda v: STATUSES.get(v, v)) if k == 1 else (lambda v: v)
-            problem = UpdateAborted(
-                f"layer header {where}: expected {names[k]} {show(want[k])} (the manifest's), got "
-                f"{show(got[k])}; refused before receiving anything of it, every rank was stopped"
-            )
+        problem = self._header_problem(got, pos, status, layer_idx, nbytes)
         self._settle(problem, REFUSED_HEADER, f" ({where}); the update was stopped")
+
+    @staticmethod
+    def _header_problem(
+        got: list[int], pos: int, status: int, layer_idx: int, nbytes: int, refused: str = "refused before "
+        "receiving anything of it"
+    ) -> UpdateAborted | None:
+        """The error for a header ``got`` other than the manifest's, else None."""
+        want = [MAGIC, status, layer_idx, pos, nbytes]
+        if got[:5] == want:
+            return None
+        where = f"before layer {layer_idx}" if status == DATA else "after the last layer"
+        names = ("magic", "status", "layer", "position", "nbytes")
+        k = next(i for i in range(5) if got[i] != want[i])
+        show = (lambda v: STATUSES.get(v, v)) if k == 1 else (lambda v: v)
+        return UpdateAborted(
+            f"layer header {where}: expected {names[k]} {show(want[k])} (the manifest's), got "
+            f"{show(got[k])}; {refused}, every rank was stopped"
+        )
 
     def _settle(self, refused: Exception | None, reason: int, context: str) -> None:
         """One vote: this rank refuses for ``reason`` when ``refused`` holds its error (then

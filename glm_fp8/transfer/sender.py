@@ -13,7 +13,16 @@ from glm_fp8.convert import entry_norms, raise_if_non_finite
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, layer_prefix, strip_layer
-from glm_fp8.transfer.endpoint import Endpoint, LayerStats, Ring, UpdateStats, link_rank, my_rank, on_stream
+from glm_fp8.transfer.endpoint import (
+    Endpoint,
+    LayerStats,
+    Ring,
+    StepVotes,
+    UpdateStats,
+    link_rank,
+    my_rank,
+    on_stream,
+)
 from glm_fp8.transfer.gather import GATHERS, check_own_layer, collect_layer, collect_own
 from glm_fp8.transfer.scatter import pack_regions
 from glm_fp8.transfer.wire import (
@@ -125,10 +134,15 @@ class Broadcaster(Endpoint):
                     for r in self.routes.senders]  # fmt: skip
             self.senders_global = glob
             self.is_src = self.link_rank == src
+            self._headers = self.header_table()
+            self._header_in = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+            self._step_checks: list[tuple | None] = [None, None]  # (layer, norms, NaN/Inf flag)
+            self._ready: torch.cuda.Event | None = None
         self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
         self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
         self.link_stream = self.comm_stream
         self.post_vote = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.step_votes = StepVotes(self.comm, self.device)
         self._pending = False  # the receivers' vote on the last layer sent, not read yet
         self._manifest_payload: bytes | None = None
 
@@ -239,57 +253,100 @@ class Broadcaster(Endpoint):
     ) -> None:
         """Every sender runs the same steps (one per announced layer, then COMPLETE), whatever
         its ``layers`` yield: a step's own problem becomes its vote, so the senders never fall out
-        of step. Per step: check the layer (every sender alike), the senders' vote (all gather or
-        none), gather and convert this sender's share into a ring slot, pack its segments, then
-        the leader's header and every rank's vote on the link, then the messages."""
-        self._norms = None
+        of step. Per layer: check it (every sender alike), the senders' vote (all gather or none),
+        gather and convert this sender's share into a ring slot and pack its segments; queue,
+        with no host wait, the leader's header, the messages and every rank's vote on them; then
+        read the previous layer's vote. The link thus always holds the next layer while the host
+        waits. A failed vote is read one step late: every rank has queued that next step and
+        raises once it is done. COMPLETE is voted after the last layer's verdict was read."""
         self._many_manifest()
-        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         it = iter(layers)
-        for pos in range(len(self.plans) + 1):
+        n = len(self.plans)
+        failed: BaseException | None = None
+        # Set on every sender alike by the senders' vote: from then on none pulls ``layers``
+        # (the caller's iterator may run collectives of the senders, a full_tensor() say).
+        stop = False
+        for pos in range(n):
             t_layer = time.perf_counter()
             err: BaseException | None = None
             item = None
-            try:
-                item = self._next_item(it, pos, rest)
-                if item is not None:
+            self._ready = None
+            self._step_checks[pos % 2] = None
+            if not stop:
+                try:
+                    item = self._next_item(it, pos, rest)
                     check_own_layer(self.plans[pos], strip_layer(item[1], item[0]), item[0],
                                     self.senders_global, self.routes.bounds)  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - voted on below, then raised
-                err = exc
-            peers_failed = self._senders_vote(err)
-            if item is not None and err is None and not peers_failed:
+                except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
+                    err = exc
+            mine = err if err is not None else failed
+            peers_failed = self._senders_vote(mine)
+            stop = stop or mine is not None or peers_failed
+            if item is not None and mine is None and not peers_failed:
                 try:
                     self._convert_own(pos, *item)
-                except Exception as exc:  # noqa: BLE001 - voted on below, then raised
+                except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
                     err = exc
-            self._resolve_pending()
-            if self._norms is not None:
-                # The layer's finite check, read only now that the previous layer left: a host
-                # read while a transfer is in flight can wait for it (a copy engine's queue).
-                try:
-                    norms, self._norms = self._norms, None
-                    raise_if_non_finite(norms, item[0])
-                except Exception as exc:  # noqa: BLE001 - voted on below, then raised
-                    err = exc
-            last = pos == len(self.plans)
-            layer_idx = -1 if last else self.layer_ids[pos]
-            self._send_header(header, COMPLETE if last else DATA, layer_idx, pos, 0,
-                              0 if last else self.wire_nbytes(pos))  # fmt: skip
-            verdict = self.vote(refusal_code(SENDER_FAILED, my_rank()) if err is not None else 0)
-            if err is not None:
-                raise err
-            if verdict:
-                if refusal_reason(verdict) == SENDER_FAILED:
-                    raise UpdateAborted(f"{describe_refusal(verdict)} (step {pos}); every rank was stopped")
-                where = (
-                    "the update did not complete" if last else f"layer {layer_idx}; the update was stopped"
-                )
-                raise ReceiverRefused(f"{describe_refusal(verdict)} ({where})")
-            if last:
-                break
-            self._send_segments(pos)
-            stats.layers.append(LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t_layer))
+            failed = err if failed is None else failed
+            # A step that did not convert still sends (its slot's stale bytes): every rank queued
+            # its messages, and its vote refuses them.
+            self._post_step(pos, failed)
+            if pos:
+                self._settle_step(pos - 1, failed)
+            stats.layers.append(LayerStats(self.layer_ids[pos], self.plans[pos].nbytes,
+                                           time.perf_counter() - t_layer))  # fmt: skip
+        self._settle_step(n - 1, failed)
+        self._ready, self._step_checks[n % 2] = None, None
+        if not stop:
+            try:
+                self._next_item(it, n, rest)  # a layer past the announced ones
+            except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
+                failed = exc
+        self._post_step(n, failed)
+        self._settle_step(n, failed)
+
+    def _post_step(self, pos: int, failed: BaseException | None) -> None:
+        """Queue step ``pos`` on the link stream: the leader's header, this sender's messages
+        (none at COMPLETE) and its vote, SENDER_FAILED when ``failed`` or its share holds
+        NaN/Inf (decided on the device). No host wait."""
+        code = refusal_code(SENDER_FAILED, my_rank())
+        checks = self._step_checks[pos % 2]
+        flags = [(checks[2], code)] if checks is not None and checks[2] is not None else []
+        with on_stream(self.comm_stream):
+            if self._ready is not None:
+                self.comm_stream.wait_event(self._ready)
+            self.comm.broadcast(self._headers[pos] if self.is_src else self._header_in, self.src)
+            if pos < len(self.plans):
+                routes = self.routes.layers[pos]
+                slot = pos % len(self.pack_ring.slots)
+                packed = self.pack_ring.slots[slot]
+                sends = [(packed[s.send_offset : s.send_offset + s.nbytes], r)
+                         for s in routes.of_sender(self.me) for r in routes.classes[s.cls]]  # fmt: skip
+                self.comm.exchange(sends, [])
+                if self.pack_ring.free[slot] is not None:
+                    self.pack_ring.free[slot].record(self.comm_stream)
+                self.pack_ring.used[slot] = True
+            self.step_votes.post(pos, code if failed is not None else 0, flags)
+
+    def _settle_step(self, pos: int, failed: BaseException | None) -> None:
+        """Read step ``pos``'s vote; when a rank refused, wait for the step queued after it (every
+        rank queued it), then raise: this sender's own error first, else one naming the rank."""
+        verdict = self.step_votes.read(pos)
+        if not verdict:
+            return
+        self._sync()
+        if failed is not None:
+            raise failed
+        checks = self._step_checks[pos % 2]
+        if checks is not None and checks[2] is not None and bool(checks[2]):
+            raise_if_non_finite(checks[1], checks[0])
+        if refusal_reason(verdict) == SENDER_FAILED:
+            raise UpdateAborted(f"{describe_refusal(verdict)} (step {pos}); every rank was stopped")
+        where = (
+            "the update did not complete" if pos == len(self.plans)
+            else f"layer {self.layer_ids[pos]}; the update was stopped"
+        )  # fmt: skip
+        raise ReceiverRefused(f"{describe_refusal(verdict)} ({where})")
 
     def _next_item(self, it, pos: int, rest: Mapping[str, torch.Tensor] | None):
         """The ``(layer_idx, state dict)`` of step ``pos`` (None at the COMPLETE step), or a
@@ -339,8 +396,11 @@ class Broadcaster(Endpoint):
                 senders=self.senders_global, gather_dtype=self.collect_args["gather_dtype"],
                 device=self.device, check_finite=False,
             )  # fmt: skip
-            # NaN/Inf shows in the scales and passthrough entries: read after the previous send.
-            self._norms = entry_norms(local, buf[: local.nbytes]) if views else None
+            # NaN/Inf shows in the scales and passthrough entries: decided on the device, voted
+            # with the messages; the host reads the entries' norms only when that vote fails.
+            norms = entry_norms(local, buf[: local.nbytes]) if views else ([], None)
+            bad = None if norms[1] is None else ~torch.isfinite(norms[1]).all()
+            self._step_checks[pos % 2] = (layer_idx, norms, bad)
             mine = routes.of_sender(self.me)
             pack_regions(mine, [s.send_offset for s in mine], views, packed, self.pack_ring.scratch,
                          routes.starts(self.me))  # fmt: skip
@@ -350,23 +410,6 @@ class Broadcaster(Endpoint):
                 self._ready.record(self.convert_stream)
         if caller is not None:
             caller.wait_event(self._ready)
-        self._pack_slot = slot
-
-    def _send_segments(self, pos: int) -> None:
-        routes = self.routes.layers[pos]
-        packed = self.pack_ring.slots[self._pack_slot]
-        sends = [(packed[s.send_offset : s.send_offset + s.nbytes], r)
-                 for s in routes.of_sender(self.me) for r in routes.classes[s.cls]]  # fmt: skip
-        with on_stream(self.comm_stream):
-            if self._ready is not None:
-                self.comm_stream.wait_event(self._ready)
-            self.comm.exchange(sends, [])
-            if self.pack_ring.free[self._pack_slot] is not None:
-                self.pack_ring.free[self._pack_slot].record(self.comm_stream)
-            self.post_vote.zero_()
-            self.comm.all_reduce_max(self.post_vote)
-        self.pack_ring.used[self._pack_slot] = True
-        self._pending = True
 
     def _many_manifest(self) -> None:
         """The leader sends the prelude and the manifest as ``_send_manifest``; every other sender

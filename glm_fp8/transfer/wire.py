@@ -20,10 +20,13 @@ Wire protocol (version 2), broadcasts from ``src`` and all-reduce (MAX) votes of
 
 Scatter mode sends each class of engine ranks its region by a broadcast in the class's own
 group. With many senders (docs/layouts.md#many-senders) every trainer rank takes part in the
-prelude, manifest, header and votes (``src`` leads), a layer's bytes travel as point-to-point
-segments (``Comm.exchange``) from every sender to the engine ranks, each ending in its checksum
-word, and a sender's failure is its vote at that layer's header (``SENDER_FAILED``), never an
-ABORT header.
+prelude, manifest, headers and votes (``src`` leads), and each step (a layer, then COMPLETE) is
+queued whole with no host wait: the header, the layer's bytes as point-to-point segments
+(``Comm.exchange``) from every sender to the engine ranks, each ending in its checksum word,
+then one vote carrying every check of the step, each decided on the device (an engine rank's
+header and checksums; a sender's own failure or non-finite weights, ``SENDER_FAILED``, never an
+ABORT header). A rank reads that vote only after it queued the next step, so a failed vote
+stops every rank one step later; an engine rank hands a layer out only after its vote passed.
 
 A vote is an ``int64[1]`` all-reduce with MAX: every rank contributes 0 or a refusal code
 ``reason * 2**20 + rank`` (never negative), so no rank's value can hide another's refusal, and
