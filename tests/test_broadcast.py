@@ -253,3 +253,89 @@ def test_many_senders_non_finite_share_is_raised_by_its_sender_on_the_gpu():
     _, _, sink, sender, layers = _many_senders_sink("nan")
     with pytest.raises(NonFiniteError, match=r"model\.layers\.2\.mlp\.experts"):
         sender.broadcast_model(layers())
+
+
+class _Recorder:
+    """A sender's stand-in link that keeps, on the host, what it broadcast and what it sent to
+    each peer, for ``_Replay`` to hand an engine rank."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.broadcasts: list[torch.Tensor] = []
+        self.sent: dict[int, list[torch.Tensor]] = {}
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.broadcasts.append(tensor.cpu().clone())
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def exchange(self, sends, recvs) -> None:
+        for t, peer in sends:
+            self.sent.setdefault(peer, []).append(t.cpu().clone())
+
+
+class _Replay:
+    """An engine rank's stand-in link: broadcasts come from the leader's recording, each
+    sender's messages from its own, copied onto the device on the current stream."""
+
+    def __init__(self, rank: int, recorders: dict[int, _Recorder], src: int):
+        self.rank = rank
+        self.broadcasts = iter(recorders[src].broadcasts)
+        self.msgs = {s: iter(r.sent.get(rank, [])) for s, r in recorders.items()}
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        tensor.copy_(next(self.broadcasts).to(tensor.device), non_blocking=True)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def exchange(self, sends, recvs) -> None:
+        for t, peer in recvs:
+            t.copy_(next(self.msgs[peer]).to(t.device), non_blocking=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream ordering needs a GPU (run on the H200)")
+def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(monkeypatch):
+    """An engine rank of many senders on the GPU (its link replays what two senders sent it):
+    every parameter equals the reference cut by its shard, bit for bit, though its receive ring
+    starts as 0xFF and every landing first spins the GPU for a while, so that the next layers
+    arrive while the consumer still reads a slot: a layer is handed out only once its own
+    bytes landed, and a slot is received into only after the consumer's copies from it."""
+    import glm_fp8.transfer.receiver as receiver_mod
+    from glm_fp8.engine import EngineLayout, engine_params
+    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.testing import reference_engine_params
+    from glm_fp8.transfer import Broadcaster, Receiver
+
+    config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
+    n = config["num_hidden_layers"]
+    engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
+    kw = dict(config=config, engines=engines, senders=[0, 1], device="cuda")
+    recorders = {}
+    for t in (0, 1):  # each leads its own recording: a stand-in link has no peers
+        recorders[t] = _Recorder(t)
+        Broadcaster(recorders[t], t, **kw).broadcast_model(
+            (i, {k: v.cuda() for k, v in synthetic_layer(config, i).items()}) for i in range(n)
+        )
+    layout = engines[2]
+    receiver = Receiver(_Replay(2, recorders, 0), 0, layout=layout, **kw)
+    for slot in receiver.ring.slots:
+        slot.fill_(0xFF)
+    params = {}
+    for name, p in engine_params(config, layout).items():
+        params[name] = torch.empty(p.shape, dtype=p.dtype, device="cuda")
+        params[name].view(torch.uint8).fill_(0x5A)
+    land = receiver_mod._land_piece
+
+    def slow_land(*args, **kwargs):
+        torch.cuda._sleep(2_000_000)  # about a millisecond of GPU time before each piece lands
+        land(*args, **kwargs)
+
+    monkeypatch.setattr(receiver_mod, "_land_piece", slow_land)
+    receiver.load_into(params)
+    want = reference_engine_params(config, layout, list(range(n)))
+    assert set(want) == set(params)
+    for name, ref in want.items():
+        got = params[name].cpu()
+        assert torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
