@@ -138,11 +138,11 @@ class Broadcaster(Endpoint):
             self._header_in = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
             self._step_checks: list[tuple | None] = [None, None]  # (layer, norms, NaN/Inf flag)
             self._ready: torch.cuda.Event | None = None
+            self.step_votes = StepVotes(self.comm, self.device)
         self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
         self.comm_stream = torch.cuda.Stream(self.device) if cuda else None
         self.link_stream = self.comm_stream
         self.post_vote = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.step_votes = StepVotes(self.comm, self.device)
         self._pending = False  # the receivers' vote on the last layer sent, not read yet
         self._manifest_payload: bytes | None = None
 
