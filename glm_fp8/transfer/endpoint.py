@@ -134,7 +134,7 @@ class Endpoint:
             self.plans = [plans[i] for i in self.layer_ids]
         else:
             self.plans = plans_for_model(config, mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
-        self.device = torch.device(device) if device else default_device()
+        self.device = resolve_device(device) if device else default_device()
         self.link_rank = link_rank(comm)
         self.scatter: Scatter | None = None
         self.routes: TransferPlan | None = None
@@ -268,6 +268,15 @@ class on_stream:
         if self.ctx is not None:
             return self.ctx.__exit__(*exc)
         return False
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: "cuda" is the current CUDA device, as a tensor made there
+    reports it (``cuda:0``), so that a parameter's device compares equal to the endpoint's."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def default_device() -> torch.device:
