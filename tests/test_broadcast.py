@@ -301,7 +301,8 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     every parameter equals the reference cut by its shard, bit for bit, though its receive ring
     starts as 0xFF and every landing first spins the GPU for a while, so that the next layers
     arrive while the consumer still reads a slot: a layer is handed out only once its own
-    bytes landed, and a slot is received into only after the consumer's copies from it."""
+    bytes landed, and a slot is received into only after the consumer's copies from it; the
+    parameters outside the update (embeddings, norm, head) are left as they were."""
     import glm_fp8.transfer.receiver as receiver_mod
     from glm_fp8.engine import EngineLayout, engine_params
     from glm_fp8.models import TINY_GLM5
@@ -335,7 +336,9 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     monkeypatch.setattr(receiver_mod, "_land_piece", slow_land)
     receiver.load_into(params)
     want = reference_engine_params(config, layout, list(range(n)))
-    assert set(want) == set(params)
+    assert set(want) == {name for name in params if name.startswith("model.layers.")}
     for name, ref in want.items():
         got = params[name].cpu()
         assert torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    for name in set(params) - set(want):  # the non-layer tensors: not part of this update
+        assert bool((params[name].view(torch.uint8) == 0x5A).all()), name

@@ -137,8 +137,6 @@ class Receiver(Endpoint):
             self._headers = self.header_table()
             self._header_bufs = torch.empty(2, HEADER_WORDS, dtype=torch.int64, device=self.device)
             self._step_flags: list[tuple] = [(None, None), (None, None)]
-            cuda = self.device.type == "cuda"
-            self._landed = [torch.cuda.Event() if cuda else None for _ in self.ring.slots]
 
     def _targets(self, config: Mapping, layout: EngineLayout) -> dict[str, EngineParam]:
         targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
@@ -285,8 +283,6 @@ class Receiver(Endpoint):
                         # Wait until what the consumer queued on this slot's last layer is done.
                         self.recv_stream.wait_event(self.ring.free[slot])
                     sum_bad = self._recv_segments(buf, segments)
-                    if self._landed[slot] is not None:
-                        self._landed[slot].record(self.recv_stream)
                 self._step_flags[i] = (header_bad, sum_bad)
                 flags = [(header_bad, refusal_code(REFUSED_HEADER, self.rank))]
                 flags += [(sum_bad, refusal_code(BAD_CHECKSUM, self.rank))] if sum_bad is not None else []
@@ -326,9 +322,9 @@ class Receiver(Endpoint):
     def _hand_out(self, pos: int):
         """Yield the layer at ``pos`` (its vote passed) to the consumer; return the consumer's
         error, if it raised one into this generator, else None."""
+        # No stream wait: reading this layer's vote waited for everything queued before it on
+        # the receive stream, this layer's bytes included.
         segments, buf, slot = self._segments(pos)
-        if self._landed[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._landed[slot])
         views = [(p.name, p.view(buf[s.recv_offset : s.recv_offset + s.nbytes]), p.rows)
                  for s in segments for p in s.pieces]  # fmt: skip
         try:
