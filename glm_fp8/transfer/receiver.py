@@ -56,7 +56,8 @@ class Receiver(Endpoint):
         comm, src: as for ``Broadcaster``.
         config / plans, layer_ids, rest, scale_fmt: what this engine expects (as for
             ``Broadcaster``); a manifest that differs is refused before any parameter is touched.
-        ring: receive buffers (2: receive layer i+1 while layer i is copied out).
+        ring: receive buffers (2: receive layer i+1 while layer i is copied out; at least 2
+            with ``senders``, where layer i waits for its vote while layer i+1 arrives).
         mode: must match the sender's. "bf16" quantizes on receive (``load_into``).
         max_manifest_bytes: the longest manifest accepted (default 64 MiB); a longer announced
             length is refused before anything is allocated from it.
@@ -70,7 +71,8 @@ class Receiver(Endpoint):
             only its shard's bytes.
         senders: many senders (with ``engines``), the same list as the senders': this rank
             receives its shard from every trainer rank that holds a part of it
-            (``glm_fp8.engine.routes``); use ``load_into``.
+            (``glm_fp8.engine.routes``); use ``load_into``. Each layer's vote is read after
+            the next layer was queued (docs/layouts.md#many-senders).
     """
 
     def __init__(
