@@ -73,7 +73,8 @@ class Broadcaster(Endpoint):
             Broadcaster with the same arguments and calls ``broadcast_model`` with its own
             (sharded) state dicts; each converts and sends its own experts and the entries it
             owns (``routes``, a ``glm_fp8.engine.routes.TransferPlan``), ``src`` leads the steps.
-            Any sender's failure stops every rank at that layer's vote.
+            Any sender's failure is its vote on that layer; every rank stops one layer later
+            (votes are read after the next layer was queued: docs/layouts.md#many-senders).
         ring: layer buffers (default 2: convert i+1 while i is sent; 1 serializes).
         mode: "fp8" ships kernel-format fp8 entries; "bf16" ships unquantized kernel-format
             entries for receivers that quantize on receive (half the sender's work, twice the
