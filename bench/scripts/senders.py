@@ -144,7 +144,7 @@ def _measure(t: int, n: int, config: dict, engines: list, n_senders: int, kind: 
         runs.append((stats, wall_seconds(lambda: [sink.exchange(m, []) for m in msgs])))
     if gc_mode == "freeze":
         gc.unfreeze()
-    ratios = sorted(st.seconds / t for st, t in runs)
+    ratios = sorted(st.seconds / link for st, link in runs)
     stats, t_link = sorted(runs, key=lambda r: r[0].seconds / r[1])[len(runs) // 2]  # the median run
     steps = [s.seconds for s in stats.layers]
     worst = sorted(range(len(steps)), key=steps.__getitem__)[-3:][::-1]
