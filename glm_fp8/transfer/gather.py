@@ -19,7 +19,7 @@ from glm_fp8.convert import check_finite_entries, check_layer, check_layer_keys,
 from glm_fp8.engine.routes import LayerRoutes, chunk_bounds, split_entries, stack_entries
 from glm_fp8.plan import LayerPlan, layer_prefix, plans_for_model, strip_layer
 from glm_fp8.quantize import quantize_blockwise
-from glm_fp8.transfer.endpoint import default_device
+from glm_fp8.transfer.endpoint import default_device, resolve_device
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def contribute_shards(
     if (config is None) == (plans is None):
         raise ValueError("config / plans: pass exactly one of them")
     plans = list(plans) if plans is not None else plans_for_model(config)
-    dev = torch.device(device) if device else default_device()
+    dev = resolve_device(device) if device else default_device()
     for pos, (layer_idx, sd) in enumerate(layers):
         collect_layer(
             plans[pos], strip_layer(sd, layer_idx), layer_idx, None, mode="fp8", gather=gather,

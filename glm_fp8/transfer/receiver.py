@@ -521,15 +521,16 @@ class Receiver(Endpoint):
         if got[0] == MAGIC and got[1] == ABORT:
             why = ABORT_REASONS.get(got[6], f"reason {got[6]}")
             raise UpdateAborted(f"the sender aborted the update {where}: {why}")
-        problem = self._header_problem(got, pos, status, layer_idx, nbytes)
+        refused = "refused before receiving anything of it"
+        problem = self._header_problem(got, pos, status, layer_idx, nbytes, refused)
         self._settle(problem, REFUSED_HEADER, f" ({where}); the update was stopped")
 
     @staticmethod
     def _header_problem(
-        got: list[int], pos: int, status: int, layer_idx: int, nbytes: int, refused: str = "refused before "
-        "receiving anything of it"
+        got: list[int], pos: int, status: int, layer_idx: int, nbytes: int, refused: str
     ) -> UpdateAborted | None:
-        """The error for a header ``got`` other than the manifest's, else None."""
+        """The error for a header ``got`` other than the manifest's (``refused``: what became of
+        the layer's bytes), else None."""
         want = [MAGIC, status, layer_idx, pos, nbytes]
         if got[:5] == want:
             return None
