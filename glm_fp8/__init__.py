@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "as_config": "glm_fp8.config",
     "available_backends": "glm_fp8.backends",
     "get_default_backend": "glm_fp8.backends",
     "set_default_backend": "glm_fp8.backends",
@@ -39,6 +40,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from glm_fp8.backends import available_backends, get_default_backend, set_default_backend
+    from glm_fp8.config import as_config
     from glm_fp8.convert import convert_layer
     from glm_fp8.engine import EngineLayout, engine_param_specs
     from glm_fp8.jobs import NonFiniteError

@@ -91,7 +91,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
-    """The --config file or the --model preset; argparse errors for what cannot be read."""
+    """The --config file or the --model preset, validated (``glm_fp8.config.as_config``);
+    argparse errors for what cannot be read or used."""
     from glm_fp8.models import PRESETS, load_config
 
     if not args.config:
@@ -100,18 +101,9 @@ def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> d
                          f"(expected one of: {', '.join(sorted(PRESETS))})")  # fmt: skip
         return load_config(args.model)
     try:
-        with open(args.config) as f:
-            config = json.load(f)
-    except OSError as e:
-        parser.error(f"argument --config: cannot read {args.config!r}: {e.strerror or e}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        parser.error(f"argument --config: {args.config!r} is not JSON ({e})")
-    if not isinstance(config, dict):
-        parser.error(f"argument --config: {args.config!r} holds a JSON {type(config).__name__}, "
-                     "expected an object (a Hugging Face config.json)")  # fmt: skip
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]  # a multimodal wrapper (e.g. Kimi-K2.5): its text backbone
-    return config
+        return load_config(config_path=args.config)
+    except ValueError as e:
+        parser.error(f"argument --config: {str(e).removeprefix('config: ')}")
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -137,11 +129,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if kind not in plans:
                 plans[kind] = (plan_from_config(config, i, target=args.target), [])
             plans[kind][1].append(i)
-    except (KeyError, TypeError, ValueError) as e:
+    except ValueError as e:  # a config as_config accepts whose indexer schedule is read two ways
         if not args.config:
             raise
-        why = f"lacks the field {e}" if isinstance(e, KeyError) else f"is not a usable config: {e}"
-        parser.error(f"argument --config: {args.config!r} {why}")
+        parser.error(f"argument --config: {args.config!r} is not a usable config: {e}")
     gather = torch.float32 if args.gather_dtype == "fp32" else torch.bfloat16
     rows = []
     for kind, (plan, idx) in plans.items():

@@ -1,9 +1,10 @@
 """One trainer layer -> one broadcast-ready buffer of kernel-format (vLLM) tensors, one pass.
 
-Quantized entries are written by the fused kernel at their offsets; row concatenations are
-copied row block by row block into their slot (no ``torch.cat`` temporary); passthrough
-tensors are copied in. The returned dict holds views into the one buffer, so the bytes that go
-on the wire are the bytes the kernels wrote.
+Quantized entries are written by the fused kernel at their offsets (a per-expert source, one
+job per expert); row concatenations are copied row block by row block into their slot (no
+``torch.cat`` temporary); passthrough tensors are copied in, converted to the entry's dtype.
+The returned dict holds views into the one buffer, so the bytes that go on the wire are the
+bytes the kernels wrote. Any trainer layout is read (docs/trainers.md#trainer-layouts).
 """
 
 from __future__ import annotations
@@ -14,43 +15,57 @@ from collections.abc import Collection, Mapping
 import torch
 
 from glm_fp8 import _checks
-from glm_fp8.jobs import Job, NonFiniteError, plan_job, run_jobs
+from glm_fp8.jobs import Job, NonFiniteError, check_finite_tensors, plan_job, run_jobs
 from glm_fp8.models import INDEXER_PREFIX
-from glm_fp8.numerics import BLOCK
-from glm_fp8.plan import LayerPlan, layer_prefix, plan_from_state_dict, strip_layer
+from glm_fp8.numerics import BLOCK, INPUT_DTYPES, ceil_blocks
+from glm_fp8.plan import (
+    LayerPlan,
+    PlanEntry,
+    adapt_plan,
+    layer_prefix,
+    plan_from_state_dict,
+    strip_layer,
+    unsent_keys,
+    warn_unsent,
+)
 
 _INDEXER_FULL = " (the plan's layer has an indexer: a full layer of the config's indexer schedule)"
-_INDEXER_SHARED = (" (the plan's layer has no indexer: a shared layer of the config's indexer schedule, "
-                   "which reuses the previous full layer's top-k)")  # fmt: skip
 
 
 def check_layer(
     plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
-) -> torch.device:
-    """Check a layer's tensors (short names) against ``plan``: every key it needs (the sources
-    of the entries named in ``only``, or of all), no unknown key, dense tensors with data of the
-    planned shapes, passthrough dtypes as planned, one device. Messages name ``prefix + key``.
-    DTensors are checked by their global shape. Returns the device."""
+) -> torch.device | None:
+    """Check a layer's tensors (short names, any trainer layout: ``plan`` is adapted to it)
+    against ``plan``: ``check_layer_keys``, then passthrough sources of a floating dtype (any of
+    bfloat16, float16, float32: they are converted to the entry's dtype as they are copied) and
+    one device. Messages name ``prefix + key``. Returns the device (None: no tensor is read)."""
+    plan = adapt_plan(plan, layer, prefix=prefix)
     wanted = check_layer_keys(plan, layer, prefix, only)
-    named = [(prefix + k, t) for k, t in layer.items()]
     for e in wanted:
         if e.op in ("copy", "concat"):
             for s in e.sources:
-                if layer[s].dtype != e.dtype:
+                if layer[s].dtype not in INPUT_DTYPES:
                     raise TypeError(
-                        f"{prefix}{s}: expected dtype {e.dtype} (passed through to {e.name}), "
-                        f"got {layer[s].dtype}; plan from this state dict to keep its dtypes"
+                        f"{prefix}{s}: expected a floating dtype (bfloat16, float16 or float32; written to "
+                        f"{e.name} as {e.dtype}), got {layer[s].dtype}"
                     )
-    return _checks.check_same_device(named)
+    named = [(prefix + k, t) for k, t in layer.items() if k in plan.inputs]
+    return _checks.check_same_device(named) if named else None
 
 
 def check_layer_keys(
     plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
-) -> list:
-    """The part of ``check_layer`` that every trainer rank of a sharded layer decides alike:
-    every key needed, no unknown key, tensors with data, every (global) shape as planned.
-    Returns the entries checked (those in ``only``, or all)."""
-    wanted = [e for e in plan.entries if only is None or e.name in only]
+) -> list[PlanEntry]:
+    """The part of ``check_layer`` that every trainer rank of a sharded layer decides alike
+    (``plan`` adapted to the layer's trainer layout): ``only`` names entries of the plan, every
+    key needed (the sources of the entries in ``only``, or of all; every expert's of a per-expert
+    source), no unknown key, tensors with data, every (global) shape as planned. A tensor the
+    engine has no parameter for (``glm_fp8.plan.unsent_keys``: indexer tensors on a layer
+    the schedule shares, a routing bias the config's engine lacks) is not an error: it is left
+    out, said once per process (``warnings.warn``). Returns the entries wanted (those in
+    ``only``, or all; a weight's scale with it)."""
+    plan = adapt_plan(plan, layer, prefix=prefix)
+    wanted = wanted_entries(plan, only)
     needed = {s for e in wanted for s in e.sources}
     missing = [k for k in plan.inputs if k in needed and k not in layer]
     if missing:
@@ -58,16 +73,40 @@ def check_layer_keys(
         hint = _INDEXER_FULL if missing[0].startswith(INDEXER_PREFIX) else ""
         raise KeyError(f"{prefix}{missing[0]}: missing; expected a tensor of shape {shape}{hint}")
     extra = sorted(set(layer) - set(plan.inputs))
+    unsent = unsent_keys(plan.kind, extra)
+    extra = [k for k in extra if k not in unsent]
     if extra:
-        hint = _INDEXER_SHARED if extra[0].startswith(INDEXER_PREFIX) else ""
-        raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan has no entry for it{hint}")
-    for k, t in layer.items():
-        _checks.check_tensor(prefix + k, t)  # a dense tensor with data: not sparse, not meta
+        raise KeyError(f"{prefix}{extra[0]}: unexpected key; the plan of this {plan.kind} layer "
+                       f"({plan.layout} trainer layout) has no entry for it")  # fmt: skip
     for k, (shape, _) in plan.inputs.items():
         t = layer.get(k)
-        if t is not None and tuple(t.shape) != tuple(shape):
+        if t is None:
+            continue
+        _checks.check_tensor(prefix + k, t)  # a dense tensor with data: not sparse, not meta
+        if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{prefix}{k}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    warn_unsent(unsent, prefix)
     return wanted
+
+
+def wanted_entries(plan: LayerPlan, only: Collection[str] | None) -> list[PlanEntry]:
+    """The entries ``only`` selects (every one for None), in plan order; a quantized weight and
+    its scale go together (one job writes both), whichever of them is named. ValueError naming a
+    name that is not an entry of the plan."""
+    if only is None:
+        return list(plan.entries)
+    if isinstance(only, str):
+        raise TypeError(f"only: expected a collection of entry names, got the str {only!r}")
+    names = set(only)
+    unknown = sorted(names - {e.name for e in plan.entries})
+    if unknown:
+        raise ValueError(f"only: {unknown[0]!r} is not an entry of this {plan.kind} layer's plan (entries: "
+                         f"{', '.join(e.name for e in plan.entries)})")  # fmt: skip
+    entries = plan.entries
+    for k, e in enumerate(entries):
+        if e.op == "scale" and (e.name in names or entries[k - 1].name in names):
+            names |= {e.name, entries[k - 1].name}
+    return [e for e in entries if e.name in names]
 
 
 def convert_layer(
@@ -84,8 +123,11 @@ def convert_layer(
     """Convert one trainer layer into kernel format inside one byte buffer.
 
     Args:
-        state_dict: the layer's trainer tensors (prime-rl "tt" names, with or without the
-            ``model.layers.{layer_idx}.`` prefix); plain tensors on one device, any strides.
+        state_dict: the layer's trainer tensors, in any trainer layout (prime-rl stacks, Hugging
+            Face modules or per-expert checkpoint names; docs/trainers.md#trainer-layouts), under
+            ``model.layers.{layer_idx}.`` names or short names (taken as this layer's; a key of
+            another layer is refused); plain tensors on one device, any strides, each in the
+            dtype the trainer holds it (bfloat16, float16 or float32).
         out: optional contiguous uint8 buffer of ``plan.nbytes`` bytes (a ring slot) whose
             address is a multiple of 16 bytes; allocated if None. The plan puts every entry
             at a multiple of 256 bytes from the start and views it as float32, int32, bfloat16
@@ -93,23 +135,40 @@ def convert_layer(
             every dtype's element size (the largest, complex128, is 16), which ``.view(dtype)``
             and the device's loads need, and the width of a vector access, which the kernels
             and copies take at full speed; the allocators align a buffer far beyond it.
-        plan: a ``LayerPlan``; inferred from ``state_dict`` if None (cache it across updates).
+        plan: a ``LayerPlan`` (any trainer layout: it is adapted to the state dict's,
+            ``glm_fp8.plan.adapt_plan``); inferred from ``state_dict`` if None (cache it across
+            updates).
         target: "hopper" (float32 scales) or "blackwell" (ue8m0 scales packed for DeepGEMM
             SM100). With a plan, must match the plan's target or be None.
-        check_finite: as in ``quantize_blockwise``; one flag and one device sync for the
-            whole layer.
+        check_finite: raise ``NonFiniteError`` naming the tensor and element for NaN/Inf in a
+            source; one flag for all the quantized entries. See "Errors" for what ``out`` holds.
         backend: as in ``quantize_blockwise``.
-        only: write only these entries (kernel-format names without the prefix); the state
-            dict then needs only their sources. A sender that collects the expert stacks
-            piece by piece writes the rest this way (``glm_fp8.transfer.gather``).
+        only: write only these entries (kernel-format names without the prefix; a weight and
+            its scale go together); the state dict then needs only their sources. A name that
+            is not an entry of the plan is a ValueError. A sender that collects the expert
+            stacks piece by piece writes the rest this way (``glm_fp8.transfer.gather``).
 
     Returns:
         ``{"model.layers.{i}.<kernel name>": view}`` in the plan's order (every entry, written
         or not), views into ``out``.
 
-    Memory: above inputs and ``out``, for Hopper only the finite check's maximum of each
-    passthrough source (a few bytes per entry); for Blackwell also the float32 scales before
-    packing (O(number of blocks) bytes). Every check runs before any write.
+    Dtypes: a quantized entry is quantized from the dtype its sources are held in (a float32
+    master from float32); a passthrough entry is written in the plan's dtype for it (for a plan
+    from a config, the engine's: float32 for the routing bias and the indexer's k_norm) by one
+    converting copy of each source: exact when widening, round-to-nearest-even when narrowing
+    (as the engine's loader's ``copy_`` does).
+
+    Errors: every argument and tensor check (keys, shapes, dtypes, devices, ``out``) and, with
+    ``check_finite``, the NaN/Inf check of the passthrough sources run before any byte of
+    ``out`` is written. The quantized sources' NaN/Inf check is the fused kernels' own flag,
+    read once after they ran: when it fires, ``out`` holds every written entry of this call
+    (passthrough entries exact; quantized entries written, the block holding the NaN/Inf with
+    a non-finite scale and meaningless bytes; on Blackwell the packed scale entries not yet
+    written) and must not be sent.
+
+    Memory: above inputs and ``out``, the finite check's maximum of each passthrough source (a
+    few bytes per entry); for Blackwell also the float32 scales before packing (O(number of
+    blocks) bytes).
     """
     layer = strip_layer(state_dict, layer_idx)
     if plan is None:
@@ -117,14 +176,19 @@ def convert_layer(
     elif target is not None and target != plan.target:
         raise ValueError(f"target: expected {plan.target!r} (the plan's target), got {target!r}")
     prefix = layer_prefix(layer_idx)
+    plan = adapt_plan(plan, layer, prefix=prefix)
     device = check_layer(plan, layer, prefix, only)
+    inputs = [(prefix + k, t) for k, t in layer.items() if k in plan.inputs]
     if out is None:
+        if device is None:
+            raise ValueError("state_dict: no tensor to convert (the entries in only need none); pass out= "
+                             "to give the buffer")  # fmt: skip
         out = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     else:
-        _checks.check_out("out", out, (plan.nbytes,), torch.uint8, device)
+        _checks.check_out("out", out, (plan.nbytes,), torch.uint8, device or out.device)
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous uint8 buffer")
-        _checks.check_no_overlap([("out", out)], [(prefix + k, t) for k, t in layer.items()])
+        _checks.check_no_overlap([("out", out)], inputs)
         _checks.check_aligned("out", out, _checks.BUFFER_ALIGN, "the plan's views need it")
 
     return _fill_layer(layer, plan, out, prefix, check_finite, only, backend)
@@ -139,38 +203,49 @@ def _fill_layer(
     only: Collection[str] | None,
     backend: str | None,
 ) -> OrderedDict[str, torch.Tensor]:
-    """Write the entries of ``plan`` (those named in ``only``, or all) into ``out`` from
-    already-validated tensors; returns every entry's view."""
+    """Write the entries of ``plan`` (those ``only`` selects, or all) into ``out`` from
+    already-validated tensors; returns every entry's view. Nothing is written before every job
+    is planned (checked) and the passthrough sources are found finite."""
     views = OrderedDict((prefix + name, view) for name, view in plan.views(out))
     blackwell = plan.target == "blackwell"
     jobs: list[Job] = []
     packs: list[tuple[torch.Tensor, torch.Tensor]] = []
     entries = plan.entries
-    wanted = [e for e in entries if only is None or e.name in only]
+    wanted = wanted_entries(plan, only)
     scale_of = {e.name: entries[k + 1] for k, e in enumerate(entries) if e.op == "quantize"}
     for e in wanted:
         if e.op != "quantize":
             continue
         scale_entry = scale_of[e.name]
-        srcs = [(prefix + s, _squeeze(layer[s], e.squeeze)) for s in e.sources]
-        scale_view = views[prefix + scale_entry.name]
-        scales = None if blackwell else scale_view  # Blackwell: float32 first, packed below
-        jobs.append(plan_job(srcs, views[prefix + e.name], scales, prefix + e.name,
-                              prefix + scale_entry.name))  # fmt: skip
+        q, scale_view = views[prefix + e.name], views[prefix + scale_entry.name]
+        # Blackwell: float32 scales first, packed into the entry below.
+        blocks = (*scale_entry.shape[:-2], ceil_blocks(e.shape[-2]), ceil_blocks(e.shape[-1]))
+        scales = torch.empty(blocks, dtype=torch.float32, device=out.device) if blackwell else scale_view
+        if e.per_expert:  # one job per expert: its sources are separate tensors
+            for j, group in enumerate(e.groups()):
+                srcs = [(prefix + s, layer[s]) for s in group]
+                jobs.append(plan_job(srcs, q[j], scales[j], f"{prefix}{e.name}[{j}]",
+                                     f"{prefix}{scale_entry.name}[{j}]"))  # fmt: skip
+        else:
+            srcs = [(prefix + s, _squeeze(layer[s], e.squeeze)) for s in e.sources]
+            jobs.append(plan_job(srcs, q, scales, prefix + e.name, prefix + scale_entry.name))
         if blackwell:
-            packs.append((jobs[-1].s, scale_view))
+            packs.append((scales, scale_view))
     passthrough = [e for e in wanted if e.op in ("copy", "concat")]
-    pairs = [
-        pair
-        for e in passthrough
-        for pair in _row_pieces(views[prefix + e.name], [_squeeze(layer[s], e.squeeze) for s in e.sources])
-    ]
+    if check_finite:
+        check_finite_tensors([(prefix + s, layer[s]) for e in passthrough for s in e.sources])
+    pairs = []
+    for e in passthrough:
+        dst = views[prefix + e.name]
+        for j, group in enumerate(e.groups()):
+            srcs = [_squeeze(layer[s], e.squeeze) for s in group]
+            pairs += _row_pieces(dst[j] if e.per_expert else dst, srcs)
     if pairs:
-        # One multi-tensor launch per dtype for all passthrough pieces instead of one each.
+        # One multi-tensor launch for all passthrough pieces instead of one each; it converts
+        # each source to its destination's dtype.
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-    # The passthrough sources join the kernels' finite check: one flag, one host read per layer.
-    also = [(prefix + s, layer[s]) for e in passthrough for s in e.sources]
-    run_jobs(jobs, plan.scale_fmt, check_finite, None, backend, also=also)
+    if jobs:
+        run_jobs(jobs, plan.scale_fmt, check_finite, None, backend)
     for scales, packed in packs:
         pack_ue8m0_sm100(scales, packed)
     return views
@@ -247,4 +322,4 @@ def raise_if_non_finite(norms: tuple[list[str], torch.Tensor | None], layer_idx:
 
 
 __all__ = ["check_finite_entries", "check_layer", "check_layer_keys", "convert_layer", "entry_norms",
-           "pack_ue8m0_sm100", "raise_if_non_finite"]  # fmt: skip
+           "pack_ue8m0_sm100", "raise_if_non_finite", "wanted_entries"]  # fmt: skip

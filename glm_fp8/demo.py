@@ -33,7 +33,8 @@ def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mo
         stats = sender.broadcast_model(tqdm(stream, total=layers, desc="sender", unit="layer"))
         return {"layers": [(s.layer, s.nbytes, s.seconds) for s in stats.layers], "seconds": stats.seconds,
                 "peak_bytes": stats.peak_bytes}  # fmt: skip
-    receiver = Receiver(None, 0, config=config, ring=ring, mode=mode, device=device)
+    # A receiver keeps at least 2 buffers: a layer waits for its vote while the next one arrives.
+    receiver = Receiver(None, 0, config=config, ring=max(ring, 2), mode=mode, device=device)
     mismatched = 0
     checked = 0
     for pos, views in receiver.receive_layers():

@@ -155,11 +155,11 @@ def run_jobs(
 
     ``also``: named floating tensors (a layer's passthrough entries) whose NaN/Inf the same flag
     and the same host read report, so a whole layer costs one sync however it is made."""
-    device = jobs[0].q.device if jobs else also[0][1].device
     busy = [job for job in jobs if job.s.numel()]
     also = [(n, t) for n, t in also if t.numel() and t.is_floating_point()] if check_finite else []
     if not busy and not also:
         return
+    device = busy[0].q.device if busy else also[0][1].device
     name = backends.resolve_backend(backend, device, config is not None) if busy else ""
     # Scales are >= 1e-12 and a NaN/Inf block gives a NaN/Inf scale, so the kernels set one
     # int32 flag; the slow search that names the element runs only when it is set.
@@ -185,6 +185,21 @@ def run_jobs(
         for name, t in also:
             _raise_if_non_finite_tensor(name, t)
         raise AssertionError("the finite flag was set, yet no input holds NaN/Inf")  # pragma: no cover
+
+
+def check_finite_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Raise ``NonFiniteError`` naming the first NaN/Inf of the named floating tensors: max |x| of
+    all of them in one multi-tensor reduction and one host read. For tensors checked before
+    anything is written from them (a layer's passthrough entries)."""
+    named = [(n, t) for n, t in named if t.numel() and t.is_floating_point()]
+    if not named:
+        return
+    norms = torch._foreach_norm([t for _, t in named], float("inf"))
+    if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
+        return
+    for name, t in named:
+        _raise_if_non_finite_tensor(name, t)
+    raise AssertionError("a non-finite max without a non-finite element")  # pragma: no cover
 
 
 def _raise_if_non_finite_tensor(name: str, t: torch.Tensor) -> None:

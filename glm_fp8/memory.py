@@ -4,11 +4,11 @@ peak on the sender, and the resident master shards per GPU."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from glm_fp8.config import as_config
 from glm_fp8.models import layer_shapes
 from glm_fp8.plan import LayerPlan
 
@@ -53,10 +53,11 @@ def estimate_memory(plan: LayerPlan, gather_dtype: torch.dtype = torch.bfloat16)
     )
 
 
-def master_bytes_per_gpu(config: Mapping, world_size: int, master_dtype=torch.float32) -> int:
+def master_bytes_per_gpu(config: object, world_size: int, master_dtype=torch.float32) -> int:
     """Resident master weights of all decoder layers per GPU when sharded over ``world_size``
-    (embeddings and lm_head are left out)."""
+    (embeddings and lm_head are left out); ``config``: anything ``as_config`` takes."""
+    c = as_config(config)
     total = 0
-    for i in range(config["num_hidden_layers"]):
-        total += sum(math.prod(shape) for shape in layer_shapes(config, i).values())
+    for i in range(c["num_hidden_layers"]):
+        total += sum(math.prod(shape) for shape in layer_shapes(c, i).values())
     return total * master_dtype.itemsize // world_size

@@ -1,17 +1,21 @@
 """Model families: which trainer tensors a layer holds and which kernel-format entries they
-become (docs/layouts.md), the embedded presets, and the small configs that tests, the demo and
-the CPU benchmarks use. Pure tables and the rules that read a config; the plan machinery that
-lays entries out in a buffer is ``glm_fp8.plan``.
+become (docs/layouts.md), the trainers' layouts of those tensors (docs/trainers.md), the
+embedded presets, and the small configs that tests, the demo and the CPU benchmarks use. Pure
+tables and the rules that read a config (validated by ``glm_fp8.config.as_config``); the plan
+machinery that lays entries out in a buffer is ``glm_fp8.plan``.
 
 Adding a model family is one table of ``Rule`` rows in ``FAMILIES`` plus a shape function in
-``SHAPES``.
+``SHAPES`` and its keys in ``glm_fp8.config.FAMILY_TRAITS``; adding a trainer layout is one
+table in ``TRAINER_LAYOUTS``.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from glm_fp8.config import FAMILY_TRAITS, as_config
 
 
 @dataclass(frozen=True)
@@ -19,8 +23,8 @@ class Rule:
     """One kernel-format output built from trainer tensors (names without the layer prefix)."""
 
     out: str
-    sources: tuple[str, ...]  # row-concatenated (dim -2) in this order
-    quantize: bool  # fp8 with 128x128 block scales; else copied in the source dtype
+    sources: tuple[str, ...]  # row-concatenated (dim -2) in this order; prime-rl's names
+    quantize: bool  # fp8 with 128x128 block scales; else copied in the entry's dtype
     squeeze: bool = False  # the trainer may hold a leading dim of 1 ([1, I, H] shared expert)
     optional: bool = False  # emitted only when the trainer layer has its sources
     group: str = ""  # "indexer": emitted all together or not at all (IndexShare layers have none)
@@ -29,6 +33,68 @@ class Rule:
 def _r(out: str, *sources: str, q: bool = False, **kw) -> Rule:
     return Rule(out, sources or (out,), q, **kw)
 
+
+# --- trainer layouts (docs/trainers.md#trainer-layouts) ------------------------------------------
+# Trainers name the sparse MLP's tensors differently; every other tensor (norms, attention, the
+# indexer, the dense MLP, the MTP layer's own, the non-layer ones) has the checkpoint's name in
+# every layout. A source holding EXPERT is one 2-D tensor per routed expert j (0..E-1); the
+# sources of a multi-source entry split its rows equally (gate rows, then up rows).
+PRIME_RL, HF, HF_CHECKPOINT = "prime_rl", "hf", "hf_checkpoint"
+EXPERT = "{j}"
+_HF_ROUTER_AND_SHARED = {
+    "mlp.gate.weight": ("mlp.gate.weight",),
+    "mlp.gate.e_score_correction_bias": ("mlp.gate.e_score_correction_bias",),  # a float32 buffer
+    "mlp.shared_experts.gate_up_proj.weight": ("mlp.shared_experts.gate_proj.weight",
+                                               "mlp.shared_experts.up_proj.weight"),
+    "mlp.shared_experts.down_proj.weight": ("mlp.shared_experts.down_proj.weight",),
+}  # fmt: skip
+TRAINER_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    # prime-rl / torchtitan: stacks [E, I, H] (w1 gate, w3 up) and [E, H, I] (w2).
+    PRIME_RL: {
+        "mlp.gate.weight": ("mlp.router.gate.weight",),
+        "mlp.gate.e_score_correction_bias": ("mlp.expert_bias",),
+        "mlp.experts.w13_weight": ("mlp.experts.w1", "mlp.experts.w3"),
+        "mlp.experts.w2_weight": ("mlp.experts.w2",),
+        "mlp.shared_experts.gate_up_proj.weight": ("mlp.shared_expert.w1", "mlp.shared_expert.w3"),
+        "mlp.shared_experts.down_proj.weight": ("mlp.shared_expert.w2",),
+    },
+    # transformers' modules (modeling_glm_moe_dsa.py, GlmMoeDsaNaiveMoe): gate_up_proj [E, 2I, H]
+    # holds the gate rows first (forward's .chunk(2)), already w13's row order: one source.
+    HF: {
+        **_HF_ROUTER_AND_SHARED,
+        "mlp.experts.w13_weight": ("mlp.experts.gate_up_proj",),
+        "mlp.experts.w2_weight": ("mlp.experts.down_proj",),
+    },
+    # The checkpoint's per-expert names (what a WeightSource over a checkpoint-style model yields).
+    HF_CHECKPOINT: {
+        **_HF_ROUTER_AND_SHARED,
+        "mlp.experts.w13_weight": (f"mlp.experts.{EXPERT}.gate_proj.weight",
+                                   f"mlp.experts.{EXPERT}.up_proj.weight"),
+        "mlp.experts.w2_weight": (f"mlp.experts.{EXPERT}.down_proj.weight",),
+    },
+}  # fmt: skip
+_PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_index(name: str) -> int | None:
+    """j of a per-expert checkpoint name ``mlp.experts.{j}.<gate|up|down>_proj.weight``, else None."""
+    m = _PER_EXPERT.match(name)
+    return int(m.group(1)) if m else None
+
+
+def expert_sources(sources: tuple[str, ...], j: int) -> tuple[str, ...]:
+    """Expert ``j``'s names of per-expert sources (``EXPERT`` replaced by ``j``)."""
+    return tuple(s.replace(EXPERT, str(j)) for s in sources)
+
+
+def layout_sources(layout: str, out: str) -> tuple[str, ...] | None:
+    """The sources of entry ``out`` in trainer ``layout``; None where every layout has the same."""
+    if layout not in TRAINER_LAYOUTS:
+        raise ValueError(f"layout: expected one of {sorted(TRAINER_LAYOUTS)}, got {layout!r}")
+    return TRAINER_LAYOUTS[layout].get(out)
+
+
+_PR = TRAINER_LAYOUTS[PRIME_RL]
 
 # Output order follows docs/layouts.md; a quantized entry's scale follows it.
 _NORMS = [_r("input_layernorm.weight"), _r("post_attention_layernorm.weight")]
@@ -63,14 +129,16 @@ _DENSE_MLP = [
     _r("mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", q=True),
     _r("mlp.down_proj.weight", q=True),
 ]
+# The routing bias is optional: vLLM builds it only with topk_method "noaux_tc" (layer_shapes).
 _MOE_MLP = [
-    _r("mlp.gate.weight", "mlp.router.gate.weight"),
-    _r("mlp.gate.e_score_correction_bias", "mlp.expert_bias"),
-    _r("mlp.experts.w13_weight", "mlp.experts.w1", "mlp.experts.w3", q=True),
-    _r("mlp.experts.w2_weight", "mlp.experts.w2", q=True),
-    _r("mlp.shared_experts.gate_up_proj.weight", "mlp.shared_expert.w1", "mlp.shared_expert.w3",
-       q=True, squeeze=True),
-    _r("mlp.shared_experts.down_proj.weight", "mlp.shared_expert.w2", q=True, squeeze=True),
+    _r("mlp.gate.weight", *_PR["mlp.gate.weight"]),
+    _r("mlp.gate.e_score_correction_bias", *_PR["mlp.gate.e_score_correction_bias"], optional=True),
+    _r("mlp.experts.w13_weight", *_PR["mlp.experts.w13_weight"], q=True),
+    _r("mlp.experts.w2_weight", *_PR["mlp.experts.w2_weight"], q=True),
+    _r("mlp.shared_experts.gate_up_proj.weight", *_PR["mlp.shared_experts.gate_up_proj.weight"], q=True,
+       squeeze=True),
+    _r("mlp.shared_experts.down_proj.weight", *_PR["mlp.shared_experts.down_proj.weight"], q=True,
+       squeeze=True),
 ]  # fmt: skip
 
 # The MTP layer's own tensors (beside a sparse layer's; docs/layouts.md#mtp-layer-glm-5-layer-78)
@@ -82,9 +150,9 @@ REST = -1  # the layer index the non-layer tensors travel under (their names car
 
 # Qwen3-MoE: no shared experts and no routing bias (vLLM 0.34 qwen3_moe.py::Qwen3MoeSparseMoeBlock).
 _QWEN3_MOE_MLP = [
-    _r("mlp.gate.weight", "mlp.router.gate.weight"),
-    _r("mlp.experts.w13_weight", "mlp.experts.w1", "mlp.experts.w3", q=True),
-    _r("mlp.experts.w2_weight", "mlp.experts.w2", q=True),
+    _r("mlp.gate.weight", *_PR["mlp.gate.weight"]),
+    _r("mlp.experts.w13_weight", *_PR["mlp.experts.w13_weight"], q=True),
+    _r("mlp.experts.w2_weight", *_PR["mlp.experts.w2_weight"], q=True),
 ]  # fmt: skip
 
 FAMILIES: dict[str, tuple[list[Rule], list[Rule], list[Rule]]] = {
@@ -97,7 +165,17 @@ FAMILIES: dict[str, tuple[list[Rule], list[Rule], list[Rule]]] = {
     "qwen3_moe": (_NORMS + _GQA_ATTENTION, _DENSE_MLP, _QWEN3_MOE_MLP),
 }
 # Families whose layers carry a DSA indexer (unless the config's schedule shares it).
-INDEXER_FAMILIES = frozenset({"glm_moe_dsa", "deepseek_v32"})
+INDEXER_FAMILIES = frozenset(t for t, traits in FAMILY_TRAITS.items() if traits.indexer)
+# Passthrough entries vLLM 0.34 builds in float32 whatever the model dtype
+# (docs/layouts.md#names-dtypes-shards-glm-5): plans from a config write them so.
+FLOAT32_ENTRIES = frozenset({"self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
+                             "mlp.gate.e_score_correction_bias"})  # fmt: skip
+_FLOAT32_GLM4 = FLOAT32_ENTRIES | {"mlp.gate.weight"}  # glm4_moe.py: GateLinear(params_dtype=torch.float32)
+
+
+def float32_entries(model_type: str) -> frozenset[str]:
+    """Entries (short kernel-format names) the engine holds in float32 for ``model_type``."""
+    return _FLOAT32_GLM4 if model_type == "glm4_moe" else FLOAT32_ENTRIES
 
 
 def _mla_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tuple[int, ...]]:
@@ -105,10 +183,7 @@ def _mla_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tup
     family has one and ``indexer`` (False: an IndexShare "shared" layer)."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    ql, kvl = c.get("q_lora_rank"), c["kv_lora_rank"]
-    if ql is None:
-        raise ValueError("config.q_lora_rank: MLA without a q LoRA (q_proj, e.g. DeepSeek-V2-Lite) is not "
-                         "supported; expected an int")  # fmt: skip
+    ql, kvl = c["q_lora_rank"], c["kv_lora_rank"]
     shapes = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
@@ -120,16 +195,23 @@ def _mla_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tup
         "self_attn.kv_b_proj.weight": (heads * (nope + v), kvl),
         "self_attn.o_proj.weight": (h, heads * v),
     }
-    if indexer and c.get("model_type") in INDEXER_FAMILIES:
-        ih, idim = c["index_n_heads"], c["index_head_dim"]
-        shapes.update({
-            "self_attn.indexer.wq_b.weight": (ih * idim, ql),
-            "self_attn.indexer.wk.weight": (idim, h),
-            "self_attn.indexer.weights_proj.weight": (ih, h),
-            "self_attn.indexer.k_norm.weight": (idim,),
-            "self_attn.indexer.k_norm.bias": (idim,),
-        })  # fmt: skip
+    if indexer and c["model_type"] in INDEXER_FAMILIES:
+        shapes.update(indexer_shapes(c))
     return {**shapes, **_mlp_shapes(c, sparse)}
+
+
+def indexer_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
+    """The DSA indexer's trainer tensors (an indexer family's full layer, or what a Hugging Face
+    trainer holds on every layer, shared ones included)."""
+    c = as_config(config)
+    h, ql, ih, idim = c["hidden_size"], c["q_lora_rank"], c["index_n_heads"], c["index_head_dim"]
+    return {
+        "self_attn.indexer.wq_b.weight": (ih * idim, ql),
+        "self_attn.indexer.wk.weight": (idim, h),
+        "self_attn.indexer.weights_proj.weight": (ih, h),
+        "self_attn.indexer.k_norm.weight": (idim,),
+        "self_attn.indexer.k_norm.bias": (idim,),
+    }
 
 
 def _gqa_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tuple[int, ...]]:
@@ -145,37 +227,42 @@ def _gqa_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tup
         "self_attn.v_proj.weight": (kv * hd, h),
         "self_attn.o_proj.weight": (h, heads * hd),
     }
-    if c.get("attention_bias", False):
+    if c.get("attention_bias"):
         shapes.update({"self_attn.q_proj.bias": (heads * hd,), "self_attn.k_proj.bias": (kv * hd,),
                        "self_attn.v_proj.bias": (kv * hd,)})  # fmt: skip
-    if c.get("use_qk_norm", False) or c.get("model_type") == "qwen3_moe":
+    if c.get("use_qk_norm") or c["model_type"] == "qwen3_moe":
         shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     return {**shapes, **_mlp_shapes(c, sparse)}
 
 
 def _mlp_shapes(c: Mapping, sparse: bool) -> dict[str, tuple[int, ...]]:
+    """prime-rl's names (``TRAINER_LAYOUTS[PRIME_RL]``); the routing bias only where the engine
+    builds it (``has_routing_bias``)."""
     h = c["hidden_size"]
     if not sparse:
         inter = c["intermediate_size"]
         return {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
                 "mlp.down_proj.weight": (h, inter)}  # fmt: skip
-    i = c["moe_intermediate_size"]
-    if c.get("model_type") == "qwen3_moe":
-        e = c["num_experts"]
-        return {"mlp.router.gate.weight": (e, h), "mlp.experts.w1": (e, i, h), "mlp.experts.w3": (e, i, h),
-                "mlp.experts.w2": (e, h, i)}  # fmt: skip
-    e = c["n_routed_experts"]
-    si = i * c.get("n_shared_experts", 1)
-    return {
-        "mlp.router.gate.weight": (e, h),
-        "mlp.expert_bias": (e,),
-        "mlp.experts.w1": (e, i, h),
-        "mlp.experts.w3": (e, i, h),
-        "mlp.experts.w2": (e, h, i),
-        "mlp.shared_expert.w1": (1, si, h),
-        "mlp.shared_expert.w3": (1, si, h),
-        "mlp.shared_expert.w2": (1, h, si),
-    }
+    traits = FAMILY_TRAITS[c["model_type"]]
+    e, i = c[traits.experts], c["moe_intermediate_size"]
+    shapes = {"mlp.router.gate.weight": (e, h)}
+    if has_routing_bias(c):
+        shapes["mlp.expert_bias"] = (e,)
+    shapes.update({"mlp.experts.w1": (e, i, h), "mlp.experts.w3": (e, i, h), "mlp.experts.w2": (e, h, i)})
+    if traits.shared_experts:
+        si = i * c["n_shared_experts"]
+        shapes.update({"mlp.shared_expert.w1": (1, si, h), "mlp.shared_expert.w3": (1, si, h),
+                       "mlp.shared_expert.w2": (1, h, si)})  # fmt: skip
+    return shapes
+
+
+def has_routing_bias(config: Mapping) -> bool:
+    """vLLM 0.34 builds ``mlp.gate.e_score_correction_bias`` only when ``config.topk_method ==
+    "noaux_tc"`` (deepseek_v2.py ~line 327; the same rule in glm4_moe.py and the DeepSeek-V3.2 /
+    GLM-5 models). A config of such a family without ``topk_method`` is taken as "noaux_tc": every
+    released GLM and DeepSeek-V3 config.json says so, and the trainers always hold the bias."""
+    c = as_config(config)
+    return FAMILY_TRAITS[c["model_type"]].routing_bias and c.get("topk_method", "noaux_tc") == "noaux_tc"
 
 
 # (config, sparse, indexer) -> trainer shapes; ``indexer`` matters only for INDEXER_FAMILIES.
@@ -190,19 +277,23 @@ SHAPES: dict[str, Callable[..., dict[str, tuple[int, ...]]]] = {
 
 # Embedded configs (the fields the plans read), so `glm-fp8 plan` needs no download.
 PRESETS: dict[str, dict] = {
-    "glm-5": {  # docs/layouts.md
+    # docs/layouts.md. GLM's config.json files (glm_moe_dsa and glm4_moe, as public copies and test
+    # fixtures of them show) say "topk_method": "noaux_tc": vLLM then builds the routing bias.
+    "glm-5": {
         "model_type": "glm_moe_dsa", "hidden_size": 6144, "num_hidden_layers": 78,
         "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
         "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 64,
         "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
         "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
         "vocab_size": 154880, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
     },
     "glm-4.5": {  # zai-org/GLM-4.5 config.json
         "model_type": "glm4_moe", "hidden_size": 5120, "num_hidden_layers": 92,
         "first_k_dense_replace": 3, "n_routed_experts": 160, "moe_intermediate_size": 1536,
         "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 96,
         "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True, "use_qk_norm": True,
+        "topk_method": "noaux_tc",
     },
     # zai-org/GLM-5.2 config.json (https://huggingface.co/zai-org/GLM-5.2/raw/main/config.json, as
     # recorded in public test fixtures; retrieved 2026-06-17 by them): GLM-5's widths, IndexShare with a
@@ -217,6 +308,7 @@ PRESETS: dict[str, dict] = {
         "index_topk": 2048, "index_topk_freq": 4, "index_skip_topk_offset": 3, "index_topk_pattern": None,
         "indexer_types": ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],
         "vocab_size": 154880, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
     },
     "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 config.json (DeepseekV3ForCausalLM)
         "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
@@ -259,7 +351,7 @@ SMALL_GLM5 = {
     "first_k_dense_replace": 1, "n_routed_experts": 11, "moe_intermediate_size": 88,
     "n_shared_experts": 1, "intermediate_size": 512, "num_attention_heads": 4,
     "q_lora_rank": 88, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-    "v_head_dim": 12, "index_n_heads": 2, "index_head_dim": 8,
+    "v_head_dim": 12, "index_n_heads": 2, "index_head_dim": 8, "topk_method": "noaux_tc",
 }  # fmt: skip
 
 # Each preset scaled down with sizes that are not multiples of 128, so that blocks straddle
@@ -305,59 +397,66 @@ TINY_GLM5 = {
     "num_attention_heads": 4, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 2, "index_head_dim": 64,
     "vocab_size": 1000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
 }  # fmt: skip
 
 
-def load_config(model: str | None = None, config_path: str | None = None) -> dict:
+def load_config(model: str | None = None, config_path: object = None) -> dict:
     """A preset by name (``PRESETS``: "glm-5", "glm-5.2", "glm-4.5", "deepseek-v3", ...) or a
-    Hugging Face config.json (``config_path``)."""
-    if config_path:
-        with open(config_path) as f:
-            return json.load(f)
+    model config (``config_path``: a config.json's path, or anything ``as_config`` takes),
+    validated (``glm_fp8.config.as_config``)."""
+    if config_path is not None:
+        return as_config(config_path)
     if model not in PRESETS:
         raise ValueError(f"model: expected one of {sorted(PRESETS)}, got {model!r}")
-    return dict(PRESETS[model])
+    return as_config(PRESETS[model])
 
 
-def mtp_layer_index(config: Mapping) -> int | None:
+def mtp_layer_index(config: object) -> int | None:
     """The MTP layer's index (``num_hidden_layers``) when the config has one, else None. Only one
-    MTP layer (``num_nextn_predict_layers`` 1) is supported."""
-    n = config.get("num_nextn_predict_layers") or 0
-    if n not in (0, 1):
-        raise ValueError(f"config.num_nextn_predict_layers: only 0 or 1 MTP layer is supported, got {n!r}")
-    return config["num_hidden_layers"] if n == 1 else None
+    MTP layer (``num_nextn_predict_layers`` 1) is supported (``as_config`` refuses more)."""
+    c = as_config(config)
+    return c["num_hidden_layers"] if c.get("num_nextn_predict_layers") == 1 else None
 
 
-def model_layer_ids(config: Mapping, *, mtp: bool = True) -> list[int]:
+def model_layer_ids(config: object, *, mtp: bool = True) -> list[int]:
     """Every decoder layer of a config, then its MTP layer when it has one (and ``mtp``): the
-    ``layer_ids`` of a whole-model update."""
-    ids = list(range(config["num_hidden_layers"]))
-    m = mtp_layer_index(config)
+    ``layer_ids`` of a whole-model update. A trainer that does not model the MTP layer (Hugging
+    Face's ``GlmMoeDsa*``) updates ``model_layer_ids(config, mtp=False)``."""
+    c = as_config(config)
+    ids = list(range(c["num_hidden_layers"]))
+    m = mtp_layer_index(c)
     return ids + [m] if mtp and m is not None else ids
 
 
-def rest_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
+def rest_shapes(config: object) -> dict[str, tuple[int, ...]]:
     """Trainer shapes of the non-layer tensors (embeddings, final norm, untied lm_head)."""
-    for key in ("vocab_size", "hidden_size"):
-        if key not in config:
-            raise ValueError(
-                f"config.{key}: required for the non-layer tensors (e.g. vocab_size 154880 for GLM-5)"
-            )
-    if config.get("tie_word_embeddings", False):
+    c = as_config(config)
+    if "vocab_size" not in c:
+        raise ValueError("config.vocab_size: required for the non-layer tensors (e.g. 154880 for GLM-5)")
+    if c.get("tie_word_embeddings"):
         raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
                          "its own tensor)")  # fmt: skip
-    v, h = config["vocab_size"], config["hidden_size"]
+    v, h = c["vocab_size"], c["hidden_size"]
     return {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
 
 
-def is_sparse_layer(config: Mapping, layer_idx: int) -> bool:
-    """The one dense-or-sparse rule: layers from ``first_k_dense_replace`` on hold experts;
-    Qwen3-MoE: vLLM's rule (``qwen3_moe.py::Qwen3MoeDecoderLayer``), a layer not in
-    ``mlp_only_layers`` with ``(layer_idx + 1) % decoder_sparse_step == 0``."""
-    if config.get("model_type") == "qwen3_moe":
-        step = config.get("decoder_sparse_step", 1) or 1
-        return layer_idx not in (config.get("mlp_only_layers") or ()) and (layer_idx + 1) % step == 0
-    return layer_idx >= config.get("first_k_dense_replace", 0)
+def is_sparse_layer(config: object, layer_idx: int) -> bool:
+    """The one dense-or-sparse rule: transformers' ``mlp_layer_types`` when the config has it,
+    else layers from ``first_k_dense_replace`` on hold experts (``as_config`` makes the two
+    agree); Qwen3-MoE: vLLM's rule (``qwen3_moe.py::Qwen3MoeDecoderLayer``), a layer not in
+    ``mlp_only_layers`` with ``(layer_idx + 1) % decoder_sparse_step == 0``. The MTP layer
+    (index ``num_hidden_layers``) is sparse."""
+    c = as_config(config)
+    if layer_idx >= c["num_hidden_layers"]:
+        return True
+    if FAMILY_TRAITS[c["model_type"]].dense == "qwen3":
+        step = c.get("decoder_sparse_step") or 1
+        return layer_idx not in (c.get("mlp_only_layers") or ()) and (layer_idx + 1) % step == 0
+    types = c.get("mlp_layer_types")
+    if types is not None:
+        return types[layer_idx] == "sparse"
+    return layer_idx >= c["first_k_dense_replace"]
 
 
 # --- the DSA indexer schedule (IndexShare / IndexCache, docs/layouts.md#indexer-schedule) ------------
@@ -387,27 +486,21 @@ def _vllm_skip_topk_layers(config: Mapping) -> set[int]:
     ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0`` (offset 2 by default);
     ``use_index_cache`` is not read. vLLM applies it only when the config has ``index_topk``;
     for the indexer families here it is applied whether the field is there or not."""
-    n = config["num_hidden_layers"]
-    types = config.get("indexer_types")
+    c = as_config(config)
+    n = c["num_hidden_layers"]
+    types = c.get("indexer_types")
     if types is not None:
-        if len(types) != n:
-            raise ValueError(f"config.indexer_types: expected one entry per hidden layer ({n}), "
-                             f"got {len(types)}")  # fmt: skip
-        bad = sorted(set(types) - {"full", "shared"})
-        if bad:
-            raise ValueError(f"config.indexer_types: only 'full' and 'shared' are allowed, got {bad}")
         return {i for i, t in enumerate(types) if t == "shared"}
-    freq = config.get("index_topk_freq", 1)
-    if not isinstance(freq, int) or isinstance(freq, bool) or freq <= 0:
-        raise ValueError(f"config.index_topk_freq: expected a positive integer, got {freq!r}")
-    pattern = config.get("index_topk_pattern")
-    offset = config.get("index_skip_topk_offset", 2)
+    freq = c.get("index_topk_freq") or 1
+    pattern = c.get("index_topk_pattern")
+    offset = c.get("index_skip_topk_offset")
+    offset = 2 if offset is None else offset
     if pattern is not None:
         return {i for i in range(min(n, len(pattern))) if pattern[i] == "S"}
     return {i for i in range(n) if max(i - offset + 1, 0) % freq != 0}
 
 
-def skip_topk_layers(config: Mapping) -> frozenset[int]:
+def skip_topk_layers(config: object) -> frozenset[int]:
     """Decoder layers built without a DSA indexer (IndexShare "shared" layers: they reuse the
     top-k of the previous full layer and hold no ``self_attn.indexer.*`` tensors). Empty for
     families without an indexer. The MTP layer (index ``num_hidden_layers``) always has one.
@@ -415,11 +508,12 @@ def skip_topk_layers(config: Mapping) -> frozenset[int]:
     The trainer (prime-rl) and the engine (vLLM 0.34) read the schedule with different rules
     (``_prime_rl_skips_topk``, ``_vllm_skip_topk_layers``); an update can only land when they agree,
     so a config on which they disagree is refused here, naming the first layer that differs."""
-    if config.get("model_type") not in INDEXER_FAMILIES:
+    c = as_config(config)
+    if c["model_type"] not in INDEXER_FAMILIES:
         return frozenset()
-    engine = _vllm_skip_topk_layers(config)
-    for i in range(config["num_hidden_layers"]):
-        trainer = _prime_rl_skips_topk(config, i)
+    engine = _vllm_skip_topk_layers(c)
+    for i in range(c["num_hidden_layers"]):
+        trainer = _prime_rl_skips_topk(c, i)
         if trainer != (i in engine):
             verdict = {True: "no indexer (shared)", False: "an indexer (full)"}
             raise ValueError(
@@ -434,55 +528,99 @@ def skip_topk_layers(config: Mapping) -> frozenset[int]:
     return frozenset(engine)
 
 
-def has_indexer(config: Mapping, layer_idx: int) -> bool:
+def has_indexer(config: object, layer_idx: int) -> bool:
     """True when layer ``layer_idx`` carries ``self_attn.indexer.*`` (see ``skip_topk_layers``)."""
-    if config.get("model_type") not in INDEXER_FAMILIES:
+    c = as_config(config)
+    if c["model_type"] not in INDEXER_FAMILIES:
         return False
-    return layer_idx >= config["num_hidden_layers"] or layer_idx not in skip_topk_layers(config)
+    return layer_idx >= c["num_hidden_layers"] or layer_idx not in skip_topk_layers(c)
 
 
-def layer_kind(config: Mapping, layer_idx: int) -> str:
+def layer_kind(config: object, layer_idx: int) -> str:
     """The kind of layer ``layer_idx``, which decides its plan: "dense" or "sparse" (MLP), with
-    "/no-indexer" for a layer of an indexer family that the schedule shares."""
-    kind = "sparse" if is_sparse_layer(config, layer_idx) else "dense"
-    if config.get("model_type") in INDEXER_FAMILIES and not has_indexer(config, layer_idx):
+    "/no-indexer" for a layer of an indexer family that the schedule shares and "/no-bias" for a
+    sparse layer of a family with a routing bias that the config's engine does not build."""
+    c = as_config(config)
+    sparse = is_sparse_layer(c, layer_idx)
+    kind = "sparse" if sparse else "dense"
+    if c["model_type"] in INDEXER_FAMILIES and not has_indexer(c, layer_idx):
         kind += "/no-indexer"
+    if sparse and FAMILY_TRAITS[c["model_type"]].routing_bias and not has_routing_bias(c):
+        kind += "/no-bias"
     return kind
 
 
-def layer_shapes(config: Mapping, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    """Trainer tensor shapes of layer ``layer_idx`` of a config (names without the prefix): a
-    decoder layer, the MTP layer (a sparse layer and its own tensors) or ``REST`` (the non-layer
-    tensors under their full names)."""
-    model_type = config.get("model_type")
-    if model_type not in SHAPES:
-        raise ValueError(f"config.model_type: expected one of {sorted(SHAPES)}, got {model_type!r}")
+def layer_shapes(config: object, layer_idx: int) -> dict[str, tuple[int, ...]]:
+    """Trainer tensor shapes of layer ``layer_idx`` of a config (prime-rl's names, without the
+    prefix): a decoder layer, the MTP layer (a sparse layer and its own tensors) or ``REST`` (the
+    non-layer tensors under their full names)."""
+    c = as_config(config)
     if layer_idx == REST:
-        return rest_shapes(config)
-    n = config["num_hidden_layers"]
-    mtp = mtp_layer_index(config)
-    if not 0 <= layer_idx < n and layer_idx != mtp:
+        return rest_shapes(c)
+    n = c["num_hidden_layers"]
+    mtp = mtp_layer_index(c)
+    if (
+        isinstance(layer_idx, bool)
+        or not isinstance(layer_idx, int)
+        or (not 0 <= layer_idx < n and layer_idx != mtp)
+    ):
         extra = f" or {mtp} (the MTP layer)" if mtp is not None else ""
         raise ValueError(
-            f"layer_idx: expected 0..{n - 1}{extra} or {REST} (the non-layer tensors), got {layer_idx}"
+            f"layer_idx: expected 0..{n - 1}{extra} or {REST} (the non-layer tensors), got {layer_idx!r}"
         )
-    shapes = SHAPES[model_type](config, is_sparse_layer(config, layer_idx), has_indexer(config, layer_idx))
+    shapes = SHAPES[c["model_type"]](c, is_sparse_layer(c, layer_idx), has_indexer(c, layer_idx))
     if layer_idx == mtp:
-        h, v = config["hidden_size"], config["vocab_size"]
+        if "vocab_size" not in c:
+            raise ValueError("config.vocab_size: required for the MTP layer's shared_head.head")
+        h, v = c["hidden_size"], c["vocab_size"]
         shapes.update({"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
                        "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h)})  # fmt: skip
     return shapes
 
 
+def _known_sources() -> dict[str, frozenset[str]]:
+    """Every trainer name a layer can hold, and the layouts that use it (all of them for a name
+    outside ``TRAINER_LAYOUTS``)."""
+    every = frozenset(TRAINER_LAYOUTS)
+    known: dict[str, set[str]] = {}
+    for attention, dense, sparse in FAMILIES.values():
+        for rule in attention + dense + sparse + MTP_RULES + REST_RULES:
+            for s in rule.sources:
+                known.setdefault(s, set())
+    for layout, table in TRAINER_LAYOUTS.items():
+        for sources in table.values():
+            for s in sources:
+                if EXPERT not in s:
+                    known.setdefault(s, set()).add(layout)
+    return {s: frozenset(layouts) or every for s, layouts in known.items()}
+
+
+# trainer name -> the layouts that hold it; a per-expert name (expert_index) is HF_CHECKPOINT's.
+SOURCE_LAYOUTS = _known_sources()
+# Names only sparse MLPs hold, in some layout (per-expert names aside).
+SPARSE_SOURCES = frozenset(
+    s for t in TRAINER_LAYOUTS.values() for v in t.values() for s in v if EXPERT not in s
+)
+SHARED_EXPERT_SOURCES = frozenset(
+    s for t in TRAINER_LAYOUTS.values() for out, v in t.items() if out.startswith("mlp.shared_experts.")
+    for s in v
+)  # fmt: skip
+
+
+def is_sparse_names(names: object) -> bool:
+    """True when a layer's tensor names (short) are a sparse MLP's, in any trainer layout."""
+    return any(n in SPARSE_SOURCES or expert_index(n) is not None for n in names)
+
+
 def infer_model_type(names: set[str]) -> str:
-    """The rule set for a layer's tensors (short names): MLA layers plan as ``glm_moe_dsa`` (its
-    indexer entries are emitted only when the layer holds ``self_attn.indexer.*``, which covers
-    DeepSeek-V3 / V3.2 and Kimi-K2), GQA layers as ``glm4_moe``, or ``qwen3_moe`` when a sparse
-    layer has no shared expert."""
+    """The rule set for a layer's tensors (short names, any trainer layout): MLA layers plan as
+    ``glm_moe_dsa`` (its indexer entries are emitted only when the layer holds
+    ``self_attn.indexer.*``, which covers DeepSeek-V3 / V3.2 and Kimi-K2), GQA layers as
+    ``glm4_moe``, or ``qwen3_moe`` when a sparse layer has no shared expert."""
     if "self_attn.q_a_proj.weight" in names:
         return "glm_moe_dsa"
     if "self_attn.q_proj.weight" in names:
-        if "mlp.experts.w1" in names and "mlp.shared_expert.w1" not in names:
+        if is_sparse_names(names) and not any(n in SHARED_EXPERT_SOURCES for n in names):
             return "qwen3_moe"
         return "glm4_moe"
     raise ValueError(

@@ -154,8 +154,11 @@ def pack_ue8m0_sm100_ref(scales: torch.Tensor, rows: int) -> torch.Tensor:
 def convert_layer_ref(layer: Mapping[str, torch.Tensor], layer_idx: int, plan: LayerPlan,
                       per_expert: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """The eager composition a layer converter must match: ``torch.cat`` of each entry's
-    sources, then ``quantize_blockwise_ref`` (Blackwell: ue8m0, then the SM100 packing).
-    ``layer`` holds short trainer names.
+    sources (a per-expert entry: each expert's sources, then ``torch.stack``), then
+    ``quantize_blockwise_ref`` on them in their own dtype (Blackwell: ue8m0, then the SM100
+    packing); a passthrough entry is the concatenation cast to the entry's dtype (``.to``,
+    round-to-nearest-even when narrowing). ``layer`` holds short trainer names in the plan's
+    trainer layout.
 
     ``per_expert``: quantize each expert of a stack on its own and ``torch.stack`` the results,
     as prime-rl does (the same bits; the float32 temporaries are one expert's, not the stack's).
@@ -169,10 +172,16 @@ def convert_layer_ref(layer: Mapping[str, torch.Tensor], layer_idx: int, plan: L
             s = pending
             out[prefix + e.name] = pack_ue8m0_sm100_ref(s, e.shape[-2]) if packed else s
             continue
-        srcs = [squeezed(layer[s], e.squeeze) for s in e.sources]
-        cat = torch.cat(srcs, dim=-2 if srcs[0].dim() >= 2 else 0)
+        cats = []
+        for group in e.groups():
+            srcs = [squeezed(layer[s], e.squeeze) for s in group]
+            cats.append(torch.cat(srcs, dim=-2 if srcs[0].dim() >= 2 else 0))
+        if e.per_expert:
+            cat = torch.stack(cats) if cats else torch.empty(e.shape, dtype=torch.float32)
+        else:
+            cat = cats[0]
         if e.op != "quantize":
-            out[prefix + e.name] = cat
+            out[prefix + e.name] = cat.to(e.dtype)
         elif per_expert and cat.dim() == 3 and cat.shape[0]:
             per = [quantize_blockwise_ref(cat[k], fmt) for k in range(cat.shape[0])]
             out[prefix + e.name], pending = torch.stack([q for q, _ in per]), torch.stack([s for _, s in per])

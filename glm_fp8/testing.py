@@ -8,50 +8,136 @@ from __future__ import annotations
 import socket
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
+from glm_fp8.config import FAMILY_TRAITS, as_config
 from glm_fp8.engine.layout import EngineLayout, take_shard
 from glm_fp8.engine.specs import engine_params
-from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
+from glm_fp8.models import (
+    EXPERT,
+    PRIME_RL,
+    REST,
+    TRAINER_LAYOUTS,
+    expert_sources,
+    has_indexer,
+    indexer_shapes,
+    is_sparse_layer,
+    layer_shapes,
+)
+from glm_fp8.plan import LAYOUTS, layer_prefix, plan_from_config, strip_layer
 from glm_fp8.reference import convert_layer_ref
 
+_BIAS = "mlp.gate.e_score_correction_bias"
 
-def synthetic_layer(config: Mapping, layer_idx: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Deterministic trainer tensors of one layer (prefixed names), the same in every process."""
+
+def synthetic_layer(
+    config: object,
+    layer_idx: int,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: str = PRIME_RL,
+    bias_dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Deterministic trainer tensors of one layer (prefixed names), the same in every process
+    and, value for value, in every trainer ``layout`` (docs/trainers.md#trainer-layouts):
+    "prime_rl" stacks, "hf" (transformers' modules) or "hf_checkpoint" (per-expert names), so
+    that one reference serves them all. Every tensor is in ``dtype``, the routing bias in
+    ``bias_dtype`` (default: float32 for the Hugging Face layouts, whose router keeps it so,
+    ``dtype`` for prime-rl's). As trainers hold them, a sparse layer of a family with a routing
+    bias has one whatever the config's ``topk_method``, and a Hugging Face layer has an indexer
+    on every layer of an indexer family, the layers the schedule shares included (as some
+    transformers versions build it): the converter leaves those out."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    c = as_config(config)
     gen = torch.Generator().manual_seed(1000 + layer_idx)
-    plan = plan_from_config(config, layer_idx, dtype=dtype)
+    shapes = layer_shapes(c, layer_idx)
+    traits = FAMILY_TRAITS[c["model_type"]]
+    decoder = layer_idx != REST and layer_idx < c["num_hidden_layers"]
+    if layer_idx != REST and is_sparse_layer(c, layer_idx) and traits.routing_bias:
+        shapes.setdefault("mlp.expert_bias", (c[traits.experts],))
+    if layout != PRIME_RL and decoder and traits.indexer and not has_indexer(c, layer_idx):
+        shapes.update(indexer_shapes(c))
+    values = {k: torch.randn(shape, generator=gen) * 0.02 for k, shape in shapes.items()}
+    if layout != PRIME_RL:
+        values = _in_layout(values, layout)
+    bias = TRAINER_LAYOUTS[layout][_BIAS][0]
+    bias_dtype = bias_dtype or (dtype if layout == PRIME_RL else torch.float32)
     prefix = layer_prefix(layer_idx)
-    return {
-        prefix + k: (torch.randn(shape, generator=gen) * 0.02).to(dtype)
-        for k, (shape, _) in plan.inputs.items()
-    }
+    return {prefix + k: v.to(bias_dtype if k == bias else dtype) for k, v in values.items()}
 
 
-def sharded_layer(config: Mapping, layer_idx: int, mesh, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def _in_layout(values: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """prime-rl's tensors under ``layout``'s names: each entry's rows split among its sources."""
+    out = dict(values)
+    for entry, ours in TRAINER_LAYOUTS[PRIME_RL].items():
+        if not all(s in out for s in ours):
+            continue
+        parts = [out.pop(s) for s in ours]
+        if entry.startswith("mlp.shared_experts."):
+            parts = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in parts]  # prime-rl's [1, I, H]
+        whole = torch.cat(parts, dim=-2 if parts[0].dim() >= 2 else 0)
+        theirs = TRAINER_LAYOUTS[layout][entry]
+        if any(EXPERT in s for s in theirs):
+            for j in range(whole.shape[0]):
+                out.update(zip(expert_sources(theirs, j), whole[j].chunk(len(theirs), dim=-2)))
+        else:
+            out.update(zip(theirs, whole.chunk(len(theirs), dim=-2 if whole.dim() >= 2 else 0)))
+    return out
+
+
+def sharded_layer(
+    config: object, layer_idx: int, mesh, dtype: torch.dtype = torch.bfloat16, layout: str = PRIME_RL
+) -> dict[str, torch.Tensor]:
     """``synthetic_layer`` as FSDP2 holds it on a 1-D ``mesh``: every tensor of two or more dims
     ``Shard(0)`` (an expert stack so holds whole experts), 1-D tensors replicated."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     return {k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()])
-            for k, t in synthetic_layer(config, layer_idx, dtype).items()}  # fmt: skip
+            for k, t in synthetic_layer(config, layer_idx, dtype, layout).items()}  # fmt: skip
 
 
 def reference_engine_params(
-    config: Mapping, layout: EngineLayout, layer_ids, *, scale_fmt: str | None = None, dtype=torch.bfloat16
+    config: object,
+    layout: EngineLayout,
+    layer_ids,
+    *,
+    scale_fmt: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    quantize_from: torch.dtype | None = None,
+    gather_dtype: torch.dtype | None = None,
+    bias_dtype: torch.dtype | None = None,
+    gathered_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """What an engine rank at ``layout`` must hold after an update of ``layer_ids`` (``REST``
-    included when listed) from ``synthetic_layer`` tensors of ``dtype``: the reference
-    conversion (``glm_fp8.reference``, from the tensors cast to bf16) cut by the rank's shard,
-    in vLLM's dtype, by vLLM's name."""
-    targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
+    included when listed) from ``synthetic_layer`` tensors of ``dtype`` (the routing bias of
+    ``bias_dtype``; every trainer layout holds the same values): the reference conversion
+    (``glm_fp8.reference``) cut by the rank's shard, in vLLM's dtype, by vLLM's name. Tensors
+    the engine has no parameter for are left out, as the converter does.
+
+    The trainer's tensors are read in their own dtype, unless ``gather_dtype`` (every tensor
+    cast first, as a gather that casts does: prime-rl's ``.to(bf16).full_tensor()``) or
+    ``quantize_from`` (the sources of quantized entries only) say otherwise; ``gathered_dtype``:
+    the sources of quantized entries other than the routed-expert stacks are cast to it (what a
+    sharded layer's gathers carry, while each rank quantizes the experts it holds in their own
+    dtype: many senders, ``gather="quantize_then_gather"``)."""
+    c = as_config(config)
+    targets = {p.kernel_name: p for p in engine_params(c, layout).values()}
     out = {}
     for i in layer_ids:
-        layer = strip_layer(synthetic_layer(config, i, dtype), i)
-        layer = {k: t.to(torch.bfloat16) for k, t in layer.items()}
-        plan = plan_from_config(config, i, scale_fmt=scale_fmt)
+        plan = plan_from_config(c, i, scale_fmt=scale_fmt)
+        layer = strip_layer(synthetic_layer(c, i, dtype, bias_dtype=bias_dtype), i)
+        layer = {k: t.to(gather_dtype or t.dtype) for k, t in layer.items() if k in plan.inputs}
+        for e in plan.entries:
+            if e.op != "quantize":
+                continue
+            cast = quantize_from if quantize_from is not None else None
+            if cast is None and gathered_dtype is not None and len(e.shape) != 3:
+                cast = gathered_dtype
+            if cast is not None:
+                layer.update({s: layer[s].to(cast) for s in e.sources})
         for kernel_name, full in convert_layer_ref(layer, i, plan).items():
             t = targets[kernel_name]
             out[t.name] = take_shard(full, t.shard).to(t.dtype)

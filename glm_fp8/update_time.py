@@ -22,11 +22,11 @@ contention inside a node, stragglers, and the engines' post-load steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
+from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.pack import update_regions
 from glm_fp8.engine.routes import TransferPlan, transfer_plan
@@ -92,7 +92,7 @@ class Prediction:
     arithmetic: str
 
 
-def _whole(config: Mapping, mode: str, scale_fmt: str | None) -> list[LayerPlan]:
+def _whole(config: object, mode: str, scale_fmt: str | None) -> list[LayerPlan]:
     return plans_for_model(config, mode, layer_ids=[*model_layer_ids(config), REST], scale_fmt=scale_fmt)
 
 
@@ -105,12 +105,13 @@ def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
 
 
 def predict(
-    config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None, transfer: TransferPlan | None = None
+    config: object, fleet: Fleet, *, scale_fmt: str | None = None, transfer: TransferPlan | None = None
 ) -> list[Prediction]:
     """The four strategies of ``STRATEGIES`` for a whole-model update of ``config`` into
     ``fleet`` (see the module docstring for the model); ``transfer``: the fleet's
     ``many_senders_plan`` when the caller has it already. Raises ValueError where vLLM would
-    refuse the engine layout."""
+    refuse the engine layout. ``config``: anything ``glm_fp8.config.as_config`` takes."""
+    config = as_config(config)
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
     out = []
@@ -160,11 +161,12 @@ def predict(
 
 
 def many_senders_plan(
-    config: Mapping, fleet: Fleet, *, scale_fmt: str | None = None, plans: list[LayerPlan] | None = None
+    config: object, fleet: Fleet, *, scale_fmt: str | None = None, plans: list[LayerPlan] | None = None
 ) -> TransferPlan:
     """The transfer plan of a whole-model update into ``fleet`` from its trainer GPUs (link ranks
     0..T-1, then the engines' ranks, engine by engine); ``plans``: the update's fp8 plans, if
     built already."""
+    config = as_config(config)
     ids = [*model_layer_ids(config), REST]
     plans = plans or plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
     engines = [None] * fleet.trainer_gpus + fleet.layouts() * fleet.engines

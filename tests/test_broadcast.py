@@ -13,6 +13,7 @@ import torch
 from glm_fp8.demo import demo_rank
 from glm_fp8.models import SMALL_GLM5
 from glm_fp8.testing import launch, synthetic_layer
+from glm_fp8.transfer.link import Link
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where receivers land the weights
@@ -111,7 +112,8 @@ def test_nan_weights_abort_the_update_on_every_rank():
     results = launch(3, _nan_rank, timeout_s=60)
     assert results[0][0] == "NonFiniteError" and "self_attn.o_proj.weight" in results[0][1]
     for r in (1, 2):
-        assert results[r][0] == "UpdateAborted" and "aborted the update before layer 1" in results[r][1]
+        status, msg = results[r]
+        assert status == "UpdateAborted" and "rank 0 (a sender) failed" in msg and "(layer 1)" in msg
 
 
 def _dying_sender_rank(rank, world, how):
@@ -189,7 +191,7 @@ def _many_senders_sink(fault: str | None):
 
     config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
     n = config["num_hidden_layers"]
-    sink = HostSinkComm(keep=True, rank=1)
+    sink = HostSinkComm(keep=True, rank=1, size=4)
     engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
     # src=1: the sender leads, as a stand-in link has no peers to take the manifest from it
     sender = Broadcaster(sink, 1, config=config, engines=engines, senders=[0, 1], device="cuda")
@@ -226,7 +228,7 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
     msgs = iter(sink.sent[2:])  # after the prelude and the manifest
     checked = 0
     for i, lay in enumerate(sender.routes.layers):
-        assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, i, sender.wire_nbytes(i)]
+        assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, i, lay.wire_nbytes]
         layer = {k.removeprefix(layer_prefix(i)): t for k, t in synthetic_layer(config, i).items()}
         ref = convert_layer_ref(layer, i, plan_from_config(config, i))
         for seg in lay.of_sender(sender.me):
@@ -255,12 +257,12 @@ def test_many_senders_non_finite_share_is_raised_by_its_sender_on_the_gpu():
         sender.broadcast_model(layers())
 
 
-class _Recorder:
+class _Recorder(Link):
     """A sender's stand-in link that keeps, on the host, what it broadcast and what it sent to
     each peer, for ``_Replay`` to hand an engine rank."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
         self.broadcasts: list[torch.Tensor] = []
         self.sent: dict[int, list[torch.Tensor]] = {}
 
@@ -274,13 +276,19 @@ class _Recorder:
         for t, peer in sends:
             self.sent.setdefault(peer, []).append(t.cpu().clone())
 
+    def make_groups(self, groups) -> None:
+        return None
 
-class _Replay:
+    def group_all_reduce_max(self, tensor: torch.Tensor, ranks) -> None:
+        return None
+
+
+class _Replay(Link):
     """An engine rank's stand-in link: broadcasts come from the leader's recording, each
     sender's messages from its own, copied onto the device on the current stream."""
 
     def __init__(self, rank: int, recorders: dict[int, _Recorder], src: int):
-        self.rank = rank
+        self.rank, self.size = rank, recorders[src].size
         self.broadcasts = iter(recorders[src].broadcasts)
         self.msgs = {s: iter(r.sent.get(rank, [])) for s, r in recorders.items()}
 
@@ -293,6 +301,9 @@ class _Replay:
     def exchange(self, sends, recvs) -> None:
         for t, peer in recvs:
             t.copy_(next(self.msgs[peer]).to(t.device), non_blocking=True)
+
+    def make_groups(self, groups) -> None:
+        return None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="stream ordering needs a GPU (run on the H200)")
@@ -315,25 +326,25 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     kw = dict(config=config, engines=engines, senders=[0, 1], device="cuda")
     recorders = {}
     for t in (0, 1):  # each leads its own recording: a stand-in link has no peers
-        recorders[t] = _Recorder(t)
+        recorders[t] = _Recorder(t, len(engines))
         Broadcaster(recorders[t], t, **kw).broadcast_model(
             (i, {k: v.cuda() for k, v in synthetic_layer(config, i).items()}) for i in range(n)
         )
     layout = engines[2]
     receiver = Receiver(_Replay(2, recorders, 0), 0, layout=layout, **kw)
-    for slot in receiver.ring.slots:
-        slot.fill_(0xFF)
+    for i in range(receiver.ring.size):
+        receiver.ring.slot(i)[0].fill_(0xFF)
     params = {}
     for name, p in engine_params(config, layout).items():
         params[name] = torch.empty(p.shape, dtype=p.dtype, device="cuda")
         params[name].view(torch.uint8).fill_(0x5A)
-    land = receiver_mod._land_piece
+    land = receiver_mod.land_piece
 
     def slow_land(*args, **kwargs):
         torch.cuda._sleep(2_000_000)  # about a millisecond of GPU time before each piece lands
         land(*args, **kwargs)
 
-    monkeypatch.setattr(receiver_mod, "_land_piece", slow_land)
+    monkeypatch.setattr(receiver_mod, "land_piece", slow_land)
     receiver.load_into(params)
     want = reference_engine_params(config, layout, list(range(n)))
     assert set(want) == {name for name in params if name.startswith("model.layers.")}

@@ -84,7 +84,7 @@ def test_config_without_fields(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "glm_moe_dsa"}))
     line = _usage_error(capsys, ["plan", "--config", str(path)])
-    assert "--config:" in line and "lacks the field 'num_hidden_layers'" in line
+    assert "--config: config.num_hidden_layers: missing; expected an int in [1, 4096]" in line
 
 
 def test_config_from_a_file(capsys, tmp_path):

@@ -109,6 +109,13 @@ def test_inferred_plan_keeps_passthrough_dtypes_and_short_keys(device):
     assert_entries_equal(got, convert_layer_ref(sd, 2, plan_from_state_dict(sd)))
 
 
+def _cast(key, dtype):
+    def mutate(sd):
+        sd["model.layers.2." + key] = sd["model.layers.2." + key].to(dtype)
+
+    return mutate
+
+
 @pytest.mark.parametrize(
     "mutate, exc, match",
     [
@@ -118,8 +125,10 @@ def test_inferred_plan_keeps_passthrough_dtypes_and_short_keys(device):
          "model.layers.2.mlp.foo: unexpected key"),
         (lambda sd: sd.__setitem__("model.layers.2.self_attn.o_proj.weight", torch.zeros(200, 79)),
          ValueError, r"model.layers.2.self_attn.o_proj.weight: expected shape \(200, 80\), got \(200, 79\)"),
-        (lambda sd: sd.__setitem__("model.layers.2.input_layernorm.weight", torch.zeros(200)),
-         TypeError, r"model.layers.2.input_layernorm.weight: expected dtype torch.bfloat16"),
+        (_cast("input_layernorm.weight", torch.int64),
+         TypeError, r"model.layers.2.input_layernorm.weight: expected a floating dtype .* got torch.int64"),
+        (_cast("mlp.experts.w1", torch.float64),
+         TypeError, r"model.layers.2.mlp.experts.w1: expected dtype bfloat16, float16 or float32"),
     ],
 )  # fmt: skip
 def test_bad_state_dict_is_refused_before_writing(device, mutate, exc, match):
@@ -140,7 +149,11 @@ def test_wrong_buffer_and_target_are_refused(device):
         convert_layer(sd, 0, out=torch.empty(plan.nbytes - 1, dtype=torch.uint8, device=device), plan=plan)
     with pytest.raises(ValueError, match="target: expected 'hopper'"):
         convert_layer(sd, 0, plan=plan, target="blackwell")
-    with pytest.raises(KeyError, match="no key starts with 'model.layers.1.'"):
+    with pytest.raises(
+        KeyError,
+        match=r"model\.layers\.0\.input_layernorm\.weight: a key of another layer, "
+        r"but layer_idx=1",
+    ):
         convert_layer(sd, 1)
 
 
@@ -280,3 +293,118 @@ def test_buffer_that_cannot_be_written_is_refused(device):
     meta = torch.empty(plan.nbytes, dtype=torch.uint8, device="meta")
     with pytest.raises(ValueError, match="^out: expected a tensor with data, got a meta tensor$"):
         convert_layer(sd, 2, out=meta, plan=plan)
+
+
+# --- convert_layer's contract: checks before writes, only=, layer keys (item 5) --------------------
+
+
+@pytest.mark.parametrize(
+    "key", ["input_layernorm.weight", "mlp.expert_bias", "self_attn.indexer.k_norm.bias"]
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_nonfinite_passthrough_is_refused_before_writing(device, key, bad):
+    """NaN/Inf in a passthrough tensor (a norm, the routing bias, k_norm's bias) is found before a
+    byte of ``out`` is written, and named with its element."""
+    from glm_fp8.jobs import NonFiniteError
+
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    name = "model.layers.2." + key
+    sd[name][1] = bad
+    buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    with pytest.raises(NonFiniteError, match=rf"^{name}: {bad} at {name}\[1\]; refusing to send it") as e:
+        convert_layer(sd, 2, out=buf, plan=plan)
+    assert e.value.source == name and e.value.block is None
+    assert (buf == 0xAB).all()
+
+
+def test_nonfinite_quantized_source_leaves_out_as_documented(device):
+    """The fused kernels check while writing: after their NonFiniteError every entry has been
+    written, the passthrough ones exact, and the block holding the NaN has a non-finite scale."""
+    from glm_fp8.jobs import NonFiniteError
+
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    want = convert_layer_ref(_short(sd, 2), 2, plan)
+    sd["model.layers.2.mlp.experts.w3"][1, 3, 130] = float("nan")  # expert 1, w13 row 75: block (0, 1)
+    buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    match = r"model\.layers\.2\.mlp\.experts\.w3: nan at .*\[1, 3, 130\]"
+    with pytest.raises(NonFiniteError, match=match) as e:
+        convert_layer(sd, 2, out=buf, plan=plan)
+    assert (e.value.expert, e.value.block) == (1, (0, 1))
+    views = dict(plan.views(buf))
+    for entry in plan.entries:
+        if entry.op in ("copy", "concat"):
+            w = want["model.layers.2." + entry.name]
+            assert torch.equal(views[entry.name].cpu(), w.cpu()), entry.name
+    scale = views["mlp.experts.w13_weight_scale_inv"]
+    assert not torch.isfinite(scale[1, 0, 1]) and torch.isfinite(scale[0]).all()
+
+
+def test_only_names_entries_of_the_plan(device):
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    with pytest.raises(
+        ValueError,
+        match=r"^only: 'mlp\.experts\.w13' is not an entry of this sparse layer's "
+        r"plan \(entries: input_layernorm\.weight, ",
+    ):
+        convert_layer(sd, 2, out=buf, plan=plan, only={"input_layernorm.weight", "mlp.experts.w13"})
+    with pytest.raises(TypeError, match=r"^only: expected a collection of entry names, got the str"):
+        convert_layer(sd, 2, out=buf, plan=plan, only="input_layernorm.weight")
+    assert (buf == 0xAB).all()
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_only_without_quantized_entries(device, check_finite):
+    """``only`` that selects passthrough entries only, a scale (its weight comes with it), or
+    nothing: each writes exactly what it selects."""
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    want = convert_layer_ref(_short(sd, 2), 2, plan)
+    spans = {e.name: (e.offset, e.offset + e.nbytes) for e in plan.entries}
+    for only, written in [
+        ({"input_layernorm.weight", "mlp.gate.e_score_correction_bias"},
+         {"input_layernorm.weight", "mlp.gate.e_score_correction_bias"}),
+        ({"mlp.experts.w2_weight_scale_inv"}, {"mlp.experts.w2_weight", "mlp.experts.w2_weight_scale_inv"}),
+        (set(), set()),
+    ]:  # fmt: skip
+        buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+        needed = {s for e in plan.entries if e.name in written for s in e.sources}
+        part = {k: t for k, t in sd.items() if k.removeprefix("model.layers.2.") in needed}
+        got = convert_layer(part, 2, out=buf, plan=plan, only=only, check_finite=check_finite)
+        for e in plan.entries:
+            lo, hi = spans[e.name]
+            if e.name in written:
+                g, w = got["model.layers.2." + e.name], want["model.layers.2." + e.name]
+                g, w = (g.view(torch.uint8), w.view(torch.uint8)) if e.op == "quantize" else (g, w)
+                assert torch.equal(g.cpu(), w.cpu()), e.name
+            else:
+                assert (buf[lo:hi] == 0xAB).all(), e.name
+
+
+def test_layer_keys_belong_to_the_layer(device):
+    """Keys prefixed with this layer or short (taken as this layer's); a key of another layer, a
+    name given both ways, or a decoder key among the non-layer tensors is refused naming it."""
+    from glm_fp8.models import REST
+
+    sd = make_layer(SMALL["glm-5"], 2, device)
+    plan = plan_from_config(SMALL["glm-5"], 2)
+    short = _short(sd, 2)
+    got = convert_layer(short, 7, plan=plan)  # short names: this layer's, under its index
+    assert list(got)[0] == "model.layers.7.input_layernorm.weight"
+    buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    for layer_idx, bad, match in [
+        (99, sd, r"model\.layers\.2\.input_layernorm\.weight: a key of another layer, but layer_idx=99"),
+        (2, {**sd, "model.layers.20.input_layernorm.weight": sd["model.layers.2.input_layernorm.weight"]},
+         r"model\.layers\.20\.input_layernorm\.weight: a key of another layer, but layer_idx=2"),
+        (2, {**sd, "input_layernorm.weight": short["input_layernorm.weight"]},
+         r"input_layernorm\.weight: 'input_layernorm\.weight' is given twice"),
+        (REST, {"model.layers.0.x": short["input_layernorm.weight"]},
+         r"model\.layers\.0\.x: a key of another layer, but layer_idx=-1 \(expected keys without a "
+         r"model\.layers"),
+    ]:  # fmt: skip
+        with pytest.raises(KeyError, match=match):
+            convert_layer(bad, layer_idx, out=buf, plan=plan)
+    assert (buf == 0xAB).all()

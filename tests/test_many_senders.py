@@ -93,12 +93,12 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
         name = "model.layers.3.mlp.experts.routed_experts.w2_weight"
         name = "lm_head.weight" if fault == "consumer_last" else name
         params[name] = params[name][:, :1]
-        receiver._check_params = lambda p: None  # a consumer that breaks mid-update, not at the check
-    assert receiver.ring.slots[0].numel() == max(
+        receiver._check_params = lambda p, a: None  # a consumer that breaks mid-update, not at the check
+    assert receiver.ring.nbytes == max(
         lay.recv_nbytes[receiver.routes.class_of(pos, rank)] for pos, lay in enumerate(receiver.routes.layers)
     )
     if fault == "checksum":
-        exchange = receiver.comm.exchange
+        exchange = receiver.link.exchange
         if rank == world - 1:  # one bit of its third layer's (layer 2's) first message flips on the wire
             calls = []
 
@@ -108,11 +108,15 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
                 if len(calls) == 3:
                     recvs[0][0][0] ^= 0x10
 
-            receiver.comm.exchange = corrupted
+            receiver.link.exchange = corrupted
         first = _first_update(lambda: receiver.load_into(params))
-        receiver.comm.exchange = exchange
+        receiver.link.exchange = exchange
     receiver.load_into(params)
-    want = reference_engine_params(TINY_GLM5, layout, [*WHOLE, REST], dtype=dtype)
+    # Each sender quantizes its own experts in the dtype it holds them; what is gathered travels
+    # in bf16 (quantized entries' sources) or in its wire dtype (passthrough ones).
+    want = reference_engine_params(
+        TINY_GLM5, layout, [*WHOLE, REST], dtype=dtype, gathered_dtype=torch.bfloat16
+    )
     assert set(want) == set(params)  # every parameter is part of the update
     for name, ref in want.items():
         got = params[name]
@@ -167,7 +171,9 @@ def test_large_passthrough_matrices_split_by_rows_land_exactly(n_senders, case, 
     assert all(v[0] == "ok" for v in results.values()), results
 
 
-def test_fp32_masters_are_cast_to_bf16_as_with_one_sender():
+def test_fp32_masters_quantize_their_own_experts_from_fp32():
+    """fp32 masters: each sender's experts (held, never moved) are quantized from fp32, the fp32
+    routing bias lands exact; the gathered sources of the other quantized entries travel in bf16."""
     results = launch(4, _rank, (2, "tp2", None, torch.float32), timeout_s=150)
     assert all(v[0] == "ok" for v in results.values()), results
 
@@ -237,7 +243,7 @@ def test_the_plan_balances_senders_and_covers_every_byte():
 
 def test_a_sender_with_another_manifest_is_refused_before_anything_is_sent():
     results = launch(4, _rank, (2, "tp2", "manifest"), timeout_s=60)
-    assert results[1][0] == "ManifestMismatch" and "rank 1 refused the manifest" in results[1][1], results
+    assert results[1][0] == "ManifestMismatch" and "differs from the leader's" in results[1][1], results
     assert results[0][0] == "ManifestMismatch" and "rank 1 refused the manifest" in results[0][1], results
     for r in (2, 3):
         assert results[r][0] == "UpdateAborted" and "rank 1 refused the manifest" in results[r][1], results
@@ -260,19 +266,22 @@ def test_bad_many_senders_arguments_are_refused():
 
     engines = [None, None, EngineLayout(tp_size=2, tp_rank=0), EngineLayout(tp_size=2, tp_rank=1)]
     kw = dict(config=TINY_GLM5, device="cpu")
-    with pytest.raises(ValueError, match="senders: many senders need engines="):
-        Broadcaster(HostSinkComm(), 0, senders=[0, 1], **kw)
+    link = lambda rank=0: HostSinkComm(rank=rank, size=4)  # noqa: E731
+    with pytest.raises(ValueError, match="engines: no rank of the link receives"):
+        Broadcaster(HostSinkComm(size=2), 0, senders=[0, 1], **kw)
     with pytest.raises(ValueError, match=r"src: expected one of the senders \[0, 1\]"):
-        Broadcaster(HostSinkComm(), 2, senders=[0, 1], engines=engines, **kw)
+        Broadcaster(link(), 2, senders=[0, 1], engines=engines, **kw)
     with pytest.raises(ValueError, match=r"this process \(link rank 3\) is not one of the senders"):
-        Broadcaster(HostSinkComm(rank=3), 0, senders=[0, 1], engines=engines, **kw)
+        Broadcaster(link(3), 0, senders=[0, 1], engines=engines, **kw)
     with pytest.raises(ValueError, match=r"engines\[1\]: expected None \(a sender\)"):
-        Broadcaster(HostSinkComm(), 0, senders=[0, 1], engines=[None, *engines[2:], None], **kw)
-    receiver = Receiver(HostSinkComm(rank=2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
-    with pytest.raises(TypeError, match="receive_layers: with senders= an expert stack arrives in pieces"):
+        Broadcaster(link(), 0, senders=[0, 1], engines=[None, *engines[2:], None], **kw)
+    with pytest.raises(ValueError, match=r"engines: expected one entry per rank of the link \(4\), got 3"):
+        Broadcaster(link(), 0, senders=[0, 1], engines=engines[:3], **kw)
+    receiver = Receiver(link(2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
+    with pytest.raises(TypeError, match="receive_layers: with several senders an entry arrives in pieces"):
         receiver.receive_layers()
-    with pytest.raises(ValueError, match="ring: many senders need at least 2 receive buffers"):
-        Receiver(HostSinkComm(rank=2), 0, senders=[0, 1], engines=engines, layout=engines[2], ring=1, **kw)
+    with pytest.raises(ValueError, match="ring: a receiver needs at least 2 buffers"):
+        Receiver(link(2), 0, senders=[0, 1], engines=engines, layout=engines[2], ring=1, **kw)
 
 
 def test_a_sender_queues_the_next_layer_before_it_waits_for_a_vote():
@@ -287,7 +296,7 @@ def test_a_sender_queues_the_next_layer_before_it_waits_for_a_vote():
 
     config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
     n = config["num_hidden_layers"]
-    sink = HostSinkComm(rank=1)
+    sink = HostSinkComm(rank=1, size=4)
     engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
     sender = Broadcaster(sink, 1, config=config, engines=engines, senders=[0, 1], device="cpu")
     events = []

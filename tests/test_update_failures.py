@@ -14,6 +14,7 @@ import torch
 
 from glm_fp8.models import SMALL_GLM5
 from glm_fp8.testing import launch, synthetic_layer
+from glm_fp8.transfer.link import Link
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
 PG_TIMEOUT = 120.0  # the transport's timeout: no test may need it
@@ -46,19 +47,26 @@ def _untouched(params, fill=7) -> bool:
     return all(bool((p.detach().view(torch.uint8) == fill).all()) for p in params.values())
 
 
-class TamperComm:
+class TamperComm(Link):
     """Wraps the sender's link and breaks one thing on purpose."""
 
-    def __init__(self, comm, how: str):
-        self.comm, self.how = comm, how
+    def __init__(self, link: Link, how: str):
+        self.inner, self.how = link, how
+        self.rank, self.size, self.groups_supported = link.rank, link.size, link.groups_supported
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         from glm_fp8.transfer.wire import DATA, MAGIC
 
         how = self.how
-        if how == "huge_manifest" and t.numel() == 4 and t[0] == MAGIC:
+        if how in ("huge_manifest", "nested_manifest") and t.numel() == 4 and t[0] == MAGIC:
             t = t.clone()
-            t[2] = 2**31  # announce a 2 GiB manifest
+            if how == "huge_manifest":
+                t[2] = 2**31  # announce a 2 GiB manifest
+            else:
+                self.manifest_bytes = int(t[2])
+        elif how == "nested_manifest" and t.dtype == torch.uint8 and t.numel() == self.manifest_bytes:
+            depth = t.numel() // 2  # deeper than any parser's recursion: a receiver must still vote
+            t = torch.tensor(list(b"[" * depth + b"]" * depth + b" " * (t.numel() % 2)), dtype=torch.uint8)
         is_header = t.numel() == 8 and t.dtype == torch.int64 and t[0] == MAGIC and t[1] == DATA
         if is_header and int(t[3]) == 1 and how in ("header_short", "header_long", "header_layer"):
             t = t.clone()
@@ -73,12 +81,22 @@ class TamperComm:
                 t = t.clone()
                 t[t.numel() // 3] ^= 0x10
             self.how = "done"
-        self.comm.broadcast(t, src)
+        self.inner.broadcast(t, src)
+
+    def group_broadcast(self, t: torch.Tensor, src: int, ranks) -> None:
+        assert len(ranks) == self.size  # a full broadcast: its one class is every other rank
+        self.broadcast(t, src)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         if self.how == "negative_vote":
             t.fill_(-5)  # a hostile sender trying to cancel a refusal
-        self.comm.all_reduce_max(t)
+        self.inner.all_reduce_max(t)
+
+    def exchange(self, sends, recvs) -> None:
+        self.inner.exchange(sends, recvs)
+
+    def make_groups(self, groups) -> None:
+        self.inner.make_groups(groups)
 
 
 def _tampered_rank(rank, world, how, receiver_kw):
@@ -88,7 +106,7 @@ def _tampered_rank(rank, world, how, receiver_kw):
     try:
         if rank == 0:
             sender = Broadcaster(None, 0, config=CONFIG, device="cpu")
-            sender.comm = TamperComm(sender.comm, how)
+            sender.link = TamperComm(sender.link, how)
             sender.broadcast_model(_layers())
             return "sent"
         config = {**CONFIG, "n_routed_experts": 12} if (how == "negative_vote" and rank == 1) else CONFIG
@@ -134,6 +152,15 @@ def test_a_huge_announced_manifest_is_refused_before_anything_is_allocated():
     assert results[0][0] == "ManifestMismatch" and "refused the manifest's prelude" in results[0][1]
     for r in (1, 2):
         assert results[r][0] == "ManifestMismatch" and "manifest length" in results[r][1], results[r]
+
+
+def test_a_manifest_nested_too_deep_for_the_parser_is_refused_at_the_vote():
+    """JSON that would exhaust the parser's recursion: each receiver refuses it at the manifest
+    vote (it does not leave without voting), so every rank stops there."""
+    results = _run("nested_manifest")
+    assert results[0][0] == "ManifestMismatch" and "refused the manifest" in results[0][1], results[0]
+    for r in (1, 2):
+        assert results[r][0] == "ManifestMismatch" and "not valid UTF-8 JSON" in results[r][1], results[r]
 
 
 def test_manifest_length_cap_is_configurable():
@@ -202,8 +229,8 @@ def _consumer_rank(rank, world, how):
         params = _FailsOnLayer1(_params())
         real_check = receiver._check_params
 
-        def check_then_arm(p):
-            err = real_check(p)
+        def check_then_arm(p, aliases):
+            err = real_check(p, aliases)
             params.armed = True
             return err
 
@@ -267,7 +294,9 @@ def test_nan_in_a_passthrough_tensor_stops_every_rank(entry):
     results = launch(3, _order_rank, ((0, 1, 2), entry), timeout_s=PG_TIMEOUT)
     assert results[0][0] == "NonFiniteError" and entry in results[0][1], results[0]
     for r in (1, 2):
-        assert results[r][0] == "UpdateAborted" and "before layer 1" in results[r][1], results[r]
+        status, msg = results[r]
+        assert status == "UpdateAborted" and "rank 0 (a sender) failed" in msg, results[r]
+        assert "(layer 1)" in msg, results[r]
 
 
 def test_the_manifest_is_decoded_without_numpy(monkeypatch):
@@ -284,18 +313,3 @@ def test_the_manifest_is_decoded_without_numpy(monkeypatch):
         decode_manifest(torch.tensor([0xFF, 0x7B], dtype=torch.uint8))
 
 
-def test_checksum_sees_order_truncation_and_bit_flips():
-    from glm_fp8.transfer.wire import checksum_scratch, layer_checksum
-
-    buf = torch.randint(0, 256, (3 * (32 << 10) + 256,), dtype=torch.uint8)
-    scratch = checksum_scratch(buf.numel(), buf.device)
-    base = int(layer_checksum(buf, scratch))
-    swapped = buf.clone()
-    swapped[: 32 << 10], swapped[32 << 10 : 64 << 10] = buf[32 << 10 : 64 << 10], buf[: 32 << 10]
-    flipped = buf.clone()
-    flipped[100] ^= 1
-    stale = buf.clone()
-    stale[-1024:] = 0
-    for other in (swapped, flipped, stale):
-        assert int(layer_checksum(other, scratch)) != base
-    assert int(layer_checksum(buf.clone(), scratch)) == base

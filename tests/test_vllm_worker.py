@@ -226,7 +226,7 @@ def _finalize(model: torch.nn.Module) -> None:
 
 
 def _updater(layout, backend="FLASHINFER_CUTLASS", deepgemm_linear=False):
-    from glm_fp8.integrations.vllm import EngineUpdater, engine_postload_plan
+    from glm_fp8.integrations.vllm.engine import EngineUpdater, engine_postload_plan
 
     target, drafter = _engine(layout, backend, deepgemm_linear)
     plan = engine_postload_plan(TINY_GLM5, target, drafter, deepgemm_e8m0=True)
@@ -244,7 +244,7 @@ def test_importing_the_integration_needs_no_vllm_and_its_methods_cannot_clash_wi
 
 def test_collect_params_finds_every_spec_name_in_target_and_drafter():
     from glm_fp8.engine import EngineLayout, engine_param_specs
-    from glm_fp8.integrations.vllm import collect_params
+    from glm_fp8.integrations.vllm.engine import collect_params
 
     layout = EngineLayout(tp_size=2, tp_rank=1)
     target, drafter = _engine(layout)
@@ -259,19 +259,13 @@ def test_collect_params_finds_every_spec_name_in_target_and_drafter():
     assert not p.requires_grad
 
 
-def test_check_aliases_refuses_landing_the_drafters_head_without_lm_head_after_it():
-    from glm_fp8.integrations.vllm import check_aliases
-
-    aliases = {f"model.layers.{MTP}.shared_head.head.weight": "lm_head.weight"}
-    check_aliases(aliases, [0, 1, 2, 3, MTP, REST])
-    check_aliases(aliases, [0, 1])  # the MTP layer is not in the update: nothing lands there
-    with pytest.raises(ValueError, match="must also land lm_head.weight after it"):
-        check_aliases(aliases, [0, 1, 2, 3, MTP])
-
-
 def test_layout_and_moe_parallel_checks():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm import EngineNotSupported, check_moe_parallel, layout_from_parallel_config
+    from glm_fp8.integrations.vllm.engine import (
+        EngineNotSupported,
+        check_moe_parallel,
+        layout_from_parallel_config,
+    )
 
     pc = SimpleNamespace(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
                          all2all_backend="allgather_reducescatter", pipeline_parallel_size=1)  # fmt: skip
@@ -294,7 +288,7 @@ def test_layout_and_moe_parallel_checks():
 
 def test_backend_detection_and_the_plan_it_gives():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm import (
+    from glm_fp8.integrations.vllm.engine import (
         EngineNotSupported,
         deepgemm_requantized_linears,
         engine_postload_plan,
@@ -318,7 +312,7 @@ def test_backend_detection_and_the_plan_it_gives():
 
 def test_packed_scales_are_refused_with_their_name():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm import EngineNotSupported, EngineUpdater, engine_postload_plan
+    from glm_fp8.integrations.vllm.engine import EngineNotSupported, EngineUpdater, engine_postload_plan
 
     target, drafter = _engine(EngineLayout(), "DEEPGEMM")
     proj = getattr(target.model.layers, "0").self_attn.q_b_proj
@@ -407,18 +401,3 @@ def test_a_scale_format_the_engine_cannot_serve_stops_every_rank_at_the_manifest
         for m in msgs.values()
     ), msgs
     assert all(m.startswith(("EngineNotSupported", "UpdateAborted")) for m in msgs.values()), msgs
-
-
-def test_rpc_arguments_may_come_as_strings():
-    """The dev server's /collective_rpc route passes only strings (serve/dev/rpc/api_router.py)."""
-    from glm_fp8.integrations.vllm import parse_flag, parse_layer_ids
-
-    assert parse_layer_ids("[0, 1, 4]") == [0, 1, 4] and parse_layer_ids("null") is None
-    assert parse_layer_ids((2, 3)) == [2, 3] and parse_layer_ids(None) is None
-    assert (
-        parse_flag("rest", "False") is False and parse_flag("rest", "1") is True and parse_flag("rest", True)
-    )
-    with pytest.raises(ValueError, match="layer_ids: expected None or a list of ints"):
-        parse_layer_ids('["0"]')
-    with pytest.raises(ValueError, match="rest: expected a bool"):
-        parse_flag("rest", "maybe")

@@ -14,11 +14,12 @@ experts, ``VLLM_REPLICATE_EMBED=1`` and the padded-TP MoE loading of an explicit
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from glm_fp8.config import as_config
 from glm_fp8.models import SHAPES
 from glm_fp8.numerics import BLOCK, ceil_blocks
 from glm_fp8.plan import build_plan
@@ -296,18 +297,15 @@ def split_name(name: str) -> tuple[int | None, str]:
     return int(idx), rest
 
 
-def kernel_entry_shapes(config: Mapping, *, quantize: bool = True) -> dict[str, tuple[tuple[int, ...], bool]]:
+def kernel_entry_shapes(config: object, *, quantize: bool = True) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Full kernel-format shape and fp8-ness of every entry a model config can hold, by name
     relative to its layer (dense and sparse layers merged, MTP-own and non-layer names too)."""
-    model_type = config.get("model_type")
-    if model_type not in SHAPES:
-        raise ValueError(f"config.model_type: expected one of {sorted(SHAPES)}, got {model_type!r}")
+    config = as_config(config)
+    model_type = config["model_type"]
     h = config["hidden_size"]
     table: dict[str, tuple[tuple[int, ...], bool]] = {}
     for sparse in (False, True):
-        if (sparse and "n_routed_experts" not in config) or (
-            not sparse and "intermediate_size" not in config
-        ):
+        if not sparse and "intermediate_size" not in config:
             continue
         inputs = {k: (s, torch.bfloat16) for k, s in SHAPES[model_type](config, sparse).items()}
         for e in build_plan(model_type, inputs, quantize=quantize).entries:
@@ -325,10 +323,10 @@ def kernel_entry_shapes(config: Mapping, *, quantize: bool = True) -> dict[str, 
 class _Rules:
     """The per-entry rules of docs/layouts.md#names-dtypes-shards-glm-5 for one config and rank."""
 
-    def __init__(self, config: Mapping, layout: EngineLayout, quantize: bool = True) -> None:
+    def __init__(self, config: object, layout: EngineLayout, quantize: bool = True) -> None:
         if not isinstance(layout, EngineLayout):
             raise TypeError(f"layout: expected an EngineLayout, got {type(layout).__name__}")
-        self.config, self.layout, self.quantize = config, layout, quantize
+        self.config, self.layout, self.quantize = as_config(config), layout, quantize
         self.table = kernel_entry_shapes(config, quantize=quantize)
 
     def shard(self, name: str, full_shape: Sequence[int]) -> Shard:
@@ -477,7 +475,7 @@ class _Rules:
 
 
 def shard_for(
-    name: str, full_shape: Sequence[int], config: Mapping, layout: EngineLayout, *, quantize: bool = True
+    name: str, full_shape: Sequence[int], config: object, layout: EngineLayout, *, quantize: bool = True
 ) -> Shard:
     """How ``layout``'s rank holds the kernel-format entry ``name`` (or its vLLM name) of full shape
     ``full_shape``, for a block-FP8 checkpoint (``quantize``) or a bf16 one.

@@ -4,7 +4,7 @@ after another into one region, and the classes of ranks that hold the same bytes
 replicas, EP ranks for replicated tensors) and so share one broadcast of that region.
 
 Region layout: the pieces in plan order, each at a multiple of 256 bytes, then one int64: the
-region's checksum (``glm_fp8.transfer.wire.layer_checksum`` of the bytes before it).
+region's checksum (``glm_fp8.transfer.wire.message_checksum`` of the bytes before it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, align, layer_prefix, plans_for_model
 
 CHECKSUM_BYTES = 8
+FULL = "full"  # an ``engines`` entry: this rank receives every entry whole (kernel format)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,15 @@ def shard_pack(plan: LayerPlan, layer_idx: int, config: Mapping, layout: EngineL
     return ShardPack(tuple(pieces), offset + CHECKSUM_BYTES)
 
 
+def full_pack(plan: LayerPlan, layer_idx: int) -> ShardPack:
+    """The region of a rank that receives every entry whole: the layer buffer as the plan lays it
+    out (the same offsets), then the checksum word."""
+    prefix = layer_prefix(layer_idx)
+    whole = Shard("replicated")
+    pieces = [ShardPiece(prefix + e.name, e.dtype, tuple(e.shape), e.offset, whole) for e in plan.entries]
+    return ShardPack(tuple(pieces), plan.nbytes + CHECKSUM_BYTES)
+
+
 def scatter_classes(packs: Sequence[ShardPack | None]) -> list[tuple[int, ...]]:
     """Ranks (indices into ``packs``; None: not a receiver) grouped by equal packs, in order of
     first appearance: each class shares one broadcast."""
@@ -125,11 +135,12 @@ class LayerScatter:
 
 
 def layer_scatter(
-    plan: LayerPlan, layer_idx: int, config: Mapping, engines: Sequence[EngineLayout | None]
+    plan: LayerPlan, layer_idx: int, config: Mapping | None, engines: Sequence[EngineLayout | str | None]
 ) -> LayerScatter:
-    """The classes of ``engines`` (None: not a receiver) for one layer and where their regions
-    lie in the sender's buffer."""
-    packs = [None if lay is None else shard_pack(plan, layer_idx, config, lay) for lay in engines]
+    """The classes of ``engines`` (None: not a receiver; ``FULL``: every entry whole) for one layer
+    and where their regions lie in the sender's buffer."""
+    packs = [None if lay is None else full_pack(plan, layer_idx) if lay == FULL
+             else shard_pack(plan, layer_idx, config, lay) for lay in engines]  # fmt: skip
     classes = scatter_classes(packs)
     offsets, total = [], 0
     for ranks in classes:
@@ -198,11 +209,13 @@ def layout_words(layout: EngineLayout | None) -> list | None:
 
 __all__ = [
     "CHECKSUM_BYTES",
+    "FULL",
     "LayerScatter",
     "ShardPack",
     "ShardPiece",
     "UpdateRegions",
     "layer_scatter",
+    "full_pack",
     "layout_words",
     "scatter_classes",
     "shard_pack",

@@ -1,20 +1,26 @@
-"""Many senders (docs/layouts.md#many-senders): which trainer rank sends which bytes of an
-update to which engine rank.
+"""The transfer plan (docs/layouts.md#the-transfer-plan): which trainer rank sends which bytes of
+each layer of an update to which engine ranks. Every mode is one such plan:
 
-Two kinds of entries are split by rows (dim 0) over the ``T`` senders (the trainer ranks, in
-the order of their shards), sender ``t`` taking the t-th ``torch.chunk`` as FSDP2 and expert
-parallelism (``Shard(0)``) place them: the routed-expert stacks (whole experts, with their
-scales) and the large passthrough matrices (embeddings, ``lm_head``, the MTP layer's head and
-``eh_proj``). Each sender converts its rows itself and sends each class of engine ranks (ranks
-that hold the same shard, ``glm_fp8.engine.pack.scatter_classes``) the part of their shard in
-those rows. A layer's other entries are gathered on one sender, their owner, which converts and
-sends them; owners are chosen so that the senders send about as many bytes.
+- **full broadcast**: one sender; every engine rank is ``FULL`` (it receives every entry whole,
+  as ``glm_fp8.convert`` lays the layer out) and they form one class;
+- **scatter**: one sender; each engine rank gives its ``EngineLayout`` and receives only its
+  shard; ranks that hold the same bytes form a class (``glm_fp8.engine.pack.scatter_classes``);
+- **many senders**: every trainer rank sends its own share: the routed-expert stacks (whole
+  experts, with their scales) and the passthrough matrices of ``SPLIT_MIN_BYTES`` or more
+  (embeddings, ``lm_head``, the MTP layer's head and ``eh_proj``) are split by rows over the ``T``
+  senders, sender ``t`` taking the t-th ``torch.chunk`` as FSDP2 and expert parallelism
+  (``Shard(0)``) place them; every other entry is gathered on, converted and sent by one sender,
+  its owner, chosen so that the senders send about as many bytes.
 
-Per layer, each sender sends each engine rank at most one message, a ``Segment``: its pieces
-one after another at multiples of 256 bytes, then a checksum word. An engine rank's layer
-buffer holds its class's segments side by side, in sender order; a sender's send buffer holds
-its segments side by side, in class order. The plan is computed once per update
-configuration, identically on every rank, and reused every step.
+Per layer, each sender sends each class at most one **segment**: the pieces it has of the
+class's region, one after another at multiples of 256 bytes, then a checksum word. A class of
+several ranks served by a single sender gets one broadcast in the group of that sender and the
+class (where the link can make groups); every other segment goes point to point to each rank of
+its class. A single sender's segment that is its whole converted layer, as the plan lays it
+out (the full broadcast), is **direct**: sent from the conversion buffer, never packed. An engine
+rank's layer buffer holds its class's segments side by side, in sender order; a sender's send
+buffer holds its packed segments side by side, in class order. The plan is computed once per
+update configuration, identically on every rank, and agreed on at the manifest vote.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard
-from glm_fp8.engine.pack import CHECKSUM_BYTES, ShardPack, ShardPiece, layer_scatter, layout_words
+from glm_fp8.engine.pack import CHECKSUM_BYTES, FULL, ShardPack, ShardPiece, layer_scatter, layout_words
+from glm_fp8.kernels.checksum import checksum_rows
 from glm_fp8.models import REST
-from glm_fp8.plan import LayerPlan, PlanEntry, align, build_plan, layer_prefix
+from glm_fp8.plan import LayerPlan, PlanEntry, align, layer_prefix
 
 _WHOLE = Shard("replicated")
 # Passthrough matrices at least this large are split by rows: the embeddings, lm_head, the MTP
@@ -53,7 +60,7 @@ def stack_entries(plan: LayerPlan) -> list[PlanEntry]:
 
 
 def split_entries(plan: LayerPlan) -> list[PlanEntry]:
-    """The entries split by rows over the senders: the expert stacks (and their scales) and the
+    """The entries split by rows over many senders: the expert stacks (and their scales) and the
     passthrough matrices of ``SPLIT_MIN_BYTES`` or more copied from one source (a row range of
     a concatenation would span its sources)."""
     big = [e for e in plan.entries if e.op == "copy" and len(e.shape) == 2 and e.nbytes >= SPLIT_MIN_BYTES]
@@ -62,27 +69,31 @@ def split_entries(plan: LayerPlan) -> list[PlanEntry]:
 
 @dataclass(frozen=True)
 class Segment(ShardPack):
-    """What sender ``sender`` sends every rank of class ``cls`` for one layer: a ``ShardPack`` of
-    the pieces it has of the class's region (a split entry's pieces name their ``rows``), then
-    the checksum word. It lies at ``send_offset`` in the sender's send buffer and at
-    ``recv_offset`` in each receiving rank's layer buffer."""
+    """What sender ``sender`` (its index in the senders) sends every rank of class ``cls`` for one
+    layer: a ``ShardPack`` of the pieces it has of the class's region (a split entry's pieces name
+    their ``rows``), then the checksum word. It lies at ``send_offset`` in the sender's send
+    buffer (``direct``: in its conversion buffer, at 0) and at ``recv_offset`` in each receiving
+    rank's layer buffer."""
 
     sender: int = 0
     cls: int = 0
     send_offset: int = 0
     recv_offset: int = 0
+    direct: bool = False
 
 
 @dataclass(frozen=True)
 class LayerRoutes:
-    """One layer's routes: ``classes`` (link ranks that receive the same bytes), ``segments``
-    (by class, then sender), ``splits`` (each split entry, by prefixed name: every sender's
-    rows), ``owners`` (every other entry: the sender that gathers, converts and sends it),
-    ``local_plans`` (per sender: the part of the layer it converts, possibly nothing), the
-    bytes of each sender's send buffer and of each class's receive buffer."""
+    """One layer's routes: ``classes`` (link ranks that receive the same bytes), ``groups`` (per
+    class, the sorted link ranks of its single sender's broadcast; None: point to point),
+    ``segments`` (by class, then sender), ``splits`` (each split entry, by prefixed name: every
+    sender's rows), ``owners`` (every other entry: the sender that gathers, converts and sends it),
+    ``local_plans`` (per sender: the part of the layer it converts, possibly nothing), the bytes of
+    each sender's send buffer and of each class's receive buffer."""
 
     layer_idx: int
     classes: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...] | None, ...]
     segments: tuple[Segment, ...]
     splits: dict[str, tuple[tuple[int, int], ...]]
     owners: dict[str, int]
@@ -108,40 +119,70 @@ class LayerRoutes:
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """Routes of one update: ``senders`` (link ranks, in expert-chunk order), ``engines`` (one
-    entry per link rank, None at each sender), each sender's routed experts ``bounds`` and
-    every layer's routes (in the update's order)."""
+    """Routes of one update: ``senders`` (link ranks, in expert-chunk order), ``engines`` (one entry
+    per link rank: None at a sender, an ``EngineLayout`` or ``FULL``), each sender's routed-expert
+    ``bounds`` and every layer's routes (in the update's order)."""
 
     senders: tuple[int, ...]
-    engines: tuple[EngineLayout | None, ...]
+    engines: tuple[EngineLayout | str | None, ...]
     bounds: tuple[tuple[int, int], ...]
     layers: tuple[LayerRoutes, ...]
 
     def class_of(self, pos: int, rank: int) -> int:
         return next(k for k, ranks in enumerate(self.layers[pos].classes) if rank in ranks)
 
+    def groups(self) -> list[tuple[int, ...]]:
+        """The groups of link ranks the update needs, in a fixed order: every class broadcast's,
+        then the senders' own (their vote before gathers, with several senders)."""
+        out = list(dict.fromkeys(g for lay in self.layers for g in lay.groups if g is not None))
+        if len(self.senders) > 1:
+            out.append(tuple(sorted(self.senders)))
+        return out
+
     def sent_bytes(self) -> list[int]:
-        """Bytes each sender sends in a whole update (a segment once per receiving rank)."""
+        """Bytes each sender sends in a whole update (a point-to-point segment once per rank of its
+        class, a group broadcast once)."""
         out = [0] * len(self.senders)
-        for layer in self.layers:
-            for s in layer.segments:
-                out[s.sender] += s.nbytes * len(layer.classes[s.cls])
+        for lay in self.layers:
+            for s in lay.segments:
+                out[s.sender] += s.nbytes * (1 if lay.groups[s.cls] else len(lay.classes[s.cls]))
         return out
 
     def received_bytes(self) -> dict[int, int]:
         """Bytes each engine rank (link rank) receives in a whole update."""
         out: dict[int, int] = {}
-        for layer in self.layers:
-            for k, ranks in enumerate(layer.classes):
+        for lay in self.layers:
+            for k, ranks in enumerate(lay.classes):
                 for r in ranks:
-                    out[r] = out.get(r, 0) + layer.recv_nbytes[k]
+                    out[r] = out.get(r, 0) + lay.recv_nbytes[k]
         return out
 
+    def receive_slot(self, rank: int) -> int:
+        """The largest layer buffer engine rank ``rank`` receives: one ring slot."""
+        return max(
+            (
+                lay.recv_nbytes[self.class_of(pos, rank)]
+                for pos, lay in enumerate(self.layers)
+                if any(rank in c for c in lay.classes)
+            ),
+            default=0,
+        )
+
+    def receiver_bytes(self, rank: int, ring: int = 2, device: str = "cuda") -> int:
+        """Engine rank ``rank``'s memory above its parameters during an update (what ``Receiver``
+        allocates): ``ring`` slots of its largest layer buffer, the checksum's scratch (a word per
+        32 KiB on CUDA), every step's header and the vote words."""
+        slot = self.receive_slot(rank)
+        scratch = 8 * (checksum_rows(slot) if device == "cuda" else 1)
+        return ring * slot + scratch + 64 * (len(self.layers) + 3) + 8 * 3
+
     def sender_buffers(self, t: int) -> tuple[int, int]:
-        """(largest local conversion buffer, largest send buffer) of sender ``t``: one ring slot
-        of each."""
-        return (max((lay.local_plans[t].nbytes for lay in self.layers), default=0),
-                max((lay.send_nbytes[t] for lay in self.layers), default=0))  # fmt: skip
+        """(conversion slot, send slot) of sender ``t``: its largest converted share (with room for
+        a direct segment's checksum word) and its largest packed segments; one ring slot each."""
+        return (
+            max((lay.local_plans[t].nbytes + CHECKSUM_BYTES for lay in self.layers), default=0),
+            max((lay.send_nbytes[t] for lay in self.layers), default=0),
+        )
 
     def gathered_bytes(self, t: int) -> list[int]:
         """Per layer, the trainer tensors sender ``t`` gathers (the sources of the entries it
@@ -152,28 +193,42 @@ class TransferPlan:
             own = {name for name, owner in lay.owners.items() if owner == t}
             prefix = layer_prefix(lay.layer_idx)
             srcs = {s for e in plan.entries if prefix + e.name in own for s in e.sources}
-            out.append(sum((plan.inputs[s][1] or torch.bfloat16).itemsize * _numel(plan.inputs[s][0])
-                           for s in srcs))  # fmt: skip
+            out.append(
+                sum((plan.inputs[s][1] or torch.bfloat16).itemsize * _numel(plan.inputs[s][0]) for s in srcs)
+            )
         return out
 
     def sender_peak(self, t: int, ring: int = 2) -> int:
-        """Sender ``t``'s transient bytes above its resident shards: ``ring`` slots of its local
-        conversion buffer and of its send buffer, and one layer's gathered tensors."""
+        """Sender ``t``'s transient bytes above its resident shards: ``ring`` slots of its
+        conversion and send buffers, and one layer's gathered tensors."""
         local, send = self.sender_buffers(t)
         return ring * (local + send) + max(self.gathered_bytes(t), default=0)
 
     def messages_per_layer(self) -> int:
-        """The most messages one layer takes (every segment to every rank of its class)."""
-        return max(sum(len(lay.classes[s.cls]) for s in lay.segments) for lay in self.layers)
+        """The most messages one layer takes (a group broadcast is one)."""
+        return max(
+            sum(1 if lay.groups[s.cls] else len(lay.classes[s.cls]) for s in lay.segments)
+            for lay in self.layers
+        )
 
     def manifest(self) -> dict:
         return {
             "senders": list(self.senders),
-            "engines": [layout_words(lay) for lay in self.engines],
+            "engines": [lay if lay in (None, FULL) else layout_words(lay) for lay in self.engines],
             "bounds": [list(b) for b in self.bounds],
             "layers": [
-                [[s.sender, list(lay.classes[s.cls]), s.nbytes] for s in lay.segments] for lay in self.layers
-            ],  # fmt: skip
+                [
+                    [
+                        s.sender,
+                        list(lay.classes[s.cls]),
+                        s.nbytes,
+                        lay.groups[s.cls] and list(lay.groups[s.cls]),
+                        s.direct,
+                    ]
+                    for s in lay.segments
+                ]
+                for lay in self.layers
+            ],
         }
 
 
@@ -184,33 +239,54 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def transfer_plan(
-    config: Mapping,
-    plans: Sequence[LayerPlan],
-    layer_ids: Sequence[int],
-    engines: Sequence[EngineLayout | None],
-    senders: Sequence[int],
-) -> TransferPlan:
-    """The routes of an fp8 update of ``layer_ids`` (``plans[k]`` the plan of ``layer_ids[k]``)
-    from ``senders`` (link ranks) into ``engines`` (one entry per link rank; None exactly at
-    the senders). Raises ValueError for a plan the senders cannot carry out, or where vLLM
-    would refuse an engine layout."""
-    senders = tuple(int(s) for s in senders)
-    engines = tuple(engines)
+def check_engines(engines: Sequence[EngineLayout | str | None], senders: Sequence[int]) -> None:
+    """``engines`` has one entry per link rank: None exactly at the senders, else an
+    ``EngineLayout`` or ``FULL``."""
     if not senders:
         raise ValueError("senders: expected at least one trainer rank")
     if len(set(senders)) != len(senders):
         raise ValueError(f"senders: expected distinct link ranks, got {list(senders)}")
-    for r, lay in enumerate(engines):
-        if (r in senders) != (lay is None):
-            raise ValueError(f"engines[{r}]: expected " + ("None (a sender)" if r in senders else
-                             f"the EngineLayout of rank {r}, got None"))  # fmt: skip
-        if lay is not None and not isinstance(lay, EngineLayout):
-            raise TypeError(f"engines[{r}]: expected an EngineLayout, got {type(lay).__name__}")
     bad = [s for s in senders if not 0 <= s < len(engines)]
     if bad:
         raise ValueError(f"senders: rank {bad[0]} is not a rank of the link (0..{len(engines) - 1})")
-    n_senders = len(senders)
+    for r, lay in enumerate(engines):
+        if (r in senders) != (lay is None):
+            raise ValueError(
+                f"engines[{r}]: expected "
+                + ("None (a sender)" if r in senders else f"the EngineLayout of rank {r} or 'full', got None")
+            )
+        if lay is not None and lay != FULL and not isinstance(lay, EngineLayout):
+            raise TypeError(f"engines[{r}]: expected an EngineLayout or {FULL!r}, got {lay!r}")
+    if all(lay is None for lay in engines):
+        raise ValueError(
+            f"engines: no rank of the link receives (every one of its {len(engines)} ranks is a "
+            f"sender: {list(senders)})"
+        )
+
+
+def transfer_plan(
+    config: Mapping | None,
+    plans: Sequence[LayerPlan],
+    layer_ids: Sequence[int],
+    engines: Sequence[EngineLayout | str | None],
+    senders: Sequence[int],
+    *,
+    groups: bool = True,
+) -> TransferPlan:
+    """The routes of an update of ``layer_ids`` (``plans[k]`` the plan of ``layer_ids[k]``) from
+    ``senders`` (link ranks) into ``engines`` (one entry per link rank, see ``check_engines``;
+    ``config`` is needed when some are ``EngineLayout``). ``groups``: the link can make groups, so
+    a single sender broadcasts once to a class of several ranks. Raises ValueError for a plan the
+    senders cannot carry out, or where vLLM would refuse an engine layout."""
+    senders, engines = tuple(int(s) for s in senders), tuple(engines)
+    check_engines(engines, senders)
+    n = len(senders)
+    if n > 1 and (config is None or any(p.target != "hopper" for p in plans)):
+        raise ValueError(
+            "senders: many senders need config= and Hopper plans (float32 scales, split by expert rows)"
+        )
+    if config is None and any(isinstance(lay, EngineLayout) for lay in engines):
+        raise ValueError("engines: engine layouts need config= (vLLM's sharding rules read it)")
     scatters, cache = [], {}
     for plan, layer_idx in zip(plans, layer_ids):
         if id(plan) not in cache:
@@ -222,51 +298,104 @@ def transfer_plan(
         raise ValueError(
             f"plans: expected one number of routed experts in every layer, got {sorted(experts)}"
         )
-    bounds = chunk_bounds(experts.pop() if experts else 0, n_senders)
-    splits = [{layer_prefix(i) + e.name: chunk_bounds(e.shape[0], n_senders) for e in split_entries(p)}
-              for p, i in zip(plans, layer_ids)]  # fmt: skip
-    owners = _owners(plans, layer_ids, scatters, splits, n_senders)
+    bounds = chunk_bounds(experts.pop() if experts else 0, n)
+    if n == 1:
+        splits: list[dict] = [{} for _ in plans]
+        owners = [{layer_prefix(i) + e.name: 0 for e in p.entries} for p, i in zip(plans, layer_ids)]
+    else:
+        splits = [
+            {layer_prefix(i) + e.name: chunk_bounds(e.shape[0], n) for e in split_entries(p)}
+            for p, i in zip(plans, layer_ids)
+        ]
+        owners = _owners(plans, layer_ids, scatters, splits, n)
     local_cache: dict[tuple, LayerPlan] = {}
     layers = []
     for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
-        scatter, split = scatters[pos], splits[pos]
-        prefix = layer_prefix(layer_idx)
+        scatter, split, prefix = scatters[pos], splits[pos], layer_prefix(layer_idx)
+        cls_groups = tuple(
+            tuple(sorted((senders[0], *ranks))) if n == 1 and groups and len(ranks) > 1 else None
+            for ranks in scatter.classes
+        )
         segments, recv_nbytes = [], []
         for k, pack in enumerate(scatter.packs):
             recv = 0
-            for t in range(n_senders):
-                pieces, off = [], 0
-                for p in pack.pieces:
-                    if p.name in split:
-                        piece = _row_piece(p, split[p.name][t], off)
-                    elif owners[pos][p.name] == t:
-                        piece = dataclasses.replace(p, offset=off)
-                    else:
-                        piece = None
-                    if piece is not None:
-                        pieces.append(piece)
-                        off = align(off + piece.nbytes)
+            for t in range(n):
+                if n == 1:
+                    pieces, off = list(pack.pieces), pack.data_nbytes
+                else:
+                    pieces, off = _sender_pieces(pack, split, owners[pos], t)
                 if pieces:
-                    seg = Segment(tuple(pieces), off + CHECKSUM_BYTES, sender=t, cls=k, recv_offset=recv)
-                    segments.append(seg)
+                    direct = n == 1 and _is_plan_layout(pack, plan)
+                    segments.append(
+                        Segment(
+                            tuple(pieces),
+                            off + CHECKSUM_BYTES,
+                            sender=t,
+                            cls=k,
+                            recv_offset=recv,
+                            direct=direct,
+                        )
+                    )
                     recv = align(recv + off + CHECKSUM_BYTES)
             recv_nbytes.append(recv)
-        send_nbytes = [0] * n_senders
+        send_nbytes = [0] * n
         placed = []
         for s in segments:  # class order within each sender
+            if s.direct:
+                placed.append(s)
+                continue
             placed.append(dataclasses.replace(s, send_offset=send_nbytes[s.sender]))
             send_nbytes[s.sender] = align(send_nbytes[s.sender] + s.nbytes)
         local_plans = []
-        for t in range(n_senders):
-            owned = frozenset(n[len(prefix) :] for n, o in owners[pos].items() if o == t)
-            rows = tuple((n[len(prefix) :], b[t][1] - b[t][0]) for n, b in split.items())
-            key = (id(plan), rows, owned)
+        for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
+            key = (id(plan), tuple(b[t] for b in split.values()),
+                   frozenset(name[len(prefix) :] for name, o in owners[pos].items() if o == t))  # fmt: skip
             if key not in local_cache:
-                local_cache[key] = _local_plan(config, plan, dict(rows), owned)
+                local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t)
             local_plans.append(local_cache[key])
-        layers.append(LayerRoutes(layer_idx, scatter.classes, tuple(placed), split, owners[pos],
-                                  tuple(local_plans), tuple(send_nbytes), tuple(recv_nbytes)))  # fmt: skip
+        layers.append(
+            LayerRoutes(
+                layer_idx,
+                scatter.classes,
+                cls_groups,
+                tuple(placed),
+                split,
+                owners[pos],
+                tuple(local_plans),
+                tuple(send_nbytes),
+                tuple(recv_nbytes),
+            )
+        )
     return TransferPlan(senders, engines, bounds, tuple(layers))
+
+
+def _is_plan_layout(pack: ShardPack, plan: LayerPlan) -> bool:
+    """The pack holds every entry whole where the plan puts it: the converted buffer is the region."""
+    return (
+        pack.data_nbytes == plan.nbytes
+        and all(
+            p.shard.kind == "replicated" and p.offset == e.offset and p.nbytes == e.nbytes
+            for p, e in zip(pack.pieces, plan.entries)
+        )
+        and len(pack.pieces) == len(plan.entries)
+    )
+
+
+def _sender_pieces(pack: ShardPack, split: Mapping, owners: Mapping[str, int], t: int) -> tuple[list, int]:
+    """Sender ``t``'s pieces of a class's region (its rows of split entries, the entries it owns),
+    laid out one after another; and their end."""
+    pieces, off = [], 0
+    for p in pack.pieces:
+        if p.name in split:
+            piece = _row_piece(p, split[p.name][t], off)
+        elif owners[p.name] == t:
+            piece = dataclasses.replace(p, offset=off)
+        else:
+            piece = None
+        if piece is not None:
+            pieces.append(piece)
+            off = align(off + piece.nbytes)
+    return pieces, off
 
 
 def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece | None:
@@ -280,7 +409,7 @@ def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece 
         start, stop = p.shard.parts[0]
         shard = _WHOLE
     else:
-        start, stop = 0, p.shape[0]  # the class holds every row, cut along another dim
+        start, stop = 0, p.shape[0]  # the class holds every row (cut along another dim, or whole)
         shard = p.shard
     a, b = max(start, lo), min(stop, hi)
     if a >= b:
@@ -294,7 +423,7 @@ def _renamed(scatter, old: str, new: str):
     packs = tuple(
         dataclasses.replace(
             pk, pieces=tuple(dataclasses.replace(p, name=new + p.name[len(old) :]) for p in pk.pieces)
-        )  # fmt: skip
+        )
         for pk in scatter.packs
     )
     return dataclasses.replace(scatter, packs=packs)
@@ -330,19 +459,21 @@ def _owners(plans, layer_ids, scatters, splits, n_senders: int) -> list[dict[str
     return owners
 
 
-def _local_plan(
-    config: Mapping, plan: LayerPlan, rows: Mapping[str, int], owned: frozenset[str]
+def sender_plan(
+    plan: LayerPlan,
+    prefix: str,
+    splits: Mapping[str, Sequence[tuple[int, int]]],
+    owners: Mapping[str, int],
+    t: int,
 ) -> LayerPlan:
-    """What one sender converts of a layer: its ``rows[name]`` rows of every split entry (short
-    names; an expert stack with its scale) and the entries it owns, laid out afresh."""
-    split = {e.name: e for e in split_entries(plan)}
-    src_rows = {s: rows[name] for name, e in split.items() for s in e.sources}
-    inputs = {k: ((src_rows[k], *shape[1:]) if k in src_rows else shape, dtype)
-              for k, (shape, dtype) in plan.inputs.items()}  # fmt: skip
-    local = build_plan(config["model_type"], inputs, target=plan.target, quantize=plan.quantize,
-                       scale_fmt=plan.scale_fmt) if src_rows else plan  # fmt: skip
-    keep = set(owned) | {name for name in split if rows[name]}
-    return local.subset(keep)
+    """What sender ``t`` converts of a layer of ``plan`` (in any trainer layout, see
+    ``glm_fp8.plan.adapt_plan``): its rows of every split entry (an expert stack with its scale)
+    and the entries it owns, laid out afresh; the plan itself when it owns everything."""
+    owned = {name[len(prefix) :] for name, o in owners.items() if o == t}
+    if not splits and len(owned) == len(plan.entries):
+        return plan
+    rows = {name[len(prefix) :]: b[t] for name, b in splits.items() if b[t][1] > b[t][0]}
+    return plan.with_rows(rows).subset(owned | set(rows))
 
 
 def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
@@ -352,19 +483,24 @@ def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
     order = sorted(range(len(tp.senders)), key=lambda t: (-sent[t], t))[:top]
     for t in order:
         owned = sum(1 for lay in tp.layers for o in lay.owners.values() if o == t)
-        msgs = sum(len(lay.classes[s.cls]) for lay in tp.layers for s in lay.of_sender(t))
+        msgs = sum(
+            1 if lay.groups[s.cls] else len(lay.classes[s.cls]) for lay in tp.layers for s in lay.of_sender(t)
+        )
         local, send = tp.sender_buffers(t)
         lo, hi = tp.bounds[t] if tp.bounds else (0, 0)
         yield [tp.senders[t], f"{lo}..{hi - 1}" if hi > lo else "-", owned, sent[t], msgs, local, send]
 
 
 __all__ = [
+    "FULL",
     "LayerRoutes",
+    "SPLIT_MIN_BYTES",
     "Segment",
     "TransferPlan",
-    "SPLIT_MIN_BYTES",
+    "check_engines",
     "chunk_bounds",
     "describe",
+    "sender_plan",
     "split_entries",
     "stack_entries",
     "transfer_plan",

@@ -14,14 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from glm_fp8.config import as_config
 from glm_fp8.engine.layout import MTP_OWN, EngineLayout, Shard, _Rules, split_name
-from glm_fp8.models import layer_kind, mtp_layer_index, skip_topk_layers
+from glm_fp8.models import float32_entries, layer_kind, mtp_layer_index, skip_topk_layers
 from glm_fp8.plan import layer_prefix, plan_from_config
 
-# Entries vLLM builds in float32 whatever the model dtype (docs/layouts.md#names-dtypes-shards-glm-5).
-_FLOAT32 = frozenset({"self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
-                      "mlp.gate.e_score_correction_bias"})  # fmt: skip
-_FLOAT32_GLM4 = _FLOAT32 | {"mlp.gate.weight"}  # glm4_moe.py: GateLinear(params_dtype=torch.float32)
 # Families whose vLLM 0.34 modules the shard rules were read from (engine/layout.py).
 ENGINE_FAMILIES = frozenset({"glm_moe_dsa", "glm4_moe"})
 
@@ -39,7 +36,7 @@ class EngineParam:
     shard: Shard
 
 
-def engine_name(kernel_name: str, config: Mapping | None = None) -> str:
+def engine_name(kernel_name: str, config: object = None) -> str:
     """vLLM 0.34's name for one of our kernel-format entries: routed experts one level deeper
     (``mlp.experts.w13_weight`` -> ``mlp.experts.routed_experts.w13_weight``) and, given the
     ``config``, the MTP layer's decoder entries under ``mtp_block.`` (``model.layers.78.self_attn.
@@ -50,20 +47,23 @@ def engine_name(kernel_name: str, config: Mapping | None = None) -> str:
         return kernel_name
     if short.startswith("mlp.experts."):
         short = "mlp.experts.routed_experts." + short[len("mlp.experts.") :]
-    mtp = config is not None and idx == mtp_layer_index(config)
+    mtp = config is not None and idx == mtp_layer_index(as_config(config))
     if mtp and short not in MTP_OWN:
         short = "mtp_block." + short
     return layer_prefix(idx) + short
 
 
 def engine_dtype(
-    name: str, config: Mapping, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
+    name: str, config: object, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
 ) -> torch.dtype:
     """The dtype vLLM 0.34 builds ``name`` (kernel-format or vLLM name) in: float8_e4m3fn for a
     block-FP8 weight, float32 for its ``_scale_inv`` and for ``indexer.k_norm.*``,
-    ``mlp.gate.e_score_correction_bias`` (and GLM-4.5's ``mlp.gate.weight``), else the model
-    ``dtype`` (``eh_proj``, norms, router, embeddings and ``lm_head`` are never fp8)."""
-    return _dtype(name, config, _Rules(config, EngineLayout(), quantize).table, dtype)
+    ``mlp.gate.e_score_correction_bias`` (and GLM-4.5's ``mlp.gate.weight``:
+    ``glm_fp8.models.float32_entries``), else the model ``dtype`` (``eh_proj``, norms, router,
+    embeddings and ``lm_head`` are never fp8). Plans from a config write passthrough entries in
+    these dtypes."""
+    c = as_config(config)
+    return _dtype(name, c, _Rules(c, EngineLayout(), quantize).table, dtype)
 
 
 def _dtype(name: str, config: Mapping, table: Mapping[str, tuple[tuple[int, ...], bool]], dtype: torch.dtype):
@@ -72,47 +72,40 @@ def _dtype(name: str, config: Mapping, table: Mapping[str, tuple[tuple[int, ...]
         raise ValueError(f"{name}: not a parameter of a {config.get('model_type')} engine")
     if short.endswith("_scale_inv"):
         return torch.float32
-    if short in (_FLOAT32_GLM4 if config.get("model_type") == "glm4_moe" else _FLOAT32):
+    if short in float32_entries(config["model_type"]):
         return torch.float32
     return torch.float8_e4m3fn if table[short][1] else dtype
 
 
-def _check_config(config: Mapping) -> None:
-    for key in ("model_type", "vocab_size", "num_hidden_layers", "hidden_size"):
-        if key not in config:
-            raise ValueError(f"config.{key}: required for the engine's parameters (e.g. vocab_size 154880 "
-                             "for GLM-5)")  # fmt: skip
-    if config.get("tie_word_embeddings", False):
+def _check_config(config: object) -> Mapping:
+    c = as_config(config)
+    if "vocab_size" not in c:
+        raise ValueError("config.vocab_size: required for the engine's parameters (e.g. 154880 for GLM-5)")
+    if c.get("tie_word_embeddings"):
         raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
                          "its own ParallelLMHead in vLLM 0.34)")  # fmt: skip
-    if config["model_type"] not in ENGINE_FAMILIES:
+    if c["model_type"] not in ENGINE_FAMILIES:
         raise ValueError(f"config.model_type: the engine's parameters are modelled for "
                          f"{sorted(ENGINE_FAMILIES)} only (docs/layouts.md#engine-side-vllm-034), got "
-                         f"{config['model_type']!r}")  # fmt: skip
-    if config.get("moe_layer_freq", 1) != 1:
-        raise ValueError(f"config.moe_layer_freq: only 1 is supported, got {config['moe_layer_freq']!r}")
-    if config["model_type"] == "glm_moe_dsa":
-        if config.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError(
-                "config.topk_method: vLLM builds mlp.gate.e_score_correction_bias only for 'noaux_tc', "
-                f"which glm_fp8's plans assume; got {config['topk_method']!r}"
-            )
-    skip_topk_layers(config)  # the indexer schedule: refused when it is invalid or read two ways
+                         f"{c['model_type']!r}")  # fmt: skip
+    skip_topk_layers(c)  # the indexer schedule: refused when it is read two ways
+    return c
 
 
 def engine_params(
-    config: Mapping, layout: EngineLayout, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
+    config: object, layout: EngineLayout, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
 ) -> dict[str, EngineParam]:
     """Every parameter a vLLM 0.34 worker at ``layout`` holds for the model (target model then
     the MTP drafter), keyed by vLLM name: ``model.embed_tokens.weight``, each decoder layer's
     entries (in plan order), ``model.norm.weight``, ``lm_head.weight``, then the MTP layer
     (``num_nextn_predict_layers`` 1): ``mtp_block.<sparse-layer names>``, then ``enorm``,
-    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and ``shared_head.head``. The drafter's
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and ``shared_head.head``; the routing bias only
+    with ``topk_method`` "noaux_tc" (``glm_fp8.models.has_routing_bias``). The drafter's
     ``embed_tokens`` is the target's (aliased), so it is listed once; ``shared_head.head`` is
     listed, though a running engine makes it the target's ``lm_head`` too (docs/vllm.md).
     Raises ValueError where vLLM would refuse the layout or glm_fp8 does not support it (see
     ``shard_for``)."""
-    _check_config(config)
+    config = _check_config(config)
     rules = _Rules(config, layout, quantize)
     mtp = mtp_layer_index(config)
     out: dict[str, EngineParam] = {}
@@ -146,7 +139,7 @@ def engine_params(
 
 
 def engine_param_specs(
-    config: Mapping, layout: EngineLayout, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
+    config: object, layout: EngineLayout, *, dtype: torch.dtype = torch.bfloat16, quantize: bool = True
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{vLLM name: (rank's shape, dtype)} of every parameter a vLLM 0.34 worker at ``layout`` holds
     for the model before its post-load step (``engine_params`` without the shard details)."""

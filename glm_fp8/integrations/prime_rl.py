@@ -7,8 +7,18 @@ from collections.abc import Mapping
 
 import torch
 
+from glm_fp8.config import as_config
 from glm_fp8.convert import convert_layer
-from glm_fp8.plan import LayerPlan, check_schedule, plan_from_state_dict, strip_layer
+from glm_fp8.models import layer_kind
+from glm_fp8.plan import (
+    LayerPlan,
+    check_schedule,
+    layer_prefix,
+    plan_from_state_dict,
+    strip_layer,
+    unsent_keys,
+    warn_unsent,
+)
 
 _PLANS: dict[tuple, LayerPlan] = {}
 
@@ -18,7 +28,7 @@ def convert_tt_layer_to_vllm_kernel(
     layer_idx: int,
     quantize_fp8: bool = True,
     *,
-    config: Mapping | None = None,
+    config: object = None,
 ) -> OrderedDict[str, torch.Tensor]:
     """prime-rl's signature: one trainer layer in kernel format, as views into one buffer.
 
@@ -26,14 +36,21 @@ def convert_tt_layer_to_vllm_kernel(
     (``glm_fp8.reference.convert_layer_ref``). Plans are cached per layer shape. The buffer is
     allocated per call; use ``glm_fp8.convert.convert_layer(..., out=slot)`` to reuse one.
 
-    The layer's entries follow its tensors: a layer without ``self_attn.indexer.*`` (an
-    IndexShare "shared" layer) gets no indexer entries. Given the model ``config`` (a Hugging
-    Face config as a mapping), a layer whose indexer disagrees with the config's schedule is
-    refused (KeyError naming the layer's key) before anything is written.
+    The layer's entries follow its tensors (any trainer layout; passthrough entries in the
+    tensors' dtypes): a layer without ``self_attn.indexer.*`` (an IndexShare "shared" layer)
+    gets no indexer entries. Given the model ``config`` (anything ``glm_fp8.config.as_config``
+    takes), tensors the engine has no parameter for (indexer tensors on a layer the schedule
+    shares, a routing bias without ``topk_method`` "noaux_tc") are left out, said once per
+    process, and a full layer without its indexer is refused (KeyError naming the layer's key)
+    before anything is written.
     """
     layer = strip_layer(state_dict, layer_idx)
     if config is not None:
-        check_schedule(config, layer_idx, layer)
+        c = as_config(config)
+        unsent = unsent_keys(layer_kind(c, layer_idx), layer)
+        warn_unsent(unsent, layer_prefix(layer_idx))
+        layer = {k: t for k, t in layer.items() if k not in unsent}
+        check_schedule(c, layer_idx, layer)
     key = (quantize_fp8, tuple(sorted((k, tuple(t.shape), t.dtype) for k, t in layer.items())))
     plan = _PLANS.get(key)
     if plan is None:

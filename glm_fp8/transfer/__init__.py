@@ -1,12 +1,12 @@
-"""Weight updates on the wire: the format (``wire``), what both ends share (``endpoint``), the
-sending trainer rank (``sender``), the receiving engine rank (``receiver``) and the collection
-of sharded trainer weights (``gather``)."""
+"""Weight updates on the wire: the format (``wire``), the link it travels on (``link``), what
+every rank shares (``endpoint``), the sending trainer ranks (``sender``), the receiving engine ranks
+(``receiver``, landing in ``land``) and the collection of sharded trainer weights (``gather``)."""
 
 from glm_fp8.transfer.gather import contribute_shards
+from glm_fp8.transfer.link import HostSinkComm, Link, ObjectLink, StoreLink, TorchLink, as_link
 from glm_fp8.transfer.receiver import Receiver
 from glm_fp8.transfer.sender import Broadcaster
 from glm_fp8.transfer.wire import (
-    HostSinkComm,
     LayerOrderError,
     ManifestMismatch,
     ReceiverRefused,
@@ -17,9 +17,14 @@ __all__ = [
     "Broadcaster",
     "HostSinkComm",
     "LayerOrderError",
+    "Link",
     "ManifestMismatch",
+    "ObjectLink",
     "Receiver",
     "ReceiverRefused",
+    "StoreLink",
+    "TorchLink",
     "UpdateAborted",
+    "as_link",
     "contribute_shards",
 ]

@@ -1,26 +1,35 @@
-"""What a sender and a receiver share: the link, the update's layers and their plans, the
-device, the ring of layer buffers and the votes."""
+"""What every rank of an update shares (``Broadcaster`` and ``Receiver`` both are an ``Endpoint``):
+the link, the update's layers and plans, the transfer plan, the device, the rings, the manifest
+vote and the step votes (protocol: ``glm_fp8.transfer.wire``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import ctypes
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.routes import TransferPlan, transfer_plan
+from glm_fp8.engine.pack import ShardPack
+from glm_fp8.engine.routes import FULL, TransferPlan, transfer_plan
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
-from glm_fp8.transfer.scatter import Scatter
+from glm_fp8.transfer.link import as_link
 from glm_fp8.transfer.wire import (
     COMPLETE,
     DATA,
-    Comm,
-    checksum_scratch,
+    MAGIC,
+    PROTOCOL_VERSION,
+    REFUSED_PRELUDE,
+    ManifestMismatch,
+    UpdateAborted,
+    describe_refusal,
+    encode_manifest,
     header_words,
-    is_process_group,
     manifest_of,
+    message_checksum,
+    refusal_code,
 )
 
 MODES = ("fp8", "bf16")
@@ -45,35 +54,90 @@ class UpdateStats:
 
 
 class Ring:
-    """Preallocated layer buffers; a slot is reused only once its last broadcast finished."""
+    """Buffers of ``nbytes``, each allocated on its first use and kept until ``release``; a slot
+    is reused only once the work last queued on it finished (``free[i]``, recorded by whoever used
+    it last). An update of one layer allocates one slot."""
 
     def __init__(self, size: int, nbytes: int, device: torch.device):
         if size < 1:
             raise ValueError(f"ring: expected at least 1 slot, got {size}")
-        self.slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(size)]
-        cuda = device.type == "cuda"
-        self.free = [torch.cuda.Event() if cuda else None for _ in range(size)]
+        self.size, self.nbytes, self.device = size, nbytes, device
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.free = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(size)]
         self.used = [False] * size
-        self.scratch = checksum_scratch(nbytes, device)
 
-    def slot(self, k: int, nbytes: int) -> tuple[torch.Tensor, object]:
-        i = k % len(self.slots)
-        return self.slots[i][:nbytes], i
+    def slot(self, pos: int) -> tuple[torch.Tensor, int]:
+        i = pos % self.size
+        if self.slots[i] is None:
+            self.slots[i] = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return self.slots[i], i
+
+    def wait_free(self, i: int, stream: torch.cuda.Stream | None) -> None:
+        """Order ``stream`` after the last use of slot ``i``."""
+        if self.used[i] and self.free[i] is not None:
+            stream.wait_event(self.free[i])
+
+    def release(self, i: int, stream: torch.cuda.Stream | None) -> None:
+        """Slot ``i`` is free once what ``stream`` queued so far is done."""
+        if self.free[i] is not None:
+            self.free[i].record(stream)
+        self.used[i] = True
+
+    def drop(self) -> None:
+        """Give every buffer back (after the work queued on them finished); the next use allocates."""
+        for event in self.free:
+            if event is not None:
+                event.synchronize()
+        self.slots = [None] * self.size
+        self.used = [False] * self.size
+
+
+class StepVotes:
+    """The votes of a pipelined update, read one step late: a step's vote is queued on the link's
+    stream behind its messages and copied to host memory there, and the host reads it only after
+    it queued the next step, so the link always has a layer to carry (a host read waits for that
+    vote's copy only). Two in flight at most: step k's vote is read before step k + 2 is queued."""
+
+    def __init__(self, endpoint: Endpoint, device: torch.device):
+        cuda = device.type == "cuda"
+        self.endpoint = endpoint  # its link, read at each vote
+        self.votes = torch.zeros(2, dtype=torch.int64, device=device)
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+    def post(self, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
+        """Queue step ``step``'s vote on the current stream: ``code`` (0: fine), raised to ``c`` for
+        each ``(flag, c)`` whose device boolean ``flag`` is set (a check decided on the device),
+        all-reduced MAX over the link."""
+        i = step % 2
+        buf = self.votes[i : i + 1]
+        buf.fill_(max(0, code))
+        for flag, c in flags:
+            torch.maximum(buf, flag.reshape(1).to(torch.int64) * c, out=buf)
+        self.endpoint.link.all_reduce_max(buf)
+        self.host[i : i + 1].copy_(buf, non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+
+    def read(self, step: int) -> int:
+        """Every rank's maximum at step ``step`` (waits for that vote only)."""
+        i = step % 2
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return int(self.host[i])
 
 
 class Endpoint:
     """The shared setup of ``Broadcaster`` and ``Receiver``.
 
-    ``layer_ids`` (default: every decoder layer of the model; ``glm_fp8.plan.model_layer_ids``
-    adds the MTP layer) are the layers of this update in order, then ``REST`` (-1: the
-    embeddings, final norm and lm_head, which travel last) when ``rest`` is true; ``plans[k]``
-    is the plan of ``layer_ids[k]``. ``engines`` (scatter mode, ``glm_fp8.transfer.scatter``):
-    the ``EngineLayout`` of every rank of the link, None at the sender's; each engine rank then
-    receives only its shard. ``senders`` (many senders, ``glm_fp8.engine.routes``): the link
-    ranks of every trainer rank, in the order of their expert chunks (``engines`` None at each);
-    each sends its own experts' share to the engine ranks that hold them, ``src`` leads the
-    steps. Both sides build the manifest from them (``glm_fp8.transfer.wire.manifest_of``).
-    ``link_stream`` is the stream the link's collectives run on (None on the CPU).
+    ``layer_ids`` (default: every decoder layer; ``glm_fp8.plan.model_layer_ids`` adds the MTP
+    layer) are the update's layers in order, then ``REST`` (-1: the embeddings, final norm and
+    lm_head, which travel last) when ``rest``; ``plans[k]`` is the plan of ``layer_ids[k]``.
+    ``senders``: the link ranks that send (default ``[src]``: one sender); ``engines``: one entry per
+    link rank, None at each sender, else the rank's ``EngineLayout`` (it receives only its shard)
+    or ``"full"`` (every entry whole); default: every other rank "full" (a full broadcast). Both
+    make the transfer plan (``glm_fp8.engine.routes``), which every rank builds alike and agrees on
+    at the manifest vote. ``link_stream`` is the stream the link's work runs on (None on the CPU).
     """
 
     link_stream: torch.cuda.Stream | None = None
@@ -91,8 +155,9 @@ class Endpoint:
         device: torch.device | str | None,
         rest: bool = False,
         scale_fmt: str | None = None,
-        engines: Sequence[EngineLayout | None] | None = None,
+        engines: Sequence[EngineLayout | str | None] | None = None,
         senders: Sequence[int] | None = None,
+        checksum: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -100,7 +165,34 @@ class Endpoint:
             raise ValueError("config / plans: pass exactly one of them")
         if scale_fmt not in (None, *SCALE_FMTS):
             raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
-        self.comm, self.src, self.mode = Comm(comm), src, mode
+        self.src, self.mode, self.checksum = int(src), mode, bool(checksum)
+        self.config = dict(config) if config is not None else None
+        self._layers(plans, layer_ids, rest, scale_fmt)
+        self.device = resolve_device(device) if device else default_device()
+        self.link = as_link(comm)
+        self.rank = self.link.rank
+        senders = [self.src] if senders is None else [int(s) for s in senders]
+        if self.src not in senders:
+            raise ValueError(f"src: expected one of the senders {senders} (it leads), got {self.src}")
+        if engines is None:
+            engines = [None if r in senders else FULL for r in range(self.link.size)]
+        elif len(engines) != self.link.size:
+            raise ValueError(
+                f"engines: expected one entry per rank of the link ({self.link.size}), got {len(engines)}"
+            )
+        if mode != "fp8" and (len(senders) > 1 or any(e not in (None, FULL) for e in engines)):
+            raise ValueError("mode: engine layouts and many senders need mode='fp8'")
+        self.routes: TransferPlan = transfer_plan(
+            self.config, self.plans, self.layer_ids, engines, senders, groups=self.link.groups_supported
+        )
+        self.senders = self.routes.senders
+        self.step_votes = StepVotes(self, self.device)
+        self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._headers = self.header_table()
+        self._payload: bytes | None = None
+
+    def _layers(self, plans, layer_ids, rest: bool, scale_fmt: str | None) -> None:
+        config = self.config
         if plans is not None:
             if rest:
                 raise ValueError("rest: needs config= (the non-layer tensors' plan is built from it)")
@@ -108,11 +200,10 @@ class Endpoint:
                 raise ValueError(
                     "scale_fmt: with plans=, the plans' own scale_fmt is used; pass config= instead"
                 )
-            known = list(range(len(plans)))
+            known, mtp = list(range(len(plans))), None
         else:
-            known = list(range(config["num_hidden_layers"]))
             mtp = mtp_layer_index(config)
-            known += [mtp] if mtp is not None else []
+            known = list(range(config["num_hidden_layers"])) + ([mtp] if mtp is not None else [])
         if layer_ids is None:
             self.layer_ids = list(range(len(plans) if plans is not None else config["num_hidden_layers"]))
         else:
@@ -121,7 +212,7 @@ class Endpoint:
             if bad:
                 raise ValueError(
                     f"layer_ids: layer {bad[0]} is not a layer of the model ({known[0]}..{known[-1]}"
-                    f"{', the last the MTP layer' if plans is None and mtp is not None else ''})"
+                    f"{', the last the MTP layer' if mtp is not None else ''})"
                 )
             if len(set(self.layer_ids)) != len(self.layer_ids):
                 raise ValueError(f"layer_ids: expected distinct layers, got {self.layer_ids}")
@@ -133,119 +224,158 @@ class Endpoint:
         if plans is not None:
             self.plans = [plans[i] for i in self.layer_ids]
         else:
-            self.plans = plans_for_model(config, mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
-        self.device = resolve_device(device) if device else default_device()
-        self.link_rank = link_rank(comm)
-        self.scatter: Scatter | None = None
-        self.routes: TransferPlan | None = None
-        self.trainer_group = None
-        if senders is not None:
-            if engines is None or config is None or mode != "fp8":
-                raise ValueError("senders: many senders need engines=, config= and mode='fp8'")
-            if src not in senders:
-                raise ValueError(f"src: expected one of the senders {list(senders)} (it leads), got {src}")
-            self.routes = transfer_plan(config, self.plans, self.layer_ids, engines, senders)
-            self.trainer_group = _trainer_group(comm, self.routes.senders)
-        elif engines is not None:
-            if config is None or mode != "fp8":
-                raise ValueError("engines: scatter mode needs config= and mode='fp8'")
-            self.scatter = Scatter(comm, src, config, self.plans, self.layer_ids, engines)
-        self.ring = Ring(ring, self._slot_nbytes(), self.device)
-        self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.plans = plans_for_model(config, self.mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
 
-    def _slot_nbytes(self) -> int:
-        """The ring's slot size: the largest layer buffer."""
-        return max(p.nbytes for p in self.plans)
+    def release(self) -> None:
+        """Give the ring buffers back once the work queued on them finished (between updates: the
+        next update allocates them again; plans and groups are kept)."""
+        for ring in (
+            getattr(self, "ring", None),
+            getattr(self, "conv_ring", None),
+            getattr(self, "send_ring", None),
+        ):
+            if ring is not None:
+                ring.drop()
 
-    def wire_nbytes(self, pos: int) -> int:
-        """The bytes the sender sends for the layer at ``pos`` (its header's byte count; with many
-        senders, every segment of the layer once)."""
-        if self.routes is not None:
-            return self.routes.layers[pos].wire_nbytes
-        return self.scatter.layers[pos].nbytes if self.scatter is not None else self.plans[pos].nbytes
+    # --- what every rank agrees on ----------------------------------------------------------------
 
-    def manifest(self, checksum: bool) -> dict:
-        m = manifest_of(self.plans, self.layer_ids, self.mode, checksum)
-        if self.scatter is not None:
-            m["scatter"] = self.scatter.manifest()
-        if self.routes is not None:
-            m["senders"] = self.routes.manifest()
+    def manifest(self) -> dict:
+        m = manifest_of(self.plans, self.layer_ids, self.mode, self.checksum)
+        m["plan"] = self.routes.manifest()
         return m
 
+    def payload(self) -> bytes:
+        """The manifest as sent: the same for every update of this endpoint, built once."""
+        if self._payload is None:
+            self._payload = encode_manifest(self.manifest())
+        return self._payload
+
     def header_table(self) -> torch.Tensor:
-        """int64 [steps + 1, HEADER_WORDS] on the device: every step's header (many senders), the
-        announced layers' DATA headers and the last, COMPLETE. The leader sends its rows, the
-        engine ranks compare what arrives with theirs, both without a host round trip."""
-        rows = [header_words(DATA, i, pos, self.wire_nbytes(pos)) for pos, i in enumerate(self.layer_ids)]
+        """int64 [steps + 1, 8] on the device: every step's header (the announced layers' DATA
+        headers, then COMPLETE); the leader sends its rows, the others compare what arrives with
+        theirs, with no host round trip."""
+        rows = [
+            header_words(DATA, i, pos, lay.wire_nbytes)
+            for pos, (i, lay) in enumerate(zip(self.layer_ids, self.routes.layers))
+        ]
         rows.append(header_words(COMPLETE, -1, len(self.plans)))
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
     def vote(self, code: int) -> int:
-        """Contribute ``code`` (0: fine; never negative) to an all-reduce MAX on the link and
-        return every rank's maximum (a host read)."""
-        with on_stream(self.link_stream):
-            self.vote_buf.fill_(max(0, code))
-            self.comm.all_reduce_max(self.vote_buf)
-            return int(self.vote_buf.item())
+        """Contribute ``code`` (0: fine; never negative) to an all-reduce MAX on the link and return
+        every rank's maximum (a host read)."""
+        try:
+            with on_stream(self.link_stream):
+                self.vote_buf.fill_(max(0, code))
+                self.link.all_reduce_max(self.vote_buf)
+                return int(self.vote_buf.item())
+        except Exception as exc:
+            raise UpdateAborted(f"the link failed during a vote: {exc}") from exc
+
+    def settle(self, refused: Exception | None, reason: int, context: str) -> None:
+        """One vote: this rank refuses for ``reason`` when ``refused`` holds its error (then raises
+        it); raises ``UpdateAborted`` naming another rank's refusal; returns when all voted 0."""
+        verdict = self.vote(refusal_code(reason, self.rank) if refused is not None else 0)
+        if refused is not None:
+            raise refused
+        if verdict:
+            raise UpdateAborted(f"{describe_refusal(verdict)}{context}")
+
+    def agree(self, check: Callable[[bytes], tuple[Exception | None, int]], max_bytes: int) -> None:
+        """The prelude and the manifest from the leader, each followed by a vote; ``check(payload)``
+        returns this rank's refusal of the leader's manifest (``(None, 0)`` when it agrees; the
+        leader's returns its own problems). Nothing is allocated from an announced length before it
+        was checked. Then every rank makes the plan's groups: no group exists before every rank
+        agreed on the plan, so no rank can wait in a group another will not make."""
+        ours = self.payload()
+        leader = self.rank == self.src
+        try:
+            with on_stream(self.link_stream):
+                prelude = torch.tensor([MAGIC, PROTOCOL_VERSION, len(ours), 0], dtype=torch.int64)
+                prelude = (
+                    prelude.to(self.device)
+                    if leader
+                    else torch.zeros(4, dtype=torch.int64, device=self.device)
+                )
+                self.link.broadcast(prelude, self.src)
+                magic, version, n, _ = prelude.tolist()
+        except Exception as exc:
+            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+        refused = None
+        if magic != MAGIC or version != PROTOCOL_VERSION:
+            refused = ManifestMismatch(
+                f"manifest prelude: expected magic {MAGIC:#x} and version {PROTOCOL_VERSION}, got {magic:#x} "
+                f"and {version} (a sender of another glm_fp8 version, or not glm_fp8)"
+            )
+        elif not 0 < n <= max_bytes:
+            refused = ManifestMismatch(
+                f"manifest length: expected 1 to {max_bytes} bytes (max_manifest_bytes), got {n}"
+            )
+        self._settle_manifest(refused, REFUSED_PRELUDE)
+        try:
+            with on_stream(self.link_stream):
+                data = (
+                    torch.frombuffer(bytearray(ours), dtype=torch.uint8).to(self.device)
+                    if leader
+                    else torch.empty(n, dtype=torch.uint8, device=self.device)
+                )
+                self.link.broadcast(data, self.src)
+                got = ours if leader else _bytes_of(data)
+        except Exception as exc:
+            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+        self._settle_manifest(*check(got))
+        self.link.make_groups(self.routes.groups())
+
+    def _settle_manifest(self, refused: Exception | None, reason: int) -> None:
+        verdict = self.vote(refusal_code(reason, self.rank) if refused is not None else 0)
+        if refused is not None:
+            raise refused
+        if verdict:
+            error = ManifestMismatch if self.rank in self.senders else UpdateAborted
+            raise error(f"{describe_refusal(verdict)}; nothing was sent")
+
+    # --- segments ---------------------------------------------------------------------------------
+
+    def segment_checksums_bad(
+        self, buf: torch.Tensor, segments: Sequence[ShardPack], scratch
+    ) -> torch.Tensor | None:
+        """A device boolean: some segment's checksum differs from its word (None: none to check)."""
+        bad = [
+            message_checksum(buf[s.recv_offset : s.recv_offset + s.data_nbytes], scratch)
+            != s.checksum_word(buf[s.recv_offset : s.recv_offset + s.nbytes])
+            for s in segments
+        ]
+        return torch.stack(bad).any() if bad else None
 
 
-class StepVotes:
-    """The votes of a pipelined many-senders update, read one step late: a step's vote is queued
-    on the link stream behind its messages and copied to host memory there, and the host reads it
-    only after it queued the next step, so the link always has a layer to carry (a host read
-    waits for that vote's copy only, not for what was queued after it). Two in flight at most:
-    step k's vote must be read before step k + 2 is queued."""
-
-    def __init__(self, comm: Comm, device: torch.device):
-        cuda = device.type == "cuda"
-        self.comm = comm
-        self.votes = torch.zeros(2, dtype=torch.int64, device=device)
-        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-
-    def post(self, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
-        """Queue step ``step``'s vote on the current stream: ``code`` (0: fine), raised to ``c``
-        for each ``(flag, c)`` whose device boolean ``flag`` is set (a check decided on the
-        device: a checksum, a header, non-finite weights), all-reduced MAX over the link."""
-        i = step % 2
-        buf = self.votes[i : i + 1]
-        buf.fill_(max(0, code))
-        for flag, c in flags:
-            torch.maximum(buf, flag.reshape(1).to(torch.int64) * c, out=buf)
-        self.comm.all_reduce_max(buf)
-        self.host[i : i + 1].copy_(buf, non_blocking=True)
-        if self.events[i] is not None:
-            self.events[i].record()
-
-    def read(self, step: int) -> int:
-        """Every rank's maximum at step ``step`` (waits for that vote only)."""
-        i = step % 2
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        return int(self.host[i])
+def _bytes_of(data: torch.Tensor) -> bytes:
+    raw = data.cpu()
+    return ctypes.string_at(raw.data_ptr(), raw.numel()) if raw.numel() else b""
 
 
-def link_rank(comm: object | None) -> int:
-    """This process's rank on the link: the group's rank, a stand-in's ``rank``, else the global
-    rank (0 without torch.distributed)."""
-    import torch.distributed as dist
+def pack_segments(
+    segments: Sequence[ShardPack],
+    offsets: Sequence[int],
+    full: Mapping[str, torch.Tensor],
+    packed: torch.Tensor,
+    scratch: torch.Tensor,
+    starts: Mapping[str, int] | None = None,
+    checksum: bool = True,
+) -> None:
+    """Cut each of ``segments`` out of the entry views ``full`` (by prefixed name; ``starts``: see
+    ``ShardPack.pack_into``) into ``packed`` at ``offsets``, each followed by its checksum word."""
+    for seg, offset in zip(segments, offsets):
+        region = packed[offset : offset + seg.nbytes]
+        seg.pack_into(full, region, starts)
+        if checksum:
+            seg.checksum_word(region).copy_(message_checksum(region[: seg.data_nbytes], scratch))
 
-    if comm is not None and not is_process_group(comm) and isinstance(getattr(comm, "rank", None), int):
-        return comm.rank
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(comm) if comm is None or is_process_group(comm) else dist.get_rank()
 
-
-def _trainer_group(comm: object | None, senders: Sequence[int]):
-    """The senders' own process group (their step votes), created by every process of the
-    default group as ``torch.distributed.new_group`` requires; None for a stand-in link."""
-    import torch.distributed as dist
-
-    if not (comm is None or is_process_group(comm)) or not dist.is_initialized():
-        return None
-    glob = [r if comm is None else dist.get_global_rank(comm, r) for r in senders]
-    return dist.new_group(sorted(glob))
+def step_name(pos: int, layer_ids: Sequence[int]) -> str:
+    """How messages name step ``pos``: a layer, the non-layer tensors or the last step."""
+    if pos >= len(layer_ids):
+        return "after the last layer"
+    return "the non-layer tensors" if layer_ids[pos] == REST else f"layer {layer_ids[pos]}"
 
 
 def my_rank() -> int:

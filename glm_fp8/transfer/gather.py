@@ -15,9 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from glm_fp8.convert import check_finite_entries, check_layer, check_layer_keys, convert_layer
-from glm_fp8.engine.routes import LayerRoutes, chunk_bounds, split_entries, stack_entries
-from glm_fp8.plan import LayerPlan, layer_prefix, plans_for_model, strip_layer
+from glm_fp8.convert import check_finite_entries, check_layer, convert_layer
+from glm_fp8.engine.routes import chunk_bounds
+from glm_fp8.plan import (
+    LayerPlan,
+    adapt_plan,
+    layer_prefix,
+    plans_for_model,
+    strip_layer,
+    unsent_keys,
+    warn_unsent,
+)
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.transfer.endpoint import default_device, resolve_device
 
@@ -119,6 +127,34 @@ def move(piece: torch.Tensor | None, target: torch.Tensor | None, owner: int, ds
 GATHERS = ("auto", "full", "chunked", "quantize_then_gather")
 
 
+def trainer_view(
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], layer_idx: int
+) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
+    """``plan`` read in the trainer layout of ``layer`` (short names; ``glm_fp8.plan.adapt_plan``),
+    and ``layer`` without the tensors the engine has no parameter for (``unsent_keys``: said once).
+    Every trainer rank decides alike, so the gathers that follow pair up."""
+    prefix = layer_prefix(layer_idx)
+    unsent = unsent_keys(plan.kind, layer)
+    if unsent:
+        warn_unsent(unsent, prefix)
+        layer = {k: t for k, t in layer.items() if k not in unsent}
+    return adapt_plan(plan, layer, prefix=prefix), dict(layer)
+
+
+def travel_dtypes(plan: LayerPlan, gather_dtype: torch.dtype | None) -> dict[str, torch.dtype | None]:
+    """The dtype each source is cast to before it travels in a gather: ``gather_dtype`` for the
+    sources of quantized entries; a passthrough entry's own (wire) dtype for its sources, which
+    is the rounding its copy makes anyway (an fp32 routing bias travels as fp32, so it lands
+    exact). None: as held."""
+    if gather_dtype is None:
+        return {}
+    out: dict[str, torch.dtype | None] = {}
+    for e in plan.entries:
+        for s in e.sources:
+            out[s] = gather_dtype if e.op == "quantize" else e.dtype
+    return out
+
+
 def contribute_shards(
     layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
     *,
@@ -129,12 +165,14 @@ def contribute_shards(
     chunk_experts: int = 8,
     gather_dtype: torch.dtype | None = torch.bfloat16,
     device: torch.device | str | None = None,
+    layer_ids: Sequence[int] | None = None,
 ) -> None:
     """What every trainer rank except the sender runs, with the same arguments as the sender's
-    ``Broadcaster``: its part of each layer's DTensor gathers (collective over the mesh)."""
+    ``Broadcaster``: its part of each layer's DTensor gathers (collective over the mesh).
+    ``layer_ids``: the layers ``layers`` yields (default: every decoder layer of ``config``)."""
     if (config is None) == (plans is None):
         raise ValueError("config / plans: pass exactly one of them")
-    plans = list(plans) if plans is not None else plans_for_model(config)
+    plans = list(plans) if plans is not None else plans_for_model(config, layer_ids=layer_ids)
     dev = resolve_device(device) if device else default_device()
     for pos, (layer_idx, sd) in enumerate(layers):
         collect_layer(
@@ -155,10 +193,12 @@ def collect_layer(
     gather_dtype: torch.dtype | None,
     sender: int,
     device: torch.device,
-) -> None:
-    """Gather (if sharded) and convert one layer into ``buf`` on the sender (``buf`` given);
-    on the other trainer ranks only take part in the gathers. Every trainer rank calls it with
-    the same layer, so the collectives match.
+    check_finite: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Gather (if sharded) and convert one layer into ``buf`` on the sender (``buf`` given;
+    returns every entry's view by prefixed name); on the other trainer ranks only take part in the
+    gathers (returns {}). Every trainer rank calls it with the same layer, so the collectives
+    match. ``check_finite=False``: no host read; the caller checks ``buf`` (``entry_norms``).
 
     gather: "full" (``full_tensor()`` per tensor, as prime-rl), "chunked" (expert stacks
     ``chunk_experts`` at a time into a reusable buffer: the whole gathered stack never exists),
@@ -167,17 +207,19 @@ def collect_layer(
     """
     sending = buf is not None
     prefix = layer_prefix(layer_idx)
+    plan, layer = trainer_view(plan, layer, layer_idx)
+    travel = travel_dtypes(plan, gather_dtype)
     strategy = _choose_gather(plan, layer, gather, mode, prefix)
     if strategy == "full":
-        gathered = {k: full_value(t, gather_dtype) for k, t in layer.items()}
-        if sending:
-            gathered = {k: t.to(device) for k, t in gathered.items()}
-            # The finite check covers every entry, passthrough ones included: one host read.
-            convert_layer(gathered, layer_idx, out=buf, plan=plan, check_finite=True)
-        return
+        gathered = {k: full_value(t, travel.get(k)) for k, t in layer.items()}
+        if not sending:
+            return {}
+        gathered = {k: t.to(device) for k, t in gathered.items()}
+        # check_finite: one flag for every entry, passthrough ones included, one host read.
+        return dict(convert_layer(gathered, layer_idx, out=buf, plan=plan, check_finite=check_finite))
     stacks = [e for e in plan.entries if e.op == "quantize" and len(e.shape) == 3]
     stacked = {s for e in stacks for s in e.sources}
-    rest = {k: full_value(t, gather_dtype) for k, t in layer.items() if k not in stacked}
+    rest = {k: full_value(t, travel.get(k)) for k, t in layer.items() if k not in stacked}
     views: dict[str, torch.Tensor] = {}
     if sending:
         rest = {k: t.to(device) for k, t in rest.items()}
@@ -207,7 +249,7 @@ def collect_layer(
             continue
         layout = shard_layout(srcs[0])
         lo, hi = layout.owned(me)
-        local = [t.to_local() if gather_dtype is None else t.to_local().to(gather_dtype) for t in srcs]
+        local = [t.to_local() for t in srcs]  # quantized where held, in its dtype: only fp8 travels
         q_own = s_own = None
         if hi > lo:
             if sending:
@@ -222,8 +264,9 @@ def collect_layer(
                 q_to = q[olo:ohi].view(torch.uint8) if sending else None
                 move(q_own.view(torch.uint8) if mine else None, q_to, owner, sender, layout.group)
                 move(s_own if mine else None, sc[olo:ohi] if sending else None, owner, sender, layout.group)
-    if sending:
+    if sending and check_finite:
         check_finite_entries(plan, buf, layer_idx, ("scale", "copy", "concat"))
+    return dict(views) if sending else {}
 
 
 def _choose_gather(
@@ -240,6 +283,9 @@ def _choose_gather(
     why = None
     if mode != "fp8" or plan.target != "hopper":
         why = f"mode {mode!r} / target {plan.target!r} (piecewise gathers need fp8 for Hopper)"
+    per_expert = [e for e in stacks if e.per_expert]
+    if why is None and per_expert:
+        why = f"{prefix}{per_expert[0].name} comes from per-expert tensors (each is gathered whole)"
     layouts = {s: shard_layout(layer[s]) for e in stacks for s in e.sources}
     bad = [s for s, lay in layouts.items() if lay is None]
     if why is None and bad:
@@ -259,117 +305,3 @@ def _choose_gather(
     if gather == "auto":
         return "quantize_then_gather" if can_qtg else "chunked"
     return gather
-
-
-# --- many senders (glm_fp8.engine.routes): each trainer rank converts its own share ---------------
-
-
-def check_own_layer(
-    plan: LayerPlan,
-    layer: Mapping[str, torch.Tensor],
-    layer_idx: int,
-    senders: Sequence[int],
-    bounds: Sequence[tuple[int, int]],
-) -> None:
-    """What every sender checks of a layer before any gather, so that all of them gather or
-    none does: keys and global shapes (``check_layer_keys``), expert stacks that are plain
-    tensors or DTensors sharded on the expert dim over the senders (global ranks ``senders``)
-    in their order, other DTensors on a mesh of the senders."""
-    from torch.distributed.tensor import DTensor
-
-    prefix = layer_prefix(layer_idx)
-    check_layer_keys(plan, layer, prefix)
-    stacks = {s for e in stack_entries(plan) for s in e.sources}
-    for k, t in sorted(layer.items()):
-        if not isinstance(t, DTensor):
-            continue
-        ranks = tuple(int(r) for r in t.device_mesh.mesh.flatten().tolist())
-        if k in stacks:
-            lay = shard_layout(t)
-            if lay is None or lay.dim != 0 or lay.ranks != tuple(senders) or lay.bounds != tuple(bounds):
-                got = (
-                    "no 1-D Shard placement" if lay is None else f"dim {lay.dim} over ranks {list(lay.ranks)}"
-                )
-                raise ValueError(
-                    f"{prefix}{k}: many senders need each expert stack sharded on the expert dim (Shard(0)) "
-                    f"over the senders {list(senders)} in this order, each holding experts "
-                    f"{[list(b) for b in bounds]}; got {got}"
-                )
-        elif sorted(ranks) != sorted(senders):
-            raise ValueError(
-                f"{prefix}{k}: a DTensor on ranks {list(ranks)}; many senders gather it on its owner among "
-                f"the senders {list(senders)}, so its mesh must be theirs"
-            )
-
-
-def collect_own(
-    routes: LayerRoutes,
-    t: int,
-    plan: LayerPlan,
-    layer: Mapping[str, torch.Tensor],
-    buf: torch.Tensor,
-    *,
-    senders: Sequence[int],
-    gather_dtype: torch.dtype | None,
-    device: torch.device,
-    check_finite: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Sender ``t``'s share of one layer (``check_own_layer`` passed on every sender): gather the
-    sources of the entries each sender owns onto it (collective over the senders, in the same
-    order on each), then convert ``t``'s own entries and its rows of every split entry (its
-    experts of every stack, its vocabulary slice) into ``buf`` (``routes.local_plans[t]``).
-    Returns the converted views by prefixed name (none when ``t`` has nothing of this layer).
-    Memory above ``buf``: the gathered sources of the entries ``t`` owns, its rows of a split
-    entry held otherwise than split alike, and its experts cast to ``gather_dtype`` when they
-    are DTensors of another dtype.
-    ``check_finite=False``: no host read; the caller checks ``buf`` (``entry_norms``)."""
-    from torch.distributed.tensor import DTensor
-
-    prefix = layer_prefix(routes.layer_idx)
-    owner_of = {s: routes.owners[prefix + e.name] for e in plan.entries if prefix + e.name in routes.owners
-                for s in e.sources}  # fmt: skip
-    inputs: dict[str, torch.Tensor] = {}
-    for k in sorted(owner_of):  # the same order on every sender: the gathers pair up
-        x, owner = layer[k], owner_of[k]
-        if isinstance(x, DTensor):
-            if shard_layout(x) is not None:
-                out = (
-                    torch.empty(x.shape, dtype=gather_dtype or x.dtype, device=device) if owner == t else None
-                )
-                got = gather_rows(x, 0, x.shape[0], senders[owner], out, gather_dtype)
-            else:
-                got = full_value(x, gather_dtype)  # collective over the senders' mesh
-            if owner == t:
-                inputs[k] = got.to(device)
-        elif owner == t:
-            inputs[k] = x
-    # Split entries: this sender's rows (its experts; its slice of the vocabulary). A DTensor
-    # already sharded so holds them; otherwise each sender's rows are gathered onto it.
-    for e in split_entries(plan):
-        rows = routes.splits[prefix + e.name]
-        lo, hi = rows[t]
-        for k in e.sources:
-            x = layer[k]
-            if not isinstance(x, DTensor):
-                if hi > lo:
-                    inputs[k] = x.narrow(0, lo, hi - lo)
-                continue
-            lay = shard_layout(x)
-            if lay is not None and lay.dim == 0 and lay.ranks == tuple(senders) and lay.bounds == rows:
-                if hi > lo:
-                    local = x.to_local()
-                    cast = gather_dtype is not None and local.dtype != gather_dtype
-                    inputs[k] = local.to(gather_dtype) if cast else local
-                continue
-            for u, (a, b) in enumerate(rows):  # the same order on every sender
-                if b > a:
-                    mine = u == t
-                    out = torch.empty((b - a, *x.shape[1:]), dtype=gather_dtype or x.dtype, device=device)
-                    got = gather_rows(x, a, b, senders[u], out if mine else None, gather_dtype)
-                    if mine:
-                        inputs[k] = got
-    local = routes.local_plans[t]
-    if not local.entries:
-        return {}
-    out = buf[: local.nbytes]
-    return dict(convert_layer(inputs, routes.layer_idx, out=out, plan=local, check_finite=check_finite))

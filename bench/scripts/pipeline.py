@@ -1,0 +1,171 @@
+"""One sending trainer rank's pipeline through the one-GPU stand-in link, in every mode of the one
+transfer protocol: the whole update against the same messages sent alone (the link's time) and
+against its conversion alone; its peak memory against the transfer plan's; its first layer's
+bytes against the reference.
+
+    python3 bench/scripts/pipeline.py --mode broadcast|scatter|senders [--layers 80] [--tp 8] [--ep]
+        [--engines 1] [--senders 32] [--sender 0 1] [--master bf16 fp32] [--repeats 3] [--ring 2]
+
+GLM-5 sparse layers (Gaussian x 0.02 in the master dtype); one layer's tensors are reused for every
+layer (each layer is still converted and sent). The stand-in link (``HostSinkComm``) copies every
+message to pinned host memory, about one inter-node link's speed; it has no peers, so this rank
+leads and its votes are its own. ``--mode broadcast``: one sender, one "full" receiver (every entry
+whole); ``scatter``: one sender into ``--engines`` engines of TP ``--tp`` (EP with ``--ep``);
+``senders``: link rank ``--sender`` of ``--senders`` trainer ranks into the same engines.
+``--device cpu --model tiny`` runs a small model on the CPU (a check of the script, no figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tabulate import tabulate
+
+from glm_fp8.engine import EngineLayout, take_shard
+from glm_fp8.models import PRESETS, TINY_GLM5
+from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
+from glm_fp8.reference import convert_layer_ref
+from glm_fp8.transfer import Broadcaster, HostSinkComm
+from glm_fp8.transfer.gather import trainer_view
+
+
+class Recorder(HostSinkComm):
+    """The stand-in link, which also remembers every message of the current update (for the
+    link-alone replay) and keeps host copies of the first ``keep_first`` (for the byte check)."""
+
+    def __init__(self, rank: int, size: int, keep_first: int = 0):
+        super().__init__(rank=rank, size=size)
+        self.keep_first, self.log, self.kept = keep_first, [], []
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.log.append(tensor)
+        if len(self.kept) < self.keep_first:
+            self.kept.append(tensor.to("cpu", copy=True))
+        super().broadcast(tensor, src)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _check_first_layer(sender: Broadcaster, kept: list, layer: dict) -> tuple[int, int]:
+    """Layer 0's messages (after the prelude, the manifest and its header) against the reference
+    conversion cut by each piece's shard and rows: (bytes checked, bytes that differ)."""
+    lay, plan = sender.routes.layers[0], sender.plans[0]
+    ref = convert_layer_ref({k.removeprefix(layer_prefix(0)): t.cpu() for k, t in layer.items()}, 0, plan)
+    msgs = iter(kept[3:])
+    checked = differ = 0
+    for seg in lay.of_sender(sender.me):
+        for _ in range(1 if lay.groups[seg.cls] else len(lay.classes[seg.cls])):
+            got = next(msgs)
+            pairs = [(ref[layer_prefix(0) + n], v) for n, v in plan.views(got)] if seg.direct else []
+            for p in [] if seg.direct else seg.pieces:
+                full = ref[p.name]
+                if p.rows is not None:
+                    full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
+                pairs.append((take_shard(full, p.shard), p.view(got)))
+            for want, have in pairs:
+                want, have = (x.contiguous().view(torch.uint8).flatten() for x in (want, have))
+                checked += want.numel()
+                differ += int((want != have).sum())
+    return checked, differ
+
+
+def measure(args, master: torch.dtype, t: int) -> list:
+    device = torch.device(args.device)
+    n = args.layers
+    base_cfg = TINY_GLM5 if args.model == "tiny" else PRESETS["glm-5"]
+    config = {**base_cfg, "num_hidden_layers": n, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}
+    plan = plan_from_config(config, 0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    layer = {layer_prefix(0) + k: (torch.randn(shape, device=device, generator=gen) * 0.02).to(master)
+             for k, (shape, _) in plan.inputs.items()}  # fmt: skip
+    stream = lambda: ((i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()})  # noqa: E731
+                      for i in range(n))  # fmt: skip
+    layouts = EngineLayout.all_ranks(args.tp, 1, args.ep) * args.engines
+    kw = dict(config=config, device=device, ring=args.ring, checksum=not args.no_checksum)
+    if args.mode == "broadcast":
+        size, src = 2, 0
+    elif args.mode == "scatter":
+        kw["engines"], size, src = [None, *layouts], 1 + len(layouts), 0
+    else:
+        kw["engines"] = [None] * args.senders + layouts
+        kw["senders"], size, src = list(range(args.senders)), args.senders + len(layouts), t
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    link = Recorder(src, size, keep_first=64)
+    sender = Broadcaster(link, src, **kw)
+    sender.broadcast_model(stream())  # warm-up (compiles); keeps layer 0's messages for the check
+    checked, differ = _check_first_layer(sender, link.kept, layer)
+    link.kept, link.keep_first = [], 0
+    runs = []
+    for _ in range(args.repeats):  # the update and the link alone, interleaved: the same clocks
+        link.log = []
+        stats = sender.broadcast_model(stream())
+        msgs = list(link.log)
+        t_link = _seconds(lambda: [HostSinkComm.broadcast(link, m, src) for m in msgs], device)
+        runs.append((stats, t_link, sum(m.nbytes for m in msgs)))
+
+    def convert_only():
+        for pos, (i, sd) in enumerate(stream()):
+            sender._convert(pos, i, *trainer_view(sender.plans[pos], strip_layer(sd, i), i))
+
+    t_convert = _seconds(convert_only, device)
+    ratios = sorted(st.seconds / tl for st, tl, _ in runs)
+    stats, t_link, nbytes = sorted(runs, key=lambda r: r[0].seconds / r[1])[len(runs) // 2]
+    conv, send = sender.routes.sender_buffers(sender.me)
+    predicted = args.ring * (conv + send) + sender.scratch.nbytes  # plain inputs: nothing gathered
+    peak = stats.peak_bytes if stats.peak_bytes is not None else 0
+    steps = sorted(s.seconds for s in stats.layers)
+    sender.conv_ring = sender.send_ring = None  # free the rings before the next row
+    return [args.mode, str(master).removeprefix("torch."), t, f"{nbytes / n / 2**30:.3f}",
+            f"{stats.seconds:.3f}", f"{t_link:.3f}", f"{t_convert:.3f}",
+            f"{stats.seconds / t_link:.4f} ({ratios[0]:.4f}-{ratios[-1]:.4f})",
+            f"{nbytes / t_link / 1e9:.1f}", f"{peak / 2**30:.3f}", f"{predicted / 2**30:.3f}",
+            f"{peak / predicted:.3f}", f"{checked}/{differ}", f"{1e3 * steps[len(steps) // 2]:.1f}",
+            f"{1e3 * steps[-1]:.1f}"]  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("broadcast", "scatter", "senders"), default="broadcast")
+    p.add_argument("--layers", type=int, default=80, help="GLM-5 sparse layers in the update (default 80)")
+    p.add_argument("--tp", type=int, default=8, help="engine tensor-parallel size (default 8)")
+    p.add_argument("--ep", action="store_true", help="engines use expert parallelism")
+    p.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
+    p.add_argument("--senders", type=int, default=32, help="trainer ranks, --mode senders (default 32)")
+    p.add_argument("--sender", type=int, nargs="+", default=[0], help="the link ranks measured (default 0)")
+    p.add_argument("--master", nargs="+", default=["bf16"], choices=("bf16", "fp32"), help="master dtypes")
+    p.add_argument("--repeats", type=int, default=3, help="updates timed, each beside a link-alone timing")
+    p.add_argument("--ring", type=int, default=2, help="conversion and send slots (default 2)")
+    p.add_argument("--no-checksum", action="store_true", help="send no checksums")
+    p.add_argument("--device", default="cuda", help="default cuda; cpu checks the script")
+    p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
+    args = p.parse_args()
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    senders = args.sender if args.mode == "senders" else [0]
+    rows = [measure(args, dtypes[m], t) for m in args.master for t in senders]
+    engines = f"{args.engines} x {'EP' if args.ep else 'TP'}{args.tp}"
+    what = {"broadcast": "one sender, one full receiver", "scatter": f"one sender into {engines}",
+            "senders": f"{args.senders} senders into {engines}"}[args.mode]  # fmt: skip
+    print(f"{args.layers} {args.model} sparse layers, {what}, ring {args.ring}, checksum "
+          f"{not args.no_checksum}; stand-in link: device-to-host copies into pinned memory")  # fmt: skip
+    print(tabulate(rows, ["mode", "master", "sender", "sent GiB/layer", "total s", "link alone s",
+                          "convert+pack alone s", "total / link (median, range)", "link GB/s", "peak GiB",
+                          "predicted GiB", "peak / predicted", "layer-0 bytes checked/differ",
+                          "step ms (median)", "step ms (max)"]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""glm_fp8 as vLLM 0.34's weight-transfer backend "glm_fp8" (docs/vllm.md): the worker engine and
+the trainer engine, subclasses of vLLM's ``WeightTransferEngine`` and ``TrainerWeightTransferEngine``
+over glm_fp8's ``WorkerSide`` and ``TrainerSide``. The one module of glm_fp8 that imports vLLM at
+import time; importing it registers the backend (``glm_fp8.integrations.vllm.register``).
+
+Engine: ``LLM(model, weight_transfer_config=WeightTransferConfig(backend="glm_fp8"), ...)`` or
+``vllm serve ... --weight-transfer-config '{"backend": "glm_fp8"}'``. Trainer, on every rank::
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlmFp8TrainerInitInfo(master_address=host, master_port=port, engine_ranks=n_workers,
+                              config=hf_config, rank=rank),
+        client=client, source=ModuleSource(model))
+    engine.send_weights()  # each step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+)
+
+from glm_fp8.integrations.vllm import engine_postload_plan, register, vllm_updater
+from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
+from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+from glm_fp8.integrations.vllm.worker import WorkerSide
+
+
+class GlmFp8WeightTransferEngine(WeightTransferEngine):
+    """The worker engine: lands glm_fp8 updates in this worker's parameters (its shard, under
+    vLLM's names) and redoes vLLM's post-load step. Draft sessions update the MTP drafter."""
+
+    init_info_cls = SyncInit
+    update_info_cls = SyncUpdate
+    supports_draft_weight_update = True
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        spec = getattr(vllm_config, "speculative_config", None)
+        pc = self.parallel_config
+        self.side = WorkerSide(
+            lambda: vllm_updater(vllm_config, self._default_model, None),
+            lambda senders: senders + int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank),
+            has_drafter=spec is not None and getattr(spec, "draft_model_config", None) is not None,
+            device=torch.device(device),
+        )
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> SyncInit:
+        return SyncInit.from_dict(init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> SyncUpdate:
+        return SyncUpdate.from_dict(update_dict)
+
+    def init_transfer_engine(self, init_info: SyncInit) -> None:
+        self.side.init(init_info.to_dict())
+
+    def start_weight_update(self) -> None:
+        drafter = self.model if self.model is not self._default_model else None
+        self.side.start(drafter)
+        if drafter is not None:  # the drafter's MoE backend joins the post-load plan
+            from vllm.config import set_current_vllm_config
+            from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+
+            with set_current_vllm_config(self.vllm_config):
+                updater = self.side.updater
+                updater.plan = engine_postload_plan(
+                    updater.config, updater.target, drafter, deepgemm_e8m0=is_deep_gemm_e8m0_used()
+                )
+
+    def receive_weights(self, update_info: SyncUpdate) -> None:
+        self.side.receive(update_info.to_dict())
+
+    def finish_weight_update(self) -> None:
+        self.side.finish()
+
+    def shutdown(self) -> None:
+        self.side.close()
+
+
+@dataclass
+class GlmFp8TrainerInitInfo(TrainerOptions, TrainerInitInfo):
+    """The trainer's init info: ``TrainerOptions``' fields (``master_address``, ``master_port``,
+    ``engine_ranks``, ``config``, ``mode``...) and ``rank`` (keyword, explicit on every rank)."""
+
+    backend: ClassVar[str] = "glm_fp8"
+
+
+class GlmFp8TrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """The trainer engine: every trainer rank builds it with ``trainer_init`` and calls
+    ``send_weights()`` each step; rank 0 drives the engine through the client."""
+
+    init_info_cls = GlmFp8TrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlmFp8TrainerInitInfo, *, client: Any, source: Any = None):
+        if source is None:
+            raise ValueError("source: glm_fp8's trainer engine needs a WeightSource or a glm_fp8 LayerSource")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        side = TrainerSide(init_info, client, source, device).connect()
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
+        engine.side = side
+        return engine
+
+    def send_weights(self) -> list[dict]:
+        return self.side.send()
+
+    def shutdown(self) -> None:
+        self.side.shutdown()
+
+
+register()
+
+__all__ = ["GlmFp8TrainerInitInfo", "GlmFp8TrainerWeightTransferEngine", "GlmFp8WeightTransferEngine"]

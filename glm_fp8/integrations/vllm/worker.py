@@ -1,0 +1,149 @@
+"""The engine side of glm_fp8's vLLM weight-transfer backend, without vLLM (docs/vllm.md#the-backend):
+``WorkerSide``, one engine worker's end, which vLLM's ``GlmFp8WeightTransferEngine`` and the
+``GlmFp8WorkerExtension`` adapter both drive (one code path).
+
+``init`` joins the link the trainer opened and tells every rank this worker's layout and needs
+(or why it cannot take part: every rank raises naming it); ``start``, ``receive`` and ``finish``
+are one session of vLLM's four-phase handshake: ``receive`` lands one update
+(``EngineUpdater.update``) and ``finish`` gives its buffers back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from glm_fp8.integrations.vllm.engine import EngineUpdater
+from glm_fp8.integrations.vllm.sync import (
+    SyncInit,
+    SyncUpdate,
+    fleet_layouts,
+    fleet_mtp,
+    fleet_scale_fmt,
+    publish,
+    read_fleet,
+    session_layers,
+)
+from glm_fp8.transfer.link import StoreLink
+
+
+class WorkerSide:
+    """One engine worker's end of the backend.
+
+    Args:
+        make_updater: builds this worker's ``EngineUpdater`` (its layout, parameters and post-load
+            plan); called at the first ``init``. What it raises is this worker's refusal, told to
+            every rank of the link.
+        link_rank: this worker's link rank, given the number of trainer ranks that send.
+        has_drafter: the engine runs an MTP drafter (speculative decoding), whose module may be
+            handed over only in a draft session (``start(drafter=...)``).
+        device: where the parameters live and updates are received.
+    """
+
+    def __init__(
+        self,
+        make_updater: Callable[[], EngineUpdater],
+        link_rank: Callable[[int], int],
+        *,
+        has_drafter: bool,
+        device: torch.device,
+    ):
+        self.make_updater, self.link_rank, self.has_drafter, self.device = (
+            make_updater,
+            link_rank,
+            has_drafter,
+            device,
+        )
+        self.updater: EngineUpdater | None = None
+        self.link: StoreLink | None = None
+        self.init_info: SyncInit | None = None
+        self.session: str | None = None
+        self.results: list[dict] = []
+
+    def init(self, payload: Mapping) -> dict:
+        """Join the trainer's link (``SyncInit``) and learn the fleet; raises on this worker's
+        refusal or any other rank's, naming it."""
+        info = SyncInit.from_dict(payload)
+        self.close()
+        rank = self.link_rank(info.senders)
+        if not info.senders <= rank < info.world_size:
+            raise ValueError(
+                f"init_info.world_size: this worker is link rank {rank}, outside the link's "
+                f"{info.world_size} ranks ({info.senders} senders, then the engine workers)"
+            )
+        self.link = StoreLink(
+            info.master_address,
+            info.master_port,
+            rank,
+            info.world_size,
+            backend=info.link_backend,
+            timeout=info.timeout,
+            device=self.device,
+        )
+        desc: dict = {"error": None}
+        try:
+            if self.updater is None:
+                self.updater = self.make_updater()
+            desc.update(self.updater.describe())
+            desc["mtp"] = self.updater.mtp_index if self.has_drafter else None
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here too
+            desc["error"] = f"{type(exc).__name__}: {exc}"
+            publish(self.link.store, rank, desc)
+            raise
+        publish(self.link.store, rank, desc)
+        fleet = read_fleet(self.link.store, range(info.senders, info.world_size))
+        self.engines = fleet_layouts(fleet, info.senders) if info.mode != "broadcast" else None
+        self.scale_fmt = fleet_scale_fmt(fleet, info.scale_fmt)
+        self.mtp = fleet_mtp(fleet)
+        self.init_info, self.rank = info, rank
+        return {"rank": rank, **desc}
+
+    def start(self, drafter: torch.nn.Module | None = None) -> None:
+        """Begin a session; a draft session hands over the drafter module."""
+        if self.init_info is None:
+            raise RuntimeError("glm_fp8: init_weight_transfer_engine first (the trainer's trainer_init)")
+        if drafter is not None and drafter is not self.updater.drafter:
+            self.updater.attach_drafter(drafter)
+        self.session = "draft" if drafter is not None else "target"
+
+    def receive(self, update_info: Mapping) -> dict:
+        """Land one update (the trainer sends at the same time). An update whose session is not
+        the one started is refused before anything moves."""
+        update = SyncUpdate.from_dict(update_info)
+        if self.session is None:
+            raise RuntimeError("glm_fp8: start_weight_update first")
+        if (update.session == "draft") != (self.session == "draft"):
+            raise ValueError(f"update_info.session: {update.session!r} in a {self.session} session")
+        ids, rest = session_layers(self.init_info, update.session, self.updater.mtp_index)
+        result = self.updater.update(
+            self.link,
+            0,
+            layer_ids=ids,
+            rest=rest,
+            scale_fmt=self.scale_fmt,
+            ring=self.init_info.ring,
+            engines=self.engines,
+            senders=list(range(self.init_info.senders)),
+            checksum=self.init_info.checksum,
+            device=self.device,
+        )
+        self.results.append(result)
+        return result
+
+    def finish(self) -> None:
+        """End the session: the receive buffers are already given back; the allocator's cache is
+        emptied so that what the engine lent (KV cache) is whole again."""
+        self.session = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.link, self.init_info, self.session = None, None, None
+        if self.updater is not None:
+            self.updater._receivers.clear()
+
+
+__all__ = ["WorkerSide"]

@@ -1,0 +1,328 @@
+"""The link an update travels on: one interface over every transport (``Link``), and the adapters.
+
+A link has ranks ``0 .. size - 1`` (the trainer ranks that send and the engine ranks that
+receive) and offers what the protocol (``glm_fp8.transfer.wire``) needs: a broadcast from one
+rank, an all-reduce MAX (the votes), point-to-point messages posted together (``exchange``), and,
+where the transport can make them, groups of some ranks (``make_groups``), in which a single
+sender gives a class of replicas one broadcast. Groups are made only after the manifest vote, by
+every rank alike, and kept for the link's life, so that endpoints rebuilt on one side and reused
+on the other find the same groups.
+
+Adapters (``as_link``):
+- a ``torch.distributed`` ProcessGroup, or None for the default group (``TorchLink``); its groups
+  are ``torch.distributed.new_group``, which every process of the default group must make, so they
+  exist only when the link spans the default group;
+- ``StoreLink``: a process group built from a TCP store, outside ``torch.distributed``'s default
+  group (a trainer and a vLLM engine each have their own); groups are made by their members only;
+- any object with vLLM's ``PyNcclCommunicator`` methods (``broadcast``, ``all_reduce``, ``send``,
+  ``recv``, ``group_start``, ``group_end``, ``rank``, ``world_size``): ``ObjectLink``, no groups;
+- ``HostSinkComm``: a one-GPU stand-in whose sends are device-to-host copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+Message = tuple[torch.Tensor, int]  # (tensor, peer link rank)
+
+
+class Link:
+    """What the protocol needs of a transport; ranks are link ranks."""
+
+    rank: int = 0
+    size: int = 1
+    #: a single sender can broadcast to a class of several ranks in a group of its own
+    groups_supported: bool = False
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        raise NotImplementedError
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Every rank's value, the maximum, in place."""
+        raise NotImplementedError
+
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        """Post this rank's point-to-point messages of one step together (no order between
+        peers can deadlock) and queue their completion on the current stream."""
+        raise NotImplementedError
+
+    def global_rank(self, r: int) -> int:
+        """Link rank ``r``'s rank in this process's ``torch.distributed`` default group (where a
+        sender's DTensors live): the same number, unless the link is a group of it."""
+        return r
+
+    def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
+        """Make the groups (sorted tuples of link ranks) not made yet; every rank of the link
+        calls it with the same list after the manifest vote."""
+        if groups:
+            raise ValueError(f"{type(self).__name__}: this link cannot make groups of ranks")
+
+    def group_broadcast(self, tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
+        """Broadcast from ``src`` within the group ``ranks`` (this rank is one of them)."""
+        if len(ranks) == self.size:
+            self.broadcast(tensor, src)
+            return
+        raise ValueError(f"{type(self).__name__}: no group {ranks}")
+
+    def group_all_reduce_max(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == self.size:
+            self.all_reduce_max(tensor)
+            return
+        raise ValueError(f"{type(self).__name__}: no group {ranks}")
+
+
+# Groups made on a torch.distributed link, per process group, for the process's life (the key
+# holds the group, so its id is never reused).
+_TORCH_GROUPS: dict[int, tuple[object, dict[tuple[int, ...], object]]] = {}
+
+
+class TorchLink(Link):
+    """A ``torch.distributed`` ProcessGroup (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        if not dist.is_initialized():
+            raise ValueError(
+                "comm: torch.distributed is not initialized (pass a link object, or call "
+                "init_process_group first)"
+            )
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.groups_supported = self.size == dist.get_world_size()
+        key = id(group) if group is not None else 0
+        self._groups = _TORCH_GROUPS.setdefault(key, (group, {}))[1]
+
+    def global_rank(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        dist.broadcast(tensor, group=self.group, group_src=src)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        ops = [dist.P2POp(dist.isend, t, self.global_rank(r), self.group) for t, r in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.global_rank(r), self.group) for t, r in recvs]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
+        todo = [g for g in groups if len(g) < self.size and g not in self._groups]
+        if todo and not self.groups_supported:
+            raise ValueError(
+                f"comm: the transfer plan needs groups of ranks {todo[:3]}, which "
+                "torch.distributed.new_group makes only with every process of the default group "
+                f"({dist.get_world_size()}); this link has {self.size}. Pass the default group (None) or a "
+                "StoreLink"
+            )
+        for g in todo:  # every process of the default group, in the plan's order
+            self._groups[g] = dist.new_group([self.global_rank(r) for r in g])
+
+    def group_broadcast(self, tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == self.size:
+            return self.broadcast(tensor, src)
+        dist.broadcast(tensor, group=self._groups[ranks], group_src=ranks.index(src))
+
+    def group_all_reduce_max(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == self.size:
+            return self.all_reduce_max(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._groups[ranks])
+
+
+def _store_group(store, rank: int, size: int, backend: str, timeout: timedelta):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+
+
+class StoreLink(Link):
+    """A process group of its own, built from a TCP store (``host:port``; ``rank`` 0 serves it),
+    so that trainer and engine processes that each have their own default group can share it.
+    ``backend``: "nccl" for CUDA tensors, "gloo" for CPU ones. Groups are made by their members
+    only, each from its own prefix of the store."""
+
+    groups_supported = True
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        size: int,
+        *,
+        backend: str,
+        timeout: timedelta = timedelta(minutes=10),
+        device: torch.device | None = None,
+    ):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank: expected 0 <= rank < size={size}, got {rank}")
+        self.rank, self.size, self.backend, self.timeout = rank, size, backend, timeout
+        self.device = device
+        self.store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        self.pg = _store_group(dist.PrefixStore("glm_fp8/link/", self.store), rank, size, backend, timeout)
+        self._groups: dict[tuple[int, ...], object] = {}
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._bcast(self.pg, tensor, src)
+
+    @staticmethod
+    def _bcast(pg, tensor: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        pg.broadcast([tensor], opts).wait()
+
+    @staticmethod
+    def _max(pg, tensor: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        pg.allreduce([tensor], opts).wait()
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        self._max(self.pg, tensor)
+
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        if not sends and not recvs:
+            return
+        if self.backend == "nccl":  # one NCCL group call, as torch.distributed.batch_isend_irecv
+            device = (sends or recvs)[0][0].device
+            self.pg._start_coalescing(device)
+            for t, r in sends:
+                self.pg.send([t], r, 0)
+            for t, r in recvs:
+                self.pg.recv([t], r, 0)
+            self.pg._end_coalescing(device).wait()
+            return
+        works = [self.pg.send([t], r, 0) for t, r in sends] + [self.pg.recv([t], r, 0) for t, r in recvs]
+        for work in works:
+            work.wait()
+
+    def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
+        for g in groups:
+            if self.rank in g and len(g) < self.size and g not in self._groups:
+                prefix = dist.PrefixStore(f"glm_fp8/group/{'-'.join(map(str, g))}/", self.store)
+                self._groups[g] = _store_group(prefix, g.index(self.rank), len(g), self.backend, self.timeout)
+
+    def group_broadcast(self, tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == self.size:
+            return self.broadcast(tensor, src)
+        self._bcast(self._groups[ranks], tensor, ranks.index(src))
+
+    def group_all_reduce_max(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == self.size:
+            return self.all_reduce_max(tensor)
+        self._max(self._groups[ranks], tensor)
+
+    def close(self) -> None:
+        for pg in [self.pg, *self._groups.values()]:
+            try:
+                pg.abort() if self.backend == "nccl" else None
+            except Exception:  # noqa: BLE001 - tearing down a link that may already be broken
+                pass
+        self._groups.clear()
+
+
+class ObjectLink(Link):
+    """An object with vLLM's ``PyNcclCommunicator`` methods: ``broadcast(t, src)``,
+    ``all_reduce(t, op=...)`` (returning the result), ``send(t, dst)``, ``recv(t, src)``,
+    ``group_start()``, ``group_end()`` and ``rank``, ``world_size``. No groups: a class of replicas
+    gets its bytes point to point from a single sender too."""
+
+    def __init__(self, comm: object):
+        for attr in ("broadcast", "all_reduce", "rank", "world_size"):
+            if not hasattr(comm, attr):
+                raise TypeError(
+                    f"comm: {type(comm).__name__} has no {attr!r}; expected a torch.distributed "
+                    "ProcessGroup, None, a Link, or an object like vLLM's PyNcclCommunicator"
+                )
+        self.comm = comm
+        self.rank, self.size = int(comm.rank), int(comm.world_size)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.comm.broadcast(tensor, src)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        out = self.comm.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        if out is not None and out is not tensor:
+            tensor.copy_(out)
+
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        if not sends and not recvs:
+            return
+        if not hasattr(self.comm, "send"):
+            raise TypeError(f"comm: {type(self.comm).__name__} has no send/recv for point-to-point messages")
+        self.comm.group_start()
+        try:
+            for t, r in sends:
+                self.comm.send(t, r)
+            for t, r in recvs:
+                self.comm.recv(t, r)
+        finally:
+            self.comm.group_end()
+
+
+class HostSinkComm(Link):
+    """Stand-in link for one-GPU benchmarks and tests: this process plays link rank ``rank`` of
+    ``size`` (default 2: itself and one receiver) and every message it sends is a device-to-host
+    copy into pinned memory on the current stream, about the speed of one inter-node link. It
+    receives nothing and votes alone. ``keep=True`` keeps a copy of every message for checking."""
+
+    groups_supported = True  # a group broadcast is one copy, as it is one send on a real link
+
+    def __init__(self, keep: bool = False, rank: int = 0, size: int = 2):
+        self.keep, self.rank, self.size = keep, rank, size
+        self.sent: list[torch.Tensor] = []
+        self._pinned: dict[int, torch.Tensor] = {}
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        if src != self.rank:
+            raise ValueError(f"HostSinkComm: a sink only sends (it is rank {self.rank}); got src {src}")
+        if self.keep:
+            dst = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self.sent.append(dst)
+        else:
+            dst = self._pinned.get(tensor.nbytes)
+            if dst is None:
+                dst = self._pinned[tensor.nbytes] = torch.empty(
+                    tensor.nbytes, dtype=torch.uint8, pin_memory=tensor.is_cuda
+                )
+            dst = dst.view(tensor.dtype).view(tensor.shape)
+        dst.copy_(tensor, non_blocking=True)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        return None  # no one else votes
+
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        if recvs:
+            raise ValueError("HostSinkComm: a sink only sends; it has nothing to receive")
+        for t, _ in sends:
+            self.broadcast(t, self.rank)
+
+    def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
+        return None  # a group broadcast is a send like any other
+
+    def group_broadcast(self, tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
+        self.broadcast(tensor, src)
+
+    def group_all_reduce_max(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        return None
+
+
+def as_link(comm: object | None) -> Link:
+    """The ``Link`` for ``comm``: a Link as it is, a ProcessGroup or None (``TorchLink``), or an
+    object with PyNcclCommunicator's methods (``ObjectLink``)."""
+    if isinstance(comm, Link):
+        return comm
+    if comm is None or isinstance(comm, dist.ProcessGroup):
+        return TorchLink(comm)
+    return ObjectLink(comm)
+
+
+__all__ = ["HostSinkComm", "Link", "ObjectLink", "StoreLink", "TorchLink", "as_link"]

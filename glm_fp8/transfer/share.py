@@ -1,0 +1,142 @@
+"""Many senders (docs/layouts.md#the-transfer-plan): what each trainer rank checks of a layer
+before any gather, and the collection and conversion of its own share (its experts, its rows of
+the large passthrough matrices, the entries it owns)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from glm_fp8.convert import check_layer_keys, convert_layer
+from glm_fp8.engine.routes import LayerRoutes, sender_plan, split_entries, stack_entries
+from glm_fp8.plan import LayerPlan, layer_prefix, source_rows
+from glm_fp8.transfer.gather import full_value, gather_rows, shard_layout, travel_dtypes
+
+
+def check_own_layer(
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    layer_idx: int,
+    senders: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+) -> None:
+    """What every sender checks of a layer before any gather, so that all of them gather or
+    none does: keys and global shapes (``check_layer_keys``), expert stacks that are plain
+    tensors or DTensors sharded on the expert dim over the senders (global ranks ``senders``)
+    in their order, other DTensors on a mesh of the senders."""
+    from torch.distributed.tensor import DTensor
+
+    prefix = layer_prefix(layer_idx)
+    check_layer_keys(plan, layer, prefix)
+    stacks = {s for e in stack_entries(plan) for s in e.sources}
+    per_expert = {s for e in stack_entries(plan) if e.per_expert for s in e.sources}
+    for k, t in sorted(layer.items()):
+        if not isinstance(t, DTensor):
+            continue
+        ranks = tuple(int(r) for r in t.device_mesh.mesh.flatten().tolist())
+        if k in per_expert:
+            raise ValueError(
+                f"{prefix}{k}: a per-expert DTensor; many senders read each sender's own experts, so "
+                "per-expert tensors must be plain tensors on the senders that hold them (or send from "
+                "one rank, which gathers them)"
+            )
+        if k in stacks:
+            lay = shard_layout(t)
+            if lay is None or lay.dim != 0 or lay.ranks != tuple(senders) or lay.bounds != tuple(bounds):
+                got = (
+                    "no 1-D Shard placement" if lay is None else f"dim {lay.dim} over ranks {list(lay.ranks)}"
+                )
+                raise ValueError(
+                    f"{prefix}{k}: many senders need each expert stack sharded on the expert dim (Shard(0)) "
+                    f"over the senders {list(senders)} in this order, each holding experts "
+                    f"{[list(b) for b in bounds]}; got {got}"
+                )
+        elif sorted(ranks) != sorted(senders):
+            raise ValueError(
+                f"{prefix}{k}: a DTensor on ranks {list(ranks)}; many senders gather it on its owner among "
+                f"the senders {list(senders)}, so its mesh must be theirs"
+            )
+
+
+def collect_own(
+    routes: LayerRoutes,
+    t: int,
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    buf: torch.Tensor,
+    *,
+    senders: Sequence[int],
+    gather_dtype: torch.dtype | None,
+    device: torch.device,
+    check_finite: bool = True,
+) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
+    """Sender ``t``'s share of one layer (``check_own_layer`` passed on every sender; ``plan`` and
+    ``layer`` as ``trainer_view`` gives them): gather the sources of the entries each sender owns
+    onto it (collective over the senders, in the same order on each), then convert ``t``'s own
+    entries and its rows of every split entry (its experts of every stack, its vocabulary slice)
+    into ``buf``. Returns the plan it converted (``glm_fp8.engine.routes.sender_plan``: the
+    layout of ``routes.local_plans[t]``) and the converted views by prefixed name (none when ``t``
+    has nothing of this layer). Memory above ``buf``: the gathered sources of the entries ``t``
+    owns and its rows of a split entry held otherwise than split alike. Its own rows are read in
+    the dtype they are held in (fp32 masters are quantized from fp32); what travels is cast first
+    (``travel_dtypes``). ``check_finite=False``: no host read; the caller checks ``buf``
+    (``entry_norms``)."""
+    from torch.distributed.tensor import DTensor
+
+    prefix = layer_prefix(routes.layer_idx)
+    travel = travel_dtypes(plan, gather_dtype)
+    owner_of = {s: routes.owners[prefix + e.name] for e in plan.entries if prefix + e.name in routes.owners
+                for s in e.sources}  # fmt: skip
+    inputs: dict[str, torch.Tensor] = {}
+    for k in sorted(owner_of):  # the same order on every sender: the gathers pair up
+        x, owner = layer[k], owner_of[k]
+        if isinstance(x, DTensor):
+            dtype = travel.get(k)
+            if shard_layout(x) is not None:
+                out = torch.empty(x.shape, dtype=dtype or x.dtype, device=device) if owner == t else None
+                got = gather_rows(x, 0, x.shape[0], senders[owner], out, dtype)
+            else:
+                got = full_value(x, dtype)  # collective over the senders' mesh
+            if owner == t:
+                inputs[k] = got.to(device)
+        elif owner == t:
+            inputs[k] = x
+    # Split entries: this sender's rows (its experts; its slice of the vocabulary). Plain tensors
+    # are read at those rows, a DTensor sharded so holds them; otherwise each sender's rows are
+    # gathered onto it.
+    for e in split_entries(plan):
+        rows = routes.splits[prefix + e.name]
+        lo, hi = rows[t]
+        if e.op == "scale":
+            continue
+        if not any(isinstance(layer[k], DTensor) for k in e.sources):
+            if hi > lo:
+                inputs.update(source_rows(plan, e.name, layer, lo, hi))
+            continue
+        for k in e.sources:
+            x = layer[k]
+            lay = shard_layout(x)
+            if lay is not None and lay.dim == 0 and lay.ranks == tuple(senders) and lay.bounds == rows:
+                if hi > lo:
+                    inputs[k] = x.to_local()  # its own rows: read in the dtype it holds, nothing travels
+                continue
+            for u, (a, b) in enumerate(rows):  # the same order on every sender
+                if b > a:
+                    mine = u == t
+                    dtype = travel.get(k)
+                    out = (
+                        torch.empty((b - a, *x.shape[1:]), dtype=dtype or x.dtype, device=device)
+                        if mine
+                        else None
+                    )
+                    got = gather_rows(x, a, b, senders[u], out, dtype)
+                    if mine:
+                        inputs[k] = got
+    local = sender_plan(plan, prefix, routes.splits, routes.owners, t)
+    if not local.entries:
+        return local, {}
+    out = buf[: local.nbytes]
+    return local, dict(
+        convert_layer(inputs, routes.layer_idx, out=out, plan=local, check_finite=check_finite)
+    )
