@@ -2,7 +2,8 @@
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
-# GATHER=1 BCAST=1 BENCH=1; TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
+# GATHER=1 PIPELINE=1 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80) and ENGINE_LAYERS (16) size the transfer
+# benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/test_fuzz.py
 # with FUZZ_CASES (default 400) cases per GPU backend from seed FUZZ_SEED, FUZZ_BUDGET_S seconds
@@ -34,7 +35,7 @@ if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>
 if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   TEST_PATHS="tests/test_backends.py tests/test_broadcast.py tests/test_convert.py tests/test_errors.py
-    tests/test_quantize.py tests/test_cli.py"
+    tests/test_quantize.py tests/test_cli.py tests/test_checksum.py tests/test_trainer_layouts.py"
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   # tests/test_fuzz.py ran in FUZZ above, if on.
@@ -52,5 +53,14 @@ if [ "${SANITIZE:-1}" = 1 ]; then
 fi
 if [ "${HOST:-0}" = 1 ]; then python3 bench/scripts/host_overhead.py 2>&1 | tee "$LOG/host_overhead.txt"; fi
 if [ "${GATHER:-1}" = 1 ]; then python3 bench/scripts/gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
-if [ "${BCAST:-1}" = 1 ]; then python3 bench/scripts/broadcast.py 2>&1 | tee "$LOG/broadcast.txt"; fi
+if [ "${PIPELINE:-1}" = 1 ]; then
+  L=${PIPELINE_LAYERS:-80}
+  { python3 bench/scripts/pipeline.py --mode broadcast --layers $L --repeats 2
+    python3 bench/scripts/pipeline.py --mode scatter --layers $L --tp 8 --repeats 2
+    python3 bench/scripts/pipeline.py --mode senders --layers $L --tp 8 --ep --engines 4 --senders 32 \
+      --sender 0 1 --master bf16 fp32 --repeats 2; } 2>&1 | tee "$LOG/pipeline.txt" | grep -v '^---'
+fi
+if [ "${ENGINE:-1}" = 1 ]; then
+  python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} 2>&1 | tee "$LOG/engine_rank.txt"
+fi
 if [ "${BENCH:-1}" = 1 ]; then python3 -m glm_fp8.cli bench --markdown ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.md"; fi

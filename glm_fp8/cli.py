@@ -252,13 +252,44 @@ def _engine_bytes_table(args: argparse.Namespace, config: dict, parser: argparse
     lay = layouts[0]
     what = f"EP {lay.ep_size}" if lay.expert_parallel else f"MoE TP {lay.moe_tp_size}"
     title = (f"\nwhole-model fp8 update (every layer, MTP, embeddings, norm, lm_head) into {tp * dp} engine "
-             f"ranks (TP {tp} x DP {dp}, experts by {what}):")  # fmt: skip
-    distinct = sorted(set(per_rank))
-    ranks = {x: ", ".join(str(r) for r, b in enumerate(per_rank) if b == x) for x in distinct}
-    rows = [[ranks[x], f"{full / gib:.2f}", f"{x / gib:.2f}", f"{x / full:.3f}"] for x in distinct]
-    return (
-        title + "\n" + tabulate(rows, ["engine ranks", "full broadcast GiB", "scatter GiB", "scatter / full"])
-    )
+             f"ranks (TP {tp} x DP {dp}, experts by {what}); engine extra: the GPU memory a rank's "
+             "receiver takes during an update, above its parameters (a ring of 2 of its largest layer "
+             "buffer, a checksum scratch, the step headers), in one update or in vLLM's two sessions (the "
+             "target's layers and non-layer tensors, then the MTP layer in the draft session):")  # fmt: skip
+    extra = _engine_extra(config, layouts, args.scale_fmt)
+    rows = []
+    for key in sorted({(b, extra[r]) for r, b in enumerate(per_rank)}):
+        ranks = ", ".join(str(r) for r, b in enumerate(per_rank) if (b, extra[r]) == key)
+        x, (one, broadcast, target, draft) = key
+        sessions = f"{target / gib:.2f} / {draft / gib:.2f}" if draft else f"{target / gib:.2f}"
+        rows.append([ranks, f"{full / gib:.2f}", f"{x / gib:.2f}", f"{x / full:.3f}",
+                     f"{broadcast / gib:.2f}", f"{one / gib:.2f}", sessions])  # fmt: skip
+    head = ["engine ranks", "full broadcast GiB", "scatter GiB", "scatter / full",
+            "engine extra, broadcast GiB", "engine extra, scatter GiB",
+            "engine extra, sessions GiB (target / draft)"]  # fmt: skip
+    return title + "\n" + tabulate(rows, head)
+
+
+def _engine_extra(config: dict, layouts: list, scale_fmt: str | None) -> list[tuple[int, int, int, int]]:
+    """Per engine rank: its receiver's extra memory for a whole-model update in one stream (scatter),
+    the same from a full broadcast, and in vLLM's target and draft sessions (scatter; many senders
+    cut the same regions into segments)."""
+    from glm_fp8.engine.routes import FULL, transfer_plan
+    from glm_fp8.models import REST, model_layer_ids, mtp_layer_index
+    from glm_fp8.plan import plans_for_model
+
+    def plan_for(ids: list[int], engines: list):
+        return transfer_plan(config, plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt), ids,
+                             engines, [0])  # fmt: skip
+
+    mtp = mtp_layer_index(config)
+    whole, target = [*model_layer_ids(config), REST], [*model_layer_ids(config, mtp=False), REST]
+    scatter = [None, *layouts]
+    one, broadcast = plan_for(whole, scatter), plan_for(whole, [None, *[FULL] * len(layouts)])
+    tgt, drf = plan_for(target, scatter), plan_for([mtp], scatter) if mtp is not None else None
+    return [(one.receiver_bytes(r), broadcast.receiver_bytes(r), tgt.receiver_bytes(r),
+             drf.receiver_bytes(r, ring=1) if drf is not None else 0)
+            for r in range(1, len(layouts) + 1)]  # fmt: skip
 
 
 def _ranges(idx: list[int]) -> str:

@@ -314,7 +314,7 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     arrive while the consumer still reads a slot: a layer is handed out only once its own
     bytes landed, and a slot is received into only after the consumer's copies from it; the
     parameters outside the update (embeddings, norm, head) are left as they were."""
-    import glm_fp8.transfer.receiver as receiver_mod
+    import glm_fp8.transfer.land as land_mod
     from glm_fp8.engine import EngineLayout, engine_params
     from glm_fp8.models import TINY_GLM5
     from glm_fp8.testing import reference_engine_params
@@ -338,13 +338,13 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     for name, p in engine_params(config, layout).items():
         params[name] = torch.empty(p.shape, dtype=p.dtype, device="cuda")
         params[name].view(torch.uint8).fill_(0x5A)
-    land = receiver_mod.land_piece
+    land = land_mod.land_piece
 
     def slow_land(*args, **kwargs):
         torch.cuda._sleep(2_000_000)  # about a millisecond of GPU time before each piece lands
         land(*args, **kwargs)
 
-    monkeypatch.setattr(receiver_mod, "land_piece", slow_land)
+    monkeypatch.setattr(land_mod, "land_piece", slow_land)
     receiver.load_into(params)
     want = reference_engine_params(config, layout, list(range(n)))
     assert set(want) == {name for name in params if name.startswith("model.layers.")}

@@ -143,12 +143,16 @@ def test_plan_nodes(capsys):
 
 
 def test_plan_engine_bytes(capsys):
-    """GLM-5 into TP=8 or EP=8: every engine rank receives 90.28 of the 706.06 GiB in scatter mode."""
+    """GLM-5 into TP=8 or EP=8: every engine rank receives 90.28 of the 706.06 GiB in scatter mode;
+    its receiver takes 2 of its largest layer buffers above its parameters: 3.07 GiB in one update
+    (the MTP layer's 1.54 GiB the largest), 2.35 GiB in vLLM's target session and 1.54 GiB (one
+    buffer: one layer) in the draft session; 22.24 GiB from a full broadcast."""
     for extra in ([], ["--engine-ep"]):
         assert main(["plan", "--engine-tp", "8", *extra]) == 0
         out = capsys.readouterr().out
         assert "into 8 engine ranks (TP 8 x DP 1" in out
-        assert re.search(r"^0, 1, 2, 3, 4, 5, 6, 7\s+706\.06\s+90\.28\s+0\.128$", out, re.M), out
+        row = r"^0, 1, 2, 3, 4, 5, 6, 7\s+706\.06\s+90\.28\s+0\.128\s+22\.24\s+3\.07\s+2\.35 / 1\.54$"
+        assert re.search(row, out, re.M), out
 
 
 def test_plan_refuses_an_engine_layout_vllm_refuses(capsys):

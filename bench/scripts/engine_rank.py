@@ -108,7 +108,7 @@ def measure(args, ep: bool) -> list:
     engines = [None, *layouts]
     gen = torch.Generator(device=device).manual_seed(0)
     plan = plan_from_config(config, 0)
-    layer = {k: (torch.randn(shape, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    layer = {k: torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16).mul_(0.02)
              for k, (shape, _) in plan.inputs.items()}  # fmt: skip
     rec = SegmentRecorder(len(engines), me)
     sender = Broadcaster(rec, 0, config=config, layer_ids=[0], engines=engines, device=device)
@@ -116,9 +116,11 @@ def measure(args, ep: bool) -> list:
     (segment,) = rec.kept
     segment = segment.pin_memory() if device.type == "cuda" else segment
     targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
-    full = convert_layer_ref({k: v.cpu() for k, v in layer.items()}, 0, plan)
-    ref = {targets[k].name: take_shard(x, targets[k].shard).to(targets[k].dtype) for k, x in full.items()}
-    del rec, sender, layer
+    full = convert_layer_ref(layer, 0, plan)  # on the layer's device: the same bits, far faster
+    ref = {
+        targets[k].name: take_shard(x, targets[k].shard).to(targets[k].dtype).clone() for k, x in full.items()
+    }  # owned, so that the full reference is freed below
+    del rec, sender, layer, full
     if device.type == "cuda":
         torch.cuda.empty_cache()
     specs = {k: p for k, p in engine_params(config, layout).items() if k.startswith("model.layers.")}
@@ -142,7 +144,7 @@ def measure(args, ep: bool) -> list:
         runs.append((stats.seconds, t_link))
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
     predicted = receiver.routes.receiver_bytes(me, args.ring, device.type)
-    same = sum(torch.equal(params[k.replace(layer_prefix(0), layer_prefix(i), 1)].cpu().view(torch.uint8),
+    same = sum(torch.equal(params[k.replace(layer_prefix(0), layer_prefix(i), 1)].view(torch.uint8),
                            want.view(torch.uint8)) for k, want in ref.items() for i in range(n))  # fmt: skip
     total, t_link = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
     nbytes = segment.nbytes

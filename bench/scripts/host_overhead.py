@@ -65,8 +65,12 @@ def main() -> None:
         pieces.append([f"argument checks and planning, no launch, check_finite={check}", per_call_us(fn)])
     backends.LAUNCHERS.update(saved)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    pieces.append(["torch.zeros(1, int32) on the GPU (the flag, when it was per call)",
-                   per_call_us(lambda: torch.zeros_like(flag))])
+    pieces.append(
+        [
+            "torch.zeros(1, int32) on the GPU (the flag, when it was per call)",
+            per_call_us(lambda: torch.zeros_like(flag)),
+        ]
+    )
     pieces.append(["flag.item() (copy back + sync)", per_call_us(flag.item)])
     srcs, q, s = [w1, w3], out.w13, out.w13_scale_inv
     if "cuda" in gpu_backends:
@@ -77,8 +81,12 @@ def main() -> None:
         pieces.append(["one torch.ops.glm_fp8 call with the flag, then its read", per_call_us(op_read)])
     one_launch = lambda: launch_triton(srcs, q, s, False, None)  # noqa: E731
     pieces.append(["one Triton launch, direct", per_call_us(one_launch)])
-    pieces.append(["one Triton launch with the flag, direct",
-                   per_call_us(lambda: launch_triton(srcs, q, s, False, flag))])
+    pieces.append(
+        [
+            "one Triton launch with the flag, direct",
+            per_call_us(lambda: launch_triton(srcs, q, s, False, flag)),
+        ]
+    )
     launch_read = lambda: (launch_triton(srcs, q, s, False, flag), flag.item())  # noqa: E731
     pieces.append(["one Triton launch with the flag, then its read", per_call_us(launch_read)])
     direct, triton_launch._direct_launch = triton_launch._direct_launch, False

@@ -63,7 +63,8 @@ def _check_first_layer(sender: Broadcaster, kept: list, layer: dict) -> tuple[in
     """Layer 0's messages (after the prelude, the manifest and its header) against the reference
     conversion cut by each piece's shard and rows: (bytes checked, bytes that differ)."""
     lay, plan = sender.routes.layers[0], sender.plans[0]
-    ref = convert_layer_ref({k.removeprefix(layer_prefix(0)): t.cpu() for k, t in layer.items()}, 0, plan)
+    # The reference on the layer's device (bit-exact there as on the CPU, and far faster).
+    ref = convert_layer_ref({k.removeprefix(layer_prefix(0)): t for k, t in layer.items()}, 0, plan)
     msgs = iter(kept[3:])
     checked = differ = 0
     for seg in lay.of_sender(sender.me):
@@ -76,7 +77,7 @@ def _check_first_layer(sender: Broadcaster, kept: list, layer: dict) -> tuple[in
                     full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
                 pairs.append((take_shard(full, p.shard), p.view(got)))
             for want, have in pairs:
-                want, have = (x.contiguous().view(torch.uint8).flatten() for x in (want, have))
+                want, have = (x.cpu().contiguous().view(torch.uint8).flatten() for x in (want, have))
                 checked += want.numel()
                 differ += int((want != have).sum())
     return checked, differ
@@ -89,7 +90,7 @@ def measure(args, master: torch.dtype, t: int) -> list:
     config = {**base_cfg, "num_hidden_layers": n, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}
     plan = plan_from_config(config, 0)
     gen = torch.Generator(device=device).manual_seed(0)
-    layer = {layer_prefix(0) + k: (torch.randn(shape, device=device, generator=gen) * 0.02).to(master)
+    layer = {layer_prefix(0) + k: torch.randn(shape, device=device, generator=gen, dtype=master).mul_(0.02)
              for k, (shape, _) in plan.inputs.items()}  # fmt: skip
     stream = lambda: ((i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()})  # noqa: E731
                       for i in range(n))  # fmt: skip
@@ -104,8 +105,12 @@ def measure(args, master: torch.dtype, t: int) -> list:
         kw["senders"], size, src = list(range(args.senders)), args.senders + len(layouts), t
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    link = Recorder(src, size, keep_first=64)
+    link = Recorder(src, size)
     sender = Broadcaster(link, src, **kw)
+    lay0 = sender.routes.layers[0]  # keep the prelude, the manifest, layer 0's header and messages
+    link.keep_first = 3 + sum(
+        1 if lay0.groups[s.cls] else len(lay0.classes[s.cls]) for s in lay0.of_sender(sender.me)
+    )
     sender.broadcast_model(stream())  # warm-up (compiles); keeps layer 0's messages for the check
     checked, differ = _check_first_layer(sender, link.kept, layer)
     link.kept, link.keep_first = [], 0

@@ -1,6 +1,7 @@
 """A small workload for compute-sanitizer (memcheck, racecheck): every GPU backend on partial
 blocks, straddling sources, strided and misaligned views, 2-D and 3-D, both scale formats,
-and the non-finite flag. Exits non-zero if any result differs from the reference.
+and the non-finite flag; the message checksum's kernel. Exits non-zero if any result differs
+from the reference.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/scripts/sanitize.py [cuda] [triton]
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from glm_fp8 import NonFiniteError, available_backends, quantize_blockwise, quantize_experts
+from glm_fp8.kernels.checksum import checksum_torch
 from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
+from glm_fp8.transfer.wire import checksum_scratch, message_checksum
 
 
 def _cases(device: torch.device):
@@ -65,6 +68,14 @@ def main(only: list[str]) -> int:
         except NonFiniteError:
             pass
         print(f"{backend}: checked")
+    # The message checksum's kernel: partial last rows, one word, a view at an offset.
+    raw = torch.randint(0, 256, (8 * (2 * 4096 + 3) + 24,), dtype=torch.uint8, device=device)
+    for data in (raw[24:], raw[:8], raw[8 : 8 + 8 * 4096]):
+        got = int(message_checksum(data, checksum_scratch(data.numel(), device)))
+        if got != int(checksum_torch(data.view(torch.int64))):
+            failures += 1
+            print(f"FAIL checksum of {data.numel()} bytes")
+    print("checksum: checked")
     torch.cuda.synchronize()
     print(f"failures: {failures}")
     return int(failures > 0)

@@ -112,9 +112,13 @@ def sweep(
     rows = [[label, "copy", "", f"{statistics.median(copy_ms):.3f}", "1", ""]]
     for name in methods:
         cfg = CONFIGS.get(name)
-        what = "" if cfg is None else (
-            f"cb={cfg.cb_per_prog} warps={cfg.num_warps} maxnreg={cfg.maxnreg} "
-            f"signed={int(cfg.signed_quotient)}"
+        what = (
+            ""
+            if cfg is None
+            else (
+                f"cb={cfg.cb_per_prog} warps={cfg.num_warps} maxnreg={cfg.maxnreg} "
+                f"signed={int(cfg.signed_quotient)}"
+            )
         )
         sh = shares[name]
         rows.append([label, name, what, f"{statistics.median(ms[name]):.3f}", f"{statistics.median(sh):.3f}",

@@ -312,8 +312,12 @@ def transfer_plan(
     layers = []
     for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
         scatter, split, prefix = scatters[pos], splits[pos], layer_prefix(layer_idx)
+        # One sender broadcasts to a class of replicas (in the group of it and the class), and to a
+        # class that is every other rank of the link (the link itself, which any link can do).
         cls_groups = tuple(
-            tuple(sorted((senders[0], *ranks))) if n == 1 and groups and len(ranks) > 1 else None
+            tuple(sorted((senders[0], *ranks)))
+            if n == 1 and ((groups and len(ranks) > 1) or len(ranks) + 1 == len(engines))
+            else None
             for ranks in scatter.classes
         )
         segments, recv_nbytes = [], []

@@ -105,10 +105,11 @@ class TorchLink(Link):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
-        ops = [dist.P2POp(dist.isend, t, self.global_rank(r), self.group) for t, r in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.global_rank(r), self.group) for t, r in recvs]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        with _via_host(dist.get_backend(self.group) == "gloo", sends, recvs) as (sends, recvs):
+            ops = [dist.P2POp(dist.isend, t, self.global_rank(r), self.group) for t, r in sends]
+            ops += [dist.P2POp(dist.irecv, t, self.global_rank(r), self.group) for t, r in recvs]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
 
     def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         todo = [g for g in groups if len(g) < self.size and g not in self._groups]
@@ -200,9 +201,10 @@ class StoreLink(Link):
                 self.pg.recv([t], r, 0)
             self.pg._end_coalescing(device).wait()
             return
-        works = [self.pg.send([t], r, 0) for t, r in sends] + [self.pg.recv([t], r, 0) for t, r in recvs]
-        for work in works:
-            work.wait()
+        with _via_host(True, sends, recvs) as (sends, recvs):
+            works = [self.pg.send([t], r, 0) for t, r in sends] + [self.pg.recv([t], r, 0) for t, r in recvs]
+            for work in works:
+                work.wait()
 
     def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         for g in groups:
@@ -227,6 +229,28 @@ class StoreLink(Link):
             except Exception:  # noqa: BLE001 - tearing down a link that may already be broken
                 pass
         self._groups.clear()
+
+
+class _via_host:
+    """gloo moves CUDA tensors in collectives but not point to point: there, stage them through
+    host memory (tests and demos on one GPU; NCCL links move device memory directly)."""
+
+    def __init__(self, gloo: bool, sends: Sequence[Message], recvs: Sequence[Message]):
+        self.staged = gloo and any(t.is_cuda for t, _ in (*sends, *recvs))
+        self.sends, self.recvs = sends, recvs
+        if self.staged:
+            self.host_recvs = [(torch.empty(t.shape, dtype=t.dtype), r) for t, r in recvs]
+
+    def __enter__(self):
+        if not self.staged:
+            return self.sends, self.recvs
+        return [(t.cpu(), r) for t, r in self.sends], self.host_recvs
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        if self.staged and exc_type is None:
+            for (dst, _), (src, _) in zip(self.recvs, self.host_recvs):
+                dst.copy_(src)
+        return False
 
 
 class ObjectLink(Link):
