@@ -115,12 +115,15 @@ def measure(args, ep: bool) -> list:
     sender.broadcast_model([(0, layer)])
     (segment,) = rec.kept
     segment = segment.pin_memory() if device.type == "cuda" else segment
+    del rec, sender  # free the sender's rings before the reference's temporaries
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
     full = convert_layer_ref(layer, 0, plan)  # on the layer's device: the same bits, far faster
     ref = {
         targets[k].name: take_shard(x, targets[k].shard).to(targets[k].dtype).clone() for k, x in full.items()
     }  # owned, so that the full reference is freed below
-    del rec, sender, layer, full
+    del layer, full
     if device.type == "cuda":
         torch.cuda.empty_cache()
     specs = {k: p for k, p in engine_params(config, layout).items() if k.startswith("model.layers.")}

@@ -37,6 +37,8 @@ class Link:
     size: int = 1
     #: a single sender can broadcast to a class of several ranks in a group of its own
     groups_supported: bool = False
+    #: a stand-in whose other ranks do not exist: votes among the senders are this rank's own
+    stand_in: bool = False
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         raise NotImplementedError
@@ -299,6 +301,7 @@ class HostSinkComm(Link):
     receives nothing and votes alone. ``keep=True`` keeps a copy of every message for checking."""
 
     groups_supported = True  # a group broadcast is one copy, as it is one send on a real link
+    stand_in = True
 
     def __init__(self, keep: bool = False, rank: int = 0, size: int = 2):
         self.keep, self.rank, self.size = keep, rank, size

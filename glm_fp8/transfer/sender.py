@@ -249,7 +249,7 @@ class Broadcaster(Endpoint):
     def _senders_vote(self, err: BaseException | None) -> bool:
         """With several senders, their own vote before any gather (their group, not the whole link):
         True when another sender failed its checks, so that none waits in a gather for it."""
-        if len(self.senders) < 2:
+        if len(self.senders) < 2 or self.link.stand_in:
             return False
         flag = torch.tensor([int(err is not None)], dtype=torch.int64, device=self.device)
         self.link.group_all_reduce_max(flag, tuple(sorted(self.senders)))
