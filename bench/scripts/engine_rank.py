@@ -16,6 +16,7 @@ against the reference after the update. ``--device cpu --model tiny`` checks the
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -100,6 +101,7 @@ def _seconds(fn, device: torch.device) -> float:
 
 def measure(args, ep: bool) -> list:
     device = torch.device(args.device)
+    gc.collect()  # what an earlier row left must not count in this one's memory
     n = args.layers
     base = TINY_GLM5 if args.model == "tiny" else PRESETS["glm-5"]
     config = {**base, "num_hidden_layers": n, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}

@@ -18,6 +18,7 @@ whole); ``scatter``: one sender into ``--engines`` engines of TP ``--tp`` (EP wi
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -85,6 +86,7 @@ def _check_first_layer(sender: Broadcaster, kept: list, layer: dict) -> tuple[in
 
 def measure(args, master: torch.dtype, t: int) -> list:
     device = torch.device(args.device)
+    gc.collect()  # what an earlier row left must not count in this one's memory
     n = args.layers
     base_cfg = TINY_GLM5 if args.model == "tiny" else PRESETS["glm-5"]
     config = {**base_cfg, "num_hidden_layers": n, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}

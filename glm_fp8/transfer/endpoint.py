@@ -15,7 +15,7 @@ from glm_fp8.engine.pack import ShardPack
 from glm_fp8.engine.routes import FULL, TransferPlan, transfer_plan
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
-from glm_fp8.transfer.link import as_link
+from glm_fp8.transfer.link import Link, as_link
 from glm_fp8.transfer.wire import (
     COMPLETE,
     DATA,
@@ -98,14 +98,13 @@ class StepVotes:
     it queued the next step, so the link always has a layer to carry (a host read waits for that
     vote's copy only). Two in flight at most: step k's vote is read before step k + 2 is queued."""
 
-    def __init__(self, endpoint: Endpoint, device: torch.device):
+    def __init__(self, device: torch.device):
         cuda = device.type == "cuda"
-        self.endpoint = endpoint  # its link, read at each vote
         self.votes = torch.zeros(2, dtype=torch.int64, device=device)
         self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
 
-    def post(self, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
+    def post(self, link: Link, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
         """Queue step ``step``'s vote on the current stream: ``code`` (0: fine), raised to ``c`` for
         each ``(flag, c)`` whose device boolean ``flag`` is set (a check decided on the device),
         all-reduced MAX over the link."""
@@ -114,7 +113,7 @@ class StepVotes:
         buf.fill_(max(0, code))
         for flag, c in flags:
             torch.maximum(buf, flag.reshape(1).to(torch.int64) * c, out=buf)
-        self.endpoint.link.all_reduce_max(buf)
+        link.all_reduce_max(buf)
         self.host[i : i + 1].copy_(buf, non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
@@ -186,7 +185,7 @@ class Endpoint:
             self.config, self.plans, self.layer_ids, engines, senders, groups=self.link.groups_supported
         )
         self.senders = self.routes.senders
-        self.step_votes = StepVotes(self, self.device)
+        self.step_votes = StepVotes(self.device)
         self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._headers = self.header_table()
         self._payload: bytes | None = None

@@ -228,7 +228,7 @@ class Receiver(Endpoint):
                 flags = [(header_bad, refusal_code(REFUSED_HEADER, self.rank))]
                 flags += [(sum_bad, refusal_code(BAD_CHECKSUM, self.rank))] if sum_bad is not None else []
                 code = refusal_code(CONSUMER_FAILED, self.rank) if failure is not None else 0
-                self.step_votes.post(pos, code, flags)
+                self.step_votes.post(self.link, pos, code, flags)
         except Exception as exc:
             raise UpdateAborted(f"receiving {step_name(pos, self.layer_ids)} failed: {exc}") from exc
 

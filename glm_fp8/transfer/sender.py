@@ -318,7 +318,7 @@ class Broadcaster(Endpoint):
             self.link.broadcast(self._headers[pos] if self.rank == self.src else self._header_in, self.src)
             if pos < len(self.plans):
                 self._send_segments(pos)
-            self.step_votes.post(pos, code if failed is not None else 0, flags)
+            self.step_votes.post(self.link, pos, code if failed is not None else 0, flags)
 
     def _send_segments(self, pos: int) -> None:
         lay = self.routes.layers[pos]
