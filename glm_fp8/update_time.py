@@ -33,11 +33,13 @@ from glm_fp8.engine.routes import TransferPlan, transfer_plan
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, plans_for_model
 
-# Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-03):
-# total / max(convert, link) of the pipelined sender, 6 GLM-5 sparse layers, checksum on.
-PIPELINE_FACTOR = 1.04
-# One GLM-5 sparse layer (9.20 GiB of kernel format) converted from bf16 in 8.26 ms.
-CONVERT_SECONDS_PER_BYTE = 8.26e-3 / (9.20 * 2**30)
+# Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-04, protocol v3): total / link time of
+# one pipelined sender through the one-GPU stand-in link, 80 GLM-5 sparse layers: full broadcast
+# 1.0006-1.0012, scatter into TP 8 1.0023, many senders 1.0018-1.0063; the factor bounds them all.
+PIPELINE_FACTOR = 1.01
+# One GLM-5 sparse layer (9.20 GiB of kernel format) converted from bf16, checksum included, in
+# 10.28 ms (the full broadcast's conversion alone, 80 layers in 0.822 s).
+CONVERT_SECONDS_PER_BYTE = 10.28e-3 / (9.20 * 2**30)
 STRATEGIES = ("bf16 broadcast", "fp8 broadcast", "fp8 scatter", "fp8 many senders")
 
 

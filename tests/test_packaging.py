@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Import name -> distribution name, where the two differ (e.g. "yaml": "PyYAML"). None today.
@@ -24,7 +26,9 @@ IMPORT_TO_DIST: dict[str, str] = {}
 # Imported only lazily, inside a try/except or by an optional integration; not a requirement.
 #   vllm: the inference engine the weights are sent to; glm_fp8 only mirrors its layouts.
 #   tomli: this file's TOML parser on Python 3.10, used only when installed (else a regex).
-OPTIONAL = {"vllm", "tomli"}
+#   transformers: a model config in tests/test_vllm_backend_real.py, which runs only where vLLM
+#   (which requires it) is installed.
+OPTIONAL = {"vllm", "tomli", "transformers"}
 
 # Needed at run time although no file of ours imports them (the reason is the value).
 RUNTIME_WITHOUT_IMPORT = {
@@ -139,3 +143,20 @@ def test_the_fallback_parser_reads_the_same_requirements():
     rough = _regex_project_table(text)
     assert rough["dependencies"] == real["dependencies"]
     assert rough["optional-dependencies"]["test"] == real["optional-dependencies"]["test"]
+
+
+def test_vllm_loads_the_backend_through_a_general_plugins_entry_point():
+    """vLLM's workers build the "glm_fp8" engine from its registry, which only vLLM's plugin loader
+    fills there (``vllm.general_plugins``, called in every vLLM process): without this entry point
+    ``WeightTransferConfig(backend="glm_fp8")`` fails in the workers with "Invalid weight transfer
+    backend". tests/test_vllm_backend_real.py runs the loader where vLLM is installed."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        pytest.skip("needs tomllib (Python 3.11+)")
+    import glm_fp8.integrations.vllm as integ
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    plugins = project.get("entry-points", {}).get("vllm.general_plugins", {})
+    assert plugins == {"glm_fp8": "glm_fp8.integrations.vllm:register"}, plugins
+    assert callable(integ.register)

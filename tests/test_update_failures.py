@@ -311,5 +311,3 @@ def test_the_manifest_is_decoded_without_numpy(monkeypatch):
     assert decode_manifest(raw) == {"a": [1, "\u00e9"]}
     with pytest.raises(ManifestMismatch, match="not valid UTF-8 JSON"):
         decode_manifest(torch.tensor([0xFF, 0x7B], dtype=torch.uint8))
-
-

@@ -1,4 +1,4 @@
-"""One engine rank's share of a layer on the wire (scatter mode, docs/layouts.md#scatter-mode):
+"""One engine rank's share of a layer on the wire (docs/layouts.md#the-transfer-plan):
 the cut of every entry that the rank holds (``Shard`` without its zero padding rows), packed one
 after another into one region, and the classes of ranks that hold the same bytes (data-parallel
 replicas, EP ranks for replicated tensors) and so share one broadcast of that region.

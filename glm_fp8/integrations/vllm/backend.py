@@ -72,6 +72,14 @@ class GlmFp8WeightTransferEngine(WeightTransferEngine):
                     updater.config, updater.target, drafter, deepgemm_e8m0=is_deep_gemm_e8m0_used()
                 )
 
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's ``update_weights`` (parse, receive, synchronize), synchronizing only an accelerator:
+        the base class's ``torch.accelerator.synchronize()`` raises where there is none (vLLM's
+        ``CPUWorker``, a gloo link), after the update has landed."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.device(self.device).type != "cpu":
+            torch.accelerator.synchronize()
+
     def receive_weights(self, update_info: SyncUpdate) -> None:
         self.side.receive(update_info.to_dict())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -125,6 +126,16 @@ class TrainerSide:
         draft = opts.draft
         if draft == "auto":
             draft = "session" if self.source.mtp and hasattr(client, "start_draft_weight_update") else "none"
+            if self.source.mtp and draft == "none":
+                # vLLM's HTTP and Ray clients have no draft session: say so rather than leave the
+                # drafter on its old weights without a word.
+                warnings.warn(
+                    f"init_info.draft='auto': the source holds the MTP layer but "
+                    f"{type(client).__name__} has no start_draft_weight_update, so it is not sent; "
+                    "wrap AsyncLLM's start_draft_weight_update in the client, or pass draft='none' "
+                    "to silence this",
+                    stacklevel=2,
+                )
         if draft != "none" and not self.source.mtp:
             raise ValueError(
                 f"init_info.draft: {draft!r} sends the MTP layer, which the source does not hold"
