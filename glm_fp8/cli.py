@@ -1,4 +1,6 @@
-"""``glm-fp8``: command-line entry point."""
+"""``glm-fp8``: the command line of glm_fp8 (the ``main`` below is the installed script).
+
+DESCRIPTION is what ``glm-fp8 --help`` prints first; every option's help states its default."""
 
 from __future__ import annotations
 
@@ -157,8 +159,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  ("glm_fp8", est.glm_fp8))  # fmt: skip
         fits = lambda b: "yes" if resident + b / gib <= args.gpu_gib else "NO"  # noqa: E731
         table = [[name, f"{resident + b / gib:.1f}", fits(b)] for name, b in paths]
-        head = [f"path ({biggest[0]} layer)", "resident + peak GiB", f"fits {args.gpu_gib} GiB"]
+        head = [f"path ({biggest[0]} layer)", "resident + peak GiB", f"fits {args.gpu_gib:g} GiB"]
         print(tabulate(table, head))
+        print("fits: the fp32 master shards of the decoder layers plus one layer's conversion "
+              "peak only; optimizer state, gradients, activations, allocator cache not counted")  # fmt: skip
     if engine_table:
         print(engine_table)
     if args.trainer_gpus:
@@ -319,9 +323,118 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="glm-fp8", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+Fused block-FP8 weight updates from an RL trainer to a vLLM engine, for huge MoE models (GLM-5 and
+its family). Subcommands:
+  demo   a sender and receivers as local processes update a scaled-down GLM-5; every byte is
+         checked against the reference (gloo on a CPU, NCCL with 2 GPUs or more; no download)
+  plan   sizes, peak memory, wire bytes per engine rank and predicted update time of a model's
+         update (a preset or a config.json; no download, no GPU)
+  bench  the fused quantizer against a copy of the same bytes and the PyTorch reference
+Run `glm-fp8 <subcommand> --help` for its options. Python API and docs: README.md, docs/."""
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="glm-fp8", description=DESCRIPTION, formatter_class=raw)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench}")
+    d = sub.add_parser(
+        "demo",
+        help="update a scaled-down GLM-5 between local processes and check every byte",
+        description="Local processes: rank 0 converts a synthetic GLM-5 scaled down 24x (hidden 256, "
+        "11 experts) and sends it, layer by layer, pipelined; the others receive every layer and "
+        "compare each byte with the PyTorch reference. gloo on the CPU (the kernels then run in "
+        "Triton's interpreter), NCCL with 2 GPUs or more. Prints a per-layer table; exit code 0 "
+        "iff every byte matched.",
+    )
+    d.add_argument(
+        "--world", type=_int_at_least(2),
+        help="processes, >= 2: one sender and at least one receiver (default: 3 on a CPU, one per GPU "
+        "up to 4)",
+    )  # fmt: skip
+    d.add_argument("--layers", type=positive_int, default=4, help="layers; the first is dense (default: 4)")
+    d.add_argument(
+        "--ring", type=positive_int, default=2,
+        help="the sender's conversion buffers (1 serializes conversion and sending; receivers keep at "
+        "least 2) (default: 2)",
+    )  # fmt: skip
+    d.add_argument(
+        "--mode", choices=["fp8", "bf16"], default="fp8",
+        help="fp8: send kernel-format fp8 entries; bf16: send them unquantized, receivers quantize "
+        "(default: fp8)",
+    )  # fmt: skip
+    d.set_defaults(func=_demo)
+    p = sub.add_parser(
+        "plan",
+        help="sizes, memory, wire bytes and update time of a model's update (no download)",
+        description="The layer kinds of a model (dense / sparse MLP, with or without a DSA indexer as "
+        "the config's schedule says), how many layers of each, their kernel-format bytes and the "
+        "predicted peak transient memory of converting one: eager (prime-rl's path), a preallocated "
+        "stack, glm_fp8 (glm_fp8.memory.estimate_memory). With --nodes: whether the resident fp32 "
+        "master shards plus that peak fit a GPU. With --engine-tp: each engine rank's wire bytes and "
+        "extra memory per mode. With --trainer-gpus: the predicted time of a whole-model update per "
+        "strategy and the many senders' transfer plan (docs/update_time.md).",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model", default="glm-5",
+        help="an embedded preset: glm-5, glm-5.2, glm-4.5, deepseek-v3, deepseek-v3.2, kimi-k2, "
+        "qwen3-moe (default: glm-5)",
+    )  # fmt: skip
+    src.add_argument("--config", help="a Hugging Face config.json instead of a preset (default: none)")
+    p.add_argument(
+        "--target", choices=["hopper", "blackwell"], default="hopper",
+        help="hopper: float32 block scales; blackwell: UE8M0 scales packed for DeepGEMM SM100 "
+        "(default: hopper)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gather-dtype", choices=["bf16", "fp32"], default="bf16",
+        help="the dtype layers are gathered in before conversion, for the memory columns (default: bf16)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nodes", type=positive_int,
+        help="train nodes: also show whether resident fp32 master shards (decoder layers only) plus one "
+        "layer's conversion peak fit a GPU; optimizer state, activations and other buffers are not "
+        "counted (default: not shown)",
+    )  # fmt: skip
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per train node (default: 8)")
+    p.add_argument(
+        "--gpu-gib", type=positive_float, default=139.0,
+        help="usable memory per GPU, GiB, for --nodes (default: 139, an H200)",
+    )  # fmt: skip
+    p.add_argument("--entries", action="store_true", help="also list every entry with its offset")
+    p.add_argument(
+        "--engine-tp", type=positive_int,
+        help="vLLM tensor-parallel size: also show each engine rank's wire bytes of a whole-model "
+        "update (full broadcast against scatter) and its extra GPU memory during one (default: not shown)",
+    )  # fmt: skip
+    p.add_argument("--engine-dp", type=positive_int, default=1, help="vLLM data-parallel size (default: 1)")
+    p.add_argument(
+        "--engine-ep", action="store_true", help="vLLM --enable-expert-parallel (default: experts by MoE TP)"
+    )  # fmt: skip
+    p.add_argument(
+        "--scale-fmt", choices=["fp32", "ue8m0"],
+        help="block-scale format on the wire; ue8m0: powers of two, as DeepGEMM holds them (default: fp32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--trainer-gpus", type=positive_int,
+        help="also predict the time of a whole-model update per strategy (glm_fp8.update_time) from this "
+        "many trainer GPUs into --engines replicas of the --engine-* layout (default: not shown)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engines", type=positive_int, default=1, help="engine replicas, with --trainer-gpus (default: 1)"
+    )  # fmt: skip
+    p.add_argument(
+        "--link-gbps", type=positive_float, default=400.0,
+        help="network link per GPU, Gb/s, with --trainer-gpus (default: 400)",
+    )  # fmt: skip
+    p.add_argument(
+        "--experts-split", action="store_true",
+        help="the trainer's shards split experts (not Shard(0) on the expert dim): many senders must "
+        "gather them (default: whole experts per rank)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="with --trainer-gpus: print only the prediction, JSON")
+    p.set_defaults(func=_plan)
     b = sub.add_parser(
         "bench",
         help="time the fused quantizer against a copy of the same bytes and the reference",
@@ -329,82 +442,37 @@ def main(argv: list[str] | None = None) -> int:
         "measured in the same run, and peak transient memory. GLM-5 shapes on a GPU, small "
         "shapes on the CPU (Triton interpreter: the figures then show only that it runs).",
     )
-    b.add_argument("--shapes", choices=["auto", "glm5", "small"], default="auto")
-    b.add_argument("--case", action="append", help="run only cases whose name contains this")
+    b.add_argument(
+        "--shapes", choices=["auto", "glm5", "small"], default="auto",
+        help="auto: glm5 on a GPU, small on the CPU (default: auto)",
+    )  # fmt: skip
+    b.add_argument(
+        "--case", action="append", help="run only cases whose name contains this (repeatable; default: all)"
+    )  # fmt: skip
     b.add_argument(
         "--backend", action="append", choices=["triton", "cuda"],
         help="time only this fused backend (repeatable; default: every one available)",
     )  # fmt: skip
-    b.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    b.add_argument(
+        "--no-compile", action="store_true", help="skip torch.compile of the reference (on a GPU it is timed)"
+    )  # fmt: skip
     b.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     b.add_argument(
-        "--budget-ms", type=positive_float, default=1000.0, help="timing budget per method and round"
+        "--budget-ms", type=positive_float, default=1000.0,
+        help="timing budget per method and round, ms (default: 1000)",
     )  # fmt: skip
     b.add_argument(
         "--rounds", type=positive_int, default=1,
-        help="time the copy and every method in turn this many times; report medians (drift-proof ratios)",
+        help="time the copy and every method in turn this many times and report medians (default: 1)",
     )  # fmt: skip
     b.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    b.add_argument("--json", help="also write the rows to this JSON file")
+    b.add_argument("--json", help="also write the rows to this JSON file (default: none)")
     b.set_defaults(func=_bench)
-    d = sub.add_parser(
-        "demo",
-        help="broadcast a synthetic scaled-down GLM-5 from a sender to receivers and verify it",
-        description="Local processes: rank 0 converts and broadcasts, the others receive and "
-        "check every byte against the reference. gloo on the CPU, NCCL with >= 2 GPUs.",
-    )
-    d.add_argument(
-        "--world", type=_int_at_least(2),
-        help="processes, >= 2: one sender and at least one receiver (default: 3 on CPU, one per GPU up to 4)",
-    )  # fmt: skip
-    d.add_argument("--layers", type=positive_int, default=4, help="layers (the first is dense)")
-    d.add_argument("--ring", type=positive_int, default=2, help="layer buffers on each side")
-    d.add_argument("--mode", choices=["fp8", "bf16"], default="fp8")
-    d.set_defaults(func=_demo)
-    p = sub.add_parser(
-        "plan",
-        help="per-layer kernel-format sizes and predicted peak memory (no download)",
-        description="The layer kinds of a model (dense / sparse MLP, with or without a DSA indexer as "
-        "the config's schedule says), how many layers of each, their kernel-format bytes and the "
-        "predicted peak transient memory of converting one: eager (prime-rl), preallocated stack, "
-        "glm_fp8 (see glm_fp8.memory.estimate_memory for the model).",
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--model", default="glm-5",
-        help="an embedded preset (glm-5, glm-5.2, glm-4.5, deepseek-v3, deepseek-v3.2, kimi-k2, qwen3-moe)",
-    )  # fmt: skip
-    src.add_argument("--config", help="path to a Hugging Face config.json")
-    p.add_argument("--target", choices=["hopper", "blackwell"], default="hopper")
-    p.add_argument("--gather-dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--nodes", type=positive_int, help="train nodes: also show resident + peak per GPU")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8)
-    p.add_argument("--gpu-gib", type=positive_float, default=139.0, help="usable memory per GPU")
-    p.add_argument("--entries", action="store_true", help="list every entry with its offset")
-    p.add_argument(
-        "--engine-tp", type=positive_int,
-        help="vLLM tensor-parallel size: also show the wire bytes of a whole-model update per engine rank, "
-        "full broadcast against scatter",
-    )  # fmt: skip
-    p.add_argument("--engine-dp", type=positive_int, default=1, help="vLLM data-parallel size")
-    p.add_argument("--engine-ep", action="store_true", help="vLLM --enable-expert-parallel")
-    p.add_argument("--scale-fmt", choices=["fp32", "ue8m0"], help="block-scale format (ue8m0: DeepGEMM)")
-    p.add_argument(
-        "--trainer-gpus", type=positive_int,
-        help="also predict the time of a whole-model update per strategy (glm_fp8.update_time) into "
-        "--engines replicas of the --engine-* layout",
-    )  # fmt: skip
-    p.add_argument("--engines", type=positive_int, default=1, help="engine replicas (with --trainer-gpus)")
-    p.add_argument("--link-gbps", type=positive_float, default=400.0, help="link per GPU, Gb/s")
-    p.add_argument(
-        "--experts-split",
-        action="store_true",
-        help="the trainer's shards split experts (not Shard(0) on the expert dim): gather them too",
-    )
-    p.add_argument(
-        "--json", action="store_true", help="with --trainer-gpus: print the prediction as JSON only"
-    )
-    p.set_defaults(func=_plan)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, sub = _parser()
     args = parser.parse_args(argv)
     # Checks that need runtime knowledge (presets, files, cases, backends) report through the subparser.
     return args.func(args, sub.choices[args.command])

@@ -144,7 +144,8 @@ def reference_engine_params(
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous address)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -184,7 +185,7 @@ def launch(
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, backend, timeout_s, fn, args, queue), daemon=True)
         for r in range(world)

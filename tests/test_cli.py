@@ -1,6 +1,7 @@
 """``glm-fp8``: bad arguments are argparse errors (exit code 2, one ``error:`` line on stderr
 naming the option), never tracebacks or silent passes; the CPU bench prints no bandwidth."""
 
+import argparse
 import json
 import re
 
@@ -139,7 +140,35 @@ def test_plan_glm52_counts_layer_kinds(capsys, tmp_path):
 def test_plan_nodes(capsys):
     assert main(["plan", "--nodes", "2", "--gpus-per-node", "4", "--gpu-gib", "80"]) == 0
     out = capsys.readouterr().out
-    assert "(8 GPUs, layers only)" in out and "fits 80.0 GiB" in out
+    assert "(8 GPUs, layers only)" in out and "fits 80 GiB" in out
+    assert "fits: the fp32 master shards of the decoder layers plus one layer's conversion peak only" in out
+
+
+def test_help_describes_the_tool_and_every_option_with_its_default(capsys):
+    """``glm-fp8 --help`` says what the tool does and lists its subcommands; every option of every
+    subcommand has a help text, and each one with a value default states it."""
+    from glm_fp8.cli import _parser
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "weight updates from an RL trainer to a vLLM engine" in out
+    assert "entry point" not in out
+    for name in ("demo", "plan", "bench"):
+        assert f"\n  {name} " in out
+    _, sub = _parser()
+    for name, p in sub.choices.items():
+        assert p.description, name
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[0]
+            assert action.help, f"{name} {flag}: no help"
+            if action.default not in (None, False):
+                assert "(default: " in action.help or "(repeatable; default" in action.help, (
+                    f"{name} {flag}: the help does not state the default {action.default!r}"
+                )
 
 
 def test_plan_engine_bytes(capsys):

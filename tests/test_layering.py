@@ -119,3 +119,11 @@ def test_no_function_local_imports_of_the_package():
         if local:
             bad.append(f"{mod}: {sorted(local)}")
     assert not bad, "function-local glm_fp8 imports: " + "; ".join(bad)
+
+
+def test_transfer_modules_stay_readable():
+    """One module per concern in glm_fp8/transfer, none past 400 lines: the protocol is read whole
+    by whoever debugs a hang, and a module that grows past that has taken a second concern."""
+    long = {p.name: n for p in (PACKAGE / "transfer").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}  # fmt: skip
+    assert not long, long

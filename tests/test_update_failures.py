@@ -189,12 +189,15 @@ def _params_rank(rank, world, problem):
         del params[name]
     if rank == 1 and problem == "shape":
         params[name] = params[name][:, :-1]
+    if rank == 1 and problem == "shared":  # two names bound to one tensor
+        params[norm] = params["model.layers.1.post_attention_layernorm.weight"]
     Receiver(None, 0, config=CONFIG, device="cpu").load_into(params)
     return _untouched(params)
 
 
 @pytest.mark.parametrize("problem, says", [("missing", "missing"), ("shape", "expected"),
-                                           ("requires_grad", "requires grad")])  # fmt: skip
+                                           ("requires_grad", "requires grad"),
+                                           ("shared", "shares memory")])  # fmt: skip
 def test_a_receiver_refusing_its_params_stops_every_rank_before_any_layer(problem, says):
     t0 = time.monotonic()
     results = launch(3, _params_rank, (problem,), timeout_s=PG_TIMEOUT)

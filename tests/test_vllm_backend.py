@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from glm_fp8.models import REST, TINY_GLM5
-from glm_fp8.testing import _free_port, launch, synthetic_layer
+from glm_fp8.testing import free_port, launch, synthetic_layer
 
 NO_MTP = {**TINY_GLM5, "num_nextn_predict_layers": 0}
 MTP = TINY_GLM5["num_hidden_layers"]
@@ -275,7 +275,7 @@ def _run(trainers, case, **opts):
     ctx = mp.get_context("spawn")
     engines = len(_layouts(case))
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
-    return launch(trainers + engines, _rank, (trainers, _free_port(), boxes, case, opts), timeout_s=120)
+    return launch(trainers + engines, _rank, (trainers, free_port(), boxes, case, opts), timeout_s=120)
 
 
 def _landed(results, trainers):
@@ -349,3 +349,34 @@ def test_a_worker_that_cannot_take_part_stops_every_rank_at_init():
     assert "enable_eplb" in results[0][1], results[0]
     assert any("engine rank 2 refused" in m for m in results[1][1]["log"]), results[1]  # its init raised too
     assert any("EngineNotSupported" in m for m in results[2][1]), results[2]  # the refusing worker's own
+
+
+class _NoDraftClient:
+    """vLLM's HTTP and Ray clients: the four methods, no draft session."""
+
+    def init_weight_transfer_engine(self, init_info): ...
+    def start_weight_update(self): ...
+    def update_weights(self, update_info): ...
+    def finish_weight_update(self, weight_version=None): ...
+
+
+def test_auto_draft_says_so_when_the_client_cannot_send_the_mtp_layer():
+    """draft='auto' with a source that holds the MTP layer and a client without
+    ``start_draft_weight_update`` sends the target only, and warns, so that a drafter left on its
+    old weights is not a surprise; draft='none' is silent."""
+    import warnings
+
+    from glm_fp8.integrations.vllm import LayerSource
+    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+
+    source = LayerSource(layers=lambda ids: iter(()), mtp=True)
+    opts = dict(master_address="127.0.0.1", master_port=1, engine_ranks=1, config=TINY_GLM5, rank=0)
+    with pytest.warns(UserWarning, match=r"_NoDraftClient has no start_draft_weight_update"):
+        side = TrainerSide(TrainerOptions(**opts), _NoDraftClient(), source, torch.device("cpu"))
+    assert side.init.draft == "none" and side.sessions() == ["target"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        side = TrainerSide(
+            TrainerOptions(**opts, draft="none"), _NoDraftClient(), source, torch.device("cpu")
+        )
+    assert side.sessions() == ["target"]

@@ -43,7 +43,7 @@ if not vllm.__version__.startswith("0.34."):
 from test_vllm_backend import MTP, NO_MTP, QueueClient, _layouts, _module_params  # noqa: E402
 
 from glm_fp8.models import REST, TINY_GLM5  # noqa: E402
-from glm_fp8.testing import _free_port, launch, synthetic_layer  # noqa: E402
+from glm_fp8.testing import free_port, launch, synthetic_layer  # noqa: E402
 
 BACKEND = "glm_fp8"
 
@@ -465,7 +465,7 @@ def _run(trainers, case, **opts):
     ctx = mp.get_context("spawn")
     engines = len(_layouts(case))
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
-    return launch(trainers + engines, _rank, (trainers, _free_port(), boxes, case, opts), timeout_s=150)
+    return launch(trainers + engines, _rank, (trainers, free_port(), boxes, case, opts), timeout_s=150)
 
 
 def _landed(results, trainers, steps=2):

@@ -4,6 +4,7 @@ vote and the step votes (protocol: ``glm_fp8.transfer.wire``)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -271,15 +272,6 @@ class Endpoint:
         except Exception as exc:
             raise UpdateAborted(f"the link failed during a vote: {exc}") from exc
 
-    def settle(self, refused: Exception | None, reason: int, context: str) -> None:
-        """One vote: this rank refuses for ``reason`` when ``refused`` holds its error (then raises
-        it); raises ``UpdateAborted`` naming another rank's refusal; returns when all voted 0."""
-        verdict = self.vote(refusal_code(reason, self.rank) if refused is not None else 0)
-        if refused is not None:
-            raise refused
-        if verdict:
-            raise UpdateAborted(f"{describe_refusal(verdict)}{context}")
-
     def agree(self, check: Callable[[bytes], tuple[Exception | None, int]], max_bytes: int) -> None:
         """The prelude and the manifest from the leader, each followed by a vote; ``check(payload)``
         returns this rank's refusal of the leader's manifest (``(None, 0)`` when it agrees; the
@@ -383,20 +375,9 @@ def my_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class on_stream:
-    """``torch.cuda.stream(s)`` when ``s`` is a stream, a no-op on the CPU."""
-
-    def __init__(self, stream):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
-        return False
+def on_stream(stream: torch.cuda.Stream | None):
+    """``torch.cuda.stream(stream)``, or a no-op on the CPU (``stream`` None)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -89,10 +89,10 @@ def check_params(
 ) -> None:
     """Every expected parameter is in ``params`` with its dtype, shape and device, needs no grad,
     has no element that aliases another (a stride-0 ``expand()`` view) and shares no byte with
-    another expected parameter (two names bound to one tensor, overlapping views), except each
-    ``aliases`` name of the update, which must be the very tensor of the name it maps to (vLLM's
-    MTP drafter holds the target's ``lm_head`` as its ``shared_head.head``) and is not written. Raises the
-    first problem, naming the parameter."""
+    another expected parameter (two names bound to one tensor, overlapping or interleaved views:
+    byte spans are compared), except each ``aliases`` name of the update, which must be the very
+    tensor of the name it maps to (vLLM's MTP drafter holds the target's ``lm_head`` as its
+    ``shared_head.head``) and is not written. Raises the first problem, naming the parameter."""
     names = {e.name for e in expected}
     for alias, target in aliases.items():
         if alias not in names:
@@ -112,8 +112,9 @@ def check_params(
     for (lo, hi, name), (olo, ohi, other) in zip(spans, spans[1:]):
         if olo < hi:
             raise ValueError(
-                f"params[{other!r}]: shares memory with params[{name!r}]; each parameter an update "
-                "writes must be its own tensor (declare a tensor held under two names in aliases=)"
+                f"params[{other!r}]: shares memory with params[{name!r}] (their byte spans overlap); "
+                "each parameter an update writes must be its own tensor (declare a tensor held under "
+                "two names in aliases=)"
             )
         del lo, ohi
 

@@ -1,0 +1,46 @@
+"""The standalone benchmark scripts whose figures bench/RESULTS.md quotes still run, on a tiny
+model on the CPU (``--device cpu --model tiny``), and their own byte checks pass: the sender's
+first layer against the reference, the engine rank's every parameter. Nothing here is timed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, *args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "scripts" / script), "--device", "cpu",
+                           "--model", "tiny", *args], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--mode", "broadcast"),
+        ("--mode", "scatter", "--tp", "2"),
+        ("--mode", "senders", "--tp", "2", "--ep", "--senders", "2", "--master", "bf16", "fp32"),
+    ],
+)
+def test_pipeline_script_checks_its_bytes(args):
+    out = _run("pipeline.py", "--layers", "2", "--repeats", "1", *args)
+    checks = re.findall(r"\b(\d+)/(\d+)\s", out)
+    assert checks, out
+    assert all(int(checked) > 0 and int(differ) == 0 for checked, differ in checks), out
+
+
+def test_engine_rank_script_lands_every_parameter():
+    out = _run("engine_rank.py", "--layers", "2", "--tp", "2")
+    rows = re.findall(r"\b(\d+)/(\d+)\s*$", out, flags=re.M)
+    assert len(rows) == 2, out  # TP and EP
+    assert all(int(a) == int(b) > 0 for a, b in rows), out
