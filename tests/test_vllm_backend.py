@@ -380,3 +380,23 @@ def test_auto_draft_says_so_when_the_client_cannot_send_the_mtp_layer():
             TrainerOptions(**opts, draft="none"), _NoDraftClient(), source, torch.device("cpu")
         )
     assert side.sessions() == ["target"]
+
+
+def test_worker_link_index_is_the_workers_place_in_vllms_world():
+    """Each worker of a TP 2 x DP 2 engine gets link index dp * 2 + tp_rank, under vLLM's executors
+    (``rank`` within the replica, ``world_size`` = TP x PP) and under ``external_launcher``
+    (``rank`` = torchrun's global RANK, ``world_size`` spanning the replicas)."""
+    from types import SimpleNamespace
+
+    from glm_fp8.integrations.vllm.worker import worker_index
+
+    def pc(backend: str, dp: int, world_size: int, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            distributed_executor_backend=backend, data_parallel_index=dp, world_size=world_size, rank=rank
+        )
+
+    for dp in range(2):
+        for tp in range(2):
+            want = dp * 2 + tp
+            assert worker_index(pc("mp", dp, 2, tp)) == want
+            assert worker_index(pc("external_launcher", dp, 4, want)) == want

@@ -1,18 +1,20 @@
 """An update through the backend lands in vLLM 0.34's own GLM-5 model exactly as vLLM's own
 ``load_weights`` loads the same weights (skipped without vLLM 0.34).
 
-Invariant: on every engine rank (TP 2, and EP 2), every parameter of vLLM's ``GlmMoeDsaForCausalLM``
-(the class a GPU engine builds: ``vllm/models/deepseek_v32/nvidia/model.py``, its layers, fused-MoE
-and block-FP8 linear parameters, in vLLM's TP / EP shards), after a glm_fp8 update and vLLM's
-post-reload hooks, holds the bytes that vLLM's ``load_weights`` of the same weights in a block-FP8
-checkpoint (per-expert names, ``weight_scale_inv``) followed by the same hooks gives it; in every
-transfer mode. So does every parameter of vLLM's MTP drafter (``DeepseekV32MTP``, built by vLLM's
-``load_eagle_model``, which makes its embedding and head the target's) after vLLM's draft session.
-Both models start poisoned (NaN / 0xFF), so a byte either path leaves unwritten shows as a
-difference unless both leave it (vLLM's vocabulary padding). And glm_fp8's ``engine_param_specs``
-for the rank's layout lists exactly the names, shapes and dtypes of the parameters vLLM built.
+Invariant: on every engine rank (TP 2, EP 2, and TP 2 x DP 2), every parameter of vLLM's
+``GlmMoeDsaForCausalLM`` (the class a GPU engine builds: ``vllm/models/deepseek_v32/nvidia/``; its
+layers, fused-MoE and block-FP8 linear parameters, in vLLM's TP / EP shards), after a glm_fp8
+update and vLLM's post-reload hooks, holds the bytes that vLLM's ``load_weights`` of the same
+weights as a block-FP8 checkpoint (per-expert names, ``weight_scale_inv``) followed by the same
+hooks gives it, in every transfer mode. So does every parameter of vLLM's MTP drafter
+(``DeepseekV32MTP``, built by vLLM's ``load_eagle_model``, which makes its embedding and head the
+target's) after vLLM's draft session. Both models start poisoned (NaN / 0xFF), so a byte either
+path leaves unwritten shows as a difference unless both leave it (vLLM's vocabulary padding). And
+glm_fp8's ``engine_param_specs`` for the rank's layout lists exactly the names, shapes and dtypes
+of the parameters vLLM built.
 
-Real: vLLM's model classes, layers, weight loaders, parallel groups (gloo over the engine ranks),
+Real: vLLM's model classes, layers, weight loaders, parallel groups (gloo over the engine ranks;
+DP replicas in one world under ``external_launcher``, as torchrun starts them),
 ``VllmConfig`` / ``ModelConfig`` from a config.json, weight-transfer factories; glm_fp8's backend.
 Stood in: the CUDA platform (tests/vllm_standin.py: a Hopper that allocates on the CPU, compiled
 extensions that import but never run), the RPC (queues, tests/test_vllm_backend.py's QueueClient).
@@ -85,10 +87,15 @@ def _vllm_config(tmp: str, config: dict, layout):
         WeightTransferConfig,
     )
 
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f)
     model = ModelConfig(model=tmp, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
-    parallel = ParallelConfig(tensor_parallel_size=layout.tp_size, enable_expert_parallel=layout.ep_size > 1)
+    parallel = ParallelConfig(
+        tensor_parallel_size=layout.tp_size,
+        data_parallel_size=layout.dp_size,
+        data_parallel_rank=layout.dp_rank,
+        enable_expert_parallel=layout.ep_size > 1,
+        # every rank launched by the test, as torchrun does: one world over the DP replicas
+        distributed_executor_backend="external_launcher" if layout.dp_size > 1 else None,
+    )
     spec = None
     if config["num_nextn_predict_layers"]:
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model,
@@ -170,7 +177,7 @@ def _trainer(rank, world, trainers, port, boxes, config, mode):
                          rest=lambda: synthetic_layer(config, REST, torch.bfloat16, "hf"),
                          mtp=bool(config["num_nextn_predict_layers"]), experts_whole=True)  # fmt: skip
     info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=world - trainers, config=config, mode=mode,
-                                 trainer_ranks=trainers, timeout_s=60, rank=rank)  # fmt: skip
+                                 trainer_ranks=trainers, timeout_s=120, rank=rank)  # fmt: skip
     try:
         client = QueueClient(boxes) if rank == 0 else None
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
@@ -198,9 +205,10 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp):
     layout = _layouts(case)[r]
     dist.destroy_process_group()  # the launcher's group spans the trainer too; vLLM's spans its workers
     # Two engines, each with its own config: a config registers the attention layers of one model.
+    os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(engines))  # what torchrun sets
     configs = [_vllm_config(tmp, config, layout) for _ in range(2)]
     for c in configs:
-        c.parallel_config.rank = r
+        c.parallel_config.rank = r  # what vLLM's WorkerBase sets: the global RANK under torchrun
     with set_current_vllm_config(configs[0]):
         parallel_state.init_distributed_environment(engines, r, f"tcp://127.0.0.1:{vllm_port}", r, "gloo")
         parallel_state.initialize_model_parallel(layout.tp_size, 1)
@@ -243,21 +251,25 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp):
         (1, "ep2", "scatter", False),
         (2, "ep2", "senders", False),
         (1, "tp2", "scatter", True),
+        (1, "tp2xdp2", "scatter", False),
     ],
 )
 def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(trainers, case, mode, mtp, tmp_path):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
+    engines = 4 if case == "tp2xdp2" else 2
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:  # written once, read by every engine rank
+        json.dump({**CONFIG, "num_nextn_predict_layers": int(mtp)}, f)
     args = (trainers, free_port(), free_port(), boxes, case, mode, mtp, str(tmp_path))
-    results = launch(trainers + 2, _rank, args, timeout_s=240)
+    results = launch(trainers + engines, _rank, args, timeout_s=240)
     for r, (status, out) in results.items():
         assert status == "ok", (r, status, out)
     sessions = ["target", "draft"] if mtp else ["target"]
     for t in range(trainers):
         assert results[t][1] == (mode, sessions), results[t]
-    for r in range(trainers, trainers + 2):
+    for r in range(trainers, trainers + engines):
         out = results[r][1]
         assert out["log"] == [] and out["updater_layout"], out
         assert out["spec_mismatch"] == [], out  # glm_fp8's engine layout is vLLM's, name by name

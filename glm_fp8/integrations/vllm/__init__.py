@@ -28,7 +28,7 @@ from glm_fp8.integrations.vllm.engine import (
     layout_from_parallel_config,
 )
 from glm_fp8.integrations.vllm.sources import LayerSource
-from glm_fp8.integrations.vllm.worker import WorkerSide
+from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
 
 BACKEND = "glm_fp8"
 _BACKEND_MODULE = "glm_fp8.integrations.vllm.backend"
@@ -137,7 +137,7 @@ class GlmFp8WorkerExtension:
             pc = self.vllm_config.parallel_config
             side = self._glm_fp8_state = WorkerSide(
                 lambda: vllm_updater(self.vllm_config, runner.get_model(), drafter),
-                lambda senders: senders + int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank),
+                lambda senders: senders + worker_index(pc),
                 has_drafter=drafter is not None,
                 device=torch.device(self.device),
             )

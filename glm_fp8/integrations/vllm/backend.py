@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
 from glm_fp8.integrations.vllm import engine_postload_plan, register, vllm_updater
 from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
 from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
-from glm_fp8.integrations.vllm.worker import WorkerSide
+from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
 
 
 class GlmFp8WeightTransferEngine(WeightTransferEngine):
@@ -45,7 +45,7 @@ class GlmFp8WeightTransferEngine(WeightTransferEngine):
         pc = self.parallel_config
         self.side = WorkerSide(
             lambda: vllm_updater(vllm_config, self._default_model, None),
-            lambda senders: senders + int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank),
+            lambda senders: senders + worker_index(pc),
             has_drafter=spec is not None and getattr(spec, "draft_model_config", None) is not None,
             device=torch.device(device),
         )

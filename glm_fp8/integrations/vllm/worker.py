@@ -28,6 +28,19 @@ from glm_fp8.integrations.vllm.sync import (
 from glm_fp8.transfer.link import StoreLink
 
 
+def worker_index(parallel_config: object) -> int:
+    """This worker's index among the engine's workers, in vLLM's world order (``dp * T + rank``,
+    ``T`` = TP x PP): its link rank after the senders. vLLM's own NCCL backend computes
+    ``data_parallel_index * world_size + rank`` (``nccl_common.py::_worker_group_rank``), which
+    is this with vLLM's executors; under ``external_launcher`` (torchrun starts every rank) vLLM
+    makes ``world_size`` span the DP replicas and ``rank`` the global ``RANK`` already
+    (``config/parallel.py``, ``worker_base.py``), so the rank alone is the index."""
+    pc = parallel_config
+    if getattr(pc, "distributed_executor_backend", None) == "external_launcher":
+        return int(pc.rank)
+    return int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
+
+
 class WorkerSide:
     """One engine worker's end of the backend.
 
@@ -146,4 +159,4 @@ class WorkerSide:
             self.updater._receivers.clear()
 
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "worker_index"]
