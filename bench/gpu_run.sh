@@ -55,8 +55,10 @@ if [ "${HOST:-0}" = 1 ]; then python3 bench/scripts/host_overhead.py 2>&1 | tee 
 if [ "${GATHER:-1}" = 1 ]; then python3 bench/scripts/gather.py 2>&1 | tee "$LOG/gather.txt" | tail -8; fi
 if [ "${PIPELINE:-1}" = 1 ]; then
   L=${PIPELINE_LAYERS:-80}
-  { python3 bench/scripts/pipeline.py --mode broadcast --layers $L --repeats 2
-    python3 bench/scripts/pipeline.py --mode scatter --layers $L --tp 8 --repeats 2
+  # The whole-layer modes skip layer 0's byte check: its reference (~50 GiB) does not fit beside
+  # the rings; bench/scripts/pipeline.py --device cpu checks those modes' bytes (CI).
+  { python3 bench/scripts/pipeline.py --mode broadcast --layers $L --repeats 2 --no-check
+    python3 bench/scripts/pipeline.py --mode scatter --layers $L --tp 8 --repeats 1 --no-check
     python3 bench/scripts/pipeline.py --mode senders --layers $L --tp 8 --ep --engines 4 --senders 32 \
       --sender 0 1 --master bf16 fp32 --repeats 2; } 2>&1 | tee "$LOG/pipeline.txt" | grep -v '^---'
 fi
