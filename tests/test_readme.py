@@ -30,7 +30,7 @@ def test_runnable_blocks_are_the_examples_ci_runs():
 
 def test_every_example_is_named_in_the_readme():
     for example in sorted((ROOT / "examples").glob("*.py")):
-        assert f"{example.name}" in README, f"examples/{example.name} is not in README.md"
+        assert example.name in README, f"examples/{example.name} is not in README.md"
 
 
 def test_ci_runs_every_example():
