@@ -35,8 +35,10 @@ def rank_main(rank: int, port: int) -> None:
         layers = ((i, sharded_layer(CONFIG, i, mesh)) for i in IDS)
         sender = Broadcaster(None, 0, **kw)
         stats = sender.broadcast_model(layers, rest=sharded_layer(CONFIG, REST, mesh))
-        mine = sender.routes.sent_bytes()[sender.me]
-        print(f"trainer rank {rank}: sent {mine / 2**20:.2f} MiB; whole model {stats.nbytes / 2**20:.2f} MiB")
+        whole = sum(layer.layer_nbytes for layer in stats.layers)
+        print(
+            f"trainer rank {rank}: sent {stats.nbytes / 2**20:.2f} MiB; whole model {whole / 2**20:.2f} MiB"
+        )
     else:
         layout = ENGINE[rank - TRAINERS]
         params = {n: torch.empty(shape, dtype=dtype)

@@ -9,6 +9,28 @@ import torch
 from glm_fp8.numerics import INPUT_DTYPES, SCALE_FMTS
 
 
+def check_int(name: str, value: object, lo: int, hi: int | None = None, why: str = "") -> int:
+    """``value`` as an int in ``[lo, hi]`` (``hi`` None: no upper bound), else a ValueError naming
+    ``name``. Integral types only (numpy and torch integer scalars too): a float, even 2.0, a bool or
+    a string is refused, never truncated or parsed."""
+    import operator
+
+    if isinstance(value, bool) or isinstance(value, float):
+        ok = False
+    else:
+        try:
+            value = operator.index(value)
+            ok = True
+        except TypeError:
+            ok = False
+    bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    if not ok:
+        raise ValueError(f"{name}: expected {bound}{why}, got {value!r} ({type(value).__name__})")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}: expected {bound}{why}, got {value}")
+    return value
+
+
 def check_scale_fmt(scale_fmt: str) -> None:
     if scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
@@ -175,3 +197,22 @@ def check_aligned(name: str, t: torch.Tensor, align: int, why: str) -> None:
             f"{name}: expected a buffer aligned to {align} bytes within its storage ({why}), got "
             f"byte offset {offset} from a storage at {address - offset:#x}"
         )
+
+
+# A week: longer than any link or rendezvous wait, and well inside what ``datetime.timedelta`` and
+# the stores' millisecond timeouts hold (inf or 1e300 seconds would overflow them in C++).
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+def check_seconds(name: str, value: object, hi: float = MAX_SECONDS) -> float:
+    """``value`` as a duration in seconds: a real number (int or float; not a bool, a string or
+    NaN) in ``(0, hi]``, else a ValueError naming ``name``."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"{name}: expected seconds (a number in (0, {hi:g}]), got {value!r} ({type(value).__name__})"
+        )
+    if not (math.isfinite(value) and 0 < value <= hi):
+        raise ValueError(f"{name}: expected seconds in (0, {hi:g}], got {value!r}")
+    return float(value)

@@ -22,7 +22,7 @@ LAYERS = [
     ["quantize"],
     ["convert", "memory", "engine.layout"],
     ["transfer.wire", "transfer.link", "engine.specs", "engine.pack"],
-    ["engine.routes", "transfer.land"],
+    ["engine.routes", "transfer.land", "transfer.votes", "transfer.trainer_input"],
     ["transfer.endpoint", "engine.postload"],
     ["transfer.gather"],
     ["transfer.share"],
@@ -40,6 +40,7 @@ LAYERS = [
     ["integrations.vllm.worker", "integrations.vllm.trainer"],
     ["integrations.vllm"],
     ["integrations.vllm.backend", "update_time"],
+    ["planning"],
     ["bench", "demo"],
     ["cli", "__init__"],
 ]

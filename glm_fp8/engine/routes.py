@@ -111,6 +111,13 @@ class LayerRoutes:
         """Where sender ``t``'s rows of each split entry begin (``ShardPack.pack_into``)."""
         return {name: bounds[t][0] for name, bounds in self.splits.items()}
 
+    def sent_nbytes(self, t: int) -> int:
+        """Bytes sender ``t`` puts on the link for this layer: a point-to-point segment once per
+        rank of its class, a group broadcast once."""
+        return sum(
+            s.nbytes * (1 if self.groups[s.cls] else len(self.classes[s.cls])) for s in self.of_sender(t)
+        )
+
     @property
     def wire_nbytes(self) -> int:
         """Every segment once: the layer's distinct bytes on the wire (its header's count)."""
@@ -142,11 +149,7 @@ class TransferPlan:
     def sent_bytes(self) -> list[int]:
         """Bytes each sender sends in a whole update (a point-to-point segment once per rank of its
         class, a group broadcast once)."""
-        out = [0] * len(self.senders)
-        for lay in self.layers:
-            for s in lay.segments:
-                out[s.sender] += s.nbytes * (1 if lay.groups[s.cls] else len(lay.classes[s.cls]))
-        return out
+        return [sum(lay.sent_nbytes(t) for lay in self.layers) for t in range(len(self.senders))]
 
     def received_bytes(self) -> dict[int, int]:
         """Bytes each engine rank (link rank) receives in a whole update."""
@@ -262,6 +265,34 @@ def check_engines(engines: Sequence[EngineLayout | str | None], senders: Sequenc
             f"engines: no rank of the link receives (every one of its {len(engines)} ranks is a "
             f"sender: {list(senders)})"
         )
+    check_replicas(engines)
+
+
+def check_replicas(engines: Sequence[EngineLayout | str | None]) -> None:
+    """The engine layouts taken as a whole: the ranks of one parallel shape (TP, EP, DP sizes) form
+    whole replicas, every position (tp_rank, dp_rank) held by the same number of ranks, so that
+    each replica holds every shard exactly once. Two workers that both report TP rank 0 of a TP 2
+    engine (and none rank 1) are refused here, naming them, before any byte moves."""
+    shapes: dict[tuple, dict[tuple[int, int], list[int]]] = {}
+    for r, lay in enumerate(engines):
+        if isinstance(lay, EngineLayout):
+            key = (lay.tp_size, lay.ep_size, lay.dp_size, lay.sequence_parallel_moe)
+            shapes.setdefault(key, {}).setdefault((lay.tp_rank, lay.dp_rank), []).append(r)
+    for (tp, ep, dp, _), held in shapes.items():
+        copies = max(len(ranks) for ranks in held.values())
+        for tp_rank in range(tp):
+            for dp_rank in range(dp):
+                ranks = held.get((tp_rank, dp_rank), [])
+                if len(ranks) == copies:
+                    continue
+                crowded = next(pos for pos, rs in held.items() if len(rs) == copies)
+                raise ValueError(
+                    f"engines: the layouts of TP {tp} x DP {dp}{' with EP' if ep > 1 else ''} do not form "
+                    f"whole replicas: tp_rank {tp_rank}, dp_rank {dp_rank} is held by "
+                    f"{'ranks ' + str(ranks) if ranks else 'no rank'}, tp_rank {crowded[0]}, dp_rank "
+                    f"{crowded[1]} by ranks {held[crowded]}; each replica's ranks must report every "
+                    "position exactly once (check each worker's tp_rank / dp_rank)"
+                )
 
 
 def transfer_plan(

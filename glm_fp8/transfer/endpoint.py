@@ -5,18 +5,26 @@ vote and the step votes (protocol: ``glm_fp8.transfer.wire``)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from glm_fp8._checks import check_int
+from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.pack import ShardPack
 from glm_fp8.engine.routes import FULL, TransferPlan, transfer_plan
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
-from glm_fp8.transfer.link import Link, as_link
+from glm_fp8.transfer.link import as_link
+from glm_fp8.transfer.votes import (
+    StepVotes,
+    _bytes_of,
+    default_device,
+    explain_refusal,
+    resolve_device,
+)
 from glm_fp8.transfer.wire import (
     COMPLETE,
     DATA,
@@ -34,23 +42,38 @@ from glm_fp8.transfer.wire import (
 )
 
 MODES = ("fp8", "bf16")
+# Ring slots: 2 overlap conversion (or arrival) with the wire; more only cost memory. The bound keeps
+# a typo (ring=10**6) from allocating until the device is out of memory, one layer slot at a time.
+MAX_RING = 16
 
 
 @dataclass
 class LayerStats:
+    """One step of an update as this rank saw it: ``layer`` (-1: the non-layer tensors), ``nbytes``
+    this rank put on the link (a sender: each point-to-point segment once per receiving rank, a
+    group broadcast once) or took off it (an engine rank: its segments), ``seconds`` the step
+    took on the host, ``layer_nbytes`` the whole converted layer (``LayerPlan.nbytes``)."""
+
     layer: int
     nbytes: int
     seconds: float
+    layer_nbytes: int = 0
 
 
 @dataclass
 class UpdateStats:
+    """What ``broadcast_model`` / ``load_into`` return: every step's ``LayerStats``, the wall
+    ``seconds`` of the whole call and, for a sender on CUDA, ``peak_bytes``: the most the call
+    allocated above what was allocated when it began (``torch.cuda.max_memory_allocated``; None
+    elsewhere)."""
+
     layers: list[LayerStats] = field(default_factory=list)
     seconds: float = 0.0
     peak_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
+        """The bytes this rank sent (a sender) or received (an engine rank) in the update."""
         return sum(s.nbytes for s in self.layers)
 
 
@@ -93,40 +116,6 @@ class Ring:
         self.used = [False] * self.size
 
 
-class StepVotes:
-    """The votes of a pipelined update, read one step late: a step's vote is queued on the link's
-    stream behind its messages and copied to host memory there, and the host reads it only after
-    it queued the next step, so the link always has a layer to carry (a host read waits for that
-    vote's copy only). Two in flight at most: step k's vote is read before step k + 2 is queued."""
-
-    def __init__(self, device: torch.device):
-        cuda = device.type == "cuda"
-        self.votes = torch.zeros(2, dtype=torch.int64, device=device)
-        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-
-    def post(self, link: Link, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
-        """Queue step ``step``'s vote on the current stream: ``code`` (0: fine), raised to ``c`` for
-        each ``(flag, c)`` whose device boolean ``flag`` is set (a check decided on the device),
-        all-reduced MAX over the link."""
-        i = step % 2
-        buf = self.votes[i : i + 1]
-        buf.fill_(max(0, code))
-        for flag, c in flags:
-            torch.maximum(buf, flag.reshape(1).to(torch.int64) * c, out=buf)
-        link.all_reduce_max(buf)
-        self.host[i : i + 1].copy_(buf, non_blocking=True)
-        if self.events[i] is not None:
-            self.events[i].record()
-
-    def read(self, step: int) -> int:
-        """Every rank's maximum at step ``step`` (waits for that vote only)."""
-        i = step % 2
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        return int(self.host[i])
-
-
 class Endpoint:
     """The shared setup of ``Broadcaster`` and ``Receiver``.
 
@@ -165,17 +154,31 @@ class Endpoint:
             raise ValueError("config / plans: pass exactly one of them")
         if scale_fmt not in (None, *SCALE_FMTS):
             raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
-        self.src, self.mode, self.checksum = int(src), mode, bool(checksum)
-        self.config = dict(config) if config is not None else None
+        check_int("ring", ring, 1, MAX_RING, " (buffers of one layer each)")
+        if not isinstance(checksum, bool):
+            raise ValueError(f"checksum: expected True or False, got {checksum!r}")
+        self.mode, self.checksum = mode, checksum
+        self.config = as_config(config) if config is not None else None
         self._layers(plans, layer_ids, rest, scale_fmt)
         self.device = resolve_device(device) if device else default_device()
         self.link = as_link(comm)
         self.rank = self.link.rank
-        senders = [self.src] if senders is None else [int(s) for s in senders]
+        self.src = check_int("src", src, 0, self.link.size - 1, f" (a rank of the link of {self.link.size})")
+        if senders is not None and (isinstance(senders, (str, bytes)) or not isinstance(senders, Iterable)):
+            raise ValueError(f"senders: expected a list of link ranks, got {type(senders).__name__}")
+        senders = (
+            [self.src]
+            if senders is None
+            else [check_int(f"senders[{k}]", s, 0, self.link.size - 1) for k, s in enumerate(senders)]
+        )
         if self.src not in senders:
             raise ValueError(f"src: expected one of the senders {senders} (it leads), got {self.src}")
         if engines is None:
             engines = [None if r in senders else FULL for r in range(self.link.size)]
+        elif isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence):
+            raise ValueError(
+                f"engines: expected a list of one entry per link rank, got {type(engines).__name__}"
+            )
         elif len(engines) != self.link.size:
             raise ValueError(
                 f"engines: expected one entry per rank of the link ({self.link.size}), got {len(engines)}"
@@ -207,7 +210,11 @@ class Endpoint:
         if layer_ids is None:
             self.layer_ids = list(range(len(plans) if plans is not None else config["num_hidden_layers"]))
         else:
-            self.layer_ids = [int(i) for i in layer_ids]
+            if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Iterable):
+                raise ValueError(
+                    f"layer_ids: expected a list of layer indices, got {type(layer_ids).__name__}"
+                )
+            self.layer_ids = [check_int(f"layer_ids[{k}]", i, 0) for k, i in enumerate(layer_ids)]
             bad = [i for i in self.layer_ids if i not in known]
             if bad:
                 raise ValueError(
@@ -289,11 +296,13 @@ class Endpoint:
                     else torch.zeros(4, dtype=torch.int64, device=self.device)
                 )
                 self.link.broadcast(prelude, self.src)
-                magic, version, n, _ = prelude.tolist()
+                magic, version, n, refusing = prelude.tolist()
         except Exception as exc:
             raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
         refused = None
-        if magic != MAGIC or version != PROTOCOL_VERSION:
+        if magic == MAGIC and version == PROTOCOL_VERSION and refusing:
+            pass  # the leader refused its own arguments: its vote says why
+        elif magic != MAGIC or version != PROTOCOL_VERSION:
             refused = ManifestMismatch(
                 f"manifest prelude: expected magic {MAGIC:#x} and version {PROTOCOL_VERSION}, got {magic:#x} "
                 f"and {version} (a sender of another glm_fp8 version, or not glm_fp8)"
@@ -319,11 +328,19 @@ class Endpoint:
 
     def _settle_manifest(self, refused: Exception | None, reason: int) -> None:
         verdict = self.vote(refusal_code(reason, self.rank) if refused is not None else 0)
+        if not verdict:
+            return
+        try:
+            with on_stream(self.link_stream):
+                why = explain_refusal(self.link, verdict, refused, self.device)
+        except Exception as exc:
+            raise UpdateAborted(
+                f"{describe_refusal(verdict)}; the link failed after that vote: {exc}"
+            ) from exc
         if refused is not None:
             raise refused
-        if verdict:
-            error = ManifestMismatch if self.rank in self.senders else UpdateAborted
-            raise error(f"{describe_refusal(verdict)}; nothing was sent")
+        error = ManifestMismatch if self.rank in self.senders else UpdateAborted
+        raise error(f"{describe_refusal(verdict)}: {why}; nothing was sent")
 
     # --- segments ---------------------------------------------------------------------------------
 
@@ -337,11 +354,6 @@ class Endpoint:
             for s in segments
         ]
         return torch.stack(bad).any() if bad else None
-
-
-def _bytes_of(data: torch.Tensor) -> bytes:
-    raw = data.cpu()
-    return ctypes.string_at(raw.data_ptr(), raw.numel()) if raw.numel() else b""
 
 
 def pack_segments(
@@ -378,18 +390,3 @@ def my_rank() -> int:
 def on_stream(stream: torch.cuda.Stream | None):
     """``torch.cuda.stream(stream)``, or a no-op on the CPU (``stream`` None)."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """``device`` with its index: "cuda" is the current CUDA device, as a tensor made there
-    reports it (``cuda:0``), so that a parameter's device compares equal to the endpoint's."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -8,12 +8,22 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from glm_fp8._checks import check_int
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.routes import FULL
 from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.plan import LayerPlan, layer_prefix
-from glm_fp8.transfer.endpoint import Endpoint, LayerStats, Ring, UpdateStats, on_stream, step_name
+from glm_fp8.transfer.endpoint import (
+    MAX_RING,
+    Endpoint,
+    LayerStats,
+    Ring,
+    UpdateStats,
+    on_stream,
+    step_name,
+)
 from glm_fp8.transfer.land import WIDENING, check_params, expected_params, land_layer, zero_padding
+from glm_fp8.transfer.votes import refusal_is_voted
 from glm_fp8.transfer.wire import (
     BAD_CHECKSUM,
     CONSUMER_FAILED,
@@ -77,57 +87,55 @@ class Receiver(Endpoint):
         device: torch.device | str | None = None,
         checksum: bool = True,
     ):
-        if layout is not None and not isinstance(layout, EngineLayout):
-            raise TypeError(f"layout: expected an EngineLayout or None, got {type(layout).__name__}")
-        if ring < 2:
-            raise ValueError(
-                f"ring: a receiver needs at least 2 buffers (a layer waits for its vote while the "
-                f"next one arrives), got {ring}"
-            )
-        if max_manifest_bytes < 1:
-            raise ValueError(f"max_manifest_bytes: expected at least 1, got {max_manifest_bytes}")
-        if layout is not None and (config is None or mode != "fp8"):
-            raise ValueError(
-                "layout: a sharded engine needs config= (its sharding rules read it) and "
-                "mode='fp8'; use layout=None for mode='bf16'"
-            )
-        super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
-                         checksum=checksum)  # fmt: skip
-        if self.rank in self.senders:
-            raise ValueError(
-                f"senders: this process (link rank {self.rank}) is a sender; build a Broadcaster"
-            )
-        entry = self.routes.engines[self.rank]
-        self.full = entry == FULL
-        self.layout = layout
-        self.max_manifest_bytes = int(max_manifest_bytes)
-        self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
-        # A layout other than this rank's entry of engines, or one vLLM refuses: raised by load_into
-        # after every rank voted on it, so that the senders and the other engine ranks stop too
-        # instead of waiting for this rank until the transport's timeout.
-        self._layout_error: ValueError | None = None
-        if not self.full and entry != layout:
-            self._layout_error = ValueError(
-                f"layout: expected engines[{self.rank}] (this rank's entry), which is {entry}; got {layout}"
-            )
-        elif layout is not None and self.full and len(self.senders) > 1:
-            self._layout_error = ValueError(
-                f"engines[{self.rank}]: 'full' with a layout needs one sender; with many senders give this "
-                "rank's EngineLayout, so that it receives only its shard"
-            )
-        elif layout is not None:
-            try:
-                self.targets = self._targets(layout)
-            except ValueError as exc:
-                self._layout_error = exc
-        self.ring = Ring(ring, self.routes.receive_slot(self.rank), self.device)
-        self.scratch = checksum_scratch(self.routes.receive_slot(self.rank), self.device)
-        self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._header_bufs = torch.empty(2, HEADER_WORDS, dtype=torch.int64, device=self.device)
-        self._flags: list[tuple] = [(None, None), (None, None)]
-        self._params_error: Exception | None = None
-        self._sums = True
+        with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
+            if layout is not None and not isinstance(layout, EngineLayout):
+                raise TypeError(f"layout: expected an EngineLayout or None, got {type(layout).__name__}")
+            check_int("ring", ring, 2, MAX_RING,
+                      " buffers (a layer waits for its vote while the next one arrives)")  # fmt: skip
+            check_int("max_manifest_bytes", max_manifest_bytes, 1, 1 << 40)
+            if layout is not None and (config is None or mode != "fp8"):
+                raise ValueError(
+                    "layout: a sharded engine needs config= (its sharding rules read it) and "
+                    "mode='fp8'; use layout=None for mode='bf16'"
+                )
+            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
+                             device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
+                             checksum=checksum)  # fmt: skip
+            if self.rank in self.senders:
+                raise ValueError(
+                    f"senders: this process (link rank {self.rank}) is a sender; build a Broadcaster"
+                )
+            entry = self.routes.engines[self.rank]
+            self.full = entry == FULL
+            self.layout = layout
+            self.max_manifest_bytes = int(max_manifest_bytes)
+            self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
+            # A layout other than this rank's entry of engines, or one vLLM refuses: raised by load_into
+            # after every rank voted on it, so that the senders and the other engine ranks stop too
+            # instead of waiting for this rank until the transport's timeout.
+            self._layout_error: ValueError | None = None
+            if not self.full and entry != layout:
+                self._layout_error = ValueError(
+                    f"layout: expected engines[{self.rank}] (this rank's entry), which is {entry}; "
+                    f"got {layout}"
+                )
+            elif layout is not None and self.full and len(self.senders) > 1:
+                self._layout_error = ValueError(
+                    f"engines[{self.rank}]: 'full' with a layout needs one sender; with many senders give "
+                    "this rank's EngineLayout, so that it receives only its shard"
+                )
+            elif layout is not None:
+                try:
+                    self.targets = self._targets(layout)
+                except ValueError as exc:
+                    self._layout_error = exc
+            self.ring = Ring(ring, self.routes.receive_slot(self.rank), self.device)
+            self.scratch = checksum_scratch(self.routes.receive_slot(self.rank), self.device)
+            self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._header_bufs = torch.empty(2, HEADER_WORDS, dtype=torch.int64, device=self.device)
+            self._flags: list[tuple] = [(None, None), (None, None)]
+            self._params_error: Exception | None = None
+            self._sums = True
 
     def _targets(self, layout: EngineLayout) -> dict[str, EngineParam]:
         targets = {p.kernel_name: p for p in engine_params(self.config, layout).values()}
@@ -322,7 +330,9 @@ class Receiver(Endpoint):
                     self._land(pos, views, params, aliases)
                 except BaseException as exc:
                     layers.throw(exc)  # refuses at the next vote, then re-raises exc
-                stats.layers.append(LayerStats(layer_idx, self.plans[pos].nbytes, time.perf_counter() - t))
+                got = self.routes.layers[pos].recv_nbytes[self.routes.class_of(pos, self.rank)]
+                seconds = time.perf_counter() - t
+                stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes))
         finally:
             self._params_error = None
         if self.device.type == "cuda":

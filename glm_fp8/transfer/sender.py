@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from glm_fp8._checks import check_int
 from glm_fp8.convert import entry_norms
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.jobs import NonFiniteError
@@ -26,6 +27,8 @@ from glm_fp8.transfer.endpoint import (
 )
 from glm_fp8.transfer.gather import GATHERS, collect_layer, trainer_view
 from glm_fp8.transfer.share import check_own_layer, collect_own
+from glm_fp8.transfer.trainer_input import layer_item, layers_arg
+from glm_fp8.transfer.votes import refusal_is_voted
 from glm_fp8.transfer.wire import (
     HEADER_WORDS,
     MAX_MANIFEST_BYTES,
@@ -74,8 +77,12 @@ class Broadcaster(Endpoint):
             "quantize_then_gather" (``glm_fp8.transfer.gather.collect_layer``); the trainer ranks
             that do not send run ``contribute_shards`` with the same arguments.
         chunk_experts: experts per chunk for "chunked".
-        gather_dtype: DTensor inputs that must travel to be gathered are cast to this dtype first
-            (None: keep theirs). Tensors this rank holds are read in their own dtype.
+        gather_dtype: None (default): every tensor is gathered and quantized in the dtype the
+            trainer holds it in, so fp32 masters give the checkpoint's bytes in every mode (and
+            their gathers move and buffer twice a bf16 gather's bytes). ``torch.bfloat16``: an
+            opt-in that casts the sources of quantized entries that travel to be gathered first;
+            for fp32 masters those entries' bytes then differ from the checkpoint's
+            (docs/trainers.md#gathers-of-float32-masters).
         checksum: every segment carries a checksum its receivers verify; receivers that require it
             refuse an update without.
         device: where conversion runs (default: the current CUDA device, else the CPU).
@@ -93,7 +100,7 @@ class Broadcaster(Endpoint):
         mode: str = "fp8",
         gather: str = "auto",
         chunk_experts: int = 8,
-        gather_dtype: torch.dtype | None = torch.bfloat16,
+        gather_dtype: torch.dtype | None = None,
         checksum: bool = True,
         rest: bool = False,
         scale_fmt: str | None = None,
@@ -101,34 +108,34 @@ class Broadcaster(Endpoint):
         senders: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ):
-        super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
-                         device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
-                         checksum=checksum)  # fmt: skip
-        if self.rank not in self.senders:
-            raise ValueError(
-                f"senders: this process (link rank {self.rank}) is not one of the senders "
-                f"{list(self.senders)}; engine ranks build a Receiver"
-            )
-        if gather not in GATHERS:
-            raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
-        if chunk_experts < 1:
-            raise ValueError(f"chunk_experts: expected at least 1, got {chunk_experts}")
-        self.me = self.senders.index(self.rank)
-        # The senders' ranks in the trainer's default group, where their DTensors live.
-        self.senders_global = [self.link.global_rank(r) for r in self.senders]
-        self.collect_args = dict(mode=mode, gather=gather, chunk_experts=chunk_experts,
-                                 gather_dtype=gather_dtype, device=self.device)  # fmt: skip
-        conv, send = self.routes.sender_buffers(self.me)
-        self.conv_ring = Ring(ring, conv, self.device)
-        self.send_ring = Ring(ring, send, self.device) if send else None
-        self.scratch = checksum_scratch(max(conv, send), self.device)
-        cuda = self.device.type == "cuda"
-        self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.link_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._header_in = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
-        # per step parity: (layer, the plan converted, its entries' norms, NaN/Inf flag on the device)
-        self._checks: list[tuple | None] = [None, None]
-        self._ready: torch.cuda.Event | None = None
+        with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
+            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
+                             device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
+                             checksum=checksum)  # fmt: skip
+            if self.rank not in self.senders:
+                raise ValueError(
+                    f"senders: this process (link rank {self.rank}) is not one of the senders "
+                    f"{list(self.senders)}; engine ranks build a Receiver"
+                )
+            if gather not in GATHERS:
+                raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
+            check_int("chunk_experts", chunk_experts, 1)
+            self.me = self.senders.index(self.rank)
+            # The senders' ranks in the trainer's default group, where their DTensors live.
+            self.senders_global = [self.link.global_rank(r) for r in self.senders]
+            self.collect_args = dict(mode=mode, gather=gather, chunk_experts=chunk_experts,
+                                     gather_dtype=gather_dtype, device=self.device)  # fmt: skip
+            conv, send = self.routes.sender_buffers(self.me)
+            self.conv_ring = Ring(ring, conv, self.device)
+            self.send_ring = Ring(ring, send, self.device) if send else None
+            self.scratch = checksum_scratch(max(conv, send), self.device)
+            cuda = self.device.type == "cuda"
+            self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
+            self.link_stream = torch.cuda.Stream(self.device) if cuda else None
+            self._header_in = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+            # per step parity: (layer, the plan converted, its entries' norms, NaN/Inf flag on the device)
+            self._checks: list[tuple | None] = [None, None]
+            self._ready: torch.cuda.Event | None = None
 
     def broadcast_model(
         self,
@@ -174,10 +181,13 @@ class Broadcaster(Endpoint):
         previous step's vote. The link thus always holds the next layer while the host waits, and a
         failed vote is read one step late: every rank has queued that next step and raises once it
         is done. COMPLETE is voted after the last layer's verdict was read."""
-        it = iter(layers)
         n = len(self.plans)
         failed: BaseException | None = None
         stop = False  # set alike on every sender by their vote: from then on none pulls ``layers``
+        try:
+            it = iter(layers_arg(layers))
+        except Exception as exc:  # noqa: BLE001 - voted at the first step, raised at its verdict
+            it, failed, stop = iter(()), exc, True
         for pos in range(n):
             t_layer = time.perf_counter()
             err: BaseException | None = None
@@ -206,9 +216,9 @@ class Broadcaster(Endpoint):
             self._post_step(pos, failed)
             if pos:
                 self._settle_step(pos - 1, failed)
-            stats.layers.append(
-                LayerStats(self.layer_ids[pos], self.plans[pos].nbytes, time.perf_counter() - t_layer)
-            )
+            sent = self.routes.layers[pos].sent_nbytes(self.me)
+            seconds = time.perf_counter() - t_layer
+            stats.layers.append(LayerStats(self.layer_ids[pos], sent, seconds, self.plans[pos].nbytes))
         self._settle_step(n - 1, failed)
         self._ready, self._checks[n % 2] = None, None
         if not stop:
@@ -233,6 +243,7 @@ class Broadcaster(Endpoint):
             got = next(it, None)
             if got is None:
                 raise LayerOrderError(f"layers: got {pos}, the manifest announced {n_layers}")
+            got = layer_item(got, pos)
             if got[0] != self.layer_ids[pos]:
                 raise LayerOrderError(
                     f"layers: got layer {got[0]} at position {pos}; the manifest announced "
@@ -240,7 +251,7 @@ class Broadcaster(Endpoint):
                 )
             return got
         if pos == n_layers and self.rest:
-            return REST, rest
+            return layer_item((REST, rest), pos, what="rest")
         extra = next(it, None)
         if extra is not None:
             raise LayerOrderError(f"layers: got layer {extra[0]} after the {n_layers} the manifest announced")

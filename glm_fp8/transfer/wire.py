@@ -5,7 +5,8 @@ Protocol version 3. One protocol for every mode: a transfer plan (``glm_fp8.engi
 which sender sends which bytes of each layer to which engine ranks, one sender (the full
 broadcast, scatter) or many. Every rank of the link runs the same steps:
 
-1. Prelude ``int64[4]`` = ``[MAGIC, VERSION, manifest bytes, 0]`` from the leader ``src``; vote.
+1. Prelude ``int64[4]`` = ``[MAGIC, VERSION, manifest bytes, refusing]`` from the leader ``src``
+   (``refusing`` 1: the leader refused its own arguments, length 0, and votes why); vote.
    A rank refuses a wrong magic or version, or a length outside ``(0, max_manifest_bytes]``,
    before it allocates anything from that length.
 2. The manifest, UTF-8 JSON (data only, no pickle), from the leader; vote. It carries every
@@ -23,8 +24,12 @@ broadcast, scatter) or many. Every rank of the link runs the same steps:
 
 A vote is an ``int64[1]`` all-reduce with MAX: every rank contributes 0 or a refusal code
 ``reason * 2**20 + rank`` (never negative), so no rank's value can hide another's refusal and
-every rank leaves the update at the same step with an error naming the highest refusal. Only a
-dead or silent peer is left to the transport's timeout.
+every rank leaves the update at the same step with an error naming the highest refusal. When the
+prelude or manifest vote fails, the rank it names then broadcasts its reason (``REASON_BYTES`` of
+UTF-8 text), so every rank's error says why. A rank whose own constructor refused its arguments
+still runs step 1: it takes the prelude (the leader sends one with word 3 set and length 0) and
+votes ``REFUSED_ARGUMENTS``, so the others stop there naming it and the argument, instead of
+waiting for it until the transport's timeout. Only a dead or silent peer is left to that timeout.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ CHECKSUM_BYTES = 8
     BAD_CHECKSUM,
     CONSUMER_FAILED,
     SENDER_FAILED,
-) = range(1, 8)
+    REFUSED_ARGUMENTS,
+) = range(1, 9)
 REFUSAL_REASONS = {
     REFUSED_PRELUDE: "refused the manifest's prelude (magic, version or length)",
     REFUSED_MANIFEST: "refused the manifest",
@@ -65,7 +71,12 @@ REFUSAL_REASONS = {
     BAD_CHECKSUM: "received a segment whose checksum differs from its sender's",
     CONSUMER_FAILED: "failed while landing a layer in its parameters",
     SENDER_FAILED: "(a sender) failed: a layer other than announced, a bad state dict or non-finite weights",
+    # Voted only at the prelude, by a rank whose own constructor refused its arguments.
+    REFUSED_ARGUMENTS: "refused its own arguments",
 }
+# After a refused prelude or manifest vote, the rank the verdict names broadcasts why, in this many
+# bytes of UTF-8 (fixed, so that no length is announced by the refusing rank).
+REASON_BYTES = 1024
 _RANK_BITS = 20
 
 
@@ -217,6 +228,8 @@ __all__ = [
     "MAGIC",
     "MAX_MANIFEST_BYTES",
     "PROTOCOL_VERSION",
+    "REASON_BYTES",
+    "REFUSED_ARGUMENTS",
     "REFUSED_HEADER",
     "REFUSED_MANIFEST",
     "REFUSED_PARAMS",
