@@ -12,7 +12,8 @@ Every backend is one ``Launcher`` in ``LAUNCHERS``, called the same way by the j
 
 Every backend writes the same bits (tests/test_quantize.py runs the suite on each one).
 The package-wide default is ``"auto"``, or ``$GLM_FP8_BACKEND``; ``set_default_backend`` changes
-it for this process.
+it for this process. ``available_backends(device)`` lists exactly the names ``resolve_backend``
+accepts for inputs on ``device``.
 """
 
 from __future__ import annotations
@@ -50,10 +51,18 @@ def cuda_backend_available() -> bool:
     return cuda.extension()[0]
 
 
-def available_backends(device: torch.device | str = "cuda") -> list[str]:
-    """Backends that can run on ``device`` in this process, fastest first."""
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends that run on ``device`` in this process, fastest first: exactly the names that
+    ``backend=`` accepts for inputs on that device ("auto" aside). ``None``: this machine's
+    device, a CUDA device when one is visible, else the CPU. On the CPU "triton" is listed only
+    under Triton's interpreter (``TRITON_INTERPRET=1``); a CUDA device where none is visible lists
+    nothing."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return []
         return (["cuda"] if cuda_backend_available() else []) + ["triton", "torch"]
     return (["triton"] if interpreting() else []) + ["torch"]
 
@@ -61,6 +70,8 @@ def available_backends(device: torch.device | str = "cuda") -> list[str]:
 def resolve_backend(backend: str | None, device: torch.device, config_given: bool = False) -> str:
     """The concrete backend for a call on ``device``; raises if the one asked for cannot run."""
     name = get_default_backend() if backend is None else _check_name(backend, "backend")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"backend={name!r}: the inputs are on {device}; no CUDA device is visible here")
     if name == "auto":
         if config_given:  # a LaunchConfig tunes the Triton kernel: the caller wants it
             name = "triton"

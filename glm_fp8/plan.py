@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -382,14 +383,28 @@ def strip_layer(state_dict: Mapping[str, torch.Tensor], layer_idx: int) -> dict[
         if prefix and k.startswith(prefix):
             short = k[len(prefix) :]
         elif k.startswith("model.layers."):
-            raise KeyError(f"{k}: a key of another layer, but layer_idx={layer_idx} (expected keys "
-                           f"{prefix or 'without a model.layers. prefix'}<name> or short names)")  # fmt: skip
+            raise KeyError(_other_layer_key(k, layer_idx))
         else:
             short = k
         if short in out:
             raise KeyError(f"{k}: {short!r} is given twice, with and without the {prefix!r} prefix")
         out[short] = t
     return out
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _other_layer_key(key: str, layer_idx: int) -> str:
+    """The message for a decoder-layer key handed in under another ``layer_idx``: what that index
+    expects, and the index the key belongs to."""
+    m = _LAYER_KEY.match(key)
+    own = f"; pass it with layer_idx={int(m.group(1))}, its own layer" if m else ""
+    if layer_idx == REST:
+        return (f"{key}: a decoder layer's key, but layer_idx={REST} (REST: the non-layer tensors, "
+                f"{', '.join(r.out for r in REST_RULES)}, under these full names){own}")  # fmt: skip
+    expected = f"{layer_prefix(layer_idx)}<name> or short names such as input_layernorm.weight"
+    return f"{key}: a key of another layer, but layer_idx={layer_idx} (expected keys {expected}){own}"
 
 
 def plan_from_config(
@@ -558,9 +573,46 @@ def adapt_plan(plan: LayerPlan, names: Iterable[str], *, prefix: str = "") -> La
     names, or the layer itself): ``plan`` itself when it already fits (names common to every
     layout fit any plan), else ``relayout`` (cached). KeyError naming ``prefix + key`` for names
     of two layouts; a name of none is left to the checks (``glm_fp8.convert.check_layer_keys``:
-    an unexpected key)."""
+    an unexpected key). KeyError when the names are a layer of the other kind (a dense MLP under a
+    sparse plan, or the reverse: ``check_layer_kind``)."""
+    names = list(names)
+    check_layer_kind(plan, names, prefix)
     layouts = _layouts_of(names, prefix, strict=False)
     return plan if plan.layout in layouts else relayout(plan, layouts[0])
+
+
+_DENSE_SOURCES = frozenset(s for _, dense, _ in FAMILIES.values() for r in dense for s in r.sources)
+
+
+def check_layer_kind(plan: LayerPlan, names: Iterable[str], prefix: str = "") -> None:
+    """Refuse a layer's tensors (short names, any trainer layout, any part of the layer) whose MLP
+    is of the other kind than ``plan``'s: a dense MLP's tensors under a sparse (or MTP) plan, or a
+    sparse one's under a dense plan. The two name sets are disjoint in every layout, so one name
+    decides; KeyError naming it (``prefix + key``: the user's own name) and the layer's kind.
+    Without this the first tensor the plan misses would be named, in the plan's layout."""
+    kind = plan.kind.split("/")[0]
+    if kind not in ("dense", "sparse", "mtp"):
+        return
+    sparse_plan = kind != "dense"
+    bad = next((n for n in names if (n in _DENSE_SOURCES if sparse_plan else is_sparse_names((n,)))), None)
+    if bad is None:
+        return
+    m = _LAYER_KEY.match(prefix)
+    layer = f"layer {m.group(1)}" if m else "this layer"
+    fields = ("mlp_only_layers / decoder_sparse_step" if plan.model_type == "qwen3_moe"
+              else "first_k_dense_replace / mlp_layer_types")  # fmt: skip
+    if sparse_plan:
+        what = "sparse (MoE)" if kind == "sparse" else "the MTP layer, sparse (MoE),"
+        held = "a dense MLP"
+        want = ("its router and routed experts: mlp.router.gate.weight, mlp.experts.w1/w2/w3 in prime-rl's "
+                "names; mlp.gate.weight, mlp.experts.gate_up_proj/down_proj in transformers' (or "
+                "mlp.experts.{j}.gate_proj.weight... per expert)")  # fmt: skip
+    else:
+        what, held = "dense", "a sparse (MoE) MLP"
+        want = "a dense MLP: mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight"
+    raise KeyError(f"{prefix}{bad}: {layer} is {what} in this config but the state dict holds {held}; "
+                   f"pass {layer}'s own tensors ({want}), or check the config's {fields} "
+                   "(docs/trainers.md#trainer-layouts)")  # fmt: skip
 
 
 def source_rows(

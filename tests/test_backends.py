@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import BACKENDS, GPU_BACKENDS, ON_GPU, assert_same_bits, poisoned_f32, poisoned_fp8
 
-from glm_fp8 import ExpertsFP8, available_backends, quantize_experts
+from glm_fp8 import ExpertsFP8, available_backends, quantize_blockwise, quantize_experts
 from glm_fp8.backends import resolve_backend
 from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
 
@@ -20,6 +20,32 @@ def test_auto_picks_the_first_available(device):
     assert resolve_backend("auto", device) == available_backends(device)[0]
     assert available_backends(device)[-1] == "torch"  # the reference runs anywhere
     assert resolve_backend(None, device, config_given=True) == "triton"
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_available_backends_are_exactly_what_backend_accepts(device, monkeypatch, interpret):
+    """With no argument, this machine's device; on the CPU triton only under the interpreter. Each
+    name listed runs (on a CPU: quantizes a small tensor), each other name is refused, on every
+    device type (a CUDA device where none is visible lists nothing)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    assert available_backends() == available_backends(device)
+    if not ON_GPU:
+        assert available_backends() == (["triton", "torch"] if interpret == "1" else ["torch"])
+    for dev in [torch.device("cpu"), torch.device("cuda")]:
+        listed = available_backends(dev)
+        for name in ("triton", "cuda", "torch"):
+            if name in listed:
+                assert resolve_backend(name, dev) == name
+            else:
+                with pytest.raises(RuntimeError, match=f"backend='{name}'"):
+                    resolve_backend(name, dev)
+        if listed:
+            assert resolve_backend("auto", dev) == listed[0]
+    if not ON_GPU:
+        x = torch.randn(3, 130, 140)
+        want = quantize_concat_ref([x])[0].view(torch.uint8)
+        for name in available_backends():
+            assert torch.equal(quantize_blockwise(x, backend=name)[0].view(torch.uint8), want), name
 
 
 @needs_cuda_backend

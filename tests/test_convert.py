@@ -401,10 +401,45 @@ def test_layer_keys_belong_to_the_layer(device):
          r"model\.layers\.20\.input_layernorm\.weight: a key of another layer, but layer_idx=2"),
         (2, {**sd, "input_layernorm.weight": short["input_layernorm.weight"]},
          r"input_layernorm\.weight: 'input_layernorm\.weight' is given twice"),
+        # What each index expects, and the index the key belongs to.
+        (2, {"model.layers.20.input_layernorm.weight": short["input_layernorm.weight"]},
+         r"but layer_idx=2 \(expected keys model\.layers\.2\.<name> or short names such as "
+         r"input_layernorm\.weight\); pass it with layer_idx=20, its own layer"),
+        # REST (-1) is the non-layer tensors: said so, with their names, and no garbled prefix.
         (REST, {"model.layers.0.x": short["input_layernorm.weight"]},
-         r"model\.layers\.0\.x: a key of another layer, but layer_idx=-1 \(expected keys without a "
-         r"model\.layers"),
+         r"^.model\.layers\.0\.x: a decoder layer's key, but layer_idx=-1 \(REST: the non-layer tensors, "
+         r"model\.embed_tokens\.weight, model\.norm\.weight, lm_head\.weight, under these full names\); "
+         r"pass it with layer_idx=0, its own layer.$"),  # the whole message (KeyError quotes it)
     ]:  # fmt: skip
         with pytest.raises(KeyError, match=match):
             convert_layer(bad, layer_idx, out=buf, plan=plan)
     assert (buf == 0xAB).all()
+
+
+@pytest.mark.parametrize("layout", ["prime_rl", "hf", "hf_checkpoint"])
+def test_a_layer_of_the_other_kind_is_named_as_such(device, layout):
+    """A dense layer's tensors under a sparse layer's plan (or the reverse) say that the layer
+    kinds differ, naming the user's own key (in their layout), not the first key of the plan's
+    layout that is missing; nothing is written."""
+    from glm_fp8.plan import strip_layer
+    from glm_fp8.testing import synthetic_layer
+
+    config = SMALL["glm-5"]  # layer 0 dense, layers 1-2 sparse
+    dense = strip_layer(synthetic_layer(config, 0, layout=layout), 0)
+    sparse = strip_layer(synthetic_layer(config, 1, layout=layout), 1)
+    router = "mlp.router.gate.weight" if layout == "prime_rl" else "mlp.gate.weight"  # the user's own name
+    for layer_idx, layer, match in [
+        (1, dense, r"model\.layers\.1\.mlp\.gate_proj\.weight: layer 1 is sparse \(MoE\) in this config but "
+                   r"the state dict holds a dense MLP; pass layer 1's own tensors \(its router and routed "
+                   r"experts: .*first_k_dense_replace"),
+        (0, sparse, rf"model\.layers\.0\.{router}: layer 0 is dense in this config but the state "
+                    r"dict holds a sparse \(MoE\) MLP; pass layer 0's own tensors \(a dense MLP: "
+                    r"mlp\.gate_proj\.weight"),
+        (3, dense, r"model\.layers\.3\.mlp\.gate_proj\.weight: layer 3 is the MTP layer, sparse \(MoE\), in "
+                   r"this config but the state dict holds a dense MLP"),
+    ]:  # fmt: skip
+        plan = plan_from_config({**config, "num_nextn_predict_layers": 1, "vocab_size": 300}, layer_idx)
+        buf = torch.full((plan.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+        with pytest.raises(KeyError, match=match):
+            convert_layer({k: t.to(device) for k, t in layer.items()}, layer_idx, out=buf, plan=plan)
+        assert (buf == 0xAB).all()

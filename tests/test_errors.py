@@ -416,3 +416,29 @@ def test_a_first_call_under_inference_mode_leaves_later_calls_working(device):
     t.start()
     t.join(timeout=60)
     assert results == [True], results
+
+
+def test_a_tp_size_vllm_refuses_names_the_sizes_that_fit():
+    """An engine layout whose shards break vLLM's 128 rule says which tensor-parallel sizes fit
+    this model (computed from its shapes, at the layout's DP size and EP choice) and what to set;
+    expert parallelism is offered only where it lifts the routed experts' limit."""
+    from glm_fp8 import EngineLayout, engine_param_specs
+    from glm_fp8.models import TINY_GLM5
+
+    # TINY_GLM5: o_proj's 256 columns allow TP 1 and 2 only (a multiple of 128 per rank).
+    match = (r"o_proj\.weight: .* multiple of 128 .*; for this model \(data_parallel_size 1, expert "
+             r"parallelism off\) the valid tensor-parallel sizes are 1, 2: set vLLM's --tensor-parallel-size "
+             r"\(EngineLayout tp_size\) to one of them$")  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        engine_param_specs(TINY_GLM5, EngineLayout(tp_size=4, tp_rank=1))
+    # moe_intermediate 512 over TP 2 x DP 4 without EP: 64 per rank. At DP 4 only TP 1 fits (MoE
+    # TP 4: 128 per rank); with EP, TP 2 fits too.
+    match = (r"w13_weight: .* 512 / 8 = 64 .*data_parallel_size 4, expert parallelism off\) the valid "
+             r"tensor-parallel sizes are 1: .*, or turn on expert parallelism \(--enable-expert-parallel\), "
+             r"with which tensor-parallel sizes 2 fit too$")  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        engine_param_specs(TINY_GLM5, EngineLayout(tp_size=2, dp_size=4))
+    # The sizes named are accepted.
+    assert engine_param_specs(TINY_GLM5, EngineLayout(tp_size=2, tp_rank=1))
+    assert engine_param_specs(TINY_GLM5, EngineLayout(dp_size=4, dp_rank=3))
+    assert engine_param_specs(TINY_GLM5, EngineLayout.from_vllm(2, 1, 4, 3, enable_expert_parallel=True))

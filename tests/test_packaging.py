@@ -160,3 +160,15 @@ def test_vllm_loads_the_backend_through_a_general_plugins_entry_point():
     plugins = project.get("entry-points", {}).get("vllm.general_plugins", {})
     assert plugins == {"glm_fp8": "glm_fp8.integrations.vllm:register"}, plugins
     assert callable(integ.register)
+
+
+def test_the_license_file_states_the_license_pyproject_declares():
+    """pyproject.toml declares Apache-2.0; the repository's LICENSE (which setuptools puts in the
+    wheel and sdist by its default license-file patterns) must state that same license."""
+    text = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r'^license\s*=\s*(?:\{\s*text\s*=\s*)?"([^"]+)"', text, re.M)
+    assert declared and declared.group(1) == "Apache-2.0", "pyproject.toml: expected license Apache-2.0"
+    notice = (ROOT / "LICENSE").read_text()
+    assert 'Licensed under the Apache License, Version 2.0 (the "License")' in notice
+    assert "http://www.apache.org/licenses/LICENSE-2.0" in notice
+    assert re.search(r"^Copyright \d{4} ", notice, re.M)

@@ -13,6 +13,7 @@ experts, ``VLLM_REPLICATE_EMBED=1`` and the padded-TP MoE loading of an explicit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -323,11 +324,63 @@ def kernel_entry_shapes(config: object, *, quantize: bool = True) -> dict[str, t
 class _Rules:
     """The per-entry rules of docs/layouts.md#names-dtypes-shards-glm-5 for one config and rank."""
 
-    def __init__(self, config: object, layout: EngineLayout, quantize: bool = True) -> None:
+    def __init__(
+        self, config: object, layout: EngineLayout, quantize: bool = True, table: dict | None = None
+    ) -> None:
         if not isinstance(layout, EngineLayout):
             raise TypeError(f"layout: expected an EngineLayout, got {type(layout).__name__}")
         self.config, self.layout, self.quantize = as_config(config), layout, quantize
-        self.table = kernel_entry_shapes(config, quantize=quantize)
+        self.table = kernel_entry_shapes(config, quantize=quantize) if table is None else table
+        self.suggest = True  # errors name the sizes that would work (off while trying those sizes)
+
+    def _fits(self, layout: EngineLayout) -> bool:
+        """Whether every entry of the model shards as vLLM accepts at ``layout``."""
+        trial = _Rules(self.config, layout, self.quantize, self.table)
+        trial.suggest = False
+        try:
+            for name, (shape, _) in self.table.items():
+                trial.shard(name, shape)
+        except ValueError:
+            return False
+        return True
+
+    def _valid_tp_sizes(self, ep: bool) -> list[int]:
+        """The tensor-parallel sizes (divisors of num_attention_heads, which vLLM requires) at which
+        every rank of this layout's data-parallel size, with expert parallelism or not, holds
+        every parameter as vLLM accepts. Sequence-parallel MoE is this layout's setting under its
+        own EP choice, else what vLLM derives with its default all2all backend."""
+        lay, heads = self.layout, self.config["num_attention_heads"]
+        sp = lay.sequence_parallel_moe
+        out = []
+        for t in (d for d in range(1, heads + 1) if heads % d == 0):
+            # Every TP rank of one replica: the data-parallel rank moves only the MoE rank, and no
+            # check of a MoE shard depends on which rank holds it.
+            ranks = [EngineLayout.from_vllm(t, r, lay.dp_size, 0, ep) for r in range(t)]
+            if sp is not None and ep == lay.expert_parallel:  # this layout's SP-MoE, where vLLM allows it
+                ranks = [dataclasses.replace(x, sequence_parallel_moe=sp and x.sp_moe) for x in ranks]
+            if all(self._fits(x) for x in ranks):
+                out.append(t)
+        return out
+
+    def _change(self) -> str:
+        """What to change, for an error about this layout's sizes: the tensor-parallel sizes that
+        fit the model with this data-parallel size, with and without expert parallelism."""
+        if not self.suggest:
+            return ""
+        lay = self.layout
+        ep = lay.expert_parallel
+        sizes = self._valid_tp_sizes(ep)
+        where = f"data_parallel_size {lay.dp_size}, expert parallelism {'on' if ep else 'off'}"
+        msg = (f"; for this model ({where}) the valid tensor-parallel sizes are "
+               f"{', '.join(map(str, sizes)) or 'none'}")  # fmt: skip
+        if sizes:
+            msg += ": set vLLM's --tensor-parallel-size (EngineLayout tp_size) to one of them"
+        if not ep:
+            more = [t for t in self._valid_tp_sizes(True) if t not in sizes]
+            if more:  # only where expert parallelism lifts the MoE TP limit
+                msg += (f"{', or' if sizes else ';'} turn on expert parallelism (--enable-expert-parallel), "
+                        f"with which tensor-parallel sizes {', '.join(map(str, more))} fit too")  # fmt: skip
+        return msg
 
     def shard(self, name: str, full_shape: Sequence[int]) -> Shard:
         _, short = split_name(name)
@@ -357,7 +410,7 @@ class _Rules:
     def _split(self, name: str, what: str, n: int, size: int, rank: int, group: str) -> tuple[int, int]:
         if n % size:
             raise ValueError(f"{name}: {what} {n} is not divisible by the {group} size {size} "
-                             "(vLLM's divide() asserts it)")  # fmt: skip
+                             f"(vLLM's divide() asserts it){self._change()}")  # fmt: skip
         per = n // size
         return rank * per, (rank + 1) * per
 
@@ -370,14 +423,16 @@ class _Rules:
                     f"{name}: full size {shard.full} along dim {shard.dim} split over {shard.group} size "
                     f"{shard.group_size} ({shard.kind}) gives parts {list(shard.parts)}; vLLM requires every "
                     f"sharded part of a block-FP8 weight to be a multiple of {BLOCK} "
-                    f"(validate_fp8_block_shape, {_DOC})"
+                    f"(validate_fp8_block_shape, {_DOC}){self._change()}"
                 )
         return shard
 
     def _heads(self, name: str) -> None:
         heads, tp = self.config["num_attention_heads"], self.layout.tp_size
         if heads % tp:
-            raise ValueError(f"{name}: num_attention_heads {heads} is not divisible by tp_size {tp}")
+            raise ValueError(
+                f"{name}: num_attention_heads {heads} is not divisible by tp_size {tp}{self._change()}"
+            )
 
     def _weight(self, name: str, short: str, shape: tuple[int, ...], fp8: bool) -> Shard:
         lay = self.layout
@@ -431,11 +486,15 @@ class _Rules:
         self._heads(name)
         if tp >= kv:
             if tp % kv:
-                raise ValueError(f"{name}: tp_size {tp} is not a multiple of num_key_value_heads {kv}")
+                raise ValueError(
+                    f"{name}: tp_size {tp} is not a multiple of num_key_value_heads {kv}{self._change()}"
+                )
             g, kvs = r // (tp // kv), hd
         else:
             if kv % tp:
-                raise ValueError(f"{name}: num_key_value_heads {kv} is not divisible by tp_size {tp}")
+                raise ValueError(
+                    f"{name}: num_key_value_heads {kv} is not divisible by tp_size {tp}{self._change()}"
+                )
             g, kvs = r, kv // tp * hd
         q, kv_rows = heads * hd, kv * hd
         qs = q // tp
@@ -452,7 +511,7 @@ class _Rules:
         t_size, t = lay.moe_tp_size, lay.moe_tp_rank
         if inter % t_size:
             raise ValueError(f"{name}: moe_intermediate_size {inter} is not divisible by the MoE TP size "
-                             f"{t_size} (tp_size * dp_size without EP)")  # fmt: skip
+                             f"{t_size} (tp_size * dp_size without EP){self._change()}")  # fmt: skip
         local = inter // t_size
         if fp8 and local % BLOCK:
             g = math.gcd(BLOCK, local, c["hidden_size"])
@@ -461,7 +520,8 @@ class _Rules:
                     "vLLM 0.34 refuses this layout (validate_fp8_block_shape_moe)")  # fmt: skip
             raise ValueError(
                 f"{name}: routed experts' per-rank intermediate size {inter} / {t_size} = {local} "
-                f"(MoE TP size {t_size}, EP size {lay.ep_size}) is not a multiple of {BLOCK}; {what} ({_DOC})"
+                f"(MoE TP size {t_size}, EP size {lay.ep_size}) is not a multiple of {BLOCK}; {what} "
+                f"({_DOC}){self._change()}"
             )
         if lay.expert_parallel:
             start, stop = lay.expert_range(shape[0])
