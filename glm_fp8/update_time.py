@@ -11,9 +11,13 @@ The model (docs/update_time.md says why each term is there):
 - Layers are pipelined (convert layer i+1 while layer i is on the wire), so an update takes the
   busiest rank's bytes over its link, times ``PIPELINE_FACTOR``, plus the pipeline's fill: one
   layer's conversion.
-- Gathers over the trainer's links (FSDP shards to the rank that converts) are bf16 and overlap
-  with sending (the other direction of a full-duplex link), so they count as the rank's
-  incoming bytes.
+- Gathers over the trainer's links (FSDP shards to the rank that converts) travel in the
+  masters' own dtype (``master_dtype``, float32 by default: the library casts nothing unless
+  given a ``gather_dtype``) and overlap with sending (the other direction of a full-duplex
+  link), so they count as the rank's incoming bytes.
+- A sender's peak (``Prediction.sender_peak``, ``SENDER_PEAK_COUNTS``): a ring of 2 conversion
+  slots and 2 send slots, plus one layer's gathered tensors, each at its largest layer; above
+  the resident master shards (optimizer state, gradients, activations not counted).
 
 What it does not model: latency per message (votes, headers; a few hundred per update), link
 contention inside a node, stragglers, and the engines' post-load steps.
@@ -29,7 +33,8 @@ import torch
 from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.pack import update_regions
-from glm_fp8.engine.routes import TransferPlan, transfer_plan
+from glm_fp8.engine.routes import TransferPlan, stack_entries, transfer_plan
+from glm_fp8.memory import travel_plan
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, plans_for_model
 
@@ -41,6 +46,14 @@ PIPELINE_FACTOR = 1.01
 # 10.28 ms (the full broadcast's conversion alone, 80 layers in 0.822 s).
 CONVERT_SECONDS_PER_BYTE = 10.28e-3 / (9.20 * 2**30)
 STRATEGIES = ("bf16 broadcast", "fp8 broadcast", "fp8 scatter", "fp8 many senders")
+# What ``Prediction.sender_peak`` counts (every strategy alike; the terms each at its largest layer).
+SENDER_PEAK_COUNTS = (
+    "2 conversion slots + 2 send slots + one layer's gathered tensors; excludes the resident master "
+    "shards, optimizer state, gradients and activations"
+)
+# Expert stacks split over the trainer ranks are gathered this many experts at a time
+# (gather="chunked", what "auto" picks for them; ``Broadcaster``'s chunk_experts default).
+CHUNK_EXPERTS = 8
 
 
 @dataclass(frozen=True)
@@ -81,8 +94,8 @@ class Fleet:
 @dataclass(frozen=True)
 class Prediction:
     """One strategy: bytes of the busiest sender (out), engine rank (in) and sender (gathered
-    in), the predicted seconds of a whole update, and a sender's peak transient bytes above
-    its resident shards."""
+    in), the predicted seconds of a whole update, and the largest sender's peak transient bytes
+    (``SENDER_PEAK_COUNTS`` says what they count)."""
 
     strategy: str
     senders: int
@@ -94,8 +107,17 @@ class Prediction:
     arithmetic: str
 
 
-def _whole(config: object, mode: str, scale_fmt: str | None) -> list[LayerPlan]:
-    return plans_for_model(config, mode, layer_ids=[*model_layer_ids(config), REST], scale_fmt=scale_fmt)
+def _whole(
+    config: object,
+    mode: str,
+    scale_fmt: str | None,
+    master_dtype: torch.dtype,
+    gather_dtype: torch.dtype | None,
+) -> list[LayerPlan]:
+    """The whole update's plans, their inputs in the dtypes they travel in (``travel_plan``)."""
+    plans = plans_for_model(config, mode, layer_ids=[*model_layer_ids(config), REST], scale_fmt=scale_fmt)
+    cache: dict[int, LayerPlan] = {}  # one object per kind, so that transfer_plan's caches still hit
+    return [cache.setdefault(id(p), travel_plan(p, master_dtype, gather_dtype)) for p in plans]
 
 
 def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
@@ -107,33 +129,42 @@ def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
 
 
 def predict(
-    config: object, fleet: Fleet, *, scale_fmt: str | None = None, transfer: TransferPlan | None = None
+    config: object,
+    fleet: Fleet,
+    *,
+    scale_fmt: str | None = None,
+    transfer: TransferPlan | None = None,
+    master_dtype: torch.dtype = torch.float32,
+    gather_dtype: torch.dtype | None = None,
 ) -> list[Prediction]:
     """The four strategies of ``STRATEGIES`` for a whole-model update of ``config`` into
     ``fleet`` (see the module docstring for the model); ``transfer``: the fleet's
-    ``many_senders_plan`` when the caller has it already. Raises ValueError where vLLM would
-    refuse the engine layout. ``config``: anything ``glm_fp8.config.as_config`` takes."""
+    ``many_senders_plan`` (built with the same dtypes) when the caller has it already. The
+    trainer holds ``master_dtype`` masters and gathers them in it, or in ``gather_dtype`` when
+    given (the library's opt-in cast). Raises ValueError where vLLM would refuse the engine
+    layout. ``config``: anything ``glm_fp8.config.as_config`` takes."""
     config = as_config(config)
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
     out = []
-    bf16 = torch.bfloat16
 
     # One sender converts everything after gathering it; every engine rank receives everything.
     # fp8 with whole experts: each rank quantizes its experts and only fp8 travels to the sender
     # (gather="quantize_then_gather", what "auto" picks).
     for strategy, mode in (("bf16 broadcast", "bf16"), ("fp8 broadcast", "fp8")):
-        plans = _whole(config, mode, scale_fmt)
+        plans = _whole(config, mode, scale_fmt, master_dtype, gather_dtype)
         total = sum(p.nbytes for p in plans)
         gathered = gather(_sender_inputs(plans, mode == "fp8" and fleet.experts_whole))
         biggest = max(plans, key=lambda p: p.nbytes)
-        peak = biggest.input_bytes(bf16) + 2 * biggest.nbytes  # gathered layer + ring of 2
+        held = max(_held_gathered(p, mode == "fp8", fleet.experts_whole, t_gpus) for p in plans)
+        peak = held + 2 * biggest.nbytes  # ring of 2 conversion slots, sent from them (direct)
         t, text = _time(fleet, max(total, gathered), biggest.nbytes if mode == "fp8" else 0)
         out.append(Prediction(strategy, 1, total, total, gathered, t, peak, text))
 
     # fp8 with engine layouts: each distinct region once per layer (replicas share a broadcast).
     u = update_regions(config, fleet.layouts(), scale_fmt=scale_fmt)
-    plans, per_rank = u.plans, u.per_rank
+    plans = _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
+    per_rank = u.per_rank
     layer_regions = [layer.wire_nbytes for layer in u.layers]
     regions = sum(layer_regions)
     received = max(per_rank)
@@ -142,7 +173,8 @@ def predict(
     sent = regions
     gathered = gather(_sender_inputs(plans, fleet.experts_whole))
     t, text = _time(fleet, max(sent, received, gathered), plans[biggest].nbytes)
-    peak = plans[biggest].input_bytes(bf16) + 2 * plans[biggest].nbytes + 2 * max(layer_regions)
+    held = max(_held_gathered(p, True, fleet.experts_whole, t_gpus) for p in plans)
+    peak = held + 2 * plans[biggest].nbytes + 2 * max(layer_regions)  # + ring of 2 send slots
     out.append(Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text))
 
     # Many senders (glm_fp8.engine.routes, only with whole experts): each trainer rank quantizes
@@ -152,6 +184,7 @@ def predict(
     # gathers (the part other ranks hold), the largest conversion (the pipeline's fill).
     if fleet.experts_whole:
         tp = transfer or many_senders_plan(config, fleet, scale_fmt=scale_fmt, plans=plans)
+        # sender_peak: 2 x (conversion slot + send slot) + one layer's owned tensors, gathered
         sent = max(tp.sent_bytes())
         received = max(tp.received_bytes().values())
         gathered = max(gather(sum(tp.gathered_bytes(s))) for s in range(t_gpus))
@@ -163,41 +196,70 @@ def predict(
 
 
 def many_senders_plan(
-    config: object, fleet: Fleet, *, scale_fmt: str | None = None, plans: list[LayerPlan] | None = None
+    config: object,
+    fleet: Fleet,
+    *,
+    scale_fmt: str | None = None,
+    plans: list[LayerPlan] | None = None,
+    master_dtype: torch.dtype = torch.float32,
+    gather_dtype: torch.dtype | None = None,
 ) -> TransferPlan:
     """The transfer plan of a whole-model update into ``fleet`` from its trainer GPUs (link ranks
     0..T-1, then the engines' ranks, engine by engine); ``plans``: the update's fp8 plans, if
-    built already."""
+    built already (else built with their inputs in the dtypes they travel in: ``predict``)."""
     config = as_config(config)
     ids = [*model_layer_ids(config), REST]
-    plans = plans or plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt)
+    plans = plans or _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
     engines = [None] * fleet.trainer_gpus + fleet.layouts() * fleet.engines
     return transfer_plan(config, plans, ids, engines, range(fleet.trainer_gpus))
 
 
-def _bf16_inputs(plans: list[LayerPlan], experts: bool | None = None) -> int:
-    """bf16 bytes of the trainer tensors of ``plans``: all, only the routed experts' (True) or
-    all but theirs (False)."""
+def _inputs(plans: list[LayerPlan], experts: bool | None = None) -> int:
+    """Bytes of the trainer tensors of ``plans`` in their planned (travel) dtypes: all, only the
+    routed experts' (True) or all but theirs (False)."""
     return sum(
-        torch.bfloat16.itemsize * math.prod(shape)
+        (dtype or torch.bfloat16).itemsize * math.prod(shape)
         for p in plans
-        for name, (shape, _) in p.inputs.items()
+        for name, (shape, dtype) in p.inputs.items()
         if experts is None or name.startswith("mlp.experts.") == experts
     )
 
 
 def _sender_inputs(plans: list[LayerPlan], fp8_experts: bool) -> int:
-    """Bytes one sender collects for ``plans``: bf16 inputs, or for the routed experts their fp8
+    """Bytes one sender collects for ``plans``: the inputs, or for the routed experts their fp8
     bytes and scales when every rank quantizes its own (``fp8_experts``)."""
     if not fp8_experts:
-        return _bf16_inputs(plans)
+        return _inputs(plans)
     fp8 = sum(e.nbytes for p in plans for e in p.entries if e.name.startswith("mlp.experts."))
-    return _bf16_inputs(plans, experts=False) + fp8
+    return _inputs(plans, experts=False) + fp8
+
+
+def _held_gathered(plan: LayerPlan, fp8: bool, experts_whole: bool, trainer_gpus: int) -> int:
+    """What one sender holds gathered of one layer at once, besides its conversion buffer: every
+    tensor but the expert stacks, and of those nothing when each rank quantizes its own experts
+    into the sender's buffer (fp8, whole experts), else ``CHUNK_EXPERTS`` experts of the largest
+    stack's sources (gather="chunked"); bf16 mode gathers the whole layer (gather="full"). A
+    single trainer rank gathers nothing: it converts its tensors where they lie."""
+    if trainer_gpus == 1:
+        return 0  # one rank holds every tensor whole: converted where it lies, nothing gathered
+    if not fp8:
+        return _inputs([plan])
+    rest = _inputs([plan], experts=False)
+    stacks = [e for e in stack_entries(plan) if e.op == "quantize"]
+    if experts_whole or not stacks:
+        return rest
+    chunk = max(
+        sum((plan.inputs[s][1] or torch.bfloat16).itemsize * math.prod(plan.inputs[s][0]) for s in e.sources)
+        * min(CHUNK_EXPERTS, e.shape[0])
+        // e.shape[0]
+        for e in stacks
+    )
+    return rest + chunk
 
 
 def predictions_json(preds: list[Prediction]) -> list[dict]:
     return [asdict(p) for p in preds]
 
 
-__all__ = ["CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "STRATEGIES", "Fleet", "Prediction",
-           "many_senders_plan", "predict", "predictions_json"]  # fmt: skip
+__all__ = ["CHUNK_EXPERTS", "CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "SENDER_PEAK_COUNTS", "STRATEGIES",
+           "Fleet", "Prediction", "many_senders_plan", "predict", "predictions_json"]  # fmt: skip

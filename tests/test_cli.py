@@ -113,11 +113,12 @@ def test_unavailable_backend(capsys, backend):
 
 
 def test_plan_glm5(capsys):
-    assert main(["plan", "--model", "glm-5"]) == 0
+    assert main(["plan", "--model", "glm-5", "--detail"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("glm_moe_dsa: 78 layers")
-    assert re.search(r"^layer kind\s+layers\s+indices\s+entries\s+kernel-format GiB", out, re.M)
-    assert re.search(r"^dense\s+3\s+0-2\s", out, re.M) and re.search(r"^sparse\s+75\s+3-77\s", out, re.M)
+    assert re.search(r"^layer kind\s+layers\s+entries\s+kernel-format\s+gathered", out, re.M)
+    assert re.search(r"^dense\s+3\s+21\s", out, re.M) and re.search(r"^sparse\s+75\s+27\s", out, re.M)
+    assert "  dense: layers 0-2\n  sparse: layers 3-77\n" in out
 
 
 def test_plan_glm52_counts_layer_kinds(capsys, tmp_path):
@@ -128,20 +129,29 @@ def test_plan_glm52_counts_layer_kinds(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(PRESETS["glm-5.2"]))
     for argv in (["plan", "--model", "glm-5.2"], ["plan", "--config", str(path)]):
-        assert main(argv) == 0
+        assert main([*argv, "--detail"]) == 0
         out = capsys.readouterr().out
         assert out.startswith("glm_moe_dsa: 78 layers (3 dense, 57 sparse/no-indexer, 18 sparse)"), out
-        found = re.findall(r"^(\S+)\s+(\d+)\s+.*?\s(\d+)\s+[\d.]+\s", out, re.M)
+        found = re.findall(r"^(\S+)\s+(\d+)\s+(\d+)\s+[\d.]+\s", out, re.M)
         rows = {m[0]: (int(m[1]), int(m[2])) for m in found}
         assert rows["dense"][0] == 3 and rows["sparse"][0] == 18 and rows["sparse/no-indexer"][0] == 57
         assert rows["sparse"][1] - rows["sparse/no-indexer"][1] == 5
 
 
 def test_plan_nodes(capsys):
-    assert main(["plan", "--nodes", "2", "--gpus-per-node", "4", "--gpu-gib", "80"]) == 0
+    """--nodes x --gpus-per-node are the trainer's GPUs: the summary says whether the fp32 master
+    shards and the busiest trainer rank's peak fit --gpu-gib; --detail has the fit per path."""
+    assert main(["plan", "--model", "deepseek-v3", "--nodes", "2", "--gpus-per-node", "4", "--gpu-gib", "80",
+                 "--detail"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "(8 GPUs, layers only)" in out and "fits 80 GiB" in out
-    assert "fits: the fp32 master shards of the decoder layers plus one layer's conversion peak only" in out
+    flat = _flat(out)
+    assert "deployment: 8 trainer GPUs -> 1 engine(s) of TP 8 x DP 1 (TP 8 assumed: pass --engine-tp)" in flat
+    assert re.search(r"a trainer GPU: [\d.]+ GiB of float32 master shards \+ [\d.]+ GiB peak = [\d.]+ GiB: "
+                     r"(fits|does NOT fit) 80 GiB", flat)  # fmt: skip
+    assert (
+        "fit on a trainer GPU (8 GPUs, 80 GiB each): the float32 master shards of the decoder layers" in flat
+    )
+    assert re.search(r"^glm_fp8 \(one sender, whole layer\)\s+[\d.]+\s+[\d.]+\s+(yes|NO)$", out, re.M), out
 
 
 def test_help_describes_the_tool_and_every_option_with_its_default(capsys):
@@ -177,11 +187,33 @@ def test_plan_engine_bytes(capsys):
     (the MTP layer's 1.54 GiB the largest), 2.35 GiB in vLLM's target session and 1.54 GiB (one
     buffer: one layer) in the draft session; 22.24 GiB from a full broadcast."""
     for extra in ([], ["--engine-ep"]):
-        assert main(["plan", "--engine-tp", "8", *extra]) == 0
+        assert main(["plan", "--engine-tp", "8", *extra, "--detail"]) == 0
         out = capsys.readouterr().out
-        assert "into 8 engine ranks (TP 8 x DP 1" in out
-        row = r"^0, 1, 2, 3, 4, 5, 6, 7\s+706\.06\s+90\.28\s+0\.128\s+22\.24\s+3\.07\s+2\.35 / 1\.54$"
+        assert "into 8 engine ranks (TP 8 x DP 1" in _flat(out)
+        row = r"^0-7\s+706\.06\s+90\.28\s+0\.128\s+22\.24\s+3\.07\s+2\.35 / 1\.54$"
         assert re.search(row, out, re.M), out
+        # the summary: an engine rank's extra memory per session, saying what it counts
+        assert (
+            "engine ranks (each of 8 per engine): 2.35 GiB in vLLM's target session, 1.54 GiB in the "
+            in _flat(out)
+        )
+    # the same figures from Python (glm_fp8.planning, which the CLI only prints)
+    from glm_fp8.models import PRESETS
+    from glm_fp8.planning import PlanRequest, plan_report
+
+    rows = plan_report(PRESETS["glm-5"], PlanRequest(engine_tp=8, engine_ep=True))["engine"]["rows"]
+    assert [(r["ranks"], round(r["extra_target_session_bytes"] / 2**30, 2)) for r in rows] == [
+        (list(range(8)), 2.35)
+    ]
+
+
+def test_plan_refuses_a_deployment_of_a_config_without_the_sizes_it_needs(capsys):
+    """glm-4.5's preset has no vocab_size: the layer kinds are shown, a deployment is refused
+    naming the config and the field."""
+    assert main(["plan", "--model", "glm-4.5"]) == 0
+    capsys.readouterr()
+    line = _usage_error(capsys, ["plan", "--model", "glm-4.5", "--trainer-gpus", "8"])
+    assert "--model 'glm-4.5': config.vocab_size: required for the non-layer tensors" in line
 
 
 def test_plan_refuses_an_engine_layout_vllm_refuses(capsys):
@@ -216,3 +248,235 @@ def test_wall_seconds_is_the_median_of_its_runs():
     sleeps = iter([0.001, 0.05, 0.02])
     t = wall_seconds(lambda: (calls.append(1), time.sleep(next(sleeps))), runs=3)
     assert len(calls) == 3 and 0.02 <= t < 0.05
+
+
+# --- glm-fp8 plan: a summary first, the detail on request, JSON always, no ignored flags ---------
+
+DEPLOYMENT = ["plan", "--trainer-gpus", "32", "--engines", "4", "--engine-tp", "8", "--engine-ep"]
+
+
+def _flat(out: str) -> str:
+    """The output with every run of whitespace one space: prose wrapped at 100 reads as one line."""
+    return " ".join(out.split())
+
+
+def _plan_text(capsys, argv: list[str]) -> str:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    widest = max(out.splitlines(), key=len)
+    assert len(widest) <= 100, f"{argv}: a line of {len(widest)} characters: {widest!r}"
+    return out
+
+
+def test_plan_summary_first_then_the_detail_on_request(capsys):
+    """Without --detail: the model, the deployment, the mode auto picks and why, the predicted
+    time, every rank's extra memory saying what it counts, the fit; no table. The figures are
+    those of the tables --detail prints and of the JSON, which holds everything."""
+    out = _plan_text(capsys, DEPLOYMENT)
+    lines = out.splitlines()
+    assert lines[0].startswith("glm_moe_dsa: 78 layers (3 dense, 75 sparse)")
+    assert not any(line.startswith("---") for line in lines), out
+    flat = _flat(out)
+    assert (
+        'mode="auto" picks many senders (mode="senders"): each of the 32 trainer ranks holds whole ' in flat
+    )
+    assert "predicted update: 1.98 s (fp8 many senders, the whole model in one update;" in flat
+    m = re.search(r"trainer ranks 0-31 \(senders\): ([\d.]+) GiB at most: 2 conversion slots \+ 2 send "
+                  r"slots \+ one layer's gathered tensors it owns", flat)  # fmt: skip
+    assert m, out
+    assert "engine ranks (each of 8 per engine): 2.35 GiB in vLLM's target session, 1.54 GiB in" in flat
+    assert re.search(r"a trainer GPU: 86\.4 GiB of float32 master shards \+ [\d.]+ GiB peak", flat)
+    assert "detail: --detail" in out
+
+    detail = _plan_text(capsys, [*DEPLOYMENT, "--detail"])
+    assert detail.startswith(out.split("\ndetail: --detail")[0])  # the same summary, then the tables
+    assert re.search(r"^fp8 many senders\s+32\s+91\.1\s+90\.3\s+", detail, re.M), detail
+    # Every sender peak is the same figure with the same label: the summary's, the strategy
+    # table's and the transfer plan's largest.
+    row = re.search(r"^fp8 many senders(?:\s+[\d.]+){5}\s+([\d.]+)$", detail, re.M)
+    assert row and row.group(1) == m.group(1), detail
+    assert f"its largest: sender 0, {m.group(1)} GiB (the summary's figure)" in _flat(detail)
+    assert "sender peak: 2 conversion slots + 2 send slots + one layer's gathered tensors;" in _flat(detail)
+
+    assert main([*DEPLOYMENT, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    s = got["summary"]
+    assert s["auto_mode"] == "senders" and round(s["predicted_seconds"], 2) == 1.98
+    senders = got["update"]["strategies"][-1]
+    assert (
+        s["trainer_extra"][0]["bytes"]
+        == senders["sender_peak"]
+        == got["update"]["transfer_plan"]["max_peak_bytes"]
+    )
+    assert f"{senders['sender_peak'] / 2**30:.2f}" == m.group(1)
+    assert got["assumptions"]["master_dtype"] == "float32" and got["assumptions"]["gather_dtype"] is None
+
+
+def test_auto_mode_follows_the_trainer():
+    from glm_fp8.planning import auto_mode
+
+    assert auto_mode(32, True)[0] == "senders"
+    assert (
+        auto_mode(32, False) == ("scatter", auto_mode(32, False)[1])
+        and "split experts" in auto_mode(32, False)[1]
+    )
+    assert auto_mode(1, True)[0] == "scatter" and "one trainer rank" in auto_mode(1, True)[1]
+
+
+def test_plan_experts_split_shows_every_strategy(capsys):
+    """--experts-split: auto picks scatter; the many-senders row is still there, marked n/a with
+    why, in the text and in the JSON; the scatter sender's peak says what it counts."""
+    argv = [
+        "plan",
+        "--trainer-gpus",
+        "16",
+        "--experts-split",
+        "--engine-tp",
+        "4",
+        "--engine-dp",
+        "2",
+        "--detail",
+    ]
+    out = _plan_text(capsys, argv)
+    flat = _flat(out)
+    assert 'mode="auto" picks scatter (mode="scatter"): the trainer\'s shards split experts' in flat
+    assert re.search(r"^fp8 many senders\s+-\s+-\s+-\s+-\s+n/a\s+-$", out, re.M), out
+    assert "fp8 many senders: n/a: needs every trainer rank to hold whole experts" in flat
+    assert re.search(
+        r"trainer rank 0 \(sender\): [\d.]+ GiB at most: 2 conversion slots \+ 2 send slots", flat
+    )
+    assert re.search(r"trainer ranks 1-15 \(contributors\): [\d.]+ GiB at most: one layer's non-expert", flat)
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [(p["strategy"], p["applicable"]) for p in got["update"]["strategies"]] == [
+        ("bf16 broadcast", True), ("fp8 broadcast", True), ("fp8 scatter", True), ("fp8 many senders", False)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--detail", "--entries"],
+        ["plan", "--model", "glm-5.2", "--nodes", "1", "--detail"],
+        ["plan", "--model", "kimi-k2", "--engine-tp", "8", "--engine-dp", "2", "--engine-ep", "--detail"],
+        ["plan", "--model", "qwen3-moe", "--trainer-gpus", "1", "--engine-tp", "4", "--detail", "--entries"],
+    ],
+)
+def test_plan_lines_fit_100_characters(capsys, argv):
+    """Every line of every variant (the summary, each table, the legends) is at most 100 wide."""
+    out = _plan_text(capsys, argv)
+    assert out.startswith(("glm_moe_dsa", "kimi_k2", "deepseek_v3", "qwen3_moe")), out
+
+
+def test_plan_json_is_always_json(capsys):
+    """--json without a deployment: the model, the layer kinds, a summary that says what to pass."""
+    assert main(["plan", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["summary"]["auto_mode"] is None and "--trainer-gpus" in got["summary"]["hint"]
+    assert [k["kind"] for k in got["layer_kinds"]] == ["dense", "sparse"]
+    assert got["update"] is None and got["engine"] is None and got["fits"] is None
+    assert set(got["peak_counts"]) >= {"eager", "preallocated_stack", "glm_fp8", "gathered", "excludes"}
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--engines", "4"], "--engines: describes the deployment and needs --trainer-gpus N (or --nodes)"),
+        (["--link-gbps", "100"], "--link-gbps: describes the deployment and needs --trainer-gpus N"),
+        (["--experts-split"], "--experts-split: describes the deployment and needs --trainer-gpus N"),
+        (["--gpu-gib", "80"], "--gpu-gib: describes the deployment and needs --trainer-gpus N"),
+        (["--engine-dp", "4"], "--engine-dp: needs --engine-tp (the engine's layout is TP x DP"),
+        (["--engine-ep", "--trainer-gpus", "8"], "--engine-ep: needs --engine-tp"),
+        (["--gpus-per-node", "4"], "--gpus-per-node: 4 needs --nodes"),
+        (["--nodes", "2", "--gpus-per-node", "8", "--trainer-gpus", "64"],
+         "--trainer-gpus: 64 contradicts --nodes 2 x --gpus-per-node 8 = 16 trainer GPUs"),
+        (["--target", "blackwell", "--engine-tp", "8"],
+         "--target: 'blackwell' is the kernel format of the layer"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_ignored_or_contradictory_flags(capsys, argv, expected):
+    assert expected in _usage_error(capsys, ["plan", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--trainer-gpus", "1000000000"],
+         "--trainer-gpus: expected an integer in [1, 1024], got 1000000000"),
+        (["--trainer-gpus", "8", "--engines", "1000000000"],
+         "--engines: expected an integer in [1, 256]"),
+        (["--engine-tp", "8", "--engine-dp", "1000"],
+         "--engine-dp: expected an integer in [1, 512], got 1000"),
+        (["--engine-tp", "8", "--engine-dp", "128"],
+         "--engine-dp: TP 8 x DP 128 = 1024 engine ranks; expected at most 512"),
+        (["--nodes", "1000"], "--nodes: 1000 x --gpus-per-node 8 = 8000 trainer GPUs; expected at most 1024"),
+        (["--trainer-gpus", "8", "--engines", "256", "--engine-tp", "8", "--engine-dp", "4"],
+         "--engines: 256 engines x 32 ranks = 8192 engine ranks; expected at most 4096"),
+        (["--engine-tp", "8", "--engine-dp", "64"], "--engine-tp: 8 with engine_dp 64: "),
+    ],
+)  # fmt: skip
+def test_plan_bounds_refuse_at_once(capsys, argv, expected):
+    """Sizes that would exhaust memory or take minutes are refused before anything is built, with
+    the limit and why; a layout vLLM refuses is refused from its first rank's shard."""
+    import time
+
+    start = time.perf_counter()
+    line = _usage_error(capsys, ["plan", *argv])
+    assert expected in line and "(" in line, line
+    assert time.perf_counter() - start < 10
+
+
+def test_plan_request_checks_bounds_for_python_callers():
+    from glm_fp8.models import PRESETS
+    from glm_fp8.planning import PlanArgumentError, PlanRequest, plan_report
+
+    for field, value, limit in (
+        ("trainer_gpus", 10**9, 1024),
+        ("engines", 10**9, 256),
+        ("engine_dp", 1000, 512),
+    ):
+        with pytest.raises(PlanArgumentError, match=rf"{field}: expected an int in \[1, {limit}\]") as exc:
+            plan_report(PRESETS["glm-5"], PlanRequest(**{"trainer_gpus": 8, field: value}))
+        assert exc.value.argument == field
+
+
+def test_version(capsys):
+    from glm_fp8 import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"glm-fp8 {__version__}\n"
+
+
+def test_gather_dtype_defaults_to_the_trainers_own():
+    """No cast by default: estimate_memory reads each input's own dtype, and the CLI gathers fp32
+    masters as fp32 (twice the bf16 bytes) unless --gather-dtype bf16 opts into the cast."""
+    from glm_fp8.memory import estimate_memory, travel_plan
+    from glm_fp8.models import PRESETS
+    from glm_fp8.plan import plan_from_config
+
+    plan = plan_from_config(PRESETS["glm-4.5"], 5)
+    fp32 = travel_plan(plan, torch.float32)
+    assert estimate_memory(fp32).inputs == estimate_memory(fp32, torch.float32).inputs
+    # twice the bf16 masters' bytes, but for what the model keeps in float32 (router, bias)
+    assert estimate_memory(fp32).inputs == pytest.approx(
+        2 * estimate_memory(travel_plan(plan, torch.bfloat16)).inputs, rel=1e-3
+    )
+    bf16_cast = travel_plan(plan, torch.float32, torch.bfloat16)
+    assert estimate_memory(bf16_cast).inputs < estimate_memory(fp32).inputs
+    assert estimate_memory(bf16_cast).output == estimate_memory(fp32).output
+
+
+def test_plan_gather_dtype_option(capsys):
+    got = {}
+    for flags in ([], ["--gather-dtype", "bf16"], ["--master-dtype", "bf16"]):
+        assert main(["plan", "--model", "glm-4.5", "--json", *flags]) == 0
+        got[tuple(flags)] = json.loads(capsys.readouterr().out)
+    default = got[()]
+    assert default["assumptions"]["gathered_in"] == "the masters' own dtype (float32)"
+    sparse = {
+        k: [x for x in r["layer_kinds"] if x["kind"] == "sparse"][0]["gathered_bytes"] for k, r in got.items()
+    }
+    assert sparse[()] > 1.9 * sparse[("--gather-dtype", "bf16")]
+    assert sparse[("--master-dtype", "bf16")] == pytest.approx(sparse[("--gather-dtype", "bf16")], rel=1e-3)

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from glm_fp8.cli import main
 from glm_fp8.engine import EngineLayout
@@ -39,7 +40,13 @@ def test_glm5_into_four_ep8_engines_from_32_trainer_gpus():
     # receives (the busiest sender owns three decoder layers' other entries besides its rows).
     assert round(many.sent / GIB, 2) == 91.06
     assert many.seconds == pytest.approx(PIPELINE_FACTOR * many.sent / 50e9, rel=2e-3)
-    assert many.sender_peak < 3.1 * GIB  # two slots of conversion and of send buffers, one gather
+    # Two slots of conversion and of send buffers, one layer's gathered tensors: fp32 masters (the
+    # default) travel as fp32, so the gather is twice bf16 masters' (3.06 GiB in all then).
+    bf16 = {p.strategy: p for p in predict(GLM5, fleet, master_dtype=torch.bfloat16)}["fp8 many senders"]
+    assert bf16.sender_peak < 3.1 * GIB < many.sender_peak < 4 * GIB
+    assert many.gathered == pytest.approx(2 * bf16.gathered, rel=1e-3)
+    cast = {p.strategy: p for p in predict(GLM5, fleet, gather_dtype=torch.bfloat16)}["fp8 many senders"]
+    assert cast.gathered == pytest.approx(bf16.gathered, rel=1e-2)  # the opt-in cast: bf16 on the wire
     assert preds["bf16 broadcast"].sent > 1.9 * full  # twice the bytes (plus bf16 passthrough alike)
     assert preds["bf16 broadcast"].seconds > 10 * many.seconds
 
@@ -77,7 +84,7 @@ def test_bad_fleet_is_refused(field, value):
 
 
 def test_cli_prints_the_table_and_the_json(capsys):
-    argv = ["plan", "--trainer-gpus", "32", "--engines", "4", "--engine-tp", "8", "--engine-ep"]
+    argv = ["plan", "--trainer-gpus", "32", "--engines", "4", "--engine-tp", "8", "--engine-ep", "--detail"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "predicted whole-model update: 32 trainer GPUs -> 4 engine(s) of TP 8 x DP 1 EP" in out
@@ -85,5 +92,5 @@ def test_cli_prints_the_table_and_the_json(capsys):
     assert "many senders' transfer plan" in out
     assert re.search(r"^\s+4\s+32\.\.39\s+69\s+91\.06\s", out, re.M), out
     assert main([*argv, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    got = json.loads(capsys.readouterr().out)["update"]["strategies"]
     assert [p["strategy"] for p in got] == list(STRATEGIES) and got[-1]["seconds"] <= 3.0
