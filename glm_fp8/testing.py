@@ -106,8 +106,6 @@ def reference_engine_params(
     *,
     scale_fmt: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    quantize_from: torch.dtype | None = None,
-    gather_dtype: torch.dtype | None = None,
     bias_dtype: torch.dtype | None = None,
     gathered_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -117,27 +115,23 @@ def reference_engine_params(
     (``glm_fp8.reference``) cut by the rank's shard, in vLLM's dtype, by vLLM's name. Tensors
     the engine has no parameter for are left out, as the converter does.
 
-    The trainer's tensors are read in their own dtype, unless ``gather_dtype`` (every tensor
-    cast first, as a gather that casts does: prime-rl's ``.to(bf16).full_tensor()``) or
-    ``quantize_from`` (the sources of quantized entries only) say otherwise; ``gathered_dtype``:
-    the sources of quantized entries other than the routed-expert stacks are cast to it (what a
-    sharded layer's gathers carry, while each rank quantizes the experts it holds in their own
-    dtype: many senders, ``gather="quantize_then_gather"``)."""
+    Every tensor is read in the trainer's own dtype, never cast first: what every mode of an
+    update with the default ``gather_dtype=None`` must land (docs/numerics.md#inputs).
+    ``gathered_dtype`` models the explicit ``gather_dtype`` opt-in only, never the default: the
+    sources of quantized entries other than the routed-expert stacks are cast to it (what a
+    sharded layer's gathers then carry, while each rank quantizes the experts it holds in their
+    own dtype: many senders, ``gather="quantize_then_gather"``)."""
     c = as_config(config)
     targets = {p.kernel_name: p for p in engine_params(c, layout).values()}
     out = {}
     for i in layer_ids:
         plan = plan_from_config(c, i, scale_fmt=scale_fmt)
         layer = strip_layer(synthetic_layer(c, i, dtype, bias_dtype=bias_dtype), i)
-        layer = {k: t.to(gather_dtype or t.dtype) for k, t in layer.items() if k in plan.inputs}
-        for e in plan.entries:
-            if e.op != "quantize":
-                continue
-            cast = quantize_from if quantize_from is not None else None
-            if cast is None and gathered_dtype is not None and len(e.shape) != 3:
-                cast = gathered_dtype
-            if cast is not None:
-                layer.update({s: layer[s].to(cast) for s in e.sources})
+        layer = {k: t for k, t in layer.items() if k in plan.inputs}
+        if gathered_dtype is not None:
+            for e in plan.entries:
+                if e.op == "quantize" and len(e.shape) != 3:
+                    layer.update({s: layer[s].to(gathered_dtype) for s in e.sources})
         for kernel_name, full in convert_layer_ref(layer, i, plan).items():
             t = targets[kernel_name]
             out[t.name] = take_shard(full, t.shard).to(t.dtype)

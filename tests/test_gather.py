@@ -14,11 +14,11 @@ from glm_fp8.testing import launch, synthetic_layer
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}  # one dense layer, two sparse; 11 experts
 
 
-def _sharded(config, layer_idx, mesh, expert_dim):
+def _sharded(config, layer_idx, mesh, expert_dim, dtype):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     out = {}
-    for k, t in synthetic_layer(config, layer_idx).items():
+    for k, t in synthetic_layer(config, layer_idx, dtype).items():
         if ".mlp.experts." in k:
             placement = Shard(expert_dim)
         elif t.dim() >= 2:
@@ -29,7 +29,7 @@ def _sharded(config, layer_idx, mesh, expert_dim):
     return out
 
 
-def _rank(rank, world, gather, expert_dim):
+def _rank(rank, world, gather, expert_dim, dtype=torch.bfloat16):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -40,7 +40,7 @@ def _rank(rank, world, gather, expert_dim):
     trainers = world - 1
     mesh = DeviceMesh("cpu", torch.arange(trainers))  # every rank creates the groups
     link = dist.new_group([0, world - 1])  # trainer rank 0 -> the inference rank
-    layers = lambda: ((i, _sharded(CONFIG, i, mesh, expert_dim)) for i in range(3))  # noqa: E731
+    layers = lambda: ((i, _sharded(CONFIG, i, mesh, expert_dim, dtype)) for i in range(3))  # noqa: E731
     if rank == 0:
         sender = Broadcaster(link, 0, config=CONFIG, gather=gather, chunk_experts=4, device="cpu")
         sender.broadcast_model(layers())
@@ -50,7 +50,9 @@ def _rank(rank, world, gather, expert_dim):
         return None
     mismatched = checked = 0
     for pos, views in Receiver(link, 0, config=CONFIG, device="cpu").receive_layers():
-        layer = {k.removeprefix(f"model.layers.{pos}."): t for k, t in synthetic_layer(CONFIG, pos).items()}
+        # The trainer's own tensors, nothing cast: fp32 masters travel and are quantized in fp32.
+        held = synthetic_layer(CONFIG, pos, dtype)
+        layer = {k.removeprefix(f"model.layers.{pos}."): t for k, t in held.items()}
         want = convert_layer_ref(layer, pos, plan_from_config(CONFIG, pos))
         for name, view in views:
             got, ref = view.contiguous().view(torch.uint8), want[name].contiguous().view(torch.uint8)
@@ -60,18 +62,21 @@ def _rank(rank, world, gather, expert_dim):
 
 
 @pytest.mark.parametrize(
-    "world, gather, expert_dim",
+    "world, gather, expert_dim, dtype",
     [
-        (3, "full", 0),
-        (3, "chunked", 0),
-        (3, "quantize_then_gather", 0),
-        (4, "auto", 0),  # picks quantize_then_gather: 11 experts over 3 ranks, 4 + 4 + 3
-        (4, "chunked", 1),  # experts split along I (tensor-parallel style)
-        (3, "auto", 2),  # picks chunked
+        (3, "full", 0, torch.bfloat16),
+        # fp32 masters: every tensor gathered (full_tensor() and fp32 chunk buffers) and quantized
+        # as held, nothing cast
+        (3, "chunked", 0, torch.float32),
+        (3, "quantize_then_gather", 0, torch.bfloat16),
+        (4, "auto", 0, torch.bfloat16),  # picks quantize_then_gather: 11 experts over 3 ranks, 4 + 4 + 3
+        (4, "chunked", 1, torch.bfloat16),  # experts split along I (tensor-parallel style)
+        (3, "auto", 2, torch.bfloat16),  # picks chunked
     ],
+    ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None,
 )
-def test_gather_strategies_deliver_reference_bytes(world, gather, expert_dim):
-    results = launch(world, _rank, (gather, expert_dim), timeout_s=120)
+def test_gather_strategies_deliver_reference_bytes(world, gather, expert_dim, dtype):
+    results = launch(world, _rank, (gather, expert_dim, dtype), timeout_s=120)
     bad = {r: v for r, v in results.items() if v[0] != "ok"}
     assert not bad, bad
     checked, mismatched = results[world - 1][1]

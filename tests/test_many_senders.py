@@ -35,7 +35,7 @@ def _layouts(case: str, n: int):
     return [EngineLayout(tp_size=2, tp_rank=r % 2, dp_size=2, dp_rank=r // 2) for r in range(n)]  # tp2 x dp2
 
 
-def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
+def _rank(rank, world, n_senders, case, fault=None):
     from torch.distributed.device_mesh import DeviceMesh
 
     from glm_fp8.engine import engine_params
@@ -57,7 +57,7 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
 
         def layers():
             for i in WHOLE:
-                sd = sharded_layer(TINY_GLM5, i, mesh, dtype)
+                sd = sharded_layer(TINY_GLM5, i, mesh)
                 if fault == "shard1" and i == 2:  # experts split along I: no sender holds a whole one
                     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -69,7 +69,7 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
                     i = 4  # the wrong index only: building layer 4 here would be a collective of its own
                 yield i, sd
 
-        rest = sharded_layer(TINY_GLM5, REST, mesh, dtype)
+        rest = sharded_layer(TINY_GLM5, REST, mesh)
         if fault == "split_replicated":  # rows not where the split wants them: gathered row by row
             from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -112,11 +112,7 @@ def _rank(rank, world, n_senders, case, fault=None, dtype=torch.bfloat16):
         first = _first_update(lambda: receiver.load_into(params))
         receiver.link.exchange = exchange
     receiver.load_into(params)
-    # Each sender quantizes its own experts in the dtype it holds them; what is gathered travels
-    # in bf16 (quantized entries' sources) or in its wire dtype (passthrough ones).
-    want = reference_engine_params(
-        TINY_GLM5, layout, [*WHOLE, REST], dtype=dtype, gathered_dtype=torch.bfloat16
-    )
+    want = reference_engine_params(TINY_GLM5, layout, [*WHOLE, REST])
     assert set(want) == set(params)  # every parameter is part of the update
     for name, ref in want.items():
         got = params[name]
@@ -171,11 +167,91 @@ def test_large_passthrough_matrices_split_by_rows_land_exactly(n_senders, case, 
     assert all(v[0] == "ok" for v in results.values()), results
 
 
-def test_fp32_masters_quantize_their_own_experts_from_fp32():
-    """fp32 masters: each sender's experts (held, never moved) are quantized from fp32, the fp32
-    routing bias lands exact; the gathered sources of the other quantized entries travel in bf16."""
-    results = launch(4, _rank, (2, "tp2", None, torch.float32), timeout_s=150)
+IDS = [0, 2]  # a dense layer (attention, indexer wq_b, dense MLP) and a sparse one (shared, routed experts)
+
+
+def _modes_rank(rank, world, dtypes):
+    """Ranks 0 and 1 train (FSDP2-style DTensors on one mesh), ranks 2 and 3 are a TP=2 engine.
+    For each dtype the same trainer updates the engine in every mode, with the default
+    ``gather_dtype``: broadcast and scatter from rank 0 (rank 1 takes part in its gathers), then
+    many senders; for fp32, also many senders with the bf16 gather opt-in. An engine rank returns,
+    per run, each parameter's digest and the parameters that differ from the reference of the
+    trainer's own tensors (``glm_fp8.reference``, nothing cast)."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from glm_fp8.engine import engine_params
+    from glm_fp8.testing import reference_engine_params, sharded_layer
+    from glm_fp8.transfer import Broadcaster, Receiver, contribute_shards
+
+    mesh = DeviceMesh("cpu", torch.arange(2))
+    one = dist.new_group([0, 2, 3])  # one sender's link (every rank creates the groups)
+    layouts = _layouts("tp2", 2)
+    kw = dict(config=TINY_GLM5, layer_ids=IDS, device="cpu")
+    out = {}
+    for dtype in dtypes:
+        runs = [("broadcast", one, None, [0], None), ("scatter", one, [None, *layouts], [0], None),
+                ("many senders", None, [None, None, *layouts], [0, 1], None)]  # fmt: skip
+        if dtype == torch.float32:
+            runs.append(("bf16 gather", None, [None, None, *layouts], [0, 1], torch.bfloat16))
+        if rank >= 2:
+            layout = layouts[rank - 2]
+            want = reference_engine_params(TINY_GLM5, layout, IDS, dtype=dtype)
+            opt_in = reference_engine_params(
+                TINY_GLM5, layout, IDS, dtype=dtype, gathered_dtype=torch.bfloat16
+            )
+        for mode, link, engines, senders, gather_dtype in runs:
+            if rank < 2:
+                layers = ((i, sharded_layer(TINY_GLM5, i, mesh, dtype)) for i in IDS)
+                if rank in senders:
+                    Broadcaster(link, 0, engines=engines, senders=senders, gather_dtype=gather_dtype,
+                                **kw).broadcast_model(layers)  # fmt: skip
+                else:
+                    contribute_shards(layers, sender=0, gather_dtype=gather_dtype, **kw)
+                continue
+            params = {}
+            for name, p in engine_params(TINY_GLM5, layout).items():
+                if name in want:
+                    params[name] = torch.empty(p.shape, dtype=p.dtype)
+                    params[name].view(torch.uint8).fill_(FILL)
+            Receiver(link, 0, layout=layout, engines=engines, senders=senders, **kw).load_into(params)
+            bits = {n: t.contiguous().view(torch.uint8) for n, t in params.items()}
+            ref = opt_in if gather_dtype is not None else want
+            out[str(dtype), mode] = {
+                "digests": {n: hashlib.sha256(b.numpy().tobytes()).hexdigest() for n, b in bits.items()},
+                "differ": sorted(n for n, w in want.items() if not _same_bytes(params[n], w)),
+                "as_modelled": all(_same_bytes(params[n], w) for n, w in ref.items()),
+            }
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_every_mode_lands_the_trainers_own_bytes():
+    """fp32 masters (and bf16 ones, the control): broadcast, scatter and many senders land the same
+    bytes on every engine rank, and those are the reference's from the trainer's own tensors, never
+    cast first: every FP8 entry (attention, indexer wq_b, dense MLP, shared and routed experts) and
+    the float32 routing bias. The bf16 gather is an opt-in: with it the gathered entries' bytes
+    differ (the routed experts, quantized where held, do not)."""
+    results = launch(4, _modes_rank, ((torch.float32, torch.bfloat16),), timeout_s=300)
     assert all(v[0] == "ok" for v in results.values()), results
+    for r in (2, 3):
+        runs = results[r][1]
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            modes = {m: runs[dtype, m] for m in ("broadcast", "scatter", "many senders")}
+            for mode, run in modes.items():
+                assert run["differ"] == [] and run["as_modelled"], (r, dtype, mode, run["differ"])
+                assert run["digests"] == modes["broadcast"]["digests"], (r, dtype, mode)
+        opt_in = runs["torch.float32", "bf16 gather"]
+        assert opt_in["as_modelled"], r
+        differ = opt_in["differ"]
+        assert any(".self_attn.o_proj." in n for n in differ) and any(".indexer.wq_b." in n for n in differ)
+        assert any(".shared_experts." in n for n in differ) and any("layers.0.mlp." in n for n in differ)
+        assert not any(".routed_experts." in n or "e_score_correction_bias" in n for n in differ), differ
 
 
 @pytest.mark.parametrize(
@@ -280,7 +356,7 @@ def test_bad_many_senders_arguments_are_refused():
     receiver = Receiver(link(2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
     with pytest.raises(TypeError, match="receive_layers: with several senders an entry arrives in pieces"):
         receiver.receive_layers()
-    with pytest.raises(ValueError, match="ring: a receiver needs at least 2 buffers"):
+    with pytest.raises(ValueError, match=r"ring: expected an integer in \[2, \d+\] buffers"):
         Receiver(link(2), 0, senders=[0, 1], engines=engines, layout=engines[2], ring=1, **kw)
 
 

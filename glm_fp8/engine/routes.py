@@ -189,7 +189,8 @@ class TransferPlan:
 
     def gathered_bytes(self, t: int) -> list[int]:
         """Per layer, the trainer tensors sender ``t`` gathers (the sources of the entries it
-        owns there, whole, in their planned dtypes); it holds one layer's at a time."""
+        owns there, whole, in their planned dtypes: ``glm_fp8.update_time`` plans them in the dtype
+        they travel in, an input with none is counted as bf16); it holds one layer's at a time."""
         out = []
         for lay in self.layers:
             plan = lay.local_plans[t]

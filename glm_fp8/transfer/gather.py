@@ -44,8 +44,9 @@ class ShardLayout:
 
 
 def full_value(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A DTensor's whole value (prime-rl's ``full_tensor()``), cast to ``dtype`` first when
-    given; a plain tensor is returned untouched."""
+    """A DTensor's whole value (prime-rl's ``full_tensor()``), in its own dtype, or cast to
+    ``dtype`` first when given (the ``gather_dtype`` opt-in); a plain tensor is returned
+    untouched."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
@@ -75,9 +76,10 @@ def gather_rows(
 ) -> torch.Tensor | None:
     """Collect ``t[start:stop]`` (whole along the other dims) into ``out`` on global rank ``dst``.
 
-    ``out`` (only on ``dst``) has shape ``[stop - start, *t.shape[1:]]``. Pieces travel by
-    point-to-point sends from their owners, cast to ``dtype`` first when given. Returns ``out``
-    on ``dst``, None elsewhere.
+    ``out`` (only on ``dst``) has shape ``[stop - start, *t.shape[1:]]`` and the dtype the
+    pieces travel in: ``dtype`` when given (they are cast to it first), else ``t``'s own.
+    Pieces travel by point-to-point sends from their owners. Returns ``out`` on ``dst``, None
+    elsewhere.
     """
     layout = shard_layout(t)
     if layout is None:
@@ -142,10 +144,13 @@ def trainer_view(
 
 
 def travel_dtypes(plan: LayerPlan, gather_dtype: torch.dtype | None) -> dict[str, torch.dtype | None]:
-    """The dtype each source is cast to before it travels in a gather: ``gather_dtype`` for the
-    sources of quantized entries; a passthrough entry's own (wire) dtype for its sources, which
+    """The dtype each source is cast to before it travels in a gather. ``gather_dtype=None``
+    (the default): none, every source travels and is quantized in the dtype the trainer holds
+    (docs/numerics.md#inputs: no cast before quantizing). A ``gather_dtype`` (the bf16 opt-in):
+    that dtype for the sources of quantized entries, whose bytes then differ from the
+    checkpoint's for fp32 masters; a passthrough entry's own (wire) dtype for its sources, which
     is the rounding its copy makes anyway (an fp32 routing bias travels as fp32, so it lands
-    exact). None: as held."""
+    exact)."""
     if gather_dtype is None:
         return {}
     out: dict[str, torch.dtype | None] = {}
@@ -163,7 +168,7 @@ def contribute_shards(
     sender: int = 0,
     gather: str = "auto",
     chunk_experts: int = 8,
-    gather_dtype: torch.dtype | None = torch.bfloat16,
+    gather_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     layer_ids: Sequence[int] | None = None,
 ) -> None:
@@ -203,7 +208,9 @@ def collect_layer(
     gather: "full" (``full_tensor()`` per tensor, as prime-rl), "chunked" (expert stacks
     ``chunk_experts`` at a time into a reusable buffer: the whole gathered stack never exists),
     "quantize_then_gather" (each rank quantizes the experts it holds; only fp8 bytes and scales
-    travel), or "auto" (the last that the sharding allows). Plain tensors are used as they are.
+    travel), or "auto" (the last that the sharding allows). Plain tensors are used as they are;
+    DTensors travel in their own dtype unless ``gather_dtype`` (an opt-in: ``travel_dtypes``) says
+    otherwise, so a chunk buffer holds fp32 masters as fp32 (twice a bf16 gather's bytes).
     """
     sending = buf is not None
     prefix = layer_prefix(layer_idx)
@@ -234,16 +241,15 @@ def collect_layer(
         if strategy == "chunked":
             n = e.shape[0]
             size = min(chunk_experts, n)
+            dtypes = [travel.get(s) for s in e.sources]
             chunks = [
-                torch.empty((size, *t.shape[1:]), dtype=gather_dtype or t.dtype, device=device)
-                if sending
-                else None
-                for t in srcs
+                torch.empty((size, *t.shape[1:]), dtype=dt or t.dtype, device=device) if sending else None
+                for t, dt in zip(srcs, dtypes)
             ]
             for a in range(0, n, chunk_experts):
                 b = min(n, a + chunk_experts)
-                got = [gather_rows(t, a, b, sender, c[: b - a] if sending else None, gather_dtype)
-                       for t, c in zip(srcs, chunks)]  # fmt: skip
+                got = [gather_rows(t, a, b, sender, c[: b - a] if sending else None, dt)
+                       for t, c, dt in zip(srcs, chunks, dtypes)]  # fmt: skip
                 if sending:
                     quantize_blockwise(got, out=q[a:b], scale_out=sc[a:b], scale_fmt=fmt, check_finite=False)
             continue

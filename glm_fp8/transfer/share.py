@@ -78,10 +78,11 @@ def collect_own(
     into ``buf``. Returns the plan it converted (``glm_fp8.engine.routes.sender_plan``: the
     layout of ``routes.local_plans[t]``) and the converted views by prefixed name (none when ``t``
     has nothing of this layer). Memory above ``buf``: the gathered sources of the entries ``t``
-    owns and its rows of a split entry held otherwise than split alike. Its own rows are read in
-    the dtype they are held in (fp32 masters are quantized from fp32); what travels is cast first
-    (``travel_dtypes``). ``check_finite=False``: no host read; the caller checks ``buf``
-    (``entry_norms``)."""
+    owns and its rows of a split entry held otherwise than split alike, in the dtype they travel
+    in. Every tensor, held or gathered, is quantized in the dtype the trainer holds it in (fp32
+    masters from fp32: the same bytes as one sender's), unless the ``gather_dtype`` opt-in casts
+    what travels first (``travel_dtypes``). ``check_finite=False``: no host read; the caller
+    checks ``buf`` (``entry_norms``)."""
     from torch.distributed.tensor import DTensor
 
     prefix = layer_prefix(routes.layer_idx)
