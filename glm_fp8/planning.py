@@ -26,6 +26,7 @@ from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.pack import update_bytes
 from glm_fp8.engine.routes import FULL, describe, transfer_plan
+from glm_fp8.integrations.vllm.sync import auto_mode
 from glm_fp8.memory import COUNTS, estimate_memory, master_bytes_per_gpu, travel_plan
 from glm_fp8.models import REST, layer_kind, model_layer_ids, mtp_layer_index
 from glm_fp8.plan import plan_from_config, plans_for_model
@@ -72,22 +73,6 @@ class PlanArgumentError(ValueError):
         super().__init__(f"{argument}: {message}")
         self.argument = argument
         self.message = message
-
-
-def auto_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
-    """The mode the vLLM backend's ``mode="auto"`` picks (``TrainerSide``) and why, in a few
-    words: many senders ("senders") when there are several trainer ranks and each holds whole
-    experts (every expert stack ``Shard(0)`` over the ranks in order), else "scatter"."""
-    if trainer_ranks > 1 and experts_whole:
-        return "senders", (
-            f"each of the {trainer_ranks} trainer ranks holds whole experts, so each "
-            "quantizes and sends its own"
-        )
-    if trainer_ranks <= 1:
-        return "scatter", "one trainer rank: it sends each engine rank its shard"
-    return "scatter", (
-        "the trainer's shards split experts: one rank gathers each layer and sends each engine rank its shard"
-    )
 
 
 @dataclass(frozen=True)

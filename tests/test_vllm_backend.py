@@ -19,6 +19,7 @@ tests/test_vllm_worker.py); each worker process serves the client's calls from a
 is the backend's own store-made group.
 """
 
+import time
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -68,6 +69,25 @@ class QueueClient:
         self._rpc("finish")
 
 
+class SkippingClient(QueueClient):
+    """A client whose first two updates never reach a session: step 1's ``start_weight_update``
+    does nothing (each worker's own ``receive`` refuses), step 2's too and its ``update_weights``
+    is refused by the worker before glm_fp8 sees it (vLLM's ``Worker.update_weights`` outside a
+    session); step 3 is whole."""
+
+    def __init__(self, boxes):
+        super().__init__(boxes)
+        self.steps = 0
+
+    def start_weight_update(self):
+        self.steps += 1
+        if self.steps > 2:
+            self._rpc("start")
+
+    def update_weights(self, update_info):
+        self._rpc("vllm_refuse" if self.steps == 2 else "receive", update_info)
+
+
 def _serve(side, drafter, inbox, outbox, log):
     """The worker: what vLLM's worker does with each call (a draft session hands the drafter over)."""
     while True:
@@ -77,6 +97,8 @@ def _serve(side, drafter, inbox, outbox, log):
         try:
             if cmd == "start_draft":
                 side.start(drafter)
+            elif cmd == "vllm_refuse":  # vLLM's Worker.update_weights without a session
+                raise RuntimeError("start_weight_update must be called before update_weights.")
             else:
                 getattr(side, cmd)(*args)
             outbox.put(("ok", None))
@@ -182,6 +204,24 @@ def _module_params(config, trainers: int, layout: str, dtype):
     return {k: distribute_tensor(t, mesh, [TShard(0) if t.dim() >= 2 else TRep()]) for k, t in params.items()}
 
 
+def _hf_like_module(mesh_params: dict) -> torch.nn.Module:
+    """A module as a transformers model holds these tensors: parameters, except the routing bias
+    ``mlp.gate.e_score_correction_bias``, a plain buffer (FSDP2 does not shard buffers)."""
+    root = torch.nn.Module()
+    for name, t in mesh_params.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        if leaf == "e_score_correction_bias":
+            mod.register_buffer(leaf, t.full_tensor())
+        else:
+            mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
 # --- one process of a run -------------------------------------------------------------------------
 
 
@@ -198,15 +238,23 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     steps = opts.get("steps", 2)
     source_kind = opts.get("source", "layers")
     layout_name = opts.get("layout", "prime_rl")
-    mesh_params = _module_params(config, trainers, layout_name, dtype) if source_kind == "module" else None
+    module = source_kind in ("module", "module_state")
+    mesh_params = _module_params(config, trainers, layout_name, dtype) if module else None
     if rank < trainers:
         if source_kind == "module":
             source = StandInModuleSource(mesh_params)
+        elif source_kind == "module_state":
+            from glm_fp8.integrations.vllm import ModuleStateSource
+
+            source = ModuleStateSource(_hf_like_module(mesh_params))
         else:
             source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, dtype)) for i in ids),
                                  rest=lambda: synthetic_layer(config, REST, dtype), mtp=bool(opts.get("mtp")),
                                  experts_whole=True)  # fmt: skip
-        client = QueueClient(boxes, draft=opts.get("draft") != "stream") if rank == 0 else None
+        client = None
+        if rank == 0:
+            draft = opts.get("draft") != "stream"
+            client = SkippingClient(boxes) if opts.get("skip") else QueueClient(boxes, draft=draft)
         options = TrainerOptions("127.0.0.1", port, engine_ranks=world - trainers, config=config,
                                  mode=opts.get("mode", "auto"), draft=opts.get("draft", "auto"), rank=rank,
                                  trainer_ranks=trainers, timeout_s=60)  # fmt: skip
@@ -214,10 +262,13 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
             side = TrainerSide(options, client, source, torch.device("cpu")).connect()
             results = []
             for _step in range(steps):
+                t0 = time.monotonic()
                 try:
-                    results.append(("ok", [(o["session"], o["bytes"]) for o in side.send()], side.mode))
+                    out = side.send()
+                    results.append(("ok", [(o["session"], o["bytes"]) for o in out], side.mode, out))
                 except Exception as exc:  # noqa: BLE001 - the test reads every rank's outcome
-                    results.append((type(exc).__name__, str(exc) + "".join(getattr(exc, "__notes__", []))))
+                    results.append((type(exc).__name__, str(exc) + "".join(getattr(exc, "__notes__", [])),
+                                    time.monotonic() - t0))  # fmt: skip
             return results
         finally:
             if rank == 0:
@@ -260,8 +311,9 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     if side.updater is None:
         return log
     ids = [*range(config["num_hidden_layers"]), *([MTP] if opts.get("mtp") else []), REST]
-    gathered = torch.bfloat16 if dtype != torch.bfloat16 and source_kind == "module" else None
-    want = _expected(config, layout, ids, dtype, gathered)
+    # No cast before quantizing in any mode (gather_dtype=None): the reference reads the trainer's
+    # own dtype, as a checkpoint quantized from the fp32 masters holds them.
+    want = _expected(config, layout, ids, dtype, None)
     params = side.updater.engine.params
     aliases = side.updater.engine.aliases
     same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
@@ -302,27 +354,70 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
         assert [s[0] for s in results[t][1]] == ["ok", "ok"] and results[t][1][0][2] == mode, results[t]
 
 
-def test_auto_picks_many_senders_from_a_module_source_and_fp32_masters_land():
-    """vLLM's ModuleSource over FSDP2-style DTensors (HF's module names, fp32 masters and bias):
-    every trainer rank holds whole experts, so "auto" picks many senders and each rank sends its
-    own pieces (``iter_local`` made DTensors again)."""
-    results = _run(2, "ep2", source="module", layout="hf", dtype=torch.float32)
+def test_fp32_masters_of_a_transformers_like_module_land_unrounded_with_many_senders():
+    """A module as transformers holds GLM-5 (HF's names, fp32 masters, FSDP2-style DTensors, the
+    fp32 routing bias a plain buffer) through glm_fp8's ``ModuleStateSource``: "auto" picks many
+    senders and each rank sends its own pieces; every FP8 byte is the quantization of the fp32
+    masters themselves (the reference casts nothing), the bias included."""
+    results = _run(2, "ep2", source="module_state", layout="hf", dtype=torch.float32)
     _landed(results, 2)
     assert all(results[t][1][0][2] == "senders" for t in range(2)), results
+    # send_weights() reports what each rank sent: rank 0 its experts and every other entry, rank 1
+    # its experts only; both the same whole update
+    (stats0,), (stats1,) = results[0][1][0][3], results[1][1][0][3]
+    assert stats0["sender"] and stats1["sender"] and stats0["update_bytes"] == stats1["update_bytes"] > 0
+    assert stats0["bytes"] > stats1["bytes"] > 0, (stats0, stats1)
 
 
-def test_one_sender_reads_a_module_source_whole_the_other_trainer_rank_gathers():
-    results = _run(2, "tp2", source="module", mode="scatter")
+def test_fp32_masters_read_whole_by_one_sender_land_unrounded_the_other_rank_reports_no_bytes():
+    """The same fp32 masters through vLLM's ``ModuleSource`` (stand-in; the bias a parameter), one
+    sender: the same bytes as many senders give (each compared with the uncast reference). The
+    rank off the link takes part in the gathers and reports that it sent nothing."""
+    results = _run(2, "tp2", source="module", mode="scatter", dtype=torch.float32, layout="hf")
     _landed(results, 2)
-    assert results[1][1] == [("ok", [], "scatter")] * 2, results[1]  # off the link: its gathers only
+    for status, sent, mode, stats in results[1][1]:
+        assert (status, sent, mode) == ("ok", [("target", 0)], "scatter"), results[1]
+        assert stats[0]["sender"] is False and stats[0]["update_bytes"] is None, stats
+    assert results[0][1][0][3][0]["bytes"] > 0
 
 
-@pytest.mark.parametrize("draft", ["session", "stream"])
+def test_draft_auto_is_decided_by_the_clients_rank_for_a_rank_off_the_link():
+    """Only trainer rank 0 holds the client; rank 1, off the link (one sender), passes client=None
+    and takes rank 0's decision through the link's store: both run the draft session."""
+    results = _run(2, "ep2", mode="scatter", mtp=True, steps=1)
+    _landed(results, 2)
+    for t in range(2):
+        assert [s for s, _ in results[t][1][0][1]] == ["target", "draft"], results[t]
+
+
+def test_a_refusal_before_the_transfer_stops_every_rank_at_once_and_the_link_stays_whole():
+    """Step 1: the client's start_weight_update never reached the workers, whose update_weights
+    refuses ("start_weight_update first"); step 2: vLLM's own worker refuses update_weights before
+    glm_fp8 sees it. Both trainer ranks (many senders) raise at once naming the refusal, not
+    after the link's timeout (60 s here), and step 3 lands every byte on the same link."""
+    results = _run(2, "ep2", mode="senders", skip=True, steps=3)
+    for t in (0, 1):
+        (kind1, msg1, sec1), (kind2, msg2, sec2), third = results[t][1]
+        assert kind1 == kind2 == "RuntimeError" and sec1 < 20 and sec2 < 20, results[t]
+        assert "start_weight_update first" in msg1 and "engine rank" in msg1, msg1
+        assert "start_weight_update must be called before update_weights" in msg2, msg2
+        assert third[0] == "ok", results[t]
+    for r in (2, 3):
+        status, out = results[r]
+        assert status == "ok" and out["bad"] == [] and out["checked"] > 50, (r, out)
+        assert len(out["log"]) == 2 and "start_weight_update first" in out["log"][0], out["log"]
+
+
+@pytest.mark.parametrize("draft", ["auto", "stream"])
 def test_the_mtp_layer_travels_in_the_draft_session_or_with_the_target(draft):
-    results = _run(1, "ep2", draft=draft, mtp=True)
-    _landed(results, 1)
-    sessions = [s for s, _ in results[0][1][0][1]]
-    assert sessions == (["target", "draft"] if draft == "session" else ["stream"]), results[0]
+    """draft="auto" with two trainer ranks (many senders), only rank 0 holding the client (rank 1
+    passes client=None): rank 0 decides the draft session, for both ranks."""
+    trainers = 2 if draft == "auto" else 1
+    results = _run(trainers, "ep2", draft=draft, mtp=True)
+    _landed(results, trainers)
+    for t in range(trainers):
+        sessions = [s for s, _ in results[t][1][0][1]]
+        assert sessions == (["target", "draft"] if draft == "auto" else ["stream"]), results[t]
 
 
 def test_a_workers_refusal_stops_every_rank_and_the_next_update_lands():
@@ -400,3 +495,169 @@ def test_worker_link_index_is_the_workers_place_in_vllms_world():
             want = dp * 2 + tp
             assert worker_index(pc("mp", dp, 2, tp)) == want
             assert worker_index(pc("external_launcher", dp, 4, want)) == want
+
+
+# --- refused before anything moves: no process needed ----------------------------------------------
+
+
+class NamedParametersSource(StandInModuleSource):
+    """vLLM 0.34's ``ModuleSource`` as it reads a module: ``named_parameters()`` only."""
+
+    def __init__(self, module):
+        self._module = module
+        super().__init__(dict(module.named_parameters()))
+
+
+NamedParametersSource.__name__ = "ModuleSource"
+
+
+def _hf_module(dtype=torch.float32) -> torch.nn.Module:
+    """A one-rank transformers-like module of NO_MTP (the routing bias a buffer)."""
+    params = {"model.embed_tokens.weight": synthetic_layer(NO_MTP, REST, dtype)["model.embed_tokens.weight"]}
+    for i in range(NO_MTP["num_hidden_layers"]):
+        params.update(synthetic_layer(NO_MTP, i, dtype, "hf"))
+    rest = synthetic_layer(NO_MTP, REST, dtype)
+    params.update({k: rest[k] for k in ("model.norm.weight", "lm_head.weight")})
+
+    class Plain:  # what _hf_like_module reads of a DTensor
+        def __init__(self, t):
+            self.t = t
+
+        def full_tensor(self):
+            return self.t
+
+    module = _hf_like_module({k: Plain(t) if k.endswith("e_score_correction_bias") else t
+                              for k, t in params.items()})  # fmt: skip
+    module.register_buffer("rotary_inv_freq", torch.ones(4), persistent=False)  # never sent
+    return module
+
+
+def _trainer_side(source, **kw):
+    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+
+    opts = dict(master_address="127.0.0.1", master_port=1, engine_ranks=1, config=NO_MTP, rank=0)
+    return TrainerSide(TrainerOptions(**{**opts, **kw}), _NoDraftClient(), source, torch.device("cpu"))
+
+
+def test_a_source_without_the_buffers_is_refused_at_init_naming_the_tensor_and_the_fix():
+    """vLLM's ModuleSource over a transformers model lacks the routing-bias buffer: refused when
+    the trainer side is built (before the link, before any engine is touched), naming the
+    tensor and glm_fp8's ModuleStateSource, which reads it and is accepted."""
+    from glm_fp8.integrations.vllm import ModuleStateSource
+
+    module = _hf_module()
+    missing = r"model\.layers\.2\.mlp\.gate\.e_score_correction_bias: missing"
+    with pytest.raises(ValueError, match=missing) as err:
+        _trainer_side(NamedParametersSource(module))
+    assert "named_parameters() only" in str(err.value) and "ModuleStateSource(model)" in str(err.value)
+    src = ModuleStateSource(NamedParametersSource(module))  # or ModuleStateSource(module)
+    names = [m.name for m in src.metadata]
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in names and "rotary_inv_freq" not in names
+    assert [n for n, _ in src.iter_full()] == names == [n for n, _ in src.iter_local()]
+    side = _trainer_side(src)
+    assert side.init.layer_ids == [0, 1, 2, 3] and side.init.rest
+    # a tensor of the wrong global shape is refused the same way
+    module.model.norm.weight = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: expected global shape \(256,\)"):
+        _trainer_side(ModuleStateSource(module))
+
+
+def test_send_refuses_before_connect_and_after_shutdown():
+    from glm_fp8.integrations.vllm import LayerSource
+
+    side = _trainer_side(LayerSource(layers=lambda ids: iter(())))
+    with pytest.raises(RuntimeError, match=r"call connect\(\) first"):
+        side.send()
+    side.shutdown()
+    with pytest.raises(RuntimeError, match=r"shut down .*build a new one with trainer_init"):
+        side.send()
+    with pytest.raises(RuntimeError, match=r"connect\(\): this trainer side is shut down"):
+        side.connect()
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("master_port", 29500.9, r"init_info\.master_port: expected an integer in \[1, 65535\]"),
+        ("master_port", "abc", r"init_info\.master_port: expected an integer"),
+        ("master_port", True, r"init_info\.master_port: expected an integer"),
+        ("engine_ranks", 10**12, r"init_info\.engine_ranks: expected an integer in \[1, 65535\]"),
+        ("trainer_ranks", 0, r"init_info\.trainer_ranks: expected an integer in \[1, 65535\] \(or None"),
+        ("trainer_ranks", -2, r"init_info\.trainer_ranks: expected an integer"),
+        ("rank", 1, r"init_info\.rank: expected a trainer rank below trainer_ranks=1"),
+        ("rank", 0.0, r"init_info\.rank: expected an integer"),
+        ("timeout_s", float("inf"), r"init_info\.timeout_s: expected seconds in \(0, 604800\]"),
+        ("timeout_s", float("nan"), r"init_info\.timeout_s: expected seconds"),
+        ("timeout_s", "60", r"init_info\.timeout_s: expected seconds"),
+        ("ring", 10**12, r"init_info\.ring: expected an integer in \[2, 16\]"),
+        ("checksum", 1, r"init_info\.checksum: expected True or False"),
+        ("master_address", None, r"init_info\.master_address: expected a host name"),
+    ],
+)
+def test_trainer_init_info_numbers_are_refused_naming_the_field(field, value, match):
+    from glm_fp8.integrations.vllm import LayerSource
+
+    with pytest.raises(ValueError, match=match):
+        _trainer_side(LayerSource(layers=lambda ids: iter(())), **{field: value})
+
+
+@pytest.mark.parametrize(
+    "layer_ids, match",
+    [([1.9], r"source\.layer_ids\[0\]: expected an integer in \[0, 3\]"), ([True], "source.layer_ids"),
+     ([0, 4], r"source\.layer_ids\[1\]: expected an integer in \[0, 3\]"), ("01", "source.layer_ids")],
+)  # fmt: skip
+def test_layer_source_layer_ids_are_integers_of_the_model(layer_ids, match):
+    from glm_fp8.integrations.vllm import LayerSource
+
+    with pytest.raises(ValueError, match=match):
+        _trainer_side(LayerSource(layers=lambda ids: iter(()), layer_ids=layer_ids))
+
+
+def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
+    """What a worker is sent (a dict, or JSON text from the dev server's routes): every field's
+    type and range, a ValueError naming it, before the worker joins anything."""
+    from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
+
+    good = SyncInit("127.0.0.1", 29500, world_size=3, senders=1, mode="scatter", link_backend="gloo",
+                    layer_ids=[0, 1]).to_dict()  # fmt: skip
+    assert SyncInit.from_dict(good) == SyncInit.from_dict(__import__("json").dumps(good))
+    for key, value, match in [
+        ("layer_ids", [1.9], r"init_info\.layer_ids\[0\]: expected an integer >= 0"),
+        ("layer_ids", [-1], r"init_info\.layer_ids\[0\]: expected an integer >= 0"),
+        ("master_port", 29500.9, r"init_info\.master_port: expected the TCP store's port"),
+        ("world_size", 10**30, r"init_info\.world_size: expected an integer in \[2, 65536\]"),
+        ("ring", 10**12, r"init_info\.ring: expected an integer in \[2, 16\]"),
+        ("timeout_s", float("inf"), r"init_info\.timeout_s: expected seconds"),
+        ("senders", 3, r"init_info\.senders: expected an integer in \[1, 2\]"),
+        ("version", 1, r"init_info\.version: expected 2"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SyncInit.from_dict({**good, key: value})
+    with pytest.raises(ValueError, match=r"init_info: not valid JSON"):
+        SyncInit.from_dict('{"master_address": ')
+    with pytest.raises(ValueError, match=r"init_info: expected a mapping"):
+        SyncInit.from_dict([1, 2])
+    with pytest.raises(ValueError, match=r"update_info\.step: expected an integer >= 0"):
+        SyncUpdate.from_dict({"session": "target", "step": 1.5})
+    with pytest.raises(ValueError, match=r"update_info: not valid JSON"):
+        SyncUpdate.from_dict("target")
+
+
+def test_worker_link_index_refuses_what_is_not_an_index():
+    from types import SimpleNamespace
+
+    from glm_fp8.integrations.vllm.worker import worker_index
+
+    pc = dict(distributed_executor_backend="mp", data_parallel_index=0, world_size=2, rank=1)
+    assert worker_index(SimpleNamespace(**pc)) == 1
+    with pytest.raises(ValueError, match=r"parallel_config\.data_parallel_index: expected an integer"):
+        worker_index(SimpleNamespace(**{**pc, "data_parallel_index": None}))
+    with pytest.raises(ValueError, match=r"parallel_config\.rank: expected an integer"):
+        worker_index(SimpleNamespace(**{**pc, "rank": 1.0}))
+
+
+def test_gather_dtype_default_is_no_cast():
+    """fp32 masters are quantized from fp32 in every mode unless bf16 gathers are asked for."""
+    from glm_fp8.integrations.vllm.trainer import TrainerOptions
+
+    assert TrainerOptions.__dataclass_fields__["gather_dtype"].default is None

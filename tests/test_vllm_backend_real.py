@@ -447,9 +447,9 @@ def _expected(config, layout, ids, dtype, *, module: bool):
 
     from glm_fp8.testing import reference_engine_params
 
+    # no cast before quantizing (gather_dtype=None): fp32 masters give the bytes of the fp32 values
     want = reference_engine_params(
-        config, layout, ids, dtype=dtype, bias_dtype=torch.float32 if module else None,
-        gathered_dtype=torch.bfloat16 if module and dtype != torch.bfloat16 else None,
+        config, layout, ids, dtype=dtype, bias_dtype=torch.float32 if module else None
     )  # fmt: skip
     for name in list(want):
         if "routed_experts.w13_weight" in name:
@@ -497,9 +497,35 @@ def test_vllms_module_source_over_fsdp2_dtensors_in_hf_names_lands_with_many_sen
 
 
 def test_vllms_module_source_read_whole_by_one_sender_while_the_other_rank_gathers():
-    results = _run(2, "tp2", source="module", mode="scatter")
+    results = _run(2, "tp2", source="module", mode="scatter", dtype=torch.float32)
     _landed(results, 2)
-    assert results[1][1] == [("ok", [], "scatter")] * 2, results[1]  # off the link: its gathers only
+    assert results[1][1] == [("ok", [("target", 0)], "scatter")] * 2, results[1]  # off the link: sent nothing
+
+
+def test_vllms_module_source_over_a_transformers_like_module_is_refused_at_trainer_init():
+    """vLLM's ``ModuleSource`` reads ``named_parameters()`` only; a transformers model's routing
+    bias is a buffer. ``trainer_init`` refuses it before the link opens (no engine is waiting
+    here: a refusal after the rendezvous would hang), naming the tensor and glm_fp8's
+    ``ModuleStateSource``, which reads vLLM's ``ModuleSource``'s module with its buffers."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from glm_fp8.integrations.vllm import ModuleStateSource
+    from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
+
+    params = {}
+    for i in [*range(NO_MTP["num_hidden_layers"]), REST]:
+        params.update(synthetic_layer(NO_MTP, i, torch.float32, "hf"))
+    module = _as_module(params)
+    for mod in module.modules():  # the bias as transformers holds it: a buffer
+        if hasattr(mod, "e_score_correction_bias"):
+            bias = mod._parameters.pop("e_score_correction_bias")
+            mod.register_buffer("e_score_correction_bias", bias.detach())
+    info = GlmFp8TrainerInitInfo("127.0.0.1", free_port(), 2, NO_MTP, trainer_ranks=1, rank=0)
+    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.gate\.e_score_correction_bias: missing") as err:
+        WeightTransferTrainerFactory.trainer_init(info, client=QueueClient([]), source=ModuleSource(module))
+    assert "ModuleStateSource(model)" in str(err.value)
+    names = [m.name for m in ModuleStateSource(ModuleSource(module)).metadata]
+    assert names == [n for n, _ in module.state_dict().items()]
 
 
 def test_the_mtp_layer_travels_in_vllms_draft_session():

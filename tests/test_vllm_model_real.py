@@ -6,7 +6,11 @@ Invariant: on every engine rank (TP 2, EP 2, and TP 2 x DP 2), every parameter o
 layers, fused-MoE and block-FP8 linear parameters, in vLLM's TP / EP shards), after a glm_fp8
 update and vLLM's post-reload hooks, holds the bytes that vLLM's ``load_weights`` of the same
 weights as a block-FP8 checkpoint (per-expert names, ``weight_scale_inv``) followed by the same
-hooks gives it, in every transfer mode. So does every parameter of vLLM's MTP drafter
+hooks gives it, in every transfer mode, from bf16 weights and from fp32 masters (the checkpoint
+then quantized from the fp32 values by glm_fp8's reference, with no cast: nothing in the expected
+bytes goes through glm_fp8's transfer), and from transformers' own GLM-5 model (its routing bias a
+buffer, FSDP2-style DTensors over two trainer ranks) through glm_fp8's ``ModuleStateSource``. So
+does every parameter of vLLM's MTP drafter
 (``DeepseekV32MTP``, built by vLLM's ``load_eagle_model``, which makes its embedding and head the
 target's) after vLLM's draft session. Both models start poisoned (NaN / 0xFF), so a byte either
 path leaves unwritten shows as a difference unless both leave it (vLLM's vocabulary padding). And
@@ -156,26 +160,58 @@ def _models(vllm_config, checkpoint: list | None):
     return target, drafter, unloaded
 
 
-def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp):
+def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, dtype, source):
     import vllm_standin
 
     vllm_standin.install()
     config = {**CONFIG, "num_nextn_predict_layers": int(mtp)}
+    mesh = None
+    if source == "hf_module" and trainers > 1:  # every rank of the launcher's group makes the mesh
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh("cpu", torch.arange(trainers))
     if rank < trainers:
-        return _trainer(rank, world, trainers, port, boxes, config, mode)
-    return _engine(rank - trainers, world - trainers, vllm_port, boxes, case, config, tmp)
+        return _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source, mesh)
+    return _engine(rank - trainers, world - trainers, vllm_port, boxes, case, config, tmp, dtype)
 
 
-def _trainer(rank, world, trainers, port, boxes, config, mode):
+def _hf_model(config: dict, dtype: torch.dtype, mesh) -> torch.nn.Module:
+    """transformers' own GLM-5 (``GlmMoeDsaForCausalLM``, its routing bias a float32 buffer) holding
+    the synthetic weights in ``dtype`` (fp32: a trainer's masters); over a mesh, each parameter a
+    DTensor as FSDP2 shards it (>= 2-D ``Shard(0)``, 1-D replicated), buffers plain."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = {k: v for k, v in config.items() if k not in ("quantization_config", "architectures")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), dtype=dtype)
+    state = {}
+    for i in [*range(config["num_hidden_layers"]), REST]:
+        state.update(synthetic_layer(config, i, dtype, "hf"))
+    model.load_state_dict(state, strict=True)
+    if mesh is not None:
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    t = distribute_tensor(p.detach(), mesh, [Shard(0) if p.dim() >= 2 else Replicate()])
+                    mod._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    return model
+
+
+def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kind, mesh):
     from test_vllm_backend import QueueClient
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from glm_fp8.integrations.vllm import LayerSource
+    from glm_fp8.integrations.vllm import LayerSource, ModuleStateSource
     from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
 
-    source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, torch.bfloat16, "hf")) for i in ids),
-                         rest=lambda: synthetic_layer(config, REST, torch.bfloat16, "hf"),
-                         mtp=bool(config["num_nextn_predict_layers"]), experts_whole=True)  # fmt: skip
+    if source_kind == "hf_module":
+        # vLLM's own ModuleSource over it misses the bias buffer: refused before anything moves
+        model = _hf_model(config, dtype, mesh)
+        source = ModuleStateSource(ModuleSource(model))
+    else:
+        source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, dtype, "hf")) for i in ids),
+                             rest=lambda: synthetic_layer(config, REST, dtype, "hf"),
+                             mtp=bool(config["num_nextn_predict_layers"]), experts_whole=True)  # fmt: skip
     info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=world - trainers, config=config, mode=mode,
                                  trainer_ranks=trainers, timeout_s=120, rank=rank)  # fmt: skip
     try:
@@ -191,7 +227,7 @@ def _trainer(rank, world, trainers, port, boxes, config, mode):
                 inbox.put(("stop", ()))
 
 
-def _engine(r, engines, vllm_port, boxes, case, config, tmp):
+def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
     import torch.distributed as dist
     from test_vllm_backend import _layouts
     from test_vllm_backend_real import VllmWorker, _serve
@@ -212,7 +248,9 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp):
     with set_current_vllm_config(configs[0]):
         parallel_state.init_distributed_environment(engines, r, f"tcp://127.0.0.1:{vllm_port}", r, "gloo")
         parallel_state.initialize_model_parallel(layout.tp_size, 1)
-    theirs = _models(configs[0], list(_checkpoint(config, torch.bfloat16)))  # vLLM's own loader
+    # vLLM's own loader, of a checkpoint quantized from the trainer's own values (fp32 masters: from
+    # fp32, with no cast), independently of glm_fp8's transfer
+    theirs = _models(configs[0], list(_checkpoint(config, dtype)))
     target, drafter, _ = _models(configs[1], None)
     models = [m for m in (target, drafter) if m is not None]
     built = {n: (tuple(p.shape), p.dtype) for m in models for n, p in m.named_parameters()}
@@ -245,24 +283,36 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp):
 
 
 @pytest.mark.parametrize(
-    "trainers, case, mode, mtp",
+    "trainers, case, mode, mtp, dtype, source",
     [
-        (1, "tp2", "broadcast", False),
-        (1, "ep2", "scatter", False),
-        (2, "ep2", "senders", False),
-        (1, "tp2", "scatter", True),
-        (1, "tp2xdp2", "scatter", False),
+        (1, "tp2", "broadcast", False, "bfloat16", "layers"),
+        (1, "ep2", "scatter", False, "bfloat16", "layers"),
+        (2, "ep2", "senders", False, "bfloat16", "layers"),
+        (1, "tp2", "scatter", True, "bfloat16", "layers"),
+        (1, "tp2xdp2", "scatter", False, "bfloat16", "layers"),
+        # fp32 masters, in every mode: the bytes of the checkpoint quantized from them (no cast)
+        (1, "tp2", "broadcast", False, "float32", "layers"),
+        (1, "ep2", "scatter", False, "float32", "hf_module"),
+        (2, "ep2", "senders", False, "float32", "hf_module"),
     ],
 )
-def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(trainers, case, mode, mtp, tmp_path):
+def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(
+    trainers, case, mode, mtp, dtype, source, tmp_path
+):
+    """``hf_module``: transformers' own GLM-5 model (fp32, FSDP2-style DTensors over the trainer
+    ranks, the routing bias a buffer) through glm_fp8's ``ModuleStateSource``."""
     import torch.multiprocessing as mp
+
+    if source == "hf_module":
+        pytest.importorskip("transformers.models.glm_moe_dsa")
 
     ctx = mp.get_context("spawn")
     engines = 4 if case == "tp2xdp2" else 2
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     with open(os.path.join(tmp_path, "config.json"), "w") as f:  # written once, read by every engine rank
         json.dump({**CONFIG, "num_nextn_predict_layers": int(mtp)}, f)
-    args = (trainers, free_port(), free_port(), boxes, case, mode, mtp, str(tmp_path))
+    args = (trainers, free_port(), free_port(), boxes, case, mode, mtp, str(tmp_path), getattr(torch, dtype),
+            source)  # fmt: skip
     results = launch(trainers + engines, _rank, args, timeout_s=240)
     for r, (status, out) in results.items():
         assert status == "ok", (r, status, out)

@@ -10,12 +10,13 @@ and a worker extension over the same engine side.
   can carry the target and the drafter together (``draft="stream"``).
 
 The pieces without vLLM: ``engine`` (layout, parameters, post-load step, ``EngineUpdater``),
-``sync`` (the handshake), ``worker`` (``WorkerSide``), ``trainer`` (``TrainerSide``), ``sources``.
+``sync`` (the handshake), ``worker`` (``WorkerSide``), ``trainer`` (``TrainerSide``), ``sources``
+(``LayerSource``; ``ModuleStateSource``: a module's parameters and persistent buffers, which a
+transformers model needs, as a vLLM ``WeightSource``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,7 @@ from glm_fp8.integrations.vllm.engine import (
     engine_postload_plan,
     layout_from_parallel_config,
 )
-from glm_fp8.integrations.vllm.sources import LayerSource
+from glm_fp8.integrations.vllm.sources import LayerSource, ModuleStateSource
 from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
 
 BACKEND = "glm_fp8"
@@ -94,8 +95,9 @@ class GlmFp8WorkerExtension:
     client; every method takes JSON-able arguments."""
 
     def glm_fp8_init(self, init_info: dict | str) -> dict:
-        """``init_info`` may come as JSON text (the dev server's ``/collective_rpc`` passes strings)."""
-        return self._glm_fp8_side().init(json.loads(init_info) if isinstance(init_info, str) else init_info)
+        """``init_info`` may come as JSON text (the dev server's ``/collective_rpc`` passes strings);
+        text that is not JSON is refused naming ``init_info``."""
+        return self._glm_fp8_side().init(init_info)
 
     def glm_fp8_start(self) -> None:
         self._glm_fp8_side().start()
@@ -103,9 +105,8 @@ class GlmFp8WorkerExtension:
     def glm_fp8_update(self, update_info: dict | str) -> dict:
         from vllm.config import set_current_vllm_config
 
-        info = json.loads(update_info) if isinstance(update_info, str) else update_info
         with set_current_vllm_config(self.vllm_config):
-            return self._glm_fp8_side().receive(info)
+            return self._glm_fp8_side().receive(update_info)
 
     def glm_fp8_finish(self) -> None:
         self._glm_fp8_side().finish()
@@ -172,6 +173,7 @@ __all__ = [
     "ExtensionClient",
     "GlmFp8WorkerExtension",
     "LayerSource",
+    "ModuleStateSource",
     "WorkerSide",
     "register",
     "vllm_finalize",

@@ -9,7 +9,7 @@ Engine: ``LLM(model, weight_transfer_config=WeightTransferConfig(backend="glm_fp
     engine = WeightTransferTrainerFactory.trainer_init(
         GlmFp8TrainerInitInfo(master_address=host, master_port=port, engine_ranks=n_workers,
                               config=hf_config, rank=rank),
-        client=client, source=ModuleSource(model))
+        client=client, source=ModuleStateSource(model))  # a transformers model: its buffers too
     engine.send_weights()  # each step
 """
 
@@ -107,7 +107,10 @@ class GlmFp8TrainerWeightTransferEngine(TrainerWeightTransferEngine):
     @classmethod
     def trainer_init(cls, init_info: GlmFp8TrainerInitInfo, *, client: Any, source: Any = None):
         if source is None:
-            raise ValueError("source: glm_fp8's trainer engine needs a WeightSource or a glm_fp8 LayerSource")
+            raise ValueError(
+                "source: glm_fp8's trainer engine needs a WeightSource (a transformers model: "
+                "glm_fp8.integrations.vllm.ModuleStateSource(model)) or a glm_fp8 LayerSource"
+            )
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -119,6 +122,10 @@ class GlmFp8TrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return engine
 
     def send_weights(self) -> list[dict]:
+        """One step's updates, on every trainer rank. Returns one dict per session ("target", then
+        "draft"; or "stream") of what **this rank** did: ``bytes`` it put on the link (0 off the
+        link), ``seconds``, ``sender``, ``update_bytes`` (the whole converted update; None off the
+        link). See ``TrainerSide.send`` and docs/vllm.md#what-send_weights-returns."""
         return self.side.send()
 
     def shutdown(self) -> None:

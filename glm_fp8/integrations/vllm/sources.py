@@ -5,9 +5,11 @@
   its own, sharded or not, as ``Broadcaster.broadcast_model`` takes them) and one that gives the
   non-layer tensors;
 - ``WeightSourceLayers``: vLLM's ``WeightSource`` (e.g. ``ModuleSource`` over a module of
-  DTensors), its parameters grouped into layers by name: ``iter_full()`` (full tensors, for one
-  sender; every trainer rank iterates it, for the gathers) or ``iter_local()`` (each rank's own
-  pieces, for many senders, made DTensors again from the source's placements).
+  DTensors, or glm_fp8's ``ModuleStateSource``, which adds the module's persistent buffers), its
+  tensors grouped into layers by name: ``iter_full()`` (full tensors, for one sender; every
+  trainer rank iterates it, for the gathers) or ``iter_local()`` (each rank's own pieces, for many
+  senders, made DTensors again from the source's placements). Its metadata is checked at init
+  against every tensor the transfer plan needs, before anything moves (``check_metadata``).
 
 Both serve the layers of a step session by session (the target's, then the MTP layer in vLLM's
 draft session) from one pass over the source per step: a layer that comes before it is asked for
@@ -19,11 +21,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from glm_fp8.models import REST, REST_RULES, model_layer_ids, mtp_layer_index
-from glm_fp8.plan import trainer_layout
+from glm_fp8.numerics import INPUT_DTYPES
+from glm_fp8.plan import adapt_plan, layer_prefix, plan_from_config, trainer_layout, unsent_keys
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _REST_NAMES = frozenset(r.out for r in REST_RULES)
@@ -106,6 +110,7 @@ class WeightSourceLayers:
         trainer_layout(
             [n.split(".", 3)[-1] for n in self.metas if _LAYER.match(n)] or ["input_layernorm.weight"]
         )
+        check_metadata(source, self.metas, self.groups, config)
         self.experts_whole = self._experts_whole(trainer_ranks)
         self.device = torch.device(device)
         self._meshes: dict[tuple, object] = {}
@@ -184,6 +189,184 @@ class WeightSourceLayers:
         )
 
 
+def check_metadata(
+    source: object, metas: Mapping[str, object], groups: Mapping[int, list[str]], config: Mapping
+) -> None:
+    """Every tensor the transfer plan needs of each layer the source holds (and of the non-layer
+    tensors), by name, global shape and dtype, from the source's metadata alone: a missing or
+    misshapen tensor is refused at init, naming it, before any engine is touched (an update would
+    otherwise raise at that layer after the layers before it landed on every engine)."""
+    for idx, names in groups.items():
+        prefix = layer_prefix(idx)
+        held = {n[len(prefix) :]: metas[n] for n in names}
+        try:
+            plan = adapt_plan(plan_from_config(config, idx), held, prefix=prefix)
+        except KeyError as exc:  # a layer of the other kind, or names of two layouts
+            raise ValueError(f"source: {exc.args[0]}") from None
+        missing = [k for k in plan.inputs if k not in held]
+        if missing:
+            raise ValueError(_missing(source, prefix + missing[0], plan.inputs[missing[0]][0]))
+        unsent = unsent_keys(plan.kind, held)
+        extra = sorted(k for k in held if k not in plan.inputs and k not in unsent)
+        if extra:
+            raise ValueError(
+                f"source: {prefix}{extra[0]}: unexpected tensor; the plan of this {plan.kind} layer "
+                f"({plan.layout} trainer layout) has no entry for it"
+            )
+        for k, (shape, _) in plan.inputs.items():
+            meta = held[k]
+            if tuple(meta.shape) != tuple(shape):
+                raise ValueError(
+                    f"source: {prefix}{k}: expected global shape {tuple(shape)} (the config's), the "
+                    f"source's metadata says {tuple(meta.shape)}"
+                )
+            if meta.dtype not in INPUT_DTYPES:
+                raise ValueError(
+                    f"source: {prefix}{k}: expected bfloat16, float16 or float32, the source's metadata "
+                    f"says {meta.dtype}"
+                )
+
+
+def _missing(source: object, name: str, shape: tuple) -> str:
+    head = f"source: {name}: missing from the source's metadata (expected shape {tuple(shape)}); "
+    if type(source).__name__ == "ModuleSource":
+        return head + (
+            "vLLM's ModuleSource reads named_parameters() only, and a transformers model holds "
+            "this tensor as a buffer (e_score_correction_bias is one): pass "
+            "glm_fp8.integrations.vllm.ModuleStateSource(model), which reads its parameters and "
+            "persistent buffers"
+        )
+    return head + (
+        "every tensor of a layer the source holds must be in it (a module's buffers too: "
+        "glm_fp8.integrations.vllm.ModuleStateSource(model) reads parameters and persistent buffers)"
+    )
+
+
+# --- a WeightSource over a module's parameters and persistent buffers ----------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    """vLLM's ``Shard``: this mesh axis splits tensor dim ``dim`` as ``torch.chunk`` does."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """vLLM's ``Replicate``: every coordinate along this mesh axis holds the whole tensor."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """vLLM's ``ParamMeta`` fields: name, dtype, global shape; ``owners`` (trainer ranks, None:
+    every rank), ``mesh_shape``, ``placements`` (None: replicated)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    owners: tuple[int, ...] | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    placements: tuple | None = None
+
+
+class ModuleStateSource:
+    """A ``WeightSource`` (vLLM 0.34's contract: ``metadata``, ``iter_full``, ``iter_local``, read
+    exactly as vLLM's ``ModuleSource`` reads them) over a module's parameters **and persistent
+    buffers**, in module order: what ``module.state_dict()`` holds. A Hugging Face transformers
+    model keeps tensors the engine loads as buffers (GLM-5's and DeepSeek-V3's routing bias
+    ``mlp.gate.e_score_correction_bias``, float32), which vLLM's ``ModuleSource`` never sends.
+
+    ``module``: a ``torch.nn.Module`` (plain tensors, FSDP2 or DTensor parameters; buffers stay
+    plain tensors under FSDP2, owned by every rank), or vLLM's ``ModuleSource`` (its module is
+    read). Metadata reads global shapes and never gathers; shard the module first."""
+
+    def __init__(self, module: object):
+        inner = getattr(module, "_module", None)
+        if not isinstance(module, torch.nn.Module) and isinstance(inner, torch.nn.Module):
+            module = inner  # vLLM's ModuleSource(model)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"ModuleStateSource: expected a torch.nn.Module (or vLLM's ModuleSource of one), got "
+                f"{type(module).__name__}"
+            )
+        self.module = module
+
+    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters, then persistent buffers, of each module in ``named_modules`` order; a tensor
+        shared by two names (tied weights) once, under its first name, as ``named_parameters``."""
+        seen: set[int] = set()
+        for mod_name, mod in self.module.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            tensors = list(mod._parameters.items()) + [
+                (n, b) for n, b in mod._buffers.items() if n not in mod._non_persistent_buffers_set
+            ]
+            for name, t in tensors:
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                yield prefix + name, t
+
+    @cached_property
+    def metadata(self) -> list[TensorMeta]:
+        out = []
+        for name, t in self._named():
+            layout = _dtensor_layout(t)
+            if layout is None:
+                out.append(TensorMeta(name, t.dtype, tuple(t.shape)))
+            else:
+                out.append(TensorMeta(name, t.dtype, tuple(t.shape), *layout))
+        return out
+
+    def owned_names(self, rank: int) -> list[str]:
+        return [m.name for m in self.metadata if m.owners is None or rank in m.owners]
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._named():
+            if _is_member(t):
+                yield name, t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._named():
+            if not _is_member(t):
+                continue
+            layout = _dtensor_layout(t)
+            if layout is None:
+                yield name, t
+            elif layout[2] is None:  # not plain Shard / Replicate: declared replicated, sent whole
+                yield name, t.full_tensor()
+            else:
+                yield name, t.to_local()
+
+
+def _dtensor_layout(t: torch.Tensor) -> tuple[tuple, tuple, tuple | None] | None:
+    """(owners, mesh_shape, placements) of a DTensor, None for a plain tensor; placements None when
+    not plain ``Shard`` / ``Replicate`` or all ``Replicate`` (vLLM's ``_dtensor_layout`` and
+    ``ParamMeta``'s normalisation)."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return None
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    grid = mesh.mesh
+    owners, shape = tuple(grid.flatten().tolist()), tuple(grid.shape)
+    places: list = []
+    for p in t.placements:
+        if type(p) is TorchShard:
+            places.append(Shard(p.dim))
+        elif type(p) is TorchReplicate:
+            places.append(Replicate())
+        else:
+            return owners, shape, None
+    return owners, shape, None if all(isinstance(p, Replicate) for p in places) else tuple(places)
+
+
+def _is_member(t: torch.Tensor) -> bool:
+    mesh = getattr(t, "device_mesh", None)
+    return mesh is None or mesh.get_coordinate() is not None
+
+
 class _Lazy(Mapping):
     """A mapping read on first use: the non-layer tensors, which a module yields around its layers
     (the embeddings first, the final norm and head last) and which travel after them."""
@@ -206,4 +389,4 @@ class _Lazy(Mapping):
         return len(self._data())
 
 
-__all__ = ["LayerSource", "WeightSourceLayers", "group_names"]
+__all__ = ["LayerSource", "ModuleStateSource", "WeightSourceLayers", "check_metadata", "group_names"]

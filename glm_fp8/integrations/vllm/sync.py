@@ -15,13 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
+from glm_fp8._checks import check_int, check_seconds
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.plan import SCALE_FMTS
+from glm_fp8.transfer.endpoint import MAX_RING  # checked at init, before any buffer is sized from it
 
-HANDSHAKE_VERSION = 1
+# 2: every update passes the gate (``publish_ready`` / ``open_gate``) before the link is used.
+HANDSHAKE_VERSION = 2
 MODES = ("broadcast", "scatter", "senders")
 DRAFTS = ("session", "stream", "none")
 LINK_BACKENDS = ("nccl", "gloo")
+# Link ranks (trainer senders + engine workers): far above any cluster (one rank per GPU), and
+# small enough that nothing sized per rank (the store's keys, the engines list) can exhaust memory.
+MAX_LINK_RANKS = 1 << 16
 
 
 def _field(d: Mapping, key: str, kinds: type | tuple[type, ...], what: str, default=KeyError):
@@ -35,6 +41,37 @@ def _field(d: Mapping, key: str, kinds: type | tuple[type, ...], what: str, defa
     ) or not isinstance(value, kinds):
         raise ValueError(f"init_info.{key}: expected {what}, got {value!r}")
     return value
+
+
+def from_json(what: str, payload: object) -> Mapping:
+    """A payload as a mapping: a mapping as it is, JSON text (the dev server's routes pass strings)
+    parsed; a ValueError naming ``what`` otherwise."""
+    if isinstance(payload, (str, bytes, bytearray)):
+        try:
+            payload = json.loads(payload)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(
+                f"{what}: not valid JSON ({exc}); expected a JSON object of glm_fp8's fields"
+            ) from None
+    if not isinstance(payload, Mapping):
+        raise ValueError(f"{what}: expected a mapping (or its JSON text), got {type(payload).__name__}")
+    return payload
+
+
+def auto_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
+    """The mode the vLLM backend's ``mode="auto"`` picks (``TrainerSide``) and why, in a few
+    words: many senders ("senders") when there are several trainer ranks and each holds whole
+    experts (every expert stack ``Shard(0)`` over the ranks in order), else "scatter"."""
+    if trainer_ranks > 1 and experts_whole:
+        return "senders", (
+            f"each of the {trainer_ranks} trainer ranks holds whole experts, so each "
+            "quantizes and sends its own"
+        )
+    if trainer_ranks <= 1:
+        return "scatter", "one trainer rank: it sends each engine rank its shard"
+    return "scatter", (
+        "the trainer's shards split experts: one rank gathers each layer and sends each engine rank its shard"
+    )
 
 
 @dataclass(frozen=True)
@@ -65,8 +102,7 @@ class SyncInit:
     def from_dict(cls, d: Mapping) -> SyncInit:
         """Parse and check a payload (from JSON: the HTTP route passes it unchanged); a ValueError
         names the key."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"init_info: expected a mapping, got {type(d).__name__}")
+        d = from_json("init_info", d)
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"init_info.{unknown[0]}: not a field of glm_fp8's init info")
@@ -86,18 +122,21 @@ class SyncInit:
             scale_fmt=_field(d, "scale_fmt", (str, type(None)), f"None or one of {SCALE_FMTS}", None),
             checksum=_field(d, "checksum", bool, "a bool", True),
             ring=_field(d, "ring", int, "an int >= 2", 2),
-            timeout_s=float(_field(d, "timeout_s", (int, float), "seconds", 600.0)),
+            timeout_s=_field(d, "timeout_s", (int, float), "seconds", 600.0),
         )
         out.check()
         return out
 
     def check(self) -> None:
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"init_info.master_port: expected 1..65535, got {self.master_port}")
-        if not 1 <= self.senders < self.world_size:
-            raise ValueError(
-                f"init_info.senders: expected 1 <= senders < world_size={self.world_size}, got {self.senders}"
-            )
+        """Every field's type and range (a ValueError naming it): the trainer checks what it builds,
+        a worker what it is sent."""
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise ValueError(f"init_info.master_address: expected a host name, got {self.master_address!r}")
+        check_int("init_info.master_port", self.master_port, 1, 65535, " (a TCP port)")
+        check_int("init_info.world_size", self.world_size, 2, MAX_LINK_RANKS,
+                  " (the link's ranks: the senders, then every engine worker)")  # fmt: skip
+        check_int("init_info.senders", self.senders, 1, self.world_size - 1,
+                  f" (the trainer ranks that send, fewer than world_size={self.world_size})")  # fmt: skip
         for key, allowed in (("mode", MODES), ("draft", DRAFTS), ("link_backend", LINK_BACKENDS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"init_info.{key}: expected one of {allowed}, got {getattr(self, key)!r}")
@@ -105,14 +144,17 @@ class SyncInit:
             raise ValueError(
                 f"init_info.scale_fmt: expected None or one of {SCALE_FMTS}, got {self.scale_fmt!r}"
             )
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layer_ids):
-            raise ValueError(f"init_info.layer_ids: expected a list of ints, got {self.layer_ids!r}")
-        if self.ring < 2:
-            raise ValueError(f"init_info.ring: expected at least 2, got {self.ring}")
+        if not isinstance(self.layer_ids, (list, tuple)):
+            raise ValueError(f"init_info.layer_ids: expected a list of layer indices, got {self.layer_ids!r}")
+        for k, i in enumerate(self.layer_ids):
+            check_int(f"init_info.layer_ids[{k}]", i, 0, None, " (a decoder layer's index)")
+        for key in ("rest", "checksum"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"init_info.{key}: expected True or False, got {getattr(self, key)!r}")
+        check_int("init_info.ring", self.ring, 2, MAX_RING, " (layer buffers per rank; 2 overlap every step)")
         if self.mode != "senders" and self.senders != 1:
             raise ValueError(f"init_info.senders: mode {self.mode!r} has one sender, got {self.senders}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"init_info.timeout_s: expected > 0, got {self.timeout_s}")
+        check_seconds("init_info.timeout_s", self.timeout_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,14 +179,11 @@ class SyncUpdate:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SyncUpdate:
-        if not isinstance(d, Mapping):
-            raise ValueError(f"update_info: expected a mapping, got {type(d).__name__}")
+        d = from_json("update_info", d)
         session = d.get("session")
         if session not in SESSIONS:
             raise ValueError(f"update_info.session: expected one of {SESSIONS}, got {session!r}")
-        step = d.get("step", 0)
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise ValueError(f"update_info.step: expected an int, got {step!r}")
+        step = check_int("update_info.step", d.get("step", 0), 0, None, " (the trainer's update count)")
         return cls(session, step, {k: v for k, v in d.items() if k not in ("session", "step")})
 
     def to_dict(self) -> dict:
@@ -215,18 +254,105 @@ def fleet_mtp(fleet: Mapping[int, Mapping]) -> int | None:
     return mtps.pop() if len(mtps) == 1 else None
 
 
+# --- the gate: every update's go / no-go, through the TCP store, before the link is used ----------
+#
+# A refusal known before the transfer (a worker outside a session, vLLM's own "start_weight_update
+# must be called before update_weights", a client call that raised) would otherwise leave the
+# ranks that did enter the transfer waiting for the others until the link's timeout, and the link
+# broken for the next update. So no rank enters it before trainer rank 0 opened the gate: each
+# engine worker says it is ready (or why not) under the update's key, and rank 0 writes "go" once
+# every worker is ready, or the first refusal (a worker's, or its client call's error) for every
+# rank to raise at once.
+
+GO = "go"
+
+
+def _gate_key(step: int, session: str, what: str) -> str:
+    return f"glm_fp8/gate/{step}/{session}/{what}"
+
+
+def publish_ready(store, step: int, session: str, rank: int, refusal: str | None) -> None:
+    """Engine rank ``rank`` is ready for update ``step`` (``refusal`` None), or why it is not."""
+    store.set(_gate_key(step, session, f"ready/{rank}"), refusal or "")
+
+
+def poll_ready(store, step: int, session: str, ranks: Sequence[int]) -> tuple[bool, str | None]:
+    """(every rank said, the first refusal among them, naming its rank), without waiting."""
+    keys = [_gate_key(step, session, f"ready/{r}") for r in ranks]
+    if not store.check(keys):
+        return False, None
+    for r, key in zip(ranks, keys):
+        said = store.get(key).decode()
+        if said:
+            return True, f"engine rank {r} refused the update: {said}"
+    return True, None
+
+
+def open_gate(store, step: int, session: str, verdict: str | None) -> None:
+    """Trainer rank 0's verdict on update ``step``: None, every rank goes; else why none does."""
+    store.set(_gate_key(step, session, "verdict"), GO if verdict is None else verdict)
+
+
+def wait_gate(store, step: int, session: str) -> None:
+    """Wait for rank 0's verdict (up to the store's timeout); raise it, naming the update, unless
+    it is "go"."""
+    verdict = store.get(_gate_key(step, session, "verdict")).decode()
+    if verdict != GO:
+        raise RuntimeError(f"update {step} ({session} session) stopped before any byte moved: {verdict}")
+    store.add(_gate_key(step, session, "read"), 1)
+
+
+def gate_reads(store, step: int, session: str) -> int:
+    """How many ranks read update ``step``'s "go" (its keys can go once every reader has)."""
+    return int(store.add(_gate_key(step, session, "read"), 0))
+
+
+def clear_gate(store, step: int, session: str, ranks: Sequence[int]) -> None:
+    """Drop an update's keys once every rank is past them."""
+    store.delete_key(_gate_key(step, session, "verdict"))
+    store.delete_key(_gate_key(step, session, "read"))
+    for r in ranks:
+        store.delete_key(_gate_key(step, session, f"ready/{r}"))
+
+
+# --- what trainer rank 0 decided, for every trainer rank -----------------------------------------
+
+_TRAINER_INIT = "glm_fp8/trainer/init"
+
+
+def publish_trainer_init(store, init: SyncInit) -> None:
+    """Trainer rank 0's ``SyncInit`` (its ``draft`` decided by the client it holds), for the other
+    trainer ranks to adopt."""
+    store.set(_TRAINER_INIT, json.dumps(init.to_dict()))
+
+
+def read_trainer_init(store) -> SyncInit:
+    return SyncInit.from_dict(json.loads(store.get(_TRAINER_INIT).decode()))
+
+
 __all__ = [
     "DRAFTS",
+    "MAX_LINK_RANKS",
+    "MAX_RING",
     "HANDSHAKE_VERSION",
     "LINK_BACKENDS",
     "MODES",
     "SESSIONS",
     "SyncInit",
     "SyncUpdate",
+    "clear_gate",
     "fleet_layouts",
     "fleet_mtp",
     "fleet_scale_fmt",
+    "from_json",
+    "gate_reads",
+    "open_gate",
+    "poll_ready",
     "publish",
+    "publish_ready",
+    "publish_trainer_init",
     "read_fleet",
+    "read_trainer_init",
     "session_layers",
+    "wait_gate",
 ]

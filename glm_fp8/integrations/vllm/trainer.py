@@ -15,27 +15,39 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from glm_fp8._checks import check_int, check_seconds
 from glm_fp8.config import as_config
 from glm_fp8.integrations.vllm.sources import LayerSource, WeightSourceLayers
 from glm_fp8.integrations.vllm.sync import (
     DRAFTS,
     LINK_BACKENDS,
+    MAX_LINK_RANKS,
+    MAX_RING,
     MODES,
     SyncInit,
     SyncUpdate,
+    auto_mode,
+    clear_gate,
     fleet_layouts,
     fleet_mtp,
     fleet_scale_fmt,
+    gate_reads,
+    open_gate,
+    poll_ready,
+    publish_trainer_init,
     read_fleet,
+    read_trainer_init,
     session_layers,
+    wait_gate,
 )
 from glm_fp8.models import REST, mtp_layer_index
 from glm_fp8.transfer.gather import GATHERS, contribute_shards
@@ -62,6 +74,11 @@ class TrainerOptions:
     - ``scale_fmt``: None (what the engines need: power-of-two scales where vLLM re-quantizes for
       DeepGEMM), "fp32" or "ue8m0"; ``checksum``, ``ring``: as ``Broadcaster`` takes them.
     - ``gather``, ``gather_dtype``: how one sender collects DTensor layers (``Broadcaster``).
+      ``gather_dtype`` None (the default): no cast, every tensor travels and is quantized in the
+      dtype the trainer holds (fp32 masters are quantized from fp32, as in every other mode, and
+      land the bytes of a checkpoint quantized from them). "bfloat16" is an explicit opt-in that
+      halves a gather's bytes for fp32 masters, and then the FP8 bytes of the gathered tensors
+      differ from the checkpoint's quantization of the fp32 masters.
     - ``timeout_s``: the link's and the rendezvous' timeout.
     """
 
@@ -77,11 +94,22 @@ class TrainerOptions:
     checksum: bool = True
     ring: int = 2
     gather: str = "auto"
-    gather_dtype: str | None = "bfloat16"
+    gather_dtype: str | None = None
     timeout_s: float = 600.0
     rank: int = field(kw_only=True)
 
     def check(self) -> None:
+        """Every field's type and range, a ValueError naming it: before anything is sized or
+        opened from them (an int is an int: 1.9 or True is refused, never truncated)."""
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise ValueError(f"init_info.master_address: expected a host name, got {self.master_address!r}")
+        check_int("init_info.master_port", self.master_port, 1, 65535, " (a TCP port)")
+        check_int("init_info.engine_ranks", self.engine_ranks, 1, MAX_LINK_RANKS - 1,
+                  " (the engine workers: every GPU of every engine and DP replica)")  # fmt: skip
+        if self.trainer_ranks is not None:
+            check_int("init_info.trainer_ranks", self.trainer_ranks, 1, MAX_LINK_RANKS - 1,
+                      " (or None: torch.distributed's world size)")  # fmt: skip
+        check_int("init_info.rank", self.rank, 0, MAX_LINK_RANKS - 1, " (this trainer rank)")
         if self.mode not in ("auto", *MODES):
             raise ValueError(f"init_info.mode: expected 'auto' or one of {MODES}, got {self.mode!r}")
         if self.draft not in ("auto", *DRAFTS):
@@ -97,12 +125,11 @@ class TrainerOptions:
             raise ValueError(
                 f"init_info.gather_dtype: expected one of {list(_DTYPES)}, got {self.gather_dtype!r}"
             )
-        for key in ("engine_ranks", "ring"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (2 if key == "ring" else 1):
-                raise ValueError(
-                    f"init_info.{key}: expected an int >= {2 if key == 'ring' else 1}, got {value!r}"
-                )
+        if not isinstance(self.checksum, bool):
+            raise ValueError(f"init_info.checksum: expected True or False, got {self.checksum!r}")
+        check_int("init_info.ring", self.ring, 2, MAX_RING,
+                  " (layer buffers per rank: 2 overlap each layer with the wire)")  # fmt: skip
+        check_seconds("init_info.timeout_s", self.timeout_s)
 
 
 class TrainerSide:
@@ -114,7 +141,12 @@ class TrainerSide:
         self.rank = int(opts.rank)
         self.config = as_config(opts.config)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.trainer_ranks = int(opts.trainer_ranks or world)
+        self.trainer_ranks = int(opts.trainer_ranks) if opts.trainer_ranks is not None else world
+        if self.rank >= self.trainer_ranks:
+            raise ValueError(
+                f"init_info.rank: expected a trainer rank below trainer_ranks={self.trainer_ranks}, "
+                f"got {self.rank}"
+            )
         self.source = self._source(source)
         self.mode = self._mode()
         self.senders = self.trainer_ranks if self.mode == "senders" else 1
@@ -123,10 +155,13 @@ class TrainerSide:
             if opts.link_backend != "auto"
             else ("nccl" if device.type == "cuda" else "gloo")
         )
+        # draft="auto" is decided by the rank that holds the client (rank 0): whether the client can
+        # open vLLM's draft session. The other ranks take rank 0's decision at connect(); what they
+        # hold until then is provisional.
         draft = opts.draft
         if draft == "auto":
-            draft = "session" if self.source.mtp and hasattr(client, "start_draft_weight_update") else "none"
-            if self.source.mtp and draft == "none":
+            draft = "session" if self.source.mtp and self._client_drafts() else "none"
+            if self.rank == 0 and self.source.mtp and draft == "none":
                 # vLLM's HTTP and Ray clients have no draft session: say so rather than leave the
                 # drafter on its old weights without a word.
                 warnings.warn(
@@ -142,8 +177,8 @@ class TrainerSide:
             )
         self.init = SyncInit(
             master_address=opts.master_address,
-            master_port=int(opts.master_port),
-            world_size=self.senders + opts.engine_ranks,
+            master_port=int(opts.master_port),  # checked integral (numpy / torch ints too): JSON-able
+            world_size=self.senders + int(opts.engine_ranks),
             senders=self.senders,
             mode=self.mode,
             link_backend=backend,
@@ -152,13 +187,19 @@ class TrainerSide:
             draft=draft,
             scale_fmt=opts.scale_fmt,
             checksum=opts.checksum,
-            ring=opts.ring,
+            ring=int(opts.ring),
             timeout_s=float(opts.timeout_s),
         )
         self.init.check()
         self.link: StoreLink | None = None
+        self.store = None  # the link's TCP store (a client of it on a rank off the link)
+        self.state = "built"  # then "connected", then "shut down"
         self.steps = 0
         self._senders_cache: dict[str, Broadcaster] = {}
+        self._gates: list[tuple[int, str]] = []  # updates whose "go" keys rank 0 still holds
+
+    def _client_drafts(self) -> bool:
+        return callable(getattr(self.client, "start_draft_weight_update", None))
 
     def _source(self, source: object):
         if isinstance(source, LayerSource):
@@ -176,7 +217,7 @@ class TrainerSide:
         mode = self.opts.mode
         whole = self.source.experts_whole and self.trainer_ranks > 1
         if mode == "auto":
-            return "senders" if whole else "scatter"
+            return auto_mode(self.trainer_ranks, self.source.experts_whole)[0]
         if mode == "senders" and not whole:
             raise ValueError(
                 "init_info.mode: 'senders' needs every trainer rank to hold whole experts (each expert stack "
@@ -189,10 +230,22 @@ class TrainerSide:
         return self.rank < self.senders
 
     def connect(self) -> TrainerSide:
-        """Open the link and learn the engines (rank 0 sends them the init meanwhile)."""
+        """Open the link and learn the engines (rank 0 sends them the init meanwhile). Every other
+        trainer rank then takes rank 0's ``SyncInit`` (its ``draft`` decision) through the link's
+        store; a rank off the link (one sender) connects to the store only."""
+        if self.state != "built":
+            raise RuntimeError(f"connect(): this trainer side is {self.state} already; build a new one")
         if self.mode == "senders" and isinstance(self.source, WeightSourceLayers):
             self.source.local = True  # each rank reads its own pieces: iter_local
         if not self.on_link:
+            self.store = dist.TCPStore(
+                self.init.master_address,
+                self.init.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=self.init.timeout_s),
+            )
+            self._adopt(read_trainer_init(self.store))
+            self.state = "connected"
             return self
         error: list[BaseException] = []
         rpc = None
@@ -213,7 +266,12 @@ class TrainerSide:
                 timeout=timedelta(seconds=self.init.timeout_s),
                 device=self.device,
             )
-            self.fleet = read_fleet(self.link.store, range(self.senders, self.init.world_size))
+            self.store = self.link.store
+            if self.rank == 0:
+                publish_trainer_init(self.store, self.init)
+            else:
+                self._adopt(read_trainer_init(self.store))
+            self.fleet = read_fleet(self.store, range(self.senders, self.init.world_size))
         except BaseException as exc:
             if rpc is not None:
                 rpc.join(self.init.timeout_s)
@@ -231,7 +289,23 @@ class TrainerSide:
                 f"init_info.draft: {self.init.draft!r} sends the MTP layer, and the engines run no "
                 "MTP drafter (speculative decoding off); pass draft='none'"
             )
+        self.state = "connected"
         return self
+
+    def _adopt(self, leader: SyncInit) -> None:
+        """Take trainer rank 0's init: its ``draft`` where this rank left it to "auto" (only rank 0
+        holds the client that decides), every other field as this rank derived it."""
+        mine = self.init.to_dict()
+        theirs = leader.to_dict()
+        if self.opts.draft == "auto":
+            mine["draft"] = theirs["draft"]
+        for key, value in theirs.items():
+            if mine[key] != value:
+                raise ValueError(
+                    f"init_info.{key}: trainer rank {self.rank} has {mine[key]!r}, trainer rank 0 "
+                    f"{value!r}; every trainer rank needs the same init info and source layers"
+                )
+        self.init = leader
 
     @property
     def mtp(self) -> int | None:
@@ -264,16 +338,34 @@ class TrainerSide:
         return self._senders_cache[session]
 
     def send(self) -> list[dict]:
-        """One step: every session's update (on every trainer rank). Raises what a ``Broadcaster``
-        raises (an engine rank's refusal names it), with the engine's own error as a note on rank 0."""
+        """One step: every session's update (on every trainer rank). Returns one dict per session,
+        what this rank did in it: ``session``, ``seconds`` (this rank's wall time), ``bytes`` (what
+        this rank put on the link: a sender's segments, each once per receiving rank, a group
+        broadcast once; 0 on a rank off the link, which only takes part in the sender's gathers),
+        ``sender`` (this rank is on the link), ``update_bytes`` (the whole converted update, every
+        engine's shard together; None off the link). Raises what a ``Broadcaster`` raises (an engine
+        rank's refusal names it), with the engine's own error as a note on rank 0; a refusal known
+        before the transfer (a worker outside a session, the client's error) on every rank at once."""
+        if self.state != "connected":
+            raise RuntimeError(
+                "send(): this trainer engine was shut down (shutdown()); build a new one with trainer_init"
+                if self.state == "shut down"
+                else "send(): the link is not open; call connect() first (trainer_init does)"
+            )
         self.steps += 1
         self.source.begin_step()
         out = []
         for session in self.sessions():
+            t0 = time.perf_counter()
             ids, rest = session_layers(self.init, session, self.mtp)
             layers, rest_map = self.source.session(ids, rest)
             if not self.on_link:
+                wait_gate(self.store, self.steps, session)
                 self._contribute(layers, rest_map, ids)
+                out.append(
+                    {"session": session, "seconds": time.perf_counter() - t0, "bytes": 0, "sender": False,
+                     "update_bytes": None}
+                )  # fmt: skip
                 continue
             out.append(self._update(session, layers, rest_map))
         self.source.drain()
@@ -299,20 +391,34 @@ class TrainerSide:
         )
 
     def _update(self, session: str, layers, rest_map) -> dict:
-        sender = self._broadcaster(session)
-        info = SyncUpdate(session, self.steps).to_dict()
+        step = self.steps
         if self.rank != 0:
-            stats = sender.broadcast_model(layers, rest=rest_map)
-            return {"session": session, "seconds": stats.seconds, "bytes": stats.nbytes}
-        start = (
-            self.client.start_draft_weight_update if session == "draft" else self.client.start_weight_update
-        )
-        start()
+            wait_gate(self.store, step, session)
+            stats = self._broadcaster(session).broadcast_model(layers, rest=rest_map)
+            return _stats(session, stats)
+        self._prune_gates()
         error: list[BaseException] = []
-        rpc = threading.Thread(target=_capture, args=(error, self.client.update_weights, info), daemon=True)
-        rpc.start()
+        rpc = None
         try:
-            stats = sender.broadcast_model(layers, rest=rest_map)
+            client = self.client
+            (client.start_draft_weight_update if session == "draft" else client.start_weight_update)()
+            rpc = threading.Thread(
+                target=_capture,
+                args=(error, self.client.update_weights, SyncUpdate(session, step).to_dict()),
+                daemon=True,
+            )
+            rpc.start()
+            self._wait_ready(step, session, rpc, error)
+        except BaseException as exc:
+            # Every other rank waits at the gate: it raises this at once, and nothing moves.
+            open_gate(self.store, step, session, f"trainer rank 0: {type(exc).__name__}: {exc}")
+            if rpc is not None:
+                rpc.join(self.init.timeout_s)
+            raise
+        open_gate(self.store, step, session, None)
+        self._gates.append((step, session))
+        try:
+            stats = self._broadcaster(session).broadcast_model(layers, rest=rest_map)
         except BaseException as exc:
             rpc.join(self.init.timeout_s)
             if error and hasattr(exc, "add_note"):
@@ -322,13 +428,65 @@ class TrainerSide:
         if error:
             raise error[0]
         self.client.finish_weight_update()
-        return {"session": session, "seconds": stats.seconds, "bytes": stats.nbytes}
+        return _stats(session, stats)
+
+    def _wait_ready(self, step: int, session: str, rpc: threading.Thread, error: list) -> None:
+        """Until every engine worker said it is ready for this update: raise the first refusal,
+        or the client call's error when it ended before every worker was ready (vLLM's own
+        refusals come that way: "start_weight_update must be called before update_weights")."""
+        engines = range(self.senders, self.init.world_size)
+        deadline = time.monotonic() + self.init.timeout_s
+        pause = 0.001
+        while True:
+            said, refusal = poll_ready(self.store, step, session, engines)
+            if said:
+                if refusal is not None:
+                    raise RuntimeError(refusal)
+                return
+            if not rpc.is_alive() and error:
+                raise RuntimeError(
+                    f"the engine's update_weights raised before the transfer: {type(error[0]).__name__}: "
+                    f"{error[0]}"
+                ) from error[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"update {step} ({session} session): not every engine worker was ready within "
+                    f"init_info.timeout_s={self.init.timeout_s:g} s (the client's update_weights "
+                    f"{'is still running' if rpc.is_alive() else 'returned'})"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _prune_gates(self) -> None:
+        """Drop the keys of earlier updates that every other rank has read (rank 0)."""
+        readers = self.init.world_size - self.senders + self.trainer_ranks - 1
+        keep = []
+        for step, session in self._gates:
+            if gate_reads(self.store, step, session) >= readers:
+                clear_gate(self.store, step, session, range(self.senders, self.init.world_size))
+            else:
+                keep.append((step, session))
+        self._gates = keep
 
     def shutdown(self) -> None:
+        """Close the link (or this rank's store client); ``send()`` then refuses."""
         self._senders_cache.clear()
         if self.link is not None:
             self.link.close()
             self.link = None
+        self.store = None
+        self.state = "shut down"
+
+
+def _stats(session: str, stats) -> dict:
+    """What ``send()`` returns for one session on a rank of the link (see ``TrainerSide.send``)."""
+    return {
+        "session": session,
+        "seconds": stats.seconds,
+        "bytes": stats.nbytes,
+        "sender": True,
+        "update_bytes": sum(s.layer_nbytes for s in stats.layers),
+    }
 
 
 class _LayerSourceView:
@@ -336,8 +494,18 @@ class _LayerSourceView:
 
     def __init__(self, src: LayerSource, config: Mapping):
         self.src = src
-        ids = range(config["num_hidden_layers"]) if src.layer_ids is None else src.layer_ids
-        self.layer_ids, self.mtp, self.experts_whole = [int(i) for i in ids], src.mtp, src.experts_whole
+        n = config["num_hidden_layers"]
+        ids = range(n) if src.layer_ids is None else src.layer_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise ValueError(f"source.layer_ids: expected a list of layer indices, got {type(ids).__name__}")
+        self.layer_ids = [
+            check_int(f"source.layer_ids[{k}]", i, 0, n - 1, f" (a decoder layer of the {n})")
+            for k, i in enumerate(ids)
+        ]
+        for key in ("mtp", "experts_whole"):
+            if not isinstance(getattr(src, key), bool):
+                raise ValueError(f"source.{key}: expected True or False, got {getattr(src, key)!r}")
+        self.mtp, self.experts_whole = src.mtp, src.experts_whole
         self.rest = src.rest is not None
 
     def begin_step(self) -> None:

@@ -14,16 +14,20 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from glm_fp8._checks import check_int
 from glm_fp8.integrations.vllm.engine import EngineUpdater
 from glm_fp8.integrations.vllm.sync import (
+    MAX_LINK_RANKS,
     SyncInit,
     SyncUpdate,
     fleet_layouts,
     fleet_mtp,
     fleet_scale_fmt,
     publish,
+    publish_ready,
     read_fleet,
     session_layers,
+    wait_gate,
 )
 from glm_fp8.transfer.link import StoreLink
 
@@ -36,9 +40,14 @@ def worker_index(parallel_config: object) -> int:
     makes ``world_size`` span the DP replicas and ``rank`` the global ``RANK`` already
     (``config/parallel.py``, ``worker_base.py``), so the rank alone is the index."""
     pc = parallel_config
+    rank = check_int("parallel_config.rank", getattr(pc, "rank", None), 0, MAX_LINK_RANKS - 1)
     if getattr(pc, "distributed_executor_backend", None) == "external_launcher":
-        return int(pc.rank)
-    return int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
+        return rank
+    world = check_int("parallel_config.world_size", getattr(pc, "world_size", None), 1, MAX_LINK_RANKS)
+    dp = check_int(
+        "parallel_config.data_parallel_index", getattr(pc, "data_parallel_index", None), 0, MAX_LINK_RANKS - 1
+    )
+    return dp * world + rank
 
 
 class WorkerSide:
@@ -74,7 +83,7 @@ class WorkerSide:
         self.session: str | None = None
         self.results: list[dict] = []
 
-    def init(self, payload: Mapping) -> dict:
+    def init(self, payload: Mapping | str) -> dict:
         """Join the trainer's link (``SyncInit``) and learn the fleet; raises on this worker's
         refusal or any other rank's, naming it."""
         info = SyncInit.from_dict(payload)
@@ -120,14 +129,23 @@ class WorkerSide:
             self.updater.attach_drafter(drafter)
         self.session = "draft" if drafter is not None else "target"
 
-    def receive(self, update_info: Mapping) -> dict:
-        """Land one update (the trainer sends at the same time). An update whose session is not
-        the one started is refused before anything moves."""
+    def receive(self, update_info: Mapping | str) -> dict:
+        """Land one update (the trainer sends at the same time). First the update's gate
+        (``glm_fp8.integrations.vllm.sync``): this worker says it is ready, or why not (no session
+        started, an update of another session), and waits for trainer rank 0's go; a refusal,
+        its own or another's, is raised by every rank at once and nothing moves."""
         update = SyncUpdate.from_dict(update_info)
+        if self.init_info is None:
+            raise RuntimeError("glm_fp8: init_weight_transfer_engine first (the trainer's trainer_init)")
+        refusal = None
         if self.session is None:
-            raise RuntimeError("glm_fp8: start_weight_update first")
-        if (update.session == "draft") != (self.session == "draft"):
-            raise ValueError(f"update_info.session: {update.session!r} in a {self.session} session")
+            refusal = "start_weight_update first: no weight-update session is open on this worker"
+        elif (update.session == "draft") != (self.session == "draft"):
+            refusal = f"update_info.session: {update.session!r} in a {self.session} session"
+        publish_ready(self.link.store, update.step, update.session, self.rank, refusal)
+        if refusal is not None:
+            raise (RuntimeError if self.session is None else ValueError)(f"glm_fp8: {refusal}")
+        wait_gate(self.link.store, update.step, update.session)
         ids, rest = session_layers(self.init_info, update.session, self.updater.mtp_index)
         result = self.updater.update(
             self.link,
