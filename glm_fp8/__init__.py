@@ -19,7 +19,6 @@ _EXPORTS = {
     "Broadcaster": "glm_fp8.transfer",
     "HostSinkComm": "glm_fp8.transfer",
     "Receiver": "glm_fp8.transfer",
-    "UpdateAborted": "glm_fp8.transfer",
     "contribute_shards": "glm_fp8.transfer",
     "convert_layer": "glm_fp8.convert",
     "EngineLayout": "glm_fp8.engine",
@@ -31,9 +30,17 @@ _EXPORTS = {
     "default_config": "glm_fp8.kernels.triton_launch",
     "ExpertsFP8": "glm_fp8.quantize",
     "LaunchConfig": "glm_fp8.kernels.triton_launch",
-    "NonFiniteError": "glm_fp8.jobs",
     "quantize_blockwise": "glm_fp8.quantize",
     "quantize_experts": "glm_fp8.quantize",
+    # every exception class of the package, under GlmFp8Error (glm_fp8.errors)
+    "EngineNotSupported": "glm_fp8.errors",
+    "GlmFp8Error": "glm_fp8.errors",
+    "LayerOrderError": "glm_fp8.errors",
+    "ManifestMismatch": "glm_fp8.errors",
+    "NonFiniteError": "glm_fp8.errors",
+    "PlanArgumentError": "glm_fp8.errors",
+    "ReceiverRefused": "glm_fp8.errors",
+    "UpdateAborted": "glm_fp8.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -43,11 +50,20 @@ if TYPE_CHECKING:
     from glm_fp8.config import as_config
     from glm_fp8.convert import convert_layer
     from glm_fp8.engine import EngineLayout, engine_param_specs
-    from glm_fp8.jobs import NonFiniteError
+    from glm_fp8.errors import (
+        EngineNotSupported,
+        GlmFp8Error,
+        LayerOrderError,
+        ManifestMismatch,
+        NonFiniteError,
+        PlanArgumentError,
+        ReceiverRefused,
+        UpdateAborted,
+    )
     from glm_fp8.kernels.triton_launch import DEFAULT_CONFIG, LaunchConfig, default_config
     from glm_fp8.plan import LayerPlan, plan_from_config, plan_from_state_dict
     from glm_fp8.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
-    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver, UpdateAborted, contribute_shards
+    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver, contribute_shards
 
 
 def __getattr__(name: str) -> Any:

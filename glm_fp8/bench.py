@@ -18,9 +18,9 @@ import torch
 
 from glm_fp8.backends import available_backends
 from glm_fp8.convert import convert_layer
-from glm_fp8.models import PRESETS, SMALL_GLM5
 from glm_fp8.numerics import ceil_blocks
 from glm_fp8.plan import plan_from_config
+from glm_fp8.presets import PRESETS, SMALL_GLM5
 from glm_fp8.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
 from glm_fp8.reference import convert_layer_ref, quantize_concat_ref, quantize_experts_ref
 

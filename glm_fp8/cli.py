@@ -13,34 +13,32 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer >= ``low`` (the error names the option)."""
+def _int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type=``: ``check_int``'s contract on the option's text, an integer in
+    [low, high] (``high`` None: no upper bound); ``why``: why the bound is there. argparse puts
+    the option's name where check_int puts the argument's."""
 
     def parse(text: str) -> int:
+        from glm_fp8._checks import check_int  # lazy, as the CLI's every glm_fp8 import
+
         try:
-            value = int(text)
+            value: object = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
+            value = text  # not a number: check_int refuses it, quoting the text
+        try:
+            return check_int("", value, low, high, f" ({why})" if why else "")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(": ")) from None
 
     return parse
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer >= ``low``."""
+    return _int_in(low)
 
 
 positive_int = _int_at_least(1)
-
-
-def _int_in(low: int, high: int, why: str) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer in [low, high]; ``why``: why the bound is there."""
-
-    def parse(text: str) -> int:
-        value = _int_at_least(low)(text)
-        if value > high:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got {value} ({why})")
-        return value
-
-    return parse
 
 
 def positive_float(text: str) -> float:
@@ -107,7 +105,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """The --config file or the --model preset, validated (``glm_fp8.config.as_config``);
     argparse errors for what cannot be read or used."""
-    from glm_fp8.models import PRESETS, load_config
+    from glm_fp8.presets import PRESETS, load_config
 
     if not args.config:
         if args.model not in PRESETS:
@@ -504,7 +502,7 @@ def _update_lines(lines: list[str], report: dict) -> None:
     n = tp["senders"]
     lines.append("")
     lines += _wrap(
-        f"many senders' transfer plan (glm_fp8.engine.routes; link ranks 0..{n - 1} the trainer "
+        f"many senders' transfer plan (glm_fp8.transfer.routes; link ranks 0..{n - 1} the trainer "
         "GPUs, then the engines' ranks): each sender sends every engine rank the part of its "
         "shard in the sender's rows (its experts, its slice of the embeddings and heads) and in "
         f"the entries it owns, one message per engine rank and layer (at most "
@@ -589,6 +587,7 @@ Run `glm-fp8 <subcommand> --help` for its options. Python API and docs: README.m
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from glm_fp8 import __version__
+    from glm_fp8.numerics import SCALE_FMTS
     from glm_fp8.planning import MAX_ENGINE_RANKS, MAX_ENGINES, MAX_TRAINER_GPUS
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -691,7 +690,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
         help="vLLM --enable-expert-parallel, with --engine-tp (default: experts by MoE TP)",
     )  # fmt: skip
     p.add_argument(
-        "--scale-fmt", choices=["fp32", "ue8m0"],
+        "--scale-fmt", choices=list(SCALE_FMTS),
         help="block-scale format on the wire; ue8m0: powers of two, as DeepGEMM holds them (default: fp32)",
     )  # fmt: skip
     p.add_argument(

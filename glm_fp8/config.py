@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from glm_fp8._checks import check_int
+
 MAX_LAYERS = 4096  # decoder layers: far above any model (GLM-5 has 78), far below a typo's 10**9
 MAX_SIZE = 1 << 24  # widths, heads and vocabulary: 16M, beyond every released model
 MAX_EXPERTS = 1 << 16
@@ -74,8 +76,9 @@ def as_config(config: object) -> Config:
     ``num_hidden_layers`` but with a ``text_config`` (Kimi-K2.5) gives its text backbone.
 
     Raises ValueError ``config.<key>: expected ..., got ...`` for the first key the family reads
-    that is missing, of the wrong type (an int is never a bool, a float or a str), out of range
-    or inconsistent with another; nothing is defaulted that the engine would read differently.
+    that is missing, of the wrong type (an int is never a bool, a float or a str; an integer
+    scalar of numpy or torch is kept as its plain int), out of range or inconsistent with another;
+    nothing is defaulted that the engine would read differently.
     A ``Config`` is returned as it is."""
     if isinstance(config, Config):
         return config
@@ -132,19 +135,18 @@ def _get(c: Mapping, key: str, what: str, required: bool) -> Any:
     return value
 
 
-def _int(c: Mapping, key: str, lo: int, hi: int, *, required: bool = True, why: str = "") -> int | None:
-    what = f"an int in [{lo}, {hi}]{why}"
-    value = _get(c, key, what, required)
+def _int(c: Config, key: str, lo: int, hi: int, *, required: bool = True, why: str = "") -> int | None:
+    value = _get(c, key, f"an integer in [{lo}, {hi}]{why}", required)
     if value is _MISSING:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"config.{key}: expected {what}, got {value!r} ({type(value).__name__})")
-    if not lo <= value <= hi:
-        raise ValueError(f"config.{key}: expected {what}, got {value!r}")
+    value = check_int(f"config.{key}", value, lo, hi, why)
+    # check_int takes integer scalars of numpy and torch too: keep the plain int, so that what reads
+    # the config (shapes, the JSON manifest) never meets another type.
+    dict.__setitem__(c, key, value)
     return value
 
 
-def _size(c: Mapping, key: str, *, required: bool = True, hi: int = MAX_SIZE) -> int | None:
+def _size(c: Config, key: str, *, required: bool = True, hi: int = MAX_SIZE) -> int | None:
     return _int(c, key, 1, hi, required=required)
 
 
@@ -173,7 +175,7 @@ def _choices(c: Mapping, key: str, allowed: Sequence[str], n: int, what: str) ->
     return list(value)
 
 
-def _validate(c: Mapping) -> None:
+def _validate(c: Config) -> None:
     model_type = c.get("model_type")
     if model_type is None:
         raise ValueError(f"config.model_type: missing; expected one of {sorted(FAMILY_TRAITS)}")
@@ -204,7 +206,7 @@ def _validate(c: Mapping) -> None:
     _size(c, "intermediate_size", required=dense)
 
 
-def _check_mla(c: Mapping) -> None:
+def _check_mla(c: Config) -> None:
     if "q_lora_rank" in c and c["q_lora_rank"] is None:
         raise ValueError("config.q_lora_rank: MLA without a q LoRA (q_proj, e.g. DeepSeek-V2-Lite) is not "
                          "supported; expected an int")  # fmt: skip
@@ -215,7 +217,7 @@ def _check_mla(c: Mapping) -> None:
                          "GLM-5 and DeepSeek-V3 have), got True")  # fmt: skip
 
 
-def _check_gqa(c: Mapping, h: int, heads: int) -> None:
+def _check_gqa(c: Config, h: int, heads: int) -> None:
     kv = _size(c, "num_key_value_heads")
     if heads % kv:
         raise ValueError(f"config.num_key_value_heads: expected a divisor of num_attention_heads ({heads}), "
@@ -227,7 +229,7 @@ def _check_gqa(c: Mapping, h: int, heads: int) -> None:
     _bool(c, "use_qk_norm")
 
 
-def _check_indexer(c: Mapping, n: int) -> None:
+def _check_indexer(c: Config, n: int) -> None:
     _size(c, "index_n_heads")
     _size(c, "index_head_dim")
     _size(c, "index_topk", required=False)
@@ -243,7 +245,7 @@ def _check_indexer(c: Mapping, n: int) -> None:
     _bool(c, "use_index_cache")
 
 
-def _check_first_k(c: Mapping, n: int) -> bool:
+def _check_first_k(c: Config, n: int) -> bool:
     """``first_k_dense_replace`` and transformers' derived ``mlp_layer_types`` (the latter
     decides when alone; both must agree when given). True when some layer is dense."""
     types = _choices(c, "mlp_layer_types", ("dense", "sparse"), n, "'dense' or 'sparse'")
@@ -263,7 +265,7 @@ def _check_first_k(c: Mapping, n: int) -> bool:
     return "dense" in types if types is not None else k > 0
 
 
-def _check_qwen3(c: Mapping, n: int) -> bool:
+def _check_qwen3(c: Config, n: int) -> bool:
     """Qwen3-MoE's placement (vLLM ``qwen3_moe.py``): ``mlp_only_layers`` and
     ``decoder_sparse_step`` (transformers' defaults: none, 1). True when some layer is dense."""
     step = _int(c, "decoder_sparse_step", 1, MAX_LAYERS, required=False) or 1

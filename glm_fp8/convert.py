@@ -15,8 +15,8 @@ from collections.abc import Collection, Mapping
 import torch
 
 from glm_fp8 import _checks
+from glm_fp8.indexer import INDEXER_PREFIX
 from glm_fp8.jobs import Job, NonFiniteError, check_finite_tensors, plan_job, run_jobs
-from glm_fp8.models import INDEXER_PREFIX
 from glm_fp8.numerics import BLOCK, INPUT_DTYPES, ceil_blocks
 from glm_fp8.plan import (
     LayerPlan,

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
-from glm_fp8.models import SMALL_GLM5
 from glm_fp8.plan import plan_from_config, strip_layer
+from glm_fp8.presets import SMALL_GLM5
 from glm_fp8.reference import convert_layer_ref
 from glm_fp8.testing import launch, synthetic_layer
 from glm_fp8.transfer import Broadcaster, Receiver

@@ -12,19 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8 import _checks, backends
+from glm_fp8.errors import NonFiniteError
 from glm_fp8.kernels.triton_launch import LaunchConfig
 from glm_fp8.numerics import BLOCK, MAX_SOURCES, blocks_shape
-
-
-class NonFiniteError(ValueError):
-    """A source holds NaN or Inf. ``source``, ``expert``, ``block`` say where (first found);
-    ``block`` is None for a tensor that is passed through unquantized."""
-
-    def __init__(self, message: str, source: str, expert: int | None, block: tuple[int, int] | None):
-        super().__init__(message)
-        self.source = source
-        self.expert = expert
-        self.block = block
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:

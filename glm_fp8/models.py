@@ -1,13 +1,10 @@
 """Model families: which trainer tensors a layer holds and which kernel-format entries they
-become (docs/layouts.md), the trainers' layouts of those tensors (docs/trainers.md), the
-embedded presets, and the small configs that tests, the demo and the CPU benchmarks use. Pure
-tables and the rules that read a config (validated by ``glm_fp8.config.as_config``); the plan
-machinery that lays entries out in a buffer is ``glm_fp8.plan``.
-
-Adding a model family is one table of ``Rule`` rows in ``FAMILIES`` plus a shape function in
-``SHAPES`` and its keys in ``glm_fp8.config.FAMILY_TRAITS``; adding a trainer layout is one
-table in ``TRAINER_LAYOUTS``.
-"""
+become (docs/layouts.md), the trainers' layouts of those tensors (docs/trainers.md), and the
+shapes and kind of a config's layers, read by ``glm_fp8.plan``. Presets and small test configs
+live in ``glm_fp8.presets``, the DSA indexer in ``glm_fp8.indexer`` (both re-exported here).
+Adding a model family is one table of ``Rule`` rows in ``FAMILIES``, a shape function in
+``SHAPES`` and its keys in ``glm_fp8.config.FAMILY_TRAITS``; adding a trainer layout, one table
+in ``TRAINER_LAYOUTS``."""
 
 from __future__ import annotations
 
@@ -16,6 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from glm_fp8.config import FAMILY_TRAITS, as_config
+from glm_fp8.indexer import INDEXER_FAMILIES, has_indexer, indexer_shapes
+from glm_fp8.indexer import INDEXER_PREFIX as INDEXER_PREFIX
+from glm_fp8.indexer import skip_topk_layers as skip_topk_layers
+from glm_fp8.presets import PRESETS, SMALL_CONFIGS, SMALL_GLM5, TINY_GLM5, load_config  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,6 @@ _MLA_ATTENTION = [
     _r("self_attn.kv_b_proj.weight", q=True),
     _r("self_attn.o_proj.weight", q=True),
 ]  # fmt: skip
-INDEXER_PREFIX = "self_attn.indexer."
 _INDEXER = [
     _r("self_attn.indexer.wq_b.weight", q=True, group="indexer"),
     _r("self_attn.indexer.wk_weights_proj.weight", "self_attn.indexer.wk.weight",
@@ -164,8 +164,6 @@ FAMILIES: dict[str, tuple[list[Rule], list[Rule], list[Rule]]] = {
     "glm4_moe": (_NORMS + _GQA_ATTENTION, _DENSE_MLP, _MOE_MLP),
     "qwen3_moe": (_NORMS + _GQA_ATTENTION, _DENSE_MLP, _QWEN3_MOE_MLP),
 }
-# Families whose layers carry a DSA indexer (unless the config's schedule shares it).
-INDEXER_FAMILIES = frozenset(t for t, traits in FAMILY_TRAITS.items() if traits.indexer)
 # Passthrough entries vLLM 0.34 builds in float32 whatever the model dtype
 # (docs/layouts.md#names-dtypes-shards-glm-5): plans from a config write them so.
 FLOAT32_ENTRIES = frozenset({"self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
@@ -198,20 +196,6 @@ def _mla_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tup
     if indexer and c["model_type"] in INDEXER_FAMILIES:
         shapes.update(indexer_shapes(c))
     return {**shapes, **_mlp_shapes(c, sparse)}
-
-
-def indexer_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
-    """The DSA indexer's trainer tensors (an indexer family's full layer, or what a Hugging Face
-    trainer holds on every layer, shared ones included)."""
-    c = as_config(config)
-    h, ql, ih, idim = c["hidden_size"], c["q_lora_rank"], c["index_n_heads"], c["index_head_dim"]
-    return {
-        "self_attn.indexer.wq_b.weight": (ih * idim, ql),
-        "self_attn.indexer.wk.weight": (idim, h),
-        "self_attn.indexer.weights_proj.weight": (ih, h),
-        "self_attn.indexer.k_norm.weight": (idim,),
-        "self_attn.indexer.k_norm.bias": (idim,),
-    }
 
 
 def _gqa_shapes(c: Mapping, sparse: bool, indexer: bool = True) -> dict[str, tuple[int, ...]]:
@@ -275,142 +259,6 @@ SHAPES: dict[str, Callable[..., dict[str, tuple[int, ...]]]] = {
     "qwen3_moe": _gqa_shapes,
 }
 
-# Embedded configs (the fields the plans read), so `glm-fp8 plan` needs no download.
-PRESETS: dict[str, dict] = {
-    # docs/layouts.md. GLM's config.json files (glm_moe_dsa and glm4_moe, as public copies and test
-    # fixtures of them show) say "topk_method": "noaux_tc": vLLM then builds the routing bias.
-    "glm-5": {
-        "model_type": "glm_moe_dsa", "hidden_size": 6144, "num_hidden_layers": 78,
-        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
-        "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 64,
-        "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
-        "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
-        "vocab_size": 154880, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-    },
-    "glm-4.5": {  # zai-org/GLM-4.5 config.json
-        "model_type": "glm4_moe", "hidden_size": 5120, "num_hidden_layers": 92,
-        "first_k_dense_replace": 3, "n_routed_experts": 160, "moe_intermediate_size": 1536,
-        "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 96,
-        "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True, "use_qk_norm": True,
-        "topk_method": "noaux_tc",
-    },
-    # zai-org/GLM-5.2 config.json (https://huggingface.co/zai-org/GLM-5.2/raw/main/config.json, as
-    # recorded in public test fixtures; retrieved 2026-06-17 by them): GLM-5's widths, IndexShare with a
-    # full indexer in layers 0-2 and every 4th layer from 6 (21 full, 57 shared; vLLM's offset rule
-    # with index_topk_freq 4, index_skip_topk_offset 3 gives the same), max_position_embeddings 1048576.
-    "glm-5.2": {
-        "model_type": "glm_moe_dsa", "hidden_size": 6144, "num_hidden_layers": 78,
-        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
-        "n_shared_experts": 1, "intermediate_size": 12288, "num_attention_heads": 64,
-        "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
-        "qk_rope_head_dim": 64, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
-        "index_topk": 2048, "index_topk_freq": 4, "index_skip_topk_offset": 3, "index_topk_pattern": None,
-        "indexer_types": ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],
-        "vocab_size": 154880, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-    },
-    "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 config.json (DeepseekV3ForCausalLM)
-        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
-        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
-        "n_shared_experts": 1, "intermediate_size": 18432, "num_attention_heads": 128,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "vocab_size": 129280, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-    },
-    "deepseek-v3.2": {  # deepseek-ai/DeepSeek-V3.2 config.json (DeepseekV32ForCausalLM): V3 + the indexer
-        "model_type": "deepseek_v32", "hidden_size": 7168, "num_hidden_layers": 61,
-        "first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048,
-        "n_shared_experts": 1, "intermediate_size": 18432, "num_attention_heads": 128,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
-        "vocab_size": 129280, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-    },
-    "kimi-k2": {  # moonshotai/Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM, model_type kimi_k2)
-        "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
-        "first_k_dense_replace": 1, "n_routed_experts": 384, "moe_intermediate_size": 2048,
-        "n_shared_experts": 1, "intermediate_size": 18432, "num_attention_heads": 64,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "vocab_size": 163840, "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
-        "topk_method": "noaux_tc",
-    },
-    "qwen3-moe": {  # Qwen/Qwen3-235B-A22B config.json (Qwen3MoeForCausalLM)
-        "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_experts": 128,
-        "moe_intermediate_size": 1536, "intermediate_size": 12288, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-        "attention_bias": False, "vocab_size": 151936, "tie_word_embeddings": False,
-    },
-}  # fmt: skip
-
-
-# GLM-5 with every width divided by 24 (hidden 256, 11 experts): the demo's and the CPU
-# benchmarks' model, small enough for Triton's CPU interpreter.
-SMALL_GLM5 = {
-    "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 4,
-    "first_k_dense_replace": 1, "n_routed_experts": 11, "moe_intermediate_size": 88,
-    "n_shared_experts": 1, "intermediate_size": 512, "num_attention_heads": 4,
-    "q_lora_rank": 88, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-    "v_head_dim": 12, "index_n_heads": 2, "index_head_dim": 8, "topk_method": "noaux_tc",
-}  # fmt: skip
-
-# Each preset scaled down with sizes that are not multiples of 128, so that blocks straddle
-# every concatenation: the converter's test configs.
-SMALL_CONFIGS = {
-    "glm-5": {
-        **PRESETS["glm-5"], "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1,
-        "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
-        "num_attention_heads": 2, "q_lora_rank": 130, "kv_lora_rank": 70, "qk_nope_head_dim": 24,
-        "qk_rope_head_dim": 8, "v_head_dim": 40, "index_n_heads": 3, "index_head_dim": 24,
-    },
-    "glm-4.5": {
-        **PRESETS["glm-4.5"], "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1,
-        "n_routed_experts": 3, "moe_intermediate_size": 72, "intermediate_size": 150,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
-    },
-}  # fmt: skip
-_SMALL_MLA = {
-    "hidden_size": 200, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 3,
-    "moe_intermediate_size": 72, "intermediate_size": 150, "num_attention_heads": 2, "q_lora_rank": 130,
-    "kv_lora_rank": 70, "qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 40,
-}  # fmt: skip
-SMALL_CONFIGS.update({
-    # layers: 0 dense + indexer, 1 sparse without one (shared), 2 sparse + indexer
-    "glm-5.2": {**SMALL_CONFIGS["glm-5"], "index_topk": 64, "indexer_types": ["full", "shared", "full"]},
-    "deepseek-v3": {**PRESETS["deepseek-v3"], **_SMALL_MLA},
-    "deepseek-v3.2": {**PRESETS["deepseek-v3.2"], **_SMALL_MLA, "index_n_heads": 3, "index_head_dim": 24},
-    "kimi-k2": {**PRESETS["kimi-k2"], **_SMALL_MLA, "n_routed_experts": 5},
-    "qwen3-moe": {
-        **PRESETS["qwen3-moe"], "hidden_size": 200, "num_hidden_layers": 3, "num_experts": 3,
-        "moe_intermediate_size": 72, "intermediate_size": 150, "mlp_only_layers": [0],
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
-    },
-})  # fmt: skip
-
-
-# GLM-5 shrunk so that every width vLLM shards is a multiple of 128 per rank at TP=2, EP=2 and
-# TP=2 x DP=2 without EP (MoE TP over 4: moe_intermediate 512 / 4 = 128); vocab 1000 is not a
-# multiple of 64 (padded to 1024). At TP=4 o_proj's 256 columns give 64 per rank: refused.
-TINY_GLM5 = {
-    "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 4, "first_k_dense_replace": 2,
-    "n_routed_experts": 4, "moe_intermediate_size": 512, "n_shared_experts": 1, "intermediate_size": 512,
-    "num_attention_heads": 4, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 2, "index_head_dim": 64,
-    "vocab_size": 1000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-    "topk_method": "noaux_tc",
-}  # fmt: skip
-
-
-def load_config(model: str | None = None, config_path: object = None) -> dict:
-    """A preset by name (``PRESETS``: "glm-5", "glm-5.2", "glm-4.5", "deepseek-v3", ...) or a
-    model config (``config_path``: a config.json's path, or anything ``as_config`` takes),
-    validated (``glm_fp8.config.as_config``)."""
-    if config_path is not None:
-        return as_config(config_path)
-    if model not in PRESETS:
-        raise ValueError(f"model: expected one of {sorted(PRESETS)}, got {model!r}")
-    return as_config(PRESETS[model])
-
 
 def mtp_layer_index(config: object) -> int | None:
     """The MTP layer's index (``num_hidden_layers``) when the config has one, else None. Only one
@@ -457,83 +305,6 @@ def is_sparse_layer(config: object, layer_idx: int) -> bool:
     if types is not None:
         return types[layer_idx] == "sparse"
     return layer_idx >= c["first_k_dense_replace"]
-
-
-# --- the DSA indexer schedule (IndexShare / IndexCache, docs/layouts.md#indexer-schedule) ------------
-
-
-def _prime_rl_skips_topk(config: Mapping, layer_idx: int) -> bool:
-    """prime-rl's trainer (``configuration_glm_moe_dsa.py::_index_cache_skip_topk``, with the
-    auto-enable of ``trainer/model.py``: a schedule in ``indexer_types`` with a "shared" entry
-    turns ``use_index_cache`` on). Precedence: ``index_topk_pattern``, then ``indexer_types``,
-    then ``layer_idx % index_topk_freq != 0`` (no offset). Nothing is skipped without
-    ``use_index_cache``."""
-    types = config.get("indexer_types")
-    if not (config.get("use_index_cache", False) or (types and "shared" in types)):
-        return False
-    pattern = config.get("index_topk_pattern")
-    if pattern is not None:
-        return layer_idx < len(pattern) and pattern[layer_idx] == "S"
-    if types is not None:
-        return layer_idx < len(types) and types[layer_idx] == "shared"
-    return layer_idx % (config.get("index_topk_freq") or 1) != 0
-
-
-def _vllm_skip_topk_layers(config: Mapping) -> set[int]:
-    """vLLM 0.34's ``model_executor/models/utils.py::compute_skip_topk_layers`` (what
-    ``deepseek_v32/attention.py`` builds from on CUDA). Precedence: ``indexer_types`` (one entry
-    per layer, "full" or "shared"), then ``index_topk_pattern``, then
-    ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0`` (offset 2 by default);
-    ``use_index_cache`` is not read. vLLM applies it only when the config has ``index_topk``;
-    for the indexer families here it is applied whether the field is there or not."""
-    c = as_config(config)
-    n = c["num_hidden_layers"]
-    types = c.get("indexer_types")
-    if types is not None:
-        return {i for i, t in enumerate(types) if t == "shared"}
-    freq = c.get("index_topk_freq") or 1
-    pattern = c.get("index_topk_pattern")
-    offset = c.get("index_skip_topk_offset")
-    offset = 2 if offset is None else offset
-    if pattern is not None:
-        return {i for i in range(min(n, len(pattern))) if pattern[i] == "S"}
-    return {i for i in range(n) if max(i - offset + 1, 0) % freq != 0}
-
-
-def skip_topk_layers(config: object) -> frozenset[int]:
-    """Decoder layers built without a DSA indexer (IndexShare "shared" layers: they reuse the
-    top-k of the previous full layer and hold no ``self_attn.indexer.*`` tensors). Empty for
-    families without an indexer. The MTP layer (index ``num_hidden_layers``) always has one.
-
-    The trainer (prime-rl) and the engine (vLLM 0.34) read the schedule with different rules
-    (``_prime_rl_skips_topk``, ``_vllm_skip_topk_layers``); an update can only land when they agree,
-    so a config on which they disagree is refused here, naming the first layer that differs."""
-    c = as_config(config)
-    if c["model_type"] not in INDEXER_FAMILIES:
-        return frozenset()
-    engine = _vllm_skip_topk_layers(c)
-    for i in range(c["num_hidden_layers"]):
-        trainer = _prime_rl_skips_topk(c, i)
-        if trainer != (i in engine):
-            verdict = {True: "no indexer (shared)", False: "an indexer (full)"}
-            raise ValueError(
-                f"config: the indexer schedule is read differently by prime-rl and vLLM 0.34: layer {i} has "
-                f"{verdict[trainer]} for prime-rl (_index_cache_skip_topk: index_topk_pattern, then "
-                f"indexer_types, then i % index_topk_freq, only with use_index_cache) and "
-                f"{verdict[i in engine]} for vLLM (compute_skip_topk_layers: indexer_types, then "
-                "index_topk_pattern, then "
-                "max(i - index_skip_topk_offset + 1, 0) % index_topk_freq); give an explicit indexer_types "
-                "(docs/layouts.md#indexer-schedule)"
-            )
-    return frozenset(engine)
-
-
-def has_indexer(config: object, layer_idx: int) -> bool:
-    """True when layer ``layer_idx`` carries ``self_attn.indexer.*`` (see ``skip_topk_layers``)."""
-    c = as_config(config)
-    if c["model_type"] not in INDEXER_FAMILIES:
-        return False
-    return layer_idx >= c["num_hidden_layers"] or layer_idx not in skip_topk_layers(c)
 
 
 def layer_kind(config: object, layer_idx: int) -> str:

@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from glm_fp8.config import FAMILY_TRAITS, as_config
+from glm_fp8.indexer import INDEXER_FAMILIES, INDEXER_PREFIX, has_indexer
 from glm_fp8.models import (
     EXPERT,
     FAMILIES,
     HF,
     HF_CHECKPOINT,
-    INDEXER_FAMILIES,
-    INDEXER_PREFIX,
     MTP_RULES,
     PRIME_RL,
     REST,
@@ -36,7 +35,6 @@ from glm_fp8.models import (
     expert_index,
     expert_sources,
     float32_entries,
-    has_indexer,
     infer_model_type,
     is_sparse_names,
     layer_kind,
@@ -45,11 +43,10 @@ from glm_fp8.models import (
     mtp_layer_index,
 )
 from glm_fp8.models import model_layer_ids as model_layer_ids  # re-exported: whole-model layer_ids
-from glm_fp8.numerics import ceil_blocks
+from glm_fp8.numerics import SCALE_FMTS, ceil_blocks
 
 ALIGN = 256  # bytes: every view is aligned for any dtype, and NCCL likes 256-byte chunks
 TARGETS = ("hopper", "blackwell")
-SCALE_FMTS = ("fp32", "ue8m0")
 LAYOUTS = (PRIME_RL, HF, HF_CHECKPOINT)  # trainer layouts, in the order ``trainer_layout`` prefers
 BIAS_ENTRY = "mlp.gate.e_score_correction_bias"
 _BIAS_SOURCES = frozenset(s for t in TRAINER_LAYOUTS.values() for s in t.get(BIAS_ENTRY, ()))
@@ -144,7 +141,7 @@ class LayerPlan:
     def subset(self, names: Iterable[str]) -> LayerPlan:
         """The plan of only the entries named in ``names`` (a quantized entry keeps its scale
         when both are named), laid out afresh one after another; ``inputs`` keeps their
-        sources. A sender that converts part of a layer (``glm_fp8.engine.routes``) fills one."""
+        sources. A sender that converts part of a layer (``glm_fp8.transfer.owners``) fills one."""
         names = set(names)
         entries, offset = [], 0
         for e in self.entries:
@@ -164,7 +161,7 @@ class LayerPlan:
         unchanged; laid out afresh. Its ``inputs`` are the sources of those rows: a stacked
         source with ``hi - lo`` rows (``source_rows`` narrows it), the per-expert keys of experts
         lo..hi-1 under their own (global) names. Cached per plan. Many senders use it: each
-        trainer rank converts its own experts (``glm_fp8.engine.routes``)."""
+        trainer rank converts its own experts (``glm_fp8.transfer.owners``)."""
         key = ("rows", tuple(sorted((str(k), tuple(v)) for k, v in rows.items())))
         memo = _memo(self)
         if key not in memo:
@@ -421,7 +418,7 @@ def plan_from_config(
     others). ``dtype``: the engine's model dtype; passthrough entries are written in the dtype
     the engine holds them in (float32 for ``glm_fp8.models.float32_entries``, else ``dtype``),
     from whatever floating dtype the trainer holds. The layer follows the config's indexer
-    schedule (``glm_fp8.models.skip_topk_layers``) and routing bias (``has_routing_bias``)."""
+    schedule (``glm_fp8.indexer.skip_topk_layers``) and routing bias (``has_routing_bias``)."""
     c = as_config(config)
     shapes = layer_shapes(c, layer_idx)
     return build_plan(c["model_type"], {k: (s, dtype) for k, s in shapes.items()}, target=target,

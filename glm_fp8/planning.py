@@ -22,14 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
+from glm_fp8._checks import check_int
 from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.pack import update_bytes
-from glm_fp8.engine.routes import FULL, describe, transfer_plan
+from glm_fp8.errors import PlanArgumentError
 from glm_fp8.integrations.vllm.sync import auto_mode
 from glm_fp8.memory import COUNTS, estimate_memory, master_bytes_per_gpu, travel_plan
 from glm_fp8.models import REST, layer_kind, model_layer_ids, mtp_layer_index
+from glm_fp8.numerics import SCALE_FMTS
 from glm_fp8.plan import plan_from_config, plans_for_model
+from glm_fp8.transfer.pack import FULL, update_bytes
+from glm_fp8.transfer.routes import describe, transfer_plan
 from glm_fp8.update_time import SENDER_PEAK_COUNTS, STRATEGIES, Fleet, many_senders_plan, predict
 
 # Bounds on the deployment, checked before anything is built from it. The transfer plan is
@@ -64,15 +67,6 @@ ENGINE_EXTRA_COUNTS = (
     "checksum scratch and step headers; above its parameters"
 )
 EXCLUDES = "above the resident master shards; optimizer state, gradients and activations not counted"
-
-
-class PlanArgumentError(ValueError):
-    """A request ``plan_report`` refuses; ``argument`` names the ``PlanRequest`` field."""
-
-    def __init__(self, argument: str, message: str) -> None:
-        super().__init__(f"{argument}: {message}")
-        self.argument = argument
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -111,8 +105,10 @@ class PlanRequest:
             value = getattr(self, name)
             if value is None and name in ("trainer_gpus", "engine_tp"):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-                raise PlanArgumentError(name, f"expected an int in [1, {limit}], got {value!r} ({why})")
+            try:
+                check_int(name, value, 1, limit, f" ({why})")
+            except ValueError as e:  # the CLI names its option where check_int names the field
+                raise PlanArgumentError(name, str(e).removeprefix(f"{name}: ")) from None
         tp = self.engine_tp or 8
         if tp * self.engine_dp > MAX_ENGINE_RANKS:
             raise PlanArgumentError(
@@ -143,8 +139,10 @@ class PlanRequest:
             )
         if self.target not in ("hopper", "blackwell"):
             raise PlanArgumentError("target", f"expected 'hopper' or 'blackwell', got {self.target!r}")
-        if self.scale_fmt not in (None, "fp32", "ue8m0"):
-            raise PlanArgumentError("scale_fmt", f"expected None, 'fp32' or 'ue8m0', got {self.scale_fmt!r}")
+        if self.scale_fmt not in (None, *SCALE_FMTS):
+            raise PlanArgumentError(
+                "scale_fmt", f"expected None or one of {SCALE_FMTS}, got {self.scale_fmt!r}"
+            )
         if self.target == "blackwell" and self.scale_fmt == "fp32":
             raise PlanArgumentError(
                 "scale_fmt", "'fp32' with target 'blackwell': Blackwell's packed scales are ue8m0 only"

@@ -16,14 +16,13 @@ import torch
 from glm_fp8.config import FAMILY_TRAITS, as_config
 from glm_fp8.engine.layout import EngineLayout, take_shard
 from glm_fp8.engine.specs import engine_params
+from glm_fp8.indexer import has_indexer, indexer_shapes
 from glm_fp8.models import (
     EXPERT,
     PRIME_RL,
     REST,
     TRAINER_LAYOUTS,
     expert_sources,
-    has_indexer,
-    indexer_shapes,
     is_sparse_layer,
     layer_shapes,
 )

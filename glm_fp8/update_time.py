@@ -30,13 +30,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from glm_fp8._checks import check_int
 from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.pack import update_regions
-from glm_fp8.engine.routes import TransferPlan, stack_entries, transfer_plan
 from glm_fp8.memory import travel_plan
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, plans_for_model
+from glm_fp8.transfer.owners import stack_entries
+from glm_fp8.transfer.pack import update_regions
+from glm_fp8.transfer.routes import TransferPlan, transfer_plan
 
 # Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-04, protocol v3): total / link time of
 # one pipelined sender through the one-GPU stand-in link, 80 GLM-5 sparse layers: full broadcast
@@ -76,9 +78,8 @@ class Fleet:
 
     def __post_init__(self) -> None:
         for name in ("trainer_gpus", "engines", "engine_tp", "engine_dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Fleet.{name}: expected an int >= 1, got {value!r}")
+            # a plain int (check_int takes numpy's and torch's too): a fleet is written as JSON
+            object.__setattr__(self, name, check_int(f"Fleet.{name}", getattr(self, name), 1))
         if not self.link_gbps > 0:
             raise ValueError(f"Fleet.link_gbps: expected > 0, got {self.link_gbps!r}")
 
@@ -177,7 +178,7 @@ def predict(
     peak = held + 2 * plans[biggest].nbytes + 2 * max(layer_regions)  # + ring of 2 send slots
     out.append(Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text))
 
-    # Many senders (glm_fp8.engine.routes, only with whole experts): each trainer rank quantizes
+    # Many senders (glm_fp8.transfer.routes, only with whole experts): each trainer rank quantizes
     # its own experts (no gather) and sends every engine rank its part of them, point to point;
     # each other entry is gathered on, converted and sent by one owner. The transfer plan gives
     # every byte: what the busiest sender sends, what an engine rank receives, what an owner

@@ -66,7 +66,7 @@ def test_a_rank_refusing_its_own_arguments_stops_every_rank_naming_it(how, culpr
 
 
 def test_engine_layouts_are_checked_as_a_whole():
-    from glm_fp8.engine.routes import check_replicas
+    from glm_fp8.transfer.pack import check_replicas
 
     tp2 = [EngineLayout(tp_size=2, tp_rank=r) for r in range(2)]
     check_replicas([None, *tp2])

@@ -29,13 +29,19 @@ def _usage_error(capsys, argv: list[str]) -> str:
     return errors[0]
 
 
+_GPUS = "(at most 1024 trainer GPUs: the many senders' plan is computed per sender)"
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["plan", "--nodes", "0"], r"--nodes: expected an integer >= 1, got 0"),
-        (["plan", "--nodes", "-2"], r"--nodes: expected an integer >= 1, got -2"),
-        (["plan", "--nodes", "two"], r"--nodes: expected an integer >= 1, got 'two'"),
-        (["plan", "--gpus-per-node", "0"], r"--gpus-per-node: expected an integer >= 1, got 0"),
+        (["plan", "--nodes", "0"], f"--nodes: expected an integer in [1, 1024] {_GPUS}, got 0"),
+        (["plan", "--nodes", "-2"], f"--nodes: expected an integer in [1, 1024] {_GPUS}, got -2"),
+        (["plan", "--nodes", "two"], f"--nodes: expected an integer in [1, 1024] {_GPUS}, got 'two' (str)"),
+        (
+            ["plan", "--gpus-per-node", "0"],
+            f"--gpus-per-node: expected an integer in [1, 1024] {_GPUS}, got 0",
+        ),
         (["plan", "--gpu-gib", "0"], r"--gpu-gib: expected a finite number > 0, got 0"),
         (["plan", "--gpu-gib", "-1.5"], r"--gpu-gib: expected a finite number > 0, got -1.5"),
         (["plan", "--gpu-gib", "nan"], r"--gpu-gib: expected a finite number > 0, got nan"),
@@ -85,7 +91,7 @@ def test_config_without_fields(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "glm_moe_dsa"}))
     line = _usage_error(capsys, ["plan", "--config", str(path)])
-    assert "--config: config.num_hidden_layers: missing; expected an int in [1, 4096]" in line
+    assert "--config: config.num_hidden_layers: missing; expected an integer in [1, 4096]" in line
 
 
 def test_config_from_a_file(capsys, tmp_path):
@@ -402,11 +408,13 @@ def test_plan_refuses_ignored_or_contradictory_flags(capsys, argv, expected):
     "argv, expected",
     [
         (["--trainer-gpus", "1000000000"],
-         "--trainer-gpus: expected an integer in [1, 1024], got 1000000000"),
+         "--trainer-gpus: expected an integer in [1, 1024] (at most 1024 trainer GPUs: the many senders' "
+         "plan is computed per sender), got 1000000000"),
         (["--trainer-gpus", "8", "--engines", "1000000000"],
          "--engines: expected an integer in [1, 256]"),
         (["--engine-tp", "8", "--engine-dp", "1000"],
-         "--engine-dp: expected an integer in [1, 512], got 1000"),
+         "--engine-dp: expected an integer in [1, 512] (at most 512 ranks per engine: each rank's shard is "
+         "computed), got 1000"),
         (["--engine-tp", "8", "--engine-dp", "128"],
          "--engine-dp: TP 8 x DP 128 = 1024 engine ranks; expected at most 512"),
         (["--nodes", "1000"], "--nodes: 1000 x --gpus-per-node 8 = 8000 trainer GPUs; expected at most 1024"),
@@ -435,7 +443,8 @@ def test_plan_request_checks_bounds_for_python_callers():
         ("engines", 10**9, 256),
         ("engine_dp", 1000, 512),
     ):
-        with pytest.raises(PlanArgumentError, match=rf"{field}: expected an int in \[1, {limit}\]") as exc:
+        want = rf"^{field}: expected an integer in \[1, {limit}\] \(.+\), got {value}$"
+        with pytest.raises(PlanArgumentError, match=want) as exc:
             plan_report(PRESETS["glm-5"], PlanRequest(**{"trainer_gpus": 8, field: value}))
         assert exc.value.argument == field
 

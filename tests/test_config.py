@@ -65,24 +65,24 @@ def _rows():
     for key in _GLM5_INTS:
         v = GLM5[key]
         for bad, kind in ((float(v), "float"), (True, "bool"), (str(v), "str")):
-            want = rf"^config\.{key}: expected an int in \[\d+, \d+\].*, got {bad!r} \({kind}\)$"
+            want = rf"^config\.{key}: expected an integer in \[\d+, \d+\].*, got {bad!r} \({kind}\)$"
             rows.append((f"type-{key}-{kind}", {**GLM5, key: bad}, want))
     for key in sorted(_POSITIVE):
         for bad in (0, -3):
-            want = rf"^config\.{key}: expected an int in \[1, "
+            want = rf"^config\.{key}: expected an integer in \[1, "
             rows.append((f"range-{key}-{bad}", {**GLM5, key: bad}, want))
     rows += [
         ("range-layers-1e9", {**GLM5, "num_hidden_layers": 10**9},
-         r"^config\.num_hidden_layers: expected an int in \[1, 4096\] \(the decoder layers\), "
+         r"^config\.num_hidden_layers: expected an integer in \[1, 4096\] \(the decoder layers\), "
          r"got 1000000000$"),
         ("range-first_k-above-layers", {**GLM5, "first_k_dense_replace": 4},
-         r"^config\.first_k_dense_replace: expected an int in \[0, 3\]"),
+         r"^config\.first_k_dense_replace: expected an integer in \[0, 3\]"),
         ("range-first_k-negative", {**GLM5, "first_k_dense_replace": -1},
-         r"^config\.first_k_dense_replace: expected an int in \[0, 3\]"),
+         r"^config\.first_k_dense_replace: expected an integer in \[0, 3\]"),
         ("range-mtp-2", {**GLM5, "num_nextn_predict_layers": 2},
-         r"^config\.num_nextn_predict_layers: expected an int in \[0, 1\] \(MTP layers; only 0 or 1"),
+         r"^config\.num_nextn_predict_layers: expected an integer in \[0, 1\] \(MTP layers; only 0 or 1"),
         ("range-shared-0", {**GLM5, "n_shared_experts": 0},
-         r"^config\.n_shared_experts: expected an int in \[1, 65536\] \(this family always has a shared"),
+         r"^config\.n_shared_experts: expected an integer in \[1, 65536\] \(this family always has a shared"),
         ("range-experts-huge", {**GLM5, "n_routed_experts": 10**6},
          r"^config\.n_routed_experts: expected an int"),
         ("range-index_topk_freq-0", {**GLM5, "index_topk_freq": 0},
@@ -236,6 +236,21 @@ def test_unreadable_paths_are_named(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ValueError, match=r"^config: '.*list\.json' holds a JSON list, expected an object"):
         as_config(tmp_path / "list.json")
+
+
+def test_integer_scalars_of_numpy_and_torch_are_kept_as_plain_ints():
+    """Config ints and an engine layout take what ``check_int`` takes (an integral scalar of numpy
+    or torch) and keep the plain int, so plans and the JSON manifest never meet those types."""
+    np = pytest.importorskip("numpy")
+    c = as_config({**GLM5, "hidden_size": np.int64(GLM5["hidden_size"]),
+                   "num_hidden_layers": torch.tensor(GLM5["num_hidden_layers"])})  # fmt: skip
+    assert c == as_config(GLM5)
+    assert type(c["hidden_size"]) is int and type(c["num_hidden_layers"]) is int
+    layout = EngineLayout(tp_size=np.int64(2), tp_rank=torch.tensor(1))
+    assert layout == EngineLayout(tp_size=2, tp_rank=1)
+    assert type(layout.tp_size) is int and type(layout.tp_rank) is int
+    with pytest.raises(ValueError, match=r"^config\.hidden_size: expected an integer in \[1, \d+\], got "):
+        as_config({**GLM5, "hidden_size": np.float64(8.0)})
 
 
 def test_multimodal_wrapper_gives_its_text_config():

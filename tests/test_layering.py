@@ -2,7 +2,8 @@
 down (the sender's path for one layer: transfer.sender -> transfer.gather -> convert -> jobs ->
 backends -> kernels) and never climbs back. No import cycle exists, and no glm_fp8 import hides
 inside a function to dodge one (the CLI's lazy imports, which let ``glm-fp8`` choose Triton's
-interpreter before the kernels load, and the package's lazy exports are the exceptions).
+interpreter before the kernels load, the package's lazy exports and ``engine.layout``'s aliases of
+the names that moved up to ``engine.rules`` are the exceptions).
 """
 
 import ast
@@ -10,20 +11,31 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "glm_fp8"
 
+# Old paths of moved modules, kept as re-exports so that old imports work (the transfer plan and the
+# wire regions moved from engine/ to transfer/; integrations.vllm.engine is now updater and probe).
+ALIASES = {"engine.pack", "engine.routes", "integrations.vllm.engine"}
+
 # Lowest first. A module may import modules of earlier layers only.
 LAYERS = [
-    ["numerics", "config"],
+    ["errors", "numerics"],
+    ["_checks"],
+    ["config", "engine.layout"],
+    ["presets", "indexer"],
     ["models"],
-    ["plan", "_checks", "kernels", "kernels.checksum"],
+    ["plan", "kernels", "kernels.checksum"],
     ["reference", "kernels.triton_quantize", "kernels.cuda"],
     ["kernels.triton_launch", "kernels.torch_ref"],
     ["backends"],
     ["jobs"],
     ["quantize"],
-    ["convert", "memory", "engine.layout"],
-    ["transfer.wire", "transfer.link", "engine.specs", "engine.pack"],
-    ["engine.routes", "transfer.land", "transfer.votes", "transfer.trainer_input"],
-    ["transfer.endpoint", "engine.postload"],
+    ["convert", "memory", "engine.rules"],
+    ["engine.specs"],
+    ["engine.postload"],
+    ["transfer.wire", "transfer.link"],
+    ["transfer.pack", "transfer.land", "transfer.votes", "transfer.trainer_input"],
+    ["transfer.owners"],
+    ["transfer.routes"],
+    ["transfer.endpoint"],
     ["transfer.gather"],
     ["transfer.share"],
     ["transfer.sender", "transfer.receiver"],
@@ -32,7 +44,8 @@ LAYERS = [
         "engine",
         "integrations",
         "integrations.prime_rl",
-        "integrations.vllm.engine",
+        "integrations.vllm.probe",
+        "integrations.vllm.updater",
         "integrations.vllm.sync",
         "integrations.vllm.sources",
         "testing",
@@ -42,9 +55,9 @@ LAYERS = [
     ["integrations.vllm.backend", "update_time"],
     ["planning"],
     ["bench", "demo"],
-    ["cli", "__init__"],
+    ["cli", "__init__", *sorted(ALIASES)],  # on top: no module of glm_fp8 imports an old path
 ]
-LAZY_ALLOWED = {"cli", "__init__"}
+LAZY_ALLOWED = {"cli", "__init__", "engine.layout"}  # engine.layout: old names resolved on first use
 
 
 def _modules() -> dict[str, Path]:
@@ -122,9 +135,43 @@ def test_no_function_local_imports_of_the_package():
     assert not bad, "function-local glm_fp8 imports: " + "; ".join(bad)
 
 
+def test_engine_holds_only_the_parameters():
+    """engine/ is how a vLLM rank holds its parameters (layout, shard rules, specs, post-load); the
+    transfer plan and the wire regions are transfer/'s: no engine module imports transfer/, and no
+    module, even inside a function, imports an old path that ``ALIASES`` keeps."""
+    bad = []
+    for mod, path in _modules().items():
+        if mod in ALIASES:
+            continue
+        top, local = _imports(path)
+        if mod == "engine" or mod.startswith("engine."):
+            bad += [f"{mod} imports {d}" for d in sorted(top | local) if d.split(".")[0] == "transfer"]
+        bad += [f"{mod} imports the old path {d}" for d in sorted((top | local) & ALIASES)]
+    assert not bad, bad
+
+
 def test_transfer_modules_stay_readable():
     """One module per concern in glm_fp8/transfer, none past 400 lines: the protocol is read whole
     by whoever debugs a hang, and a module that grows past that has taken a second concern."""
     long = {p.name: n for p in (PACKAGE / "transfer").glob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}  # fmt: skip
     assert not long, long
+
+
+def test_moved_names_keep_their_old_paths():
+    """A module split keeps every moved name importable from its old module, as the same object."""
+    import glm_fp8.engine.layout as layout
+    from glm_fp8 import indexer, models, presets
+    from glm_fp8.engine import rules
+    from glm_fp8.integrations.vllm import engine, probe, updater
+
+    for name in ("PRESETS", "SMALL_CONFIGS", "SMALL_GLM5", "TINY_GLM5", "load_config"):
+        assert getattr(models, name) is getattr(presets, name), name
+    for name in ("INDEXER_FAMILIES", "INDEXER_PREFIX", "has_indexer", "indexer_shapes", "skip_topk_layers"):
+        assert getattr(models, name) is getattr(indexer, name), name
+    assert layout._Rules is rules.ShardRules
+    for name in ("MTP_OWN", "NON_LAYER", "VOCAB_PAD", "kernel_entry_shapes", "shard_for", "split_name"):
+        assert getattr(layout, name) is getattr(rules, name), name
+    assert not hasattr(layout, "no_such_name")
+    for name in engine.__all__:
+        assert getattr(engine, name) is getattr(updater if name in updater.__all__ else probe, name), name

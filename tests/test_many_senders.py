@@ -43,9 +43,9 @@ def _rank(rank, world, n_senders, case, fault=None):
     from glm_fp8.transfer import Broadcaster, Receiver
 
     if fault in ("split", "split_replicated"):
-        import glm_fp8.engine.routes as routes
+        import glm_fp8.transfer.owners as owners
 
-        routes.SPLIT_MIN_BYTES = 0  # split every passthrough matrix by rows, as GLM-5's largest are
+        owners.SPLIT_MIN_BYTES = 0  # split every passthrough matrix by rows, as GLM-5's largest are
     mesh = DeviceMesh("cpu", torch.arange(n_senders))  # every rank creates its groups
     layouts = _layouts(case, world - n_senders)
     engines = [None] * n_senders + layouts
@@ -81,6 +81,8 @@ def _rank(rank, world, n_senders, case, fault=None):
         routes = sender.routes
         if fault == "checksum":
             return first
+        if fault in ("split", "split_replicated"):  # the patch above reached the plan: vocabulary split
+            assert "model.embed_tokens.weight" in routes.layers[-1].splits, list(routes.layers[-1].splits)
         return stats.nbytes, routes.sent_bytes()[sender.me], routes.received_bytes()
     layout = layouts[rank - n_senders]
     params = {}
@@ -278,10 +280,10 @@ def test_the_plan_balances_senders_and_covers_every_byte():
     (experts, vocabulary rows) from the sender that holds them; senders' bytes stay within 2 GiB
     of each other."""
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.engine.pack import layer_scatter
-    from glm_fp8.engine.routes import transfer_plan
     from glm_fp8.models import PRESETS
     from glm_fp8.plan import plans_for_model
+    from glm_fp8.transfer.pack import layer_scatter
+    from glm_fp8.transfer.routes import transfer_plan
 
     cfg = PRESETS["glm-5"]
     ids = model_layer_ids(cfg) + [REST]

@@ -74,7 +74,7 @@ def test_glm52_preset_schedule():
     config = PRESETS["glm-5.2"]
     full = [i for i in range(78) if has_indexer(config, i)]
     assert full == [0, 1, 2, *range(6, 78, 4)] and len(full) == 21
-    from glm_fp8.models import _vllm_skip_topk_layers
+    from glm_fp8.indexer import _vllm_skip_topk_layers
 
     no_types = {k: v for k, v in config.items() if k != "indexer_types"}
     assert _vllm_skip_topk_layers(no_types) == set(range(78)) - set(full)
@@ -106,7 +106,7 @@ def test_glm52_preset_schedule():
         ({"indexer_types": ["full", "sparse", "full", "full"]}, r"config\.indexer_types: only 'full'"),
         (
             {"use_index_cache": True, "index_topk_freq": 0},
-            r"config\.index_topk_freq: expected an int in \[1, 4096\]",
+            r"config\.index_topk_freq: expected an integer in \[1, 4096\]",
         ),
     ],
 )

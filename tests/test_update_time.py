@@ -14,8 +14,8 @@ import torch
 
 from glm_fp8.cli import main
 from glm_fp8.engine import EngineLayout
-from glm_fp8.engine.pack import update_bytes
 from glm_fp8.models import PRESETS
+from glm_fp8.transfer.pack import update_bytes
 from glm_fp8.update_time import PIPELINE_FACTOR, STRATEGIES, Fleet, predict
 
 GLM5 = PRESETS["glm-5"]
@@ -75,6 +75,16 @@ def test_more_senders_and_faster_links_never_predict_longer():
     split = predict(GLM5, Fleet(trainer_gpus=32, engine_ep=True, experts_whole=False))
     assert [p.strategy for p in split] == list(STRATEGIES[:3])
     assert whole[-1].gathered * 100 < split[-1].gathered
+
+
+def test_fleet_keeps_plain_ints():
+    """A fleet takes what ``check_int`` takes (numpy's and torch's integer scalars) and holds plain
+    ints: ``plan --json`` writes it out."""
+    np = pytest.importorskip("numpy")
+    fleet = Fleet(trainer_gpus=np.int64(8), engine_tp=torch.tensor(4))
+    assert fleet == Fleet(trainer_gpus=8, engine_tp=4)
+    assert type(fleet.trainer_gpus) is int and type(fleet.engine_tp) is int
+    json.dumps(fleet.__dict__)
 
 
 @pytest.mark.parametrize("field, value", [("trainer_gpus", 0), ("engines", 1.5), ("link_gbps", 0.0)])

@@ -228,9 +228,10 @@ def _hf_like_module(mesh_params: dict) -> torch.nn.Module:
 def _rank(rank, world, trainers, port, boxes, case, opts):
     from test_vllm_worker import _engine, _finalize
 
-    from glm_fp8.integrations.vllm.engine import EngineNotSupported, EngineUpdater, engine_postload_plan
+    from glm_fp8.integrations.vllm.probe import EngineNotSupported, engine_postload_plan
     from glm_fp8.integrations.vllm.sources import LayerSource
     from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.integrations.vllm.updater import EngineUpdater
     from glm_fp8.integrations.vllm.worker import WorkerSide
 
     config = TINY_GLM5 if opts.get("mtp") else NO_MTP

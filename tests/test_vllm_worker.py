@@ -226,7 +226,8 @@ def _finalize(model: torch.nn.Module) -> None:
 
 
 def _updater(layout, backend="FLASHINFER_CUTLASS", deepgemm_linear=False):
-    from glm_fp8.integrations.vllm.engine import EngineUpdater, engine_postload_plan
+    from glm_fp8.integrations.vllm.probe import engine_postload_plan
+    from glm_fp8.integrations.vllm.updater import EngineUpdater
 
     target, drafter = _engine(layout, backend, deepgemm_linear)
     plan = engine_postload_plan(TINY_GLM5, target, drafter, deepgemm_e8m0=True)
@@ -244,7 +245,7 @@ def test_importing_the_integration_needs_no_vllm_and_its_methods_cannot_clash_wi
 
 def test_collect_params_finds_every_spec_name_in_target_and_drafter():
     from glm_fp8.engine import EngineLayout, engine_param_specs
-    from glm_fp8.integrations.vllm.engine import collect_params
+    from glm_fp8.integrations.vllm.updater import collect_params
 
     layout = EngineLayout(tp_size=2, tp_rank=1)
     target, drafter = _engine(layout)
@@ -261,7 +262,7 @@ def test_collect_params_finds_every_spec_name_in_target_and_drafter():
 
 def test_layout_and_moe_parallel_checks():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm.engine import (
+    from glm_fp8.integrations.vllm.probe import (
         EngineNotSupported,
         check_moe_parallel,
         layout_from_parallel_config,
@@ -288,7 +289,7 @@ def test_layout_and_moe_parallel_checks():
 
 def test_backend_detection_and_the_plan_it_gives():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm.engine import (
+    from glm_fp8.integrations.vllm.probe import (
         EngineNotSupported,
         deepgemm_requantized_linears,
         engine_postload_plan,
@@ -312,7 +313,8 @@ def test_backend_detection_and_the_plan_it_gives():
 
 def test_packed_scales_are_refused_with_their_name():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm.engine import EngineNotSupported, EngineUpdater, engine_postload_plan
+    from glm_fp8.integrations.vllm.probe import EngineNotSupported, engine_postload_plan
+    from glm_fp8.integrations.vllm.updater import EngineUpdater
 
     target, drafter = _engine(EngineLayout(), "DEEPGEMM")
     proj = getattr(target.model.layers, "0").self_attn.q_b_proj

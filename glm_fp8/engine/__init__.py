@@ -1,9 +1,11 @@
 """The engine side: how a vLLM 0.34 worker of a given parallel layout holds each parameter
-(docs/layouts.md, "Engine side (vLLM 0.34)"): ``EngineLayout`` (one rank's position), ``Shard`` /
-``shard_for`` / ``copy_shard_into`` (the cut of a kernel-format tensor), ``engine_param_specs`` /
-``engine_name`` / ``engine_dtype`` (the rank's vLLM names, shapes and dtypes)."""
+(docs/layouts.md, "Engine side (vLLM 0.34)"): ``EngineLayout`` (one rank's position, ``layout``),
+``Shard`` / ``copy_shard_into`` (the cut of a kernel-format tensor), ``shard_for`` / ``ShardRules``
+(which cut each entry gets, ``rules``), ``engine_param_specs`` / ``engine_name`` / ``engine_dtype``
+(the rank's vLLM names, shapes and dtypes, ``specs``)."""
 
-from glm_fp8.engine.layout import EngineLayout, Shard, copy_shard_into, shard_for, take_shard
+from glm_fp8.engine.layout import EngineLayout, Shard, copy_shard_into, take_shard
+from glm_fp8.engine.rules import ShardRules, shard_for
 from glm_fp8.engine.specs import (
     EngineParam,
     engine_dtype,
@@ -17,6 +19,7 @@ __all__ = [
     "EngineLayout",
     "EngineParam",
     "Shard",
+    "ShardRules",
     "copy_shard_into",
     "engine_dtype",
     "engine_name",

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.config import as_config
-from glm_fp8.engine.layout import MTP_OWN, EngineLayout, Shard, _Rules, split_name
-from glm_fp8.models import float32_entries, layer_kind, mtp_layer_index, skip_topk_layers
+from glm_fp8.engine.layout import EngineLayout, Shard
+from glm_fp8.engine.rules import MTP_OWN, ShardRules, split_name
+from glm_fp8.indexer import skip_topk_layers
+from glm_fp8.models import float32_entries, layer_kind, mtp_layer_index
 from glm_fp8.plan import layer_prefix, plan_from_config
 
 # Families whose vLLM 0.34 modules the shard rules were read from (engine/layout.py).
@@ -63,7 +65,7 @@ def engine_dtype(
     embeddings and ``lm_head`` are never fp8). Plans from a config write passthrough entries in
     these dtypes."""
     c = as_config(config)
-    return _dtype(name, c, _Rules(c, EngineLayout(), quantize).table, dtype)
+    return _dtype(name, c, ShardRules(c, EngineLayout(), quantize).table, dtype)
 
 
 def _dtype(name: str, config: Mapping, table: Mapping[str, tuple[tuple[int, ...], bool]], dtype: torch.dtype):
@@ -106,7 +108,7 @@ def engine_params(
     Raises ValueError where vLLM would refuse the layout or glm_fp8 does not support it (see
     ``shard_for``)."""
     config = _check_config(config)
-    rules = _Rules(config, layout, quantize)
+    rules = ShardRules(config, layout, quantize)
     mtp = mtp_layer_index(config)
     out: dict[str, EngineParam] = {}
 

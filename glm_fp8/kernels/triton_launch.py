@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from glm_fp8._checks import check_int
 from glm_fp8.kernels import interpreting
 from glm_fp8.kernels.triton_quantize import quantize_blockwise_kernel, quantize_blockwise_kernel_unaligned_out
 from glm_fp8.numerics import BLOCK, MAX_SOURCES, ceil_blocks
@@ -59,18 +60,15 @@ class LaunchConfig:
                 continue
             want = ("a bool" if kind is bool else "an int") + (" or None" if optional else "")
             raise TypeError(f"config.{name}: expected {want}, got {value!r} ({type(value).__name__})")
-        if self.cb_per_prog < 1:
-            raise ValueError(f"config.cb_per_prog: expected an int >= 1, got {self.cb_per_prog}")
+        check_int("config.cb_per_prog", self.cb_per_prog, 1)
         w = self.num_warps
         if not (1 <= w <= _MAX_WARPS and w & (w - 1) == 0):
             raise ValueError(f"config.num_warps: expected a power of two in [1, {_MAX_WARPS}], got {w}")
         lo, hi = _MAXNREG_RANGE
         if self.maxnreg is not None and not lo <= self.maxnreg <= hi:
             raise ValueError(f"config.maxnreg: expected None or an int in [{lo}, {hi}], got {self.maxnreg}")
-        if self.programs_per_sm < 0:
-            raise ValueError(f"config.programs_per_sm: expected an int >= 0, got {self.programs_per_sm}")
-        if self.num_stages < 1:
-            raise ValueError(f"config.num_stages: expected an int >= 1, got {self.num_stages}")
+        check_int("config.programs_per_sm", self.programs_per_sm, 0)
+        check_int("config.num_stages", self.num_stages, 1)
 
 
 # (field, type, None allowed) of every LaunchConfig field; bool is not taken for an int.

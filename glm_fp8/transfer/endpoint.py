@@ -13,11 +13,12 @@ import torch
 from glm_fp8._checks import check_int
 from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.pack import ShardPack
-from glm_fp8.engine.routes import FULL, TransferPlan, transfer_plan
 from glm_fp8.models import REST, mtp_layer_index
-from glm_fp8.plan import SCALE_FMTS, LayerPlan, plans_for_model
+from glm_fp8.numerics import SCALE_FMTS
+from glm_fp8.plan import LayerPlan, plans_for_model
 from glm_fp8.transfer.link import as_link
+from glm_fp8.transfer.pack import FULL, ShardPack
+from glm_fp8.transfer.routes import TransferPlan, transfer_plan
 from glm_fp8.transfer.votes import (
     StepVotes,
     _bytes_of,
@@ -125,7 +126,7 @@ class Endpoint:
     ``senders``: the link ranks that send (default ``[src]``: one sender); ``engines``: one entry per
     link rank, None at each sender, else the rank's ``EngineLayout`` (it receives only its shard)
     or ``"full"`` (every entry whole); default: every other rank "full" (a full broadcast). Both
-    make the transfer plan (``glm_fp8.engine.routes``), which every rank builds alike and agrees on
+    make the transfer plan (``glm_fp8.transfer.routes``), which every rank builds alike and agrees on
     at the manifest vote. ``link_stream`` is the stream the link's work runs on (None on the CPU).
     """
 

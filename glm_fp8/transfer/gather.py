@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from glm_fp8.convert import check_finite_entries, check_layer, convert_layer
-from glm_fp8.engine.routes import chunk_bounds
 from glm_fp8.plan import (
     LayerPlan,
     adapt_plan,
@@ -28,6 +27,7 @@ from glm_fp8.plan import (
 )
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.transfer.endpoint import default_device, resolve_device
+from glm_fp8.transfer.owners import chunk_bounds
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A receiving engine rank: lands each layer of an update in its parameters, only after every rank
-voted that it arrived intact (protocol: ``glm_fp8.transfer.wire``; routes: ``glm_fp8.engine.routes``)."""
+voted that it arrived intact (protocol: ``glm_fp8.transfer.wire``; routes: ``glm_fp8.transfer.routes``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from glm_fp8._checks import check_int
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.routes import FULL
 from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.plan import LayerPlan, layer_prefix
 from glm_fp8.transfer.endpoint import (
@@ -23,6 +22,7 @@ from glm_fp8.transfer.endpoint import (
     step_name,
 )
 from glm_fp8.transfer.land import WIDENING, check_params, expected_params, land_layer, zero_padding
+from glm_fp8.transfer.pack import FULL
 from glm_fp8.transfer.votes import refusal_is_voted
 from glm_fp8.transfer.wire import (
     BAD_CHECKSUM,

@@ -1,5 +1,5 @@
 """A sending trainer rank: converts its share of layer i+1 while layer i is on the wire, and runs
-the update's steps (protocol: ``glm_fp8.transfer.wire``; routes: ``glm_fp8.engine.routes``)."""
+the update's steps (protocol: ``glm_fp8.transfer.wire``; routes: ``glm_fp8.transfer.routes``)."""
 
 from __future__ import annotations
 

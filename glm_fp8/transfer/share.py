@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from glm_fp8.convert import check_layer_keys, convert_layer
-from glm_fp8.engine.routes import LayerRoutes, sender_plan, split_entries, stack_entries
 from glm_fp8.plan import LayerPlan, layer_prefix, source_rows
 from glm_fp8.transfer.gather import full_value, gather_rows, shard_layout, travel_dtypes
+from glm_fp8.transfer.owners import sender_plan, split_entries, stack_entries
+from glm_fp8.transfer.routes import LayerRoutes
 
 
 def check_own_layer(
@@ -75,7 +76,7 @@ def collect_own(
     ``layer`` as ``trainer_view`` gives them): gather the sources of the entries each sender owns
     onto it (collective over the senders, in the same order on each), then convert ``t``'s own
     entries and its rows of every split entry (its experts of every stack, its vocabulary slice)
-    into ``buf``. Returns the plan it converted (``glm_fp8.engine.routes.sender_plan``: the
+    into ``buf``. Returns the plan it converted (``glm_fp8.transfer.owners.sender_plan``: the
     layout of ``routes.local_plans[t]``) and the converted views by prefixed name (none when ``t``
     has nothing of this layer). Memory above ``buf``: the gathered sources of the entries ``t``
     owns and its rows of a split entry held otherwise than split alike, in the dtype they travel

@@ -1,7 +1,8 @@
 """The wire format of a weight update: the protocol's words, the manifest, the checksum, the
-refusal codes and the errors every rank raises (docs/layouts.md#the-protocol).
+refusal codes and the errors every rank raises (defined in ``glm_fp8.errors``, re-exported here;
+docs/layouts.md#the-protocol).
 
-Protocol version 3. One protocol for every mode: a transfer plan (``glm_fp8.engine.routes``) says
+Protocol version 3. One protocol for every mode: a transfer plan (``glm_fp8.transfer.routes``) says
 which sender sends which bytes of each layer to which engine ranks, one sender (the full
 broadcast, scatter) or many. Every rank of the link runs the same steps:
 
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from glm_fp8.errors import LayerOrderError, ManifestMismatch, ReceiverRefused, UpdateAborted
 from glm_fp8.kernels.checksum import checksum_rows, checksum_torch, checksum_triton
 from glm_fp8.plan import LayerPlan
 
@@ -95,23 +97,6 @@ def refusal_rank(code: int) -> int:
 def describe_refusal(code: int) -> str:
     reason = refusal_reason(code)
     return f"rank {refusal_rank(code)} {REFUSAL_REASONS.get(reason, f'refused (unknown reason {reason})')}"
-
-
-class UpdateAborted(RuntimeError):
-    """The weight update did not complete; parameters may hold a mix of old and new layers."""
-
-
-class ManifestMismatch(ValueError):
-    """A rank's manifest (layers, entries or transfer plan) differs from the leader's, or it
-    refused its prelude; nothing was sent and no parameter was touched."""
-
-
-class ReceiverRefused(RuntimeError):
-    """An engine rank refused a step of the update (its reason is in the message); every rank stopped."""
-
-
-class LayerOrderError(ValueError):
-    """``broadcast_model`` was handed a layer other than the one the manifest announced next."""
 
 
 def header_words(status: int, layer_idx: int, pos: int, nbytes: int = 0) -> list[int]:

@@ -9,10 +9,11 @@ and a worker extension over the same engine side.
   ``collective_rpc`` by ``ExtensionClient``; it sees the MTP drafter from the start, so one update
   can carry the target and the drafter together (``draft="stream"``).
 
-The pieces without vLLM: ``engine`` (layout, parameters, post-load step, ``EngineUpdater``),
-``sync`` (the handshake), ``worker`` (``WorkerSide``), ``trainer`` (``TrainerSide``), ``sources``
-(``LayerSource``; ``ModuleStateSource``: a module's parameters and persistent buffers, which a
-transformers model needs, as a vLLM ``WeightSource``).
+The pieces without vLLM: ``probe`` (what the worker was built with: its layout, its post-load
+step), ``updater`` (its parameters, ``EngineUpdater``), ``sync`` (the handshake), ``worker``
+(``WorkerSide``), ``trainer`` (``TrainerSide``), ``sources`` (``LayerSource``;
+``ModuleStateSource``: a module's parameters and persistent buffers, which a transformers model
+needs, as a vLLM ``WeightSource``). ``engine`` is the old name of ``updater`` and ``probe``.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from collections.abc import Callable
 
 import torch
 
-from glm_fp8.integrations.vllm.engine import (
+from glm_fp8.integrations.vllm.probe import (
     EngineNotSupported,
-    EngineUpdater,
     check_moe_parallel,
     engine_postload_plan,
     layout_from_parallel_config,
 )
 from glm_fp8.integrations.vllm.sources import LayerSource, ModuleStateSource
+from glm_fp8.integrations.vllm.updater import EngineUpdater
 from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
 
 BACKEND = "glm_fp8"

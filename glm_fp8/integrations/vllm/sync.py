@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from glm_fp8._checks import check_int, check_seconds
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.plan import SCALE_FMTS
+from glm_fp8.numerics import SCALE_FMTS
 from glm_fp8.transfer.endpoint import MAX_RING  # checked at init, before any buffer is sized from it
 
 # 2: every update passes the gate (``publish_ready`` / ``open_gate``) before the link is used.

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 import torch
 
 from glm_fp8._checks import check_int
-from glm_fp8.integrations.vllm.engine import EngineUpdater
 from glm_fp8.integrations.vllm.sync import (
     MAX_LINK_RANKS,
     SyncInit,
@@ -29,6 +28,7 @@ from glm_fp8.integrations.vllm.sync import (
     session_layers,
     wait_gate,
 )
+from glm_fp8.integrations.vllm.updater import EngineUpdater
 from glm_fp8.transfer.link import StoreLink
 
 

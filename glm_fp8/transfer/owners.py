@@ -1,0 +1,168 @@
+"""Many senders (docs/layouts.md#the-transfer-plan): how one update is divided among the ``T``
+trainer ranks that send it. The routed-expert stacks (whole experts, with their scales) and the
+passthrough matrices of ``SPLIT_MIN_BYTES`` or more (embeddings, ``lm_head``, the MTP layer's head
+and ``eh_proj``) are split by rows over the senders, sender ``t`` taking the t-th ``torch.chunk``
+as FSDP2 and expert parallelism (``Shard(0)``) place them; every other entry is gathered on,
+converted and sent by one sender, its owner, chosen so that the senders send about as many bytes.
+``glm_fp8.transfer.routes`` lays each sender's share out in segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from glm_fp8.engine.layout import Shard
+from glm_fp8.models import REST
+from glm_fp8.plan import LayerPlan, PlanEntry, align, layer_prefix
+from glm_fp8.transfer.pack import LayerScatter, ShardPack, ShardPiece
+
+_WHOLE = Shard("replicated")
+# Passthrough matrices at least this large are split by rows: the embeddings, lm_head, the MTP
+# head and eh_proj in GLM-5 (whole, they would load one sender with 7 GiB more than the others).
+SPLIT_MIN_BYTES = 64 << 20
+Rows = tuple[tuple[int, int], ...]  # [lo, hi) of dim 0, one pair per sender
+
+
+def chunk_bounds(n: int, parts: int) -> Rows:
+    """[lo, hi) of each of ``parts`` pieces of ``n`` rows as ``torch.chunk`` (and so FSDP2's
+    ``Shard(0)``) cuts them: ceil-sized pieces first, trailing pieces may be empty."""
+    size = -(-n // parts) if parts else 0
+    return tuple((min(t * size, n), min((t + 1) * size, n)) for t in range(parts))
+
+
+def stack_entries(plan: LayerPlan) -> list[PlanEntry]:
+    """The routed-expert stacks of a layer (3-D quantized entries) and their scales."""
+    out = []
+    for k, e in enumerate(plan.entries):
+        if e.op == "quantize" and len(e.shape) == 3:
+            out += [e, plan.entries[k + 1]]
+    return out
+
+
+def split_entries(plan: LayerPlan) -> list[PlanEntry]:
+    """The entries split by rows over many senders: the expert stacks (and their scales) and the
+    passthrough matrices of ``SPLIT_MIN_BYTES`` or more copied from one source (a row range of
+    a concatenation would span its sources)."""
+    big = [e for e in plan.entries if e.op == "copy" and len(e.shape) == 2 and e.nbytes >= SPLIT_MIN_BYTES]
+    return stack_entries(plan) + big
+
+
+def divide(
+    plans: Sequence[LayerPlan], layer_ids: Sequence[int], scatters: Sequence[LayerScatter], n_senders: int
+) -> tuple[Rows, list[dict[str, Rows]], list[dict[str, int]]]:
+    """The division of an update of ``layer_ids`` (``plans[k]`` and the classes' regions
+    ``scatters[k]`` of ``layer_ids[k]``) among ``n_senders``: each sender's routed-expert rows
+    (``bounds``), per layer every split entry's rows per sender (by prefixed name) and the owner of
+    every other entry. One sender owns everything. Raises ValueError for layers with different
+    numbers of routed experts (one expert-parallel cut serves every layer)."""
+    experts = {e.shape[0] for p in plans for e in stack_entries(p)}
+    if len(experts) > 1:
+        raise ValueError(
+            f"plans: expected one number of routed experts in every layer, got {sorted(experts)}"
+        )
+    bounds = chunk_bounds(experts.pop() if experts else 0, n_senders)
+    if n_senders == 1:
+        splits: list[dict] = [{} for _ in plans]
+        owners = [{layer_prefix(i) + e.name: 0 for e in p.entries} for p, i in zip(plans, layer_ids)]
+    else:
+        splits = [
+            {layer_prefix(i) + e.name: chunk_bounds(e.shape[0], n_senders) for e in split_entries(p)}
+            for p, i in zip(plans, layer_ids)
+        ]
+        owners = _owners(plans, layer_ids, scatters, splits, n_senders)
+    return bounds, splits, owners
+
+
+def _owners(plans, layer_ids, scatters, splits, n_senders: int) -> list[dict[str, int]]:
+    """Each entry that is not split gets one owner: a decoder layer's go together (one gather
+    per layer), the non-layer tensors one by one. Largest group first, each to the sender that
+    sends the fewest bytes so far, counting its rows of the split entries (greedy,
+    deterministic)."""
+    load = [0] * n_senders
+    groups: list[tuple[int, int, list[str]]] = []  # (bytes sent, position, names)
+    for pos, (plan, layer_idx, scatter) in enumerate(zip(plans, layer_ids, scatters)):
+        prefix = layer_prefix(layer_idx)
+        sent: dict[str, int] = {}
+        for ranks, pack in zip(scatter.classes, scatter.packs):
+            for p in pack.pieces:
+                sent[p.name] = sent.get(p.name, 0) + p.nbytes * len(ranks)
+        for name, bounds in splits[pos].items():
+            rows = max(bounds[-1][1], 1)
+            for t, (lo, hi) in enumerate(bounds):
+                load[t] += sent.get(name, 0) * (hi - lo) // rows
+        others = [prefix + e.name for e in plan.entries if prefix + e.name not in splits[pos]]
+        for names in [[x] for x in others] if layer_idx == REST else [others]:
+            if names:
+                groups.append((sum(sent.get(x, 0) for x in names), pos, names))
+    owners: list[dict[str, int]] = [{} for _ in plans]
+    for nbytes, pos, names in sorted(groups, key=lambda g: (-g[0], g[1])):
+        t = min(range(n_senders), key=lambda i: (load[i], i))
+        load[t] += nbytes
+        for name in names:
+            owners[pos][name] = t
+    return owners
+
+
+def sender_plan(
+    plan: LayerPlan,
+    prefix: str,
+    splits: Mapping[str, Sequence[tuple[int, int]]],
+    owners: Mapping[str, int],
+    t: int,
+) -> LayerPlan:
+    """What sender ``t`` converts of a layer of ``plan`` (in any trainer layout, see
+    ``glm_fp8.plan.adapt_plan``): its rows of every split entry (an expert stack with its scale)
+    and the entries it owns, laid out afresh; the plan itself when it owns everything."""
+    owned = {name[len(prefix) :] for name, o in owners.items() if o == t}
+    if not splits and len(owned) == len(plan.entries):
+        return plan
+    rows = {name[len(prefix) :]: b[t] for name, b in splits.items() if b[t][1] > b[t][0]}
+    return plan.with_rows(rows).subset(owned | set(rows))
+
+
+def sender_pieces(pack: ShardPack, split: Mapping, owners: Mapping[str, int], t: int) -> tuple[list, int]:
+    """Sender ``t``'s pieces of a class's region (its rows of split entries, the entries it owns),
+    laid out one after another; and their end."""
+    pieces, off = [], 0
+    for p in pack.pieces:
+        if p.name in split:
+            piece = _row_piece(p, split[p.name][t], off)
+        elif owners[p.name] == t:
+            piece = dataclasses.replace(p, offset=off)
+        else:
+            piece = None
+        if piece is not None:
+            pieces.append(piece)
+            off = align(off + piece.nbytes)
+    return pieces, off
+
+
+def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece | None:
+    """The part of a class's piece ``p`` of a split entry in one sender's ``rows`` [lo, hi) of
+    dim 0, or None: rows of the class's own row range (EP experts, a TP vocabulary slice) whole,
+    or every row cut along the class's other dim."""
+    lo, hi = rows
+    if p.shard.cuts_rows(len(p.shape)):
+        if not p.shard.parts:  # a rank whose vocabulary slice is all padding
+            return None
+        start, stop = p.shard.parts[0]
+        shard = _WHOLE
+    else:
+        start, stop = 0, p.shape[0]  # the class holds every row (cut along another dim, or whole)
+        shard = p.shard
+    a, b = max(start, lo), min(stop, hi)
+    if a >= b:
+        return None
+    return ShardPiece(p.name, p.dtype, (b - a, *p.shape[1:]), offset, shard, (a, b))
+
+
+__all__ = [
+    "SPLIT_MIN_BYTES",
+    "chunk_bounds",
+    "divide",
+    "sender_pieces",
+    "sender_plan",
+    "split_entries",
+    "stack_entries",
+]

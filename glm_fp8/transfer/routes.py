@@ -1,0 +1,355 @@
+"""The transfer plan (docs/layouts.md#the-transfer-plan): which trainer rank sends which bytes of
+each layer of an update to which engine ranks. Every mode is one such plan:
+
+- **full broadcast**: one sender; every engine rank is ``FULL`` (it receives every entry whole,
+  as ``glm_fp8.convert`` lays the layer out) and they form one class;
+- **scatter**: one sender; each engine rank gives its ``EngineLayout`` and receives only its
+  shard; ranks that hold the same bytes form a class (``glm_fp8.transfer.pack.scatter_classes``);
+- **many senders**: every trainer rank sends its own share: its rows of the expert stacks and of
+  the largest matrices, and the other entries it owns (``glm_fp8.transfer.owners``).
+
+Per layer, each sender sends each class at most one **segment**: the pieces it has of the
+class's region, one after another at multiples of 256 bytes, then a checksum word. A class of
+several ranks served by a single sender gets one broadcast in the group of that sender and the
+class (where the link can make groups); every other segment goes point to point to each rank of
+its class. A single sender's segment that is its whole converted layer, as the plan lays it
+out (the full broadcast), is **direct**: sent from the conversion buffer, never packed. An engine
+rank's layer buffer holds its class's segments side by side, in sender order; a sender's send
+buffer holds its packed segments side by side, in class order. The plan is computed once per
+update configuration, identically on every rank, and agreed on at the manifest vote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.kernels.checksum import checksum_rows
+from glm_fp8.plan import LayerPlan, align, layer_prefix
+from glm_fp8.transfer.owners import divide, sender_pieces, sender_plan
+from glm_fp8.transfer.pack import FULL, ShardPack, check_engines, layer_scatter, layout_words
+from glm_fp8.transfer.wire import CHECKSUM_BYTES
+
+
+@dataclass(frozen=True)
+class Segment(ShardPack):
+    """What sender ``sender`` (its index in the senders) sends every rank of class ``cls`` for one
+    layer: a ``ShardPack`` of the pieces it has of the class's region (a split entry's pieces name
+    their ``rows``), then the checksum word. It lies at ``send_offset`` in the sender's send
+    buffer (``direct``: in its conversion buffer, at 0) and at ``recv_offset`` in each receiving
+    rank's layer buffer."""
+
+    sender: int = 0
+    cls: int = 0
+    send_offset: int = 0
+    recv_offset: int = 0
+    direct: bool = False
+
+
+@dataclass(frozen=True)
+class LayerRoutes:
+    """One layer's routes: ``classes`` (link ranks that receive the same bytes), ``groups`` (per
+    class, the sorted link ranks of its single sender's broadcast; None: point to point),
+    ``segments`` (by class, then sender), ``splits`` (each split entry, by prefixed name: every
+    sender's rows), ``owners`` (every other entry: the sender that gathers, converts and sends it),
+    ``local_plans`` (per sender: the part of the layer it converts, possibly nothing), the bytes of
+    each sender's send buffer and of each class's receive buffer."""
+
+    layer_idx: int
+    classes: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...] | None, ...]
+    segments: tuple[Segment, ...]
+    splits: dict[str, tuple[tuple[int, int], ...]]
+    owners: dict[str, int]
+    local_plans: tuple[LayerPlan, ...]
+    send_nbytes: tuple[int, ...]
+    recv_nbytes: tuple[int, ...]
+
+    def of_sender(self, t: int) -> list[Segment]:
+        return [s for s in self.segments if s.sender == t]
+
+    def of_class(self, k: int) -> list[Segment]:
+        return [s for s in self.segments if s.cls == k]
+
+    def starts(self, t: int) -> dict[str, int]:
+        """Where sender ``t``'s rows of each split entry begin (``ShardPack.pack_into``)."""
+        return {name: bounds[t][0] for name, bounds in self.splits.items()}
+
+    def sent_nbytes(self, t: int) -> int:
+        """Bytes sender ``t`` puts on the link for this layer: a point-to-point segment once per
+        rank of its class, a group broadcast once."""
+        return sum(
+            s.nbytes * (1 if self.groups[s.cls] else len(self.classes[s.cls])) for s in self.of_sender(t)
+        )
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Every segment once: the layer's distinct bytes on the wire (its header's count)."""
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Routes of one update: ``senders`` (link ranks, in expert-chunk order), ``engines`` (one entry
+    per link rank: None at a sender, an ``EngineLayout`` or ``FULL``), each sender's routed-expert
+    ``bounds`` and every layer's routes (in the update's order)."""
+
+    senders: tuple[int, ...]
+    engines: tuple[EngineLayout | str | None, ...]
+    bounds: tuple[tuple[int, int], ...]
+    layers: tuple[LayerRoutes, ...]
+
+    def class_of(self, pos: int, rank: int) -> int:
+        return next(k for k, ranks in enumerate(self.layers[pos].classes) if rank in ranks)
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """The groups of link ranks the update needs, in a fixed order: every class broadcast's,
+        then the senders' own (their vote before gathers, with several senders)."""
+        out = list(dict.fromkeys(g for lay in self.layers for g in lay.groups if g is not None))
+        if len(self.senders) > 1:
+            out.append(tuple(sorted(self.senders)))
+        return out
+
+    def sent_bytes(self) -> list[int]:
+        """Bytes each sender sends in a whole update (a point-to-point segment once per rank of its
+        class, a group broadcast once)."""
+        return [sum(lay.sent_nbytes(t) for lay in self.layers) for t in range(len(self.senders))]
+
+    def received_bytes(self) -> dict[int, int]:
+        """Bytes each engine rank (link rank) receives in a whole update."""
+        out: dict[int, int] = {}
+        for lay in self.layers:
+            for k, ranks in enumerate(lay.classes):
+                for r in ranks:
+                    out[r] = out.get(r, 0) + lay.recv_nbytes[k]
+        return out
+
+    def receive_slot(self, rank: int) -> int:
+        """The largest layer buffer engine rank ``rank`` receives: one ring slot."""
+        return max(
+            (
+                lay.recv_nbytes[self.class_of(pos, rank)]
+                for pos, lay in enumerate(self.layers)
+                if any(rank in c for c in lay.classes)
+            ),
+            default=0,
+        )
+
+    def receiver_bytes(self, rank: int, ring: int = 2, device: str = "cuda") -> int:
+        """Engine rank ``rank``'s memory above its parameters during an update (what ``Receiver``
+        allocates): ``ring`` slots of its largest layer buffer, the checksum's scratch (a word per
+        32 KiB on CUDA), every step's header and the vote words."""
+        slot = self.receive_slot(rank)
+        scratch = 8 * (checksum_rows(slot) if device == "cuda" else 1)
+        return ring * slot + scratch + 64 * (len(self.layers) + 3) + 8 * 3
+
+    def sender_buffers(self, t: int) -> tuple[int, int]:
+        """(conversion slot, send slot) of sender ``t``: its largest converted share (with room for
+        a direct segment's checksum word) and its largest packed segments; one ring slot each."""
+        return (
+            max((lay.local_plans[t].nbytes + CHECKSUM_BYTES for lay in self.layers), default=0),
+            max((lay.send_nbytes[t] for lay in self.layers), default=0),
+        )
+
+    def gathered_bytes(self, t: int) -> list[int]:
+        """Per layer, the trainer tensors sender ``t`` gathers (the sources of the entries it
+        owns there, whole, in their planned dtypes: ``glm_fp8.update_time`` plans them in the dtype
+        they travel in, an input with none is counted as bf16); it holds one layer's at a time."""
+        out = []
+        for lay in self.layers:
+            plan = lay.local_plans[t]
+            own = {name for name, owner in lay.owners.items() if owner == t}
+            prefix = layer_prefix(lay.layer_idx)
+            srcs = {s for e in plan.entries if prefix + e.name in own for s in e.sources}
+            out.append(
+                sum((plan.inputs[s][1] or torch.bfloat16).itemsize * _numel(plan.inputs[s][0]) for s in srcs)
+            )
+        return out
+
+    def sender_peak(self, t: int, ring: int = 2) -> int:
+        """Sender ``t``'s transient bytes above its resident shards: ``ring`` slots of its
+        conversion and send buffers, and one layer's gathered tensors."""
+        local, send = self.sender_buffers(t)
+        return ring * (local + send) + max(self.gathered_bytes(t), default=0)
+
+    def messages_per_layer(self) -> int:
+        """The most messages one layer takes (a group broadcast is one)."""
+        return max(
+            sum(1 if lay.groups[s.cls] else len(lay.classes[s.cls]) for s in lay.segments)
+            for lay in self.layers
+        )
+
+    def manifest(self) -> dict:
+        return {
+            "senders": list(self.senders),
+            "engines": [lay if lay in (None, FULL) else layout_words(lay) for lay in self.engines],
+            "bounds": [list(b) for b in self.bounds],
+            "layers": [
+                [
+                    [
+                        s.sender,
+                        list(lay.classes[s.cls]),
+                        s.nbytes,
+                        lay.groups[s.cls] and list(lay.groups[s.cls]),
+                        s.direct,
+                    ]
+                    for s in lay.segments
+                ]
+                for lay in self.layers
+            ],
+        }
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def transfer_plan(
+    config: Mapping | None,
+    plans: Sequence[LayerPlan],
+    layer_ids: Sequence[int],
+    engines: Sequence[EngineLayout | str | None],
+    senders: Sequence[int],
+    *,
+    groups: bool = True,
+) -> TransferPlan:
+    """The routes of an update of ``layer_ids`` (``plans[k]`` the plan of ``layer_ids[k]``) from
+    ``senders`` (link ranks) into ``engines`` (one entry per link rank, see
+    ``glm_fp8.transfer.pack.check_engines``; ``config`` is needed when some are ``EngineLayout``).
+    ``groups``: the link can make groups, so a single sender broadcasts once to a class of several
+    ranks. Raises ValueError for a plan the senders cannot carry out, or where vLLM would refuse an
+    engine layout."""
+    senders, engines = tuple(int(s) for s in senders), tuple(engines)
+    check_engines(engines, senders)
+    n = len(senders)
+    if n > 1 and (config is None or any(p.target != "hopper" for p in plans)):
+        raise ValueError(
+            "senders: many senders need config= and Hopper plans (float32 scales, split by expert rows)"
+        )
+    if config is None and any(isinstance(lay, EngineLayout) for lay in engines):
+        raise ValueError("engines: engine layouts need config= (vLLM's sharding rules read it)")
+    scatters, cache = [], {}
+    for plan, layer_idx in zip(plans, layer_ids):
+        if id(plan) not in cache:
+            cache[id(plan)] = (layer_idx, layer_scatter(plan, layer_idx, config, engines))
+        first, scatter = cache[id(plan)]
+        scatters.append(_renamed(scatter, layer_prefix(first), layer_prefix(layer_idx)))
+    bounds, splits, owners = divide(plans, layer_ids, scatters, n)
+    local_cache: dict[tuple, LayerPlan] = {}
+    layers = []
+    for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
+        scatter, split, prefix = scatters[pos], splits[pos], layer_prefix(layer_idx)
+        # One sender broadcasts to a class of replicas (in the group of it and the class), and to a
+        # class that is every other rank of the link (the link itself, which any link can do).
+        cls_groups = tuple(
+            tuple(sorted((senders[0], *ranks)))
+            if n == 1 and ((groups and len(ranks) > 1) or len(ranks) + 1 == len(engines))
+            else None
+            for ranks in scatter.classes
+        )
+        segments, recv_nbytes = [], []
+        for k, pack in enumerate(scatter.packs):
+            recv = 0
+            for t in range(n):
+                if n == 1:
+                    pieces, off = list(pack.pieces), pack.data_nbytes
+                else:
+                    pieces, off = sender_pieces(pack, split, owners[pos], t)
+                if pieces:
+                    direct = n == 1 and _is_plan_layout(pack, plan)
+                    segments.append(
+                        Segment(
+                            tuple(pieces),
+                            off + CHECKSUM_BYTES,
+                            sender=t,
+                            cls=k,
+                            recv_offset=recv,
+                            direct=direct,
+                        )
+                    )
+                    recv = align(recv + off + CHECKSUM_BYTES)
+            recv_nbytes.append(recv)
+        send_nbytes = [0] * n
+        placed = []
+        for s in segments:  # class order within each sender
+            if s.direct:
+                placed.append(s)
+                continue
+            placed.append(dataclasses.replace(s, send_offset=send_nbytes[s.sender]))
+            send_nbytes[s.sender] = align(send_nbytes[s.sender] + s.nbytes)
+        local_plans = []
+        for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
+            key = (id(plan), tuple(b[t] for b in split.values()),
+                   frozenset(name[len(prefix) :] for name, o in owners[pos].items() if o == t))  # fmt: skip
+            if key not in local_cache:
+                local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t)
+            local_plans.append(local_cache[key])
+        layers.append(
+            LayerRoutes(
+                layer_idx,
+                scatter.classes,
+                cls_groups,
+                tuple(placed),
+                split,
+                owners[pos],
+                tuple(local_plans),
+                tuple(send_nbytes),
+                tuple(recv_nbytes),
+            )
+        )
+    return TransferPlan(senders, engines, bounds, tuple(layers))
+
+
+def _is_plan_layout(pack: ShardPack, plan: LayerPlan) -> bool:
+    """The pack holds every entry whole where the plan puts it: the converted buffer is the region."""
+    return (
+        pack.data_nbytes == plan.nbytes
+        and all(
+            p.shard.kind == "replicated" and p.offset == e.offset and p.nbytes == e.nbytes
+            for p, e in zip(pack.pieces, plan.entries)
+        )
+        and len(pack.pieces) == len(plan.entries)
+    )
+
+
+def _renamed(scatter, old: str, new: str):
+    if old == new:
+        return scatter
+    packs = tuple(
+        dataclasses.replace(
+            pk, pieces=tuple(dataclasses.replace(p, name=new + p.name[len(old) :]) for p in pk.pieces)
+        )
+        for pk in scatter.packs
+    )
+    return dataclasses.replace(scatter, packs=packs)
+
+
+def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
+    """Rows for ``glm-fp8 plan``: per sender (the ``top`` busiest), its experts, the entries it
+    owns, bytes sent, messages per update and its ring slots."""
+    sent = tp.sent_bytes()
+    order = sorted(range(len(tp.senders)), key=lambda t: (-sent[t], t))[:top]
+    for t in order:
+        owned = sum(1 for lay in tp.layers for o in lay.owners.values() if o == t)
+        msgs = sum(
+            1 if lay.groups[s.cls] else len(lay.classes[s.cls]) for lay in tp.layers for s in lay.of_sender(t)
+        )
+        local, send = tp.sender_buffers(t)
+        lo, hi = tp.bounds[t] if tp.bounds else (0, 0)
+        yield [tp.senders[t], f"{lo}..{hi - 1}" if hi > lo else "-", owned, sent[t], msgs, local, send]
+
+
+__all__ = [
+    "LayerRoutes",
+    "Segment",
+    "TransferPlan",
+    "describe",
+    "transfer_plan",
+]
