@@ -6,31 +6,27 @@ config.json, a transformers config object) or inferred from one layer's state di
 reused for every update. Its entries (names, order, shapes, dtypes, offsets: the manifest)
 depend on the model only; where they come from depends on the trainer's layout of its tensors
 (docs/trainers.md#trainer-layouts): ``adapt_plan`` gives the same plan reading another layout.
+Here: building plans, and which trainer tensors are not sent (``unsent_keys``); what a plan is,
+``glm_fp8.layer_plan``; trainer layouts, ``glm_fp8.trainer_layouts`` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from glm_fp8.config import FAMILY_TRAITS, as_config
 from glm_fp8.indexer import INDEXER_FAMILIES, INDEXER_PREFIX, has_indexer
+from glm_fp8.layer_plan import ALIGN, LayerPlan, PlanEntry, _scale_entry, align
 from glm_fp8.models import (
     EXPERT,
     FAMILIES,
-    HF,
     HF_CHECKPOINT,
     MTP_RULES,
-    PRIME_RL,
     REST,
     REST_RULES,
-    SOURCE_LAYOUTS,
     TRAINER_LAYOUTS,
     expert_index,
     expert_sources,
@@ -43,204 +39,21 @@ from glm_fp8.models import (
     mtp_layer_index,
 )
 from glm_fp8.models import model_layer_ids as model_layer_ids  # re-exported: whole-model layer_ids
-from glm_fp8.numerics import SCALE_FMTS, ceil_blocks
+from glm_fp8.numerics import SCALE_FMTS
+from glm_fp8.trainer_layouts import (
+    LAYOUTS,
+    adapt_plan,
+    check_layer_kind,
+    layer_prefix,
+    relayout,
+    source_rows,
+    strip_layer,
+    trainer_layout,
+)
 
-ALIGN = 256  # bytes: every view is aligned for any dtype, and NCCL likes 256-byte chunks
 TARGETS = ("hopper", "blackwell")
-LAYOUTS = (PRIME_RL, HF, HF_CHECKPOINT)  # trainer layouts, in the order ``trainer_layout`` prefers
 BIAS_ENTRY = "mlp.gate.e_score_correction_bias"
 _BIAS_SOURCES = frozenset(s for t in TRAINER_LAYOUTS.values() for s in t.get(BIAS_ENTRY, ()))
-_DTYPE_NAMES = {
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.int32: "int32",
-}
-
-
-@dataclass(frozen=True)
-class PlanEntry:
-    """One named view of the layer buffer.
-
-    ``op``: "quantize" (fp8 from ``sources``), "scale" (block scales of the entry before it),
-    "concat" (sources copied row after row, converted to ``dtype``), "copy" (one source,
-    converted to ``dtype``). A Blackwell scale is int32 stored [G, P, align(N, 4)] and viewed as
-    [G, N, P] (MN-major). ``per_expert``: a [E, R, C] entry whose ``sources`` are E groups of
-    2-D tensors, group j (``groups()[j]``) row-concatenated into expert j (a Hugging Face
-    checkpoint's ``mlp.experts.{j}.*``).
-    """
-
-    name: str
-    op: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    sources: tuple[str, ...] = ()
-    squeeze: bool = False
-    storage_shape: tuple[int, ...] | None = None  # set when the view is not contiguous
-    per_expert: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.dtype.itemsize * math.prod(self.storage_shape or self.shape)
-
-    def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        raw = buffer[self.offset : self.offset + self.nbytes].view(self.dtype)
-        if self.storage_shape is None:
-            return raw.view(self.shape)
-        return raw.view(self.storage_shape).transpose(-1, -2)[..., : self.shape[-2], :]
-
-    def groups(self) -> list[tuple[str, ...]]:
-        """The sources of each expert (``per_expert``), else one group of all of them."""
-        if not self.per_expert:
-            return [self.sources]
-        k = len(self.sources) // self.shape[0] if self.shape[0] else 0
-        return [self.sources[j * k : (j + 1) * k] for j in range(self.shape[0])]
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """Every kernel-format entry of one layer, packed into one byte buffer of ``nbytes``;
-    ``inputs``: the trainer tensors they are made from (short names, in ``layout``), with their
-    shapes and the dtype they are expected in (None: any)."""
-
-    # "dense" or "sparse", + "/no-indexer" for an indexer family's shared layer, + "/no-bias" for a
-    # family whose engine has no routing bias under this config (models.layer_kind); "mtp" (a
-    # sparse layer and the MTP layer's own tensors) or "rest" (the non-layer tensors)
-    kind: str
-    target: str
-    quantize: bool
-    entries: tuple[PlanEntry, ...]
-    inputs: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = field(default_factory=dict)
-    nbytes: int = 0
-    scale_fmt: str = "fp32"  # "ue8m0": power-of-two scales (DeepGEMM); always so for Blackwell
-    layout: str = PRIME_RL  # the trainer layout of ``inputs`` and the entries' ``sources``
-    model_type: str = ""
-
-    def views(self, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        for e in self.entries:
-            yield e.name, e.view(buffer)
-
-    def manifest(self) -> list[dict]:
-        """Data-only description (name, dtype, shape, offset, nbytes) of every entry."""
-        return [
-            {"name": e.name, "dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape),
-             "offset": e.offset, "nbytes": e.nbytes}
-            for e in self.entries
-        ]  # fmt: skip
-
-    def entry(self, name: str) -> PlanEntry:
-        """The entry named ``name`` (short kernel-format name); ValueError naming it if none."""
-        for e in self.entries:
-            if e.name == name:
-                return e
-        raise ValueError(f"{name}: not an entry of this {self.kind} layer's plan (entries: "
-                         f"{', '.join(e.name for e in self.entries)})")  # fmt: skip
-
-    def subset(self, names: Iterable[str]) -> LayerPlan:
-        """The plan of only the entries named in ``names`` (a quantized entry keeps its scale
-        when both are named), laid out afresh one after another; ``inputs`` keeps their
-        sources. A sender that converts part of a layer (``glm_fp8.transfer.owners``) fills one."""
-        names = set(names)
-        entries, offset = [], 0
-        for e in self.entries:
-            if e.name in names:
-                entries.append(dataclasses.replace(e, offset=offset))
-                offset = align(offset + e.nbytes)
-        sources = {s for e in entries for s in e.sources}
-        inputs = {k: v for k, v in self.inputs.items() if k in sources}
-        return dataclasses.replace(self, entries=tuple(entries), inputs=inputs, nbytes=offset)
-
-    def with_rows(self, rows: Mapping[str, tuple[int, int]]) -> LayerPlan:
-        """The plan of only rows [lo, hi) along dim 0 of each entry named in ``rows`` (short
-        kernel-format names: an expert stack such as "mlp.experts.w13_weight", whose rows are
-        experts, quantized or not, or a passthrough matrix copied from one source such as
-        "model.embed_tokens.weight"); a quantized entry's scale follows it (naming the scale too,
-        with the same rows, is allowed), other entries are
-        unchanged; laid out afresh. Its ``inputs`` are the sources of those rows: a stacked
-        source with ``hi - lo`` rows (``source_rows`` narrows it), the per-expert keys of experts
-        lo..hi-1 under their own (global) names. Cached per plan. Many senders use it: each
-        trainer rank converts its own experts (``glm_fp8.transfer.owners``)."""
-        key = ("rows", tuple(sorted((str(k), tuple(v)) for k, v in rows.items())))
-        memo = _memo(self)
-        if key not in memo:
-            memo[key] = self._with_rows(rows)
-        return memo[key]
-
-    def _with_rows(self, rows: Mapping[str, tuple[int, int]]) -> LayerPlan:
-        rows = dict(rows)
-        for name in [n for n in rows if self.entry(n).op == "scale"]:  # a scale goes with its weight
-            weight = name.removesuffix("_scale_inv")
-            if rows.setdefault(weight, rows[name]) != rows[name]:
-                raise ValueError(f"rows[{name!r}]: {rows[name]!r}, but its weight {weight!r} has "
-                                 f"{rows[weight]!r}; a scale follows its weight")  # fmt: skip
-            del rows[name]
-        for name, bounds in rows.items():
-            e = self.entry(name)
-            # A 2-D concatenation's rows span its sources, a quantized matrix's rows its blocks.
-            if e.squeeze or not (len(e.shape) == 3 or e.op == "copy"):
-                raise ValueError(f"rows[{name!r}]: only an expert stack (a 3-D entry) or a matrix copied "
-                                 f"from one source is cut by rows, got a {e.op} entry of shape "
-                                 f"{e.shape}")  # fmt: skip
-            _check_rows(f"rows[{name!r}]", bounds, e.shape[0])
-        entries: list[PlanEntry] = []
-        inputs = dict(self.inputs)
-        offset = 0
-        for k, e in enumerate(self.entries):
-            if e.op == "scale" and self.entries[k - 1].name in rows:
-                e = _scale_entry(e.name, entries[-1].shape, self.target, offset)
-            elif e.name in rows:
-                lo, hi = rows[e.name]
-                if e.per_expert:
-                    sources = tuple(s for g in e.groups()[lo:hi] for s in g)
-                    for s in set(e.sources) - set(sources):
-                        del inputs[s]
-                else:
-                    sources = e.sources
-                    for s in sources:
-                        shape, dtype = inputs[s]
-                        inputs[s] = ((hi - lo, *shape[1:]), dtype)
-                e = dataclasses.replace(e, shape=(hi - lo, *e.shape[1:]), sources=sources, offset=offset)
-            else:
-                e = dataclasses.replace(e, offset=offset)
-            entries.append(e)
-            offset = align(offset + e.nbytes)
-        return dataclasses.replace(self, entries=tuple(entries), inputs=inputs, nbytes=offset)
-
-    def input_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of the trainer tensors this layer reads (in ``dtype`` if given)."""
-        return sum(
-            (dtype or dt or torch.bfloat16).itemsize * math.prod(shape) for shape, dt in self.inputs.values()
-        )
-
-
-def _memo(plan: LayerPlan) -> dict:
-    """Per-plan cache of derived plans (relayouts, row cuts): held by the plan itself, outside its
-    fields, so that it neither changes its equality nor outlives it."""
-    return plan.__dict__.setdefault("_derived", {})
-
-
-def _check_rows(what: str, bounds: object, n: int) -> tuple[int, int]:
-    ok = isinstance(bounds, (tuple, list)) and len(bounds) == 2
-    ok = ok and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
-    if not ok or not 0 <= bounds[0] <= bounds[1] <= n:
-        raise ValueError(f"{what}: expected (lo, hi) with 0 <= lo <= hi <= {n}, got {bounds!r}")
-    return bounds[0], bounds[1]
-
-
-def align(n: int, a: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``a`` (default: ``ALIGN``, where every buffer view starts)."""
-    return -(-n // a) * a
-
-
-def _scale_entry(name: str, shape: tuple[int, ...], target: str, offset: int) -> PlanEntry:
-    *g, n, k = shape
-    nb = (ceil_blocks(n), ceil_blocks(k))
-    if target == "hopper":
-        return PlanEntry(name, "scale", torch.float32, (*g, *nb), offset)
-    p = -(-nb[1] // 4)  # four ue8m0 exponent bytes per int32, DeepGEMM SM100
-    return PlanEntry(name, "scale", torch.int32, (*g, n, p), offset, storage_shape=(*g, p, align(n, 4)))
 
 
 def build_plan(
@@ -362,48 +175,6 @@ def squeezed(x: torch.Tensor | tuple[int, ...], squeeze: bool):
     return x
 
 
-def layer_prefix(layer_idx: int) -> str:
-    """The one place the decoder-layer prefix is spelled: ``model.layers.{i}.`` (and none for
-    ``REST``, the non-layer tensors, whose plan names are full names)."""
-    return "" if layer_idx == REST else f"model.layers.{layer_idx}."
-
-
-def strip_layer(state_dict: Mapping[str, torch.Tensor], layer_idx: int) -> dict[str, torch.Tensor]:
-    """The layer's tensors under their short names. A key is either prefixed with this layer's
-    ``model.layers.{layer_idx}.`` or short (taken as this layer's); a key of another layer
-    (``model.layers.{j}.``, j != layer_idx, or any ``model.layers.`` key for ``REST``) and a name
-    given both ways are refused (KeyError naming the key): a tensor is never renamed into
-    another layer."""
-    prefix = layer_prefix(layer_idx)
-    out: dict[str, torch.Tensor] = {}
-    for k, t in state_dict.items():
-        if prefix and k.startswith(prefix):
-            short = k[len(prefix) :]
-        elif k.startswith("model.layers."):
-            raise KeyError(_other_layer_key(k, layer_idx))
-        else:
-            short = k
-        if short in out:
-            raise KeyError(f"{k}: {short!r} is given twice, with and without the {prefix!r} prefix")
-        out[short] = t
-    return out
-
-
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _other_layer_key(key: str, layer_idx: int) -> str:
-    """The message for a decoder-layer key handed in under another ``layer_idx``: what that index
-    expects, and the index the key belongs to."""
-    m = _LAYER_KEY.match(key)
-    own = f"; pass it with layer_idx={int(m.group(1))}, its own layer" if m else ""
-    if layer_idx == REST:
-        return (f"{key}: a decoder layer's key, but layer_idx={REST} (REST: the non-layer tensors, "
-                f"{', '.join(r.out for r in REST_RULES)}, under these full names){own}")  # fmt: skip
-    expected = f"{layer_prefix(layer_idx)}<name> or short names such as input_layernorm.weight"
-    return f"{key}: a key of another layer, but layer_idx={layer_idx} (expected keys {expected}){own}"
-
-
 def plan_from_config(
     config: object,
     layer_idx: int,
@@ -469,167 +240,6 @@ def plan_from_state_dict(
     return build_plan(infer_model_type(set(layer)), inputs, target=target, quantize=quantize)
 
 
-# --- trainer layouts (docs/trainers.md#trainer-layouts) ----------------------------------------------
-
-
-def _layouts_of(names: Iterable[str], prefix: str = "", strict: bool = True) -> tuple[str, ...]:
-    """Every trainer layout consistent with a layer's tensor names (short), in ``LAYOUTS`` order.
-    KeyError for names of two layouts, and (``strict``) for an ``mlp.`` name no layout has;
-    messages name ``prefix + key``."""
-    allowed = set(LAYOUTS)
-    markers: list[tuple[str, frozenset[str]]] = []  # the names that narrowed ``allowed``, in turn
-    for n in names:
-        layouts = _layouts_of_name(n)
-        if layouts is None:
-            if strict and n.startswith("mlp."):
-                raise KeyError(f"{prefix}{n}: not a tensor name of any trainer layout ({', '.join(LAYOUTS)}; "
-                               "docs/trainers.md#trainer-layouts)")  # fmt: skip
-            continue
-        if allowed <= layouts:
-            continue
-        if not allowed & layouts:
-            other, theirs = next((m for m in reversed(markers) if not m[1] & layouts), markers[-1])
-            raise KeyError(f"{prefix}{n}: a {'/'.join(sorted(layouts))} name, but {prefix}{other} is a "
-                           f"{'/'.join(sorted(theirs))} name; a layer's tensors follow one trainer layout "
-                           "(docs/trainers.md#trainer-layouts)")  # fmt: skip
-        allowed &= layouts
-        markers.append((n, frozenset(layouts)))
-    return tuple(x for x in LAYOUTS if x in allowed)
-
-
-_NAME_LAYOUTS: dict[str, frozenset[str] | None] = {}
-_PER_EXPERT = frozenset({HF_CHECKPOINT})
-
-
-def _layouts_of_name(name: str) -> frozenset[str] | None:
-    """The layouts that hold a tensor name (None: none), memoized: a model has a few hundred
-    names, read again for every layer of every update."""
-    if name not in _NAME_LAYOUTS:
-        if len(_NAME_LAYOUTS) > 1 << 16:  # names from many models in one process: start again
-            _NAME_LAYOUTS.clear()
-        _NAME_LAYOUTS[name] = _PER_EXPERT if expert_index(name) is not None else SOURCE_LAYOUTS.get(name)
-    return _NAME_LAYOUTS[name]
-
-
-def trainer_layout(names: Iterable[str]) -> str:
-    """The trainer layout a layer's tensor names (short) follow: "prime_rl" (prime-rl /
-    torchtitan stacks ``mlp.experts.w1``...), "hf" (transformers' modules,
-    ``mlp.experts.gate_up_proj``...) or "hf_checkpoint" (per-expert ``mlp.experts.{j}.*``). Names
-    common to several layouts (a dense layer, attention only, the non-layer tensors) give the
-    first of them in ``LAYOUTS`` order: "prime_rl" when every layout fits, "hf" when only the
-    router and shared experts are named. KeyError naming a key no layout has (under ``mlp.``) or
-    two keys of different layouts."""
-    return _layouts_of(names)[0]
-
-
-def relayout(plan: LayerPlan, layout: str) -> LayerPlan:
-    """``plan`` reading the trainer tensors of ``layout``: the same entries (names, order, shapes,
-    dtypes, offsets: the same manifest) from that layout's sources, ``inputs`` in its names.
-    Cached per plan."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    if layout == plan.layout:
-        return plan
-    memo = _memo(plan)
-    if ("layout", layout) not in memo:
-        other = _relayout(plan, layout)
-        memo[("layout", layout)] = other
-        _memo(other)[("layout", plan.layout)] = plan
-    return memo[("layout", layout)]
-
-
-def _relayout(plan: LayerPlan, layout: str) -> LayerPlan:
-    entries, inputs = [], {}
-    for e in plan.entries:
-        sources = None if e.op == "scale" else layout_sources(layout, e.name)
-        if sources is None:  # the same names in every layout
-            entries.append(e)
-            inputs.update({s: plan.inputs[s] for s in e.sources})
-            continue
-        dtype = plan.inputs[e.sources[0]][1]
-        per_expert = any(EXPERT in s for s in sources)
-        rows = e.shape[-2] if len(e.shape) >= 2 else e.shape[0]
-        if rows % len(sources):
-            raise ValueError(f"{e.name}: {rows} rows do not split into the {len(sources)} sources of the "
-                             f"{layout} layout ({', '.join(sources)})")  # fmt: skip
-        part = (rows // len(sources), *e.shape[-1:]) if len(e.shape) >= 2 else (rows // len(sources),)
-        if per_expert:
-            sources = tuple(s for j in range(e.shape[0]) for s in expert_sources(sources, j))
-        elif len(e.shape) == 3:
-            part = (e.shape[0], *part)
-        elif e.squeeze and layout == PRIME_RL:
-            part = (1, *part)  # prime-rl's shared expert is [1, I, H]
-        entries.append(dataclasses.replace(e, sources=sources, per_expert=per_expert))
-        inputs.update({s: (part, dtype) for s in sources})
-    return dataclasses.replace(plan, entries=tuple(entries), inputs=inputs, layout=layout)
-
-
-def adapt_plan(plan: LayerPlan, names: Iterable[str], *, prefix: str = "") -> LayerPlan:
-    """The plan equivalent to ``plan`` (the same manifest: entries, offsets, dtypes) whose entry
-    ``sources`` and ``inputs`` follow the trainer layout of ``names`` (a layer's short tensor
-    names, or the layer itself): ``plan`` itself when it already fits (names common to every
-    layout fit any plan), else ``relayout`` (cached). KeyError naming ``prefix + key`` for names
-    of two layouts; a name of none is left to the checks (``glm_fp8.convert.check_layer_keys``:
-    an unexpected key). KeyError when the names are a layer of the other kind (a dense MLP under a
-    sparse plan, or the reverse: ``check_layer_kind``)."""
-    names = list(names)
-    check_layer_kind(plan, names, prefix)
-    layouts = _layouts_of(names, prefix, strict=False)
-    return plan if plan.layout in layouts else relayout(plan, layouts[0])
-
-
-_DENSE_SOURCES = frozenset(s for _, dense, _ in FAMILIES.values() for r in dense for s in r.sources)
-
-
-def check_layer_kind(plan: LayerPlan, names: Iterable[str], prefix: str = "") -> None:
-    """Refuse a layer's tensors (short names, any trainer layout, any part of the layer) whose MLP
-    is of the other kind than ``plan``'s: a dense MLP's tensors under a sparse (or MTP) plan, or a
-    sparse one's under a dense plan. The two name sets are disjoint in every layout, so one name
-    decides; KeyError naming it (``prefix + key``: the user's own name) and the layer's kind.
-    Without this the first tensor the plan misses would be named, in the plan's layout."""
-    kind = plan.kind.split("/")[0]
-    if kind not in ("dense", "sparse", "mtp"):
-        return
-    sparse_plan = kind != "dense"
-    bad = next((n for n in names if (n in _DENSE_SOURCES if sparse_plan else is_sparse_names((n,)))), None)
-    if bad is None:
-        return
-    m = _LAYER_KEY.match(prefix)
-    layer = f"layer {m.group(1)}" if m else "this layer"
-    fields = ("mlp_only_layers / decoder_sparse_step" if plan.model_type == "qwen3_moe"
-              else "first_k_dense_replace / mlp_layer_types")  # fmt: skip
-    if sparse_plan:
-        what = "sparse (MoE)" if kind == "sparse" else "the MTP layer, sparse (MoE),"
-        held = "a dense MLP"
-        want = ("its router and routed experts: mlp.router.gate.weight, mlp.experts.w1/w2/w3 in prime-rl's "
-                "names; mlp.gate.weight, mlp.experts.gate_up_proj/down_proj in transformers' (or "
-                "mlp.experts.{j}.gate_proj.weight... per expert)")  # fmt: skip
-    else:
-        what, held = "dense", "a sparse (MoE) MLP"
-        want = "a dense MLP: mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight"
-    raise KeyError(f"{prefix}{bad}: {layer} is {what} in this config but the state dict holds {held}; "
-                   f"pass {layer}'s own tensors ({want}), or check the config's {fields} "
-                   "(docs/trainers.md#trainer-layouts)")  # fmt: skip
-
-
-def source_rows(
-    plan: LayerPlan, entry_name: str, layer: Mapping[str, torch.Tensor], lo: int, hi: int
-) -> dict[str, torch.Tensor]:
-    """The trainer tensors of rows [lo, hi) of entry ``entry_name`` (short kernel-format name) of
-    ``plan`` (adapted to ``layer``'s layout): a narrow of dim 0 of each stacked source (a view),
-    or the per-expert tensors of experts lo..hi-1 under their own names. The inputs of
-    ``plan.with_rows({entry_name: (lo, hi)})`` for that entry."""
-    e = plan.entry(entry_name)
-    lo, hi = _check_rows(f"rows of {entry_name}", (lo, hi), e.shape[0])
-    names = [s for g in e.groups()[lo:hi] for s in g] if e.per_expert else list(e.sources)
-    missing = [s for s in names if s not in layer]
-    if missing:
-        raise KeyError(f"{missing[0]}: missing from the layer (a source of {entry_name} rows {lo}..{hi - 1})")
-    if e.per_expert:
-        return {s: layer[s] for s in names}
-    return {s: layer[s].narrow(0, lo, hi - lo) for s in names}
-
-
 # --- trainer tensors the engine has no parameter for ------------------------------------------------
 
 _UNSENT_WHY = {
@@ -664,3 +274,12 @@ def warn_unsent(unsent: Mapping[str, str], prefix: str) -> None:
             _warned.add(kind)
             warnings.warn(f"{prefix}{key} (and every such tensor, said once): not sent; {_UNSENT_WHY[kind]}",
                           stacklevel=3)  # fmt: skip
+
+
+# Old homes: the plan's data (glm_fp8.layer_plan) and trainer layouts (glm_fp8.trainer_layouts).
+__all__ = [
+    "ALIGN", "BIAS_ENTRY", "LAYOUTS", "TARGETS", "LayerPlan", "PlanEntry", "adapt_plan", "align",
+    "build_plan", "check_layer_kind", "check_schedule", "layer_prefix", "model_layer_ids",
+    "plan_from_config", "plan_from_state_dict", "plans_for_model", "relayout", "source_rows",
+    "squeezed", "strip_layer", "trainer_layout", "unsent_keys", "warn_unsent",
+]  # fmt: skip

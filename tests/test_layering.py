@@ -22,6 +22,8 @@ LAYERS = [
     ["config", "engine.layout"],
     ["presets", "indexer"],
     ["models"],
+    ["layer_plan"],
+    ["trainer_layouts"],
     ["plan", "kernels", "kernels.checksum"],
     ["reference", "kernels.triton_quantize", "kernels.cuda"],
     ["kernels.triton_launch", "kernels.torch_ref"],
@@ -50,14 +52,17 @@ LAYERS = [
         "integrations.vllm.sources",
         "testing",
     ],
+    ["integrations.vllm.trainer_options", "integrations.vllm.trainer_source"],
     ["integrations.vllm.worker", "integrations.vllm.trainer"],
     ["integrations.vllm"],
-    ["integrations.vllm.backend", "update_time"],
-    ["planning"],
-    ["bench", "demo"],
+    ["integrations.vllm.backend", "update_time", "plan_request"],
+    ["plan_deployment"],
+    ["planning", "plan_text"],
+    ["bench", "demo", "cli_args"],
     ["cli", "__init__", *sorted(ALIASES)],  # on top: no module of glm_fp8 imports an old path
 ]
-LAZY_ALLOWED = {"cli", "__init__", "engine.layout"}  # engine.layout: old names resolved on first use
+# cli_args: the CLI's option parsers, lazy as the CLI; engine.layout: old names resolved on first use
+LAZY_ALLOWED = {"cli", "cli_args", "__init__", "engine.layout"}
 
 
 def _modules() -> dict[str, Path]:
@@ -161,9 +166,9 @@ def test_transfer_modules_stay_readable():
 def test_moved_names_keep_their_old_paths():
     """A module split keeps every moved name importable from its old module, as the same object."""
     import glm_fp8.engine.layout as layout
-    from glm_fp8 import indexer, models, presets
+    from glm_fp8 import indexer, layer_plan, models, plan, presets, trainer_layouts
     from glm_fp8.engine import rules
-    from glm_fp8.integrations.vllm import engine, probe, updater
+    from glm_fp8.integrations.vllm import engine, probe, trainer, trainer_options, updater
 
     for name in ("PRESETS", "SMALL_CONFIGS", "SMALL_GLM5", "TINY_GLM5", "load_config"):
         assert getattr(models, name) is getattr(presets, name), name
@@ -173,5 +178,26 @@ def test_moved_names_keep_their_old_paths():
     for name in ("MTP_OWN", "NON_LAYER", "VOCAB_PAD", "kernel_entry_shapes", "shard_for", "split_name"):
         assert getattr(layout, name) is getattr(rules, name), name
     assert not hasattr(layout, "no_such_name")
+    for name in plan.__all__:
+        for home in (layer_plan, trainer_layouts):
+            if hasattr(home, name):
+                assert getattr(plan, name) is getattr(home, name), name
+    assert {"LayerPlan", "PlanEntry", "align", "adapt_plan", "relayout", "strip_layer"} <= set(plan.__all__)
+    assert trainer.TrainerOptions is trainer_options.TrainerOptions
     for name in engine.__all__:
         assert getattr(engine, name) is getattr(updater if name in updater.__all__ else probe, name), name
+
+
+def test_plan_report_modules_keep_their_old_paths():
+    """planning's and cli's names that moved (the request, the deployment sections, the text) stay
+    importable from their old module, as the same object."""
+    from glm_fp8 import cli, cli_args, plan_deployment, plan_request, plan_text, planning
+
+    for name in planning.__all__:
+        for home in (plan_request, plan_deployment):
+            if hasattr(home, name):
+                assert getattr(planning, name) is getattr(home, name), name
+    moved = {"PlanRequest", "MASTER_DTYPES", "MODE_STRATEGY", "engine_extra", "plan_report"}
+    assert moved <= set(planning.__all__)
+    assert cli.WIDTH is plan_text.WIDTH
+    assert cli.positive_int is cli_args.positive_int and cli.positive_float is cli_args.positive_float

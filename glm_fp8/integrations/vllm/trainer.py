@@ -1,7 +1,8 @@
 """The trainer side of glm_fp8's vLLM weight-transfer backend, without vLLM (docs/vllm.md#the-backend):
-``TrainerOptions`` (what ``GlmFp8TrainerInitInfo`` carries) and ``TrainerSide``, which every
-trainer rank builds at init and calls each step. It drives the engine through any object with
-vLLM's ``VLLMWeightSyncClient`` methods (``LLM``, ``AsyncLLM``, the HTTP routes; rank 0 only).
+``TrainerOptions`` (what ``GlmFp8TrainerInitInfo`` carries; ``trainer_options``, re-exported here)
+and ``TrainerSide``, which every trainer rank builds at init and calls each step (what it reads
+each step: ``trainer_source``). It drives the engine through any object with vLLM's
+``VLLMWeightSyncClient`` methods (``LLM``, ``AsyncLLM``, the HTTP routes; rank 0 only).
 
 At init the senders open the link (a TCP store served by trainer rank 0 and a process group of
 its own) while rank 0 sends every engine worker the ``SyncInit``; every engine rank then tells
@@ -13,26 +14,17 @@ every sender sends) and ``finish``.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from glm_fp8._checks import check_int, check_seconds
 from glm_fp8.config import as_config
-from glm_fp8.integrations.vllm.sources import LayerSource, WeightSourceLayers
+from glm_fp8.integrations.vllm.sources import WeightSourceLayers
 from glm_fp8.integrations.vllm.sync import (
-    DRAFTS,
-    LINK_BACKENDS,
-    MAX_LINK_RANKS,
-    MAX_RING,
-    MODES,
     SyncInit,
     SyncUpdate,
     auto_mode,
@@ -49,87 +41,11 @@ from glm_fp8.integrations.vllm.sync import (
     session_layers,
     wait_gate,
 )
-from glm_fp8.models import REST, mtp_layer_index
-from glm_fp8.transfer.gather import GATHERS, contribute_shards
+from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions
+from glm_fp8.integrations.vllm.trainer_source import contribute, trainer_source
+from glm_fp8.models import mtp_layer_index
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.sender import Broadcaster
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
-
-
-@dataclass
-class TrainerOptions:
-    """What the trainer side needs (``GlmFp8TrainerInitInfo`` has these fields, and ``rank``).
-
-    - ``master_address``, ``master_port``: where trainer rank 0 serves the link's TCP store.
-    - ``engine_ranks``: the engine workers (every GPU of every engine and DP replica).
-    - ``config``: the model's HF config (a dict, a transformers config object or a config.json path).
-    - ``mode``: "auto" (default: many senders when every trainer rank holds whole experts, else
-      scatter), "senders", "scatter" or "broadcast" (every engine rank receives every byte).
-    - ``trainer_ranks``: the trainer's ranks (default: ``torch.distributed``'s world size, else 1).
-    - ``link_backend``: "auto" (NCCL on CUDA, gloo on the CPU), "nccl" or "gloo".
-    - ``draft``: "auto" (the MTP layer in vLLM's draft session when the trainer holds it and the
-      client can start one), "session", "stream" (one update with it: ``GlmFp8WorkerExtension``)
-      or "none" (the target only).
-    - ``scale_fmt``: None (what the engines need: power-of-two scales where vLLM re-quantizes for
-      DeepGEMM), "fp32" or "ue8m0"; ``checksum``, ``ring``: as ``Broadcaster`` takes them.
-    - ``gather``, ``gather_dtype``: how one sender collects DTensor layers (``Broadcaster``).
-      ``gather_dtype`` None (the default): no cast, every tensor travels and is quantized in the
-      dtype the trainer holds (fp32 masters are quantized from fp32, as in every other mode, and
-      land the bytes of a checkpoint quantized from them). "bfloat16" is an explicit opt-in that
-      halves a gather's bytes for fp32 masters, and then the FP8 bytes of the gathered tensors
-      differ from the checkpoint's quantization of the fp32 masters.
-    - ``timeout_s``: the link's and the rendezvous' timeout.
-    """
-
-    master_address: str
-    master_port: int
-    engine_ranks: int
-    config: object
-    mode: str = "auto"
-    trainer_ranks: int | None = None
-    link_backend: str = "auto"
-    draft: str = "auto"
-    scale_fmt: str | None = None
-    checksum: bool = True
-    ring: int = 2
-    gather: str = "auto"
-    gather_dtype: str | None = None
-    timeout_s: float = 600.0
-    rank: int = field(kw_only=True)
-
-    def check(self) -> None:
-        """Every field's type and range, a ValueError naming it: before anything is sized or
-        opened from them (an int is an int: 1.9 or True is refused, never truncated)."""
-        if not isinstance(self.master_address, str) or not self.master_address:
-            raise ValueError(f"init_info.master_address: expected a host name, got {self.master_address!r}")
-        check_int("init_info.master_port", self.master_port, 1, 65535, " (a TCP port)")
-        check_int("init_info.engine_ranks", self.engine_ranks, 1, MAX_LINK_RANKS - 1,
-                  " (the engine workers: every GPU of every engine and DP replica)")  # fmt: skip
-        if self.trainer_ranks is not None:
-            check_int("init_info.trainer_ranks", self.trainer_ranks, 1, MAX_LINK_RANKS - 1,
-                      " (or None: torch.distributed's world size)")  # fmt: skip
-        check_int("init_info.rank", self.rank, 0, MAX_LINK_RANKS - 1, " (this trainer rank)")
-        if self.mode not in ("auto", *MODES):
-            raise ValueError(f"init_info.mode: expected 'auto' or one of {MODES}, got {self.mode!r}")
-        if self.draft not in ("auto", *DRAFTS):
-            raise ValueError(f"init_info.draft: expected 'auto' or one of {DRAFTS}, got {self.draft!r}")
-        if self.link_backend not in ("auto", *LINK_BACKENDS):
-            raise ValueError(
-                f"init_info.link_backend: expected 'auto' or one of {LINK_BACKENDS}, got "
-                f"{self.link_backend!r}"
-            )
-        if self.gather not in GATHERS:
-            raise ValueError(f"init_info.gather: expected one of {GATHERS}, got {self.gather!r}")
-        if self.gather_dtype not in _DTYPES:
-            raise ValueError(
-                f"init_info.gather_dtype: expected one of {list(_DTYPES)}, got {self.gather_dtype!r}"
-            )
-        if not isinstance(self.checksum, bool):
-            raise ValueError(f"init_info.checksum: expected True or False, got {self.checksum!r}")
-        check_int("init_info.ring", self.ring, 2, MAX_RING,
-                  " (layer buffers per rank: 2 overlap each layer with the wire)")  # fmt: skip
-        check_seconds("init_info.timeout_s", self.timeout_s)
 
 
 class TrainerSide:
@@ -147,7 +63,9 @@ class TrainerSide:
                 f"init_info.rank: expected a trainer rank below trainer_ranks={self.trainer_ranks}, "
                 f"got {self.rank}"
             )
-        self.source = self._source(source)
+        self.source = trainer_source(
+            source, self.config, rank=self.rank, trainer_ranks=self.trainer_ranks, device=device
+        )
         self.mode = self._mode()
         self.senders = self.trainer_ranks if self.mode == "senders" else 1
         backend = (
@@ -200,18 +118,6 @@ class TrainerSide:
 
     def _client_drafts(self) -> bool:
         return callable(getattr(self.client, "start_draft_weight_update", None))
-
-    def _source(self, source: object):
-        if isinstance(source, LayerSource):
-            return _LayerSourceView(source, self.config)
-        return WeightSourceLayers(
-            source,
-            self.config,
-            rank=self.rank,
-            trainer_ranks=self.trainer_ranks,
-            local=False,
-            device=self.device,
-        )
 
     def _mode(self) -> str:
         mode = self.opts.mode
@@ -373,22 +279,9 @@ class TrainerSide:
 
     def _contribute(self, layers, rest_map, ids) -> None:
         """A trainer rank off the link (one sender): its part of the sender's gathers."""
-        if isinstance(self.source, WeightSourceLayers):
-            for _ in layers:  # the pass's full_tensor() gathers
-                pass
-            if rest_map is not None:
-                dict(rest_map)
-            return
-        items = itertools.chain(layers, [(REST, rest_map)] if rest_map is not None else [])
-        contribute_shards(
-            items,
-            config=self.config,
-            sender=0,
-            gather=self.opts.gather,
-            gather_dtype=_DTYPES[self.opts.gather_dtype],
-            device=self.device,
-            layer_ids=[*ids, REST] if rest_map is not None else ids,
-        )
+        gather, gather_dtype = self.opts.gather, _DTYPES[self.opts.gather_dtype]
+        contribute(self.source, layers, rest_map, ids, config=self.config, gather=gather,
+                   gather_dtype=gather_dtype, device=self.device)  # fmt: skip
 
     def _update(self, session: str, layers, rest_map) -> dict:
         step = self.steps
@@ -487,37 +380,6 @@ def _stats(session: str, stats) -> dict:
         "sender": True,
         "update_bytes": sum(s.layer_nbytes for s in stats.layers),
     }
-
-
-class _LayerSourceView:
-    """A ``LayerSource`` as ``TrainerSide`` reads sources."""
-
-    def __init__(self, src: LayerSource, config: Mapping):
-        self.src = src
-        n = config["num_hidden_layers"]
-        ids = range(n) if src.layer_ids is None else src.layer_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-            raise ValueError(f"source.layer_ids: expected a list of layer indices, got {type(ids).__name__}")
-        self.layer_ids = [
-            check_int(f"source.layer_ids[{k}]", i, 0, n - 1, f" (a decoder layer of the {n})")
-            for k, i in enumerate(ids)
-        ]
-        for key in ("mtp", "experts_whole"):
-            if not isinstance(getattr(src, key), bool):
-                raise ValueError(f"source.{key}: expected True or False, got {getattr(src, key)!r}")
-        self.mtp, self.experts_whole = src.mtp, src.experts_whole
-        self.rest = src.rest is not None
-
-    def begin_step(self) -> None:
-        return None
-
-    def drain(self) -> None:
-        return None
-
-    def session(self, layer_ids, rest: bool):
-        return self.src.layers(list(layer_ids)), (
-            self.src.rest() if rest and self.src.rest is not None else None
-        )
 
 
 def _capture(errors: list, fn, *args) -> None:

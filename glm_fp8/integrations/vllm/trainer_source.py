@@ -1,0 +1,96 @@
+"""What a trainer rank reads each step on the vLLM backend's trainer side (docs/vllm.md#the-backend):
+its source as layers (``trainer_source``: a ``LayerSource``, or the model's weights through
+``WeightSourceLayers``), and, on a rank off the link, its part of the one sender's gathers
+(``contribute``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from glm_fp8._checks import check_int
+from glm_fp8.integrations.vllm.sources import LayerSource, WeightSourceLayers
+from glm_fp8.models import REST
+from glm_fp8.transfer.gather import contribute_shards
+
+
+def trainer_source(source: object, config: Mapping, *, rank: int, trainer_ranks: int, device: torch.device):
+    """``source`` as ``TrainerSide`` reads it: layer ids, ``mtp``, ``experts_whole``, ``rest``,
+    and per step ``begin_step``, ``session(layer_ids, rest)``, ``drain``."""
+    if isinstance(source, LayerSource):
+        return _LayerSourceView(source, config)
+    return WeightSourceLayers(
+        source,
+        config,
+        rank=rank,
+        trainer_ranks=trainer_ranks,
+        local=False,
+        device=device,
+    )
+
+
+def contribute(
+    source: object,
+    layers,
+    rest_map,
+    ids,
+    *,
+    config: Mapping,
+    gather: str,
+    gather_dtype: torch.dtype | None,
+    device: torch.device,
+) -> None:
+    """A trainer rank off the link (one sender): its part of the sender's gathers."""
+    if isinstance(source, WeightSourceLayers):
+        for _ in layers:  # the pass's full_tensor() gathers
+            pass
+        if rest_map is not None:
+            dict(rest_map)
+        return
+    items = itertools.chain(layers, [(REST, rest_map)] if rest_map is not None else [])
+    contribute_shards(
+        items,
+        config=config,
+        sender=0,
+        gather=gather,
+        gather_dtype=gather_dtype,
+        device=device,
+        layer_ids=[*ids, REST] if rest_map is not None else ids,
+    )
+
+
+class _LayerSourceView:
+    """A ``LayerSource`` as ``TrainerSide`` reads sources."""
+
+    def __init__(self, src: LayerSource, config: Mapping):
+        self.src = src
+        n = config["num_hidden_layers"]
+        ids = range(n) if src.layer_ids is None else src.layer_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise ValueError(f"source.layer_ids: expected a list of layer indices, got {type(ids).__name__}")
+        self.layer_ids = [
+            check_int(f"source.layer_ids[{k}]", i, 0, n - 1, f" (a decoder layer of the {n})")
+            for k, i in enumerate(ids)
+        ]
+        for key in ("mtp", "experts_whole"):
+            if not isinstance(getattr(src, key), bool):
+                raise ValueError(f"source.{key}: expected True or False, got {getattr(src, key)!r}")
+        self.mtp, self.experts_whole = src.mtp, src.experts_whole
+        self.rest = src.rest is not None
+
+    def begin_step(self) -> None:
+        return None
+
+    def drain(self) -> None:
+        return None
+
+    def session(self, layer_ids, rest: bool):
+        return self.src.layers(list(layer_ids)), (
+            self.src.rest() if rest and self.src.rest is not None else None
+        )
+
+
+__all__ = ["contribute", "trainer_source"]
