@@ -5,7 +5,7 @@
 # GATHER=1 PIPELINE=1 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
-# (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/test_fuzz.py
+# (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
 # with FUZZ_CASES (default 400) cases per GPU backend from seed FUZZ_SEED, FUZZ_BUDGET_S seconds
 # at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s. GPU_TESTS=1 sets
 # TEST_PATHS to the test files that run on the GPU (the rest are CPU gloo tests that CI runs;
@@ -28,19 +28,19 @@ fi
 python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
 if [ "${FUZZ:-1}" = 1 ]; then
   GLM_FP8_FUZZ_CASES=${FUZZ_CASES:-400} GLM_FP8_FUZZ_SEED=${FUZZ_SEED:-} GLM_FP8_FUZZ_BUDGET_S=${FUZZ_BUDGET_S:-} \
-    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/test_fuzz.py 2>&1 \
+    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/kernels/test_fuzz.py 2>&1 \
     | tee "$LOG/fuzz.txt" | grep -E '^fuzz: |^(FAILED|ERROR|SKIPPED) |^- seed=|=> |replay: | (passed|failed)' | sed -n 1,60p
 fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
 if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  TEST_PATHS="tests/test_backends.py tests/test_broadcast.py tests/test_convert.py tests/test_errors.py
-    tests/test_quantize.py tests/test_cli.py tests/test_checksum.py tests/test_trainer_layouts.py"
+  TEST_PATHS="tests/kernels/test_backends.py tests/transfer/test_broadcast.py tests/test_convert.py tests/kernels/test_errors.py
+    tests/kernels/test_quantize.py tests/test_cli.py tests/kernels/test_checksum.py tests/test_trainer_layouts.py"
 fi
 if [ "${TESTS:-1}" = 1 ]; then
-  # tests/test_fuzz.py ran in FUZZ above, if on.
+  # tests/kernels/test_fuzz.py ran in FUZZ above, if on.
   timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} \
-    $([ "${FUZZ:-1}" = 1 ] && echo --ignore=tests/test_fuzz.py) 2>&1 \
+    $([ "${FUZZ:-1}" = 1 ] && echo --ignore=tests/kernels/test_fuzz.py) 2>&1 \
     | tee "$LOG/tests.txt" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then

@@ -10,7 +10,7 @@ Every backend is one ``Launcher`` in ``LAUNCHERS``, called the same way by the j
 - ``"auto"``: on CUDA devices ``"cuda"`` when the extension is built, else ``"triton"``; on
   the CPU ``"triton"`` under the interpreter, else ``"torch"``.
 
-Every backend writes the same bits (tests/test_quantize.py runs the suite on each one).
+Every backend writes the same bits (tests/kernels/test_quantize.py runs the suite on each one).
 The package-wide default is ``"auto"``, or ``$GLM_FP8_BACKEND``; ``set_default_backend`` changes
 it for this process. ``available_backends(device)`` lists exactly the names ``resolve_backend``
 accepts for inputs on ``device``.

@@ -2,6 +2,7 @@
 switch must be set before glm_fp8 (and its @triton.jit functions) is imported."""
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -16,6 +17,18 @@ ON_GPU = torch.cuda.is_available()
 # Every backend that runs here: the correctness suite runs once per backend.
 BACKENDS = available_backends("cuda" if ON_GPU else "cpu")
 GPU_BACKENDS = [b for b in BACKENDS if b in ("triton", "cuda")] if ON_GPU else []
+
+
+# tests/ mirrors the package: a test in tests/<part>/ carries the marker <part> (registered in
+# pyproject.toml), one at the top (the modules at glm_fp8's top: plans, conversion, CLI, docs) "core":
+# `pytest -m transfer` runs one part, as `pytest tests/transfer` does.
+PARTS = ("kernels", "transfer", "engine", "integrations")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        part = Path(str(item.fspath)).parent.name
+        item.add_marker(getattr(pytest.mark, part if part in PARTS else "core"))
 
 
 @pytest.fixture

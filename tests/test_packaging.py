@@ -26,7 +26,7 @@ IMPORT_TO_DIST: dict[str, str] = {}
 # Imported only lazily, inside a try/except or by an optional integration; not a requirement.
 #   vllm: the inference engine the weights are sent to; glm_fp8 only mirrors its layouts.
 #   tomli: this file's TOML parser on Python 3.10, used only when installed (else a regex).
-#   transformers: a model config in tests/test_vllm_backend_real.py, which runs only where vLLM
+#   transformers: a model config in tests/integrations/test_vllm_backend_real.py, which runs only where vLLM
 #   (which requires it) is installed.
 OPTIONAL = {"vllm", "tomli", "transformers"}
 
@@ -125,7 +125,7 @@ def test_tests_and_benchmarks_need_only_declared_packages():
     declared = {_requirement_name(r) for r in project.get("dependencies", [])}
     declared |= {_requirement_name(r) for r in project.get("optional-dependencies", {}).get("test", [])}
     for directory in ("tests", "bench"):
-        local = {"glm_fp8", "conftest"} | {p.stem for p in (ROOT / directory).glob("*.py")}
+        local = {"glm_fp8", "conftest"} | {p.stem for p in (ROOT / directory).rglob("*.py")}
         missing = _undeclared(_third_party_imports(ROOT / directory, local), declared)
         assert not missing, f"imported by {directory}/ but declared nowhere: {missing}"
     missing = {dist: why for dist, why in TEST_WITHOUT_IMPORT.items() if _normalize(dist) not in declared}
@@ -149,7 +149,7 @@ def test_vllm_loads_the_backend_through_a_general_plugins_entry_point():
     """vLLM's workers build the "glm_fp8" engine from its registry, which only vLLM's plugin loader
     fills there (``vllm.general_plugins``, called in every vLLM process): without this entry point
     ``WeightTransferConfig(backend="glm_fp8")`` fails in the workers with "Invalid weight transfer
-    backend". tests/test_vllm_backend_real.py runs the loader where vLLM is installed."""
+    backend". tests/integrations/test_vllm_backend_real.py runs the loader where vLLM is installed."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10

@@ -3,7 +3,7 @@ update in one worker's parameters (target model and MTP drafter, under vLLM's na
 ``collect_params``) and redoes vLLM's post-load step on what landed (docs/vllm.md). What the worker
 was built with (its layout, its post-load plan) is read by ``glm_fp8.integrations.vllm.probe``.
 Everything here takes any ``torch.nn.Module`` tree with vLLM's parameter names, so it is tested
-without vLLM (tests/test_vllm_worker.py, tests/test_vllm_backend.py).
+without vLLM (tests/integrations/test_vllm_worker.py, tests/integrations/test_vllm_backend.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Invariants:
   worker that cannot take part refuses at init, and every rank raises naming it.
 
 No vLLM: the engine side is ``WorkerSide`` over stand-in modules with vLLM's names (as in
-tests/test_vllm_worker.py); each worker process serves the client's calls from a queue, as
+test_vllm_worker.py); each worker process serves the client's calls from a queue, as
 ``collective_rpc`` would. Processes share a gloo default group (the DTensors' meshes); the link
 is the backend's own store-made group.
 """

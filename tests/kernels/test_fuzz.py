@@ -13,8 +13,8 @@ count (GPU default 400; the CPU test runs at most ``CPU_MAX_CASES`` small cases)
 ``GLM_FP8_FUZZ_BUDGET_S`` stops a GPU backend's loop after that many seconds (default 120, 0:
 never); ``GLM_FP8_FUZZ_WORKERS`` spreads the cases over spawned processes (Triton on a GPU: 8 by
 default, since a cold Triton compiles about one kernel per case, ~1 s each). A failure prints
-each failing seed with its full case description; replay one case with
-``GLM_FP8_FUZZ_SEED=<seed> GLM_FP8_FUZZ_CASES=1 python3 -m pytest -q -rA tests/test_fuzz.py -k <test id>``.
+each failing seed with its full case description; replay one case with ``GLM_FP8_FUZZ_SEED=<seed>
+GLM_FP8_FUZZ_CASES=1 python3 -m pytest -q -rA tests/kernels/test_fuzz.py -k <test id>``.
 
 Each backend's loop writes one summary line to the terminal (through pytest's capture, so it
 shows with plain ``pytest -q``), e.g. ``fuzz: backend=triton device=cuda profile=gpu cases=400/400
@@ -708,7 +708,7 @@ def _fuzz(backend: str, device: str, profile: Profile, cases: int, budget_s: flo
             lines.append(f"- {make_case(seed, profile)}\n    => " + "\n    => ".join(errors))
             lines.append(
                 f"    replay: GLM_FP8_FUZZ_SEED={seed} GLM_FP8_FUZZ_CASES=1 "
-                f"python3 -m pytest -q -rA tests/test_fuzz.py -k '{test_id}'"
+                f"python3 -m pytest -q -rA tests/kernels/test_fuzz.py -k '{test_id}'"
             )
         pytest.fail("\n".join(lines), pytrace=False)
 

@@ -13,16 +13,16 @@ Invariants:
   and ``send_weights()``; every engine worker builds its engine with ``WeightTransferEngineFactory.
   create_engine`` and drives it as vLLM 0.34's ``Worker`` does (``v1/worker/gpu_worker.py``: init, start,
   draft start, update, finish). After each step every engine parameter equals the reference bit for
-  bit (as tests/test_vllm_backend.py checks it), in every mode, from glm_fp8's ``LayerSource`` and from
+  bit (as test_vllm_backend.py checks it), in every mode, from glm_fp8's ``LayerSource`` and from
   vLLM's ``ModuleSource`` over FSDP2-style DTensors in Hugging Face's names; the MTP layer travels in
   vLLM's draft session; vLLM's ``finalize_model_weights`` rebuilds MLA's ``W_UK_T`` / ``W_UV``.
 - A worker that cannot take part (its ``ParallelConfig`` has EPLB on) stops every rank at init.
 
 Real: vLLM's factories, config classes (``WeightTransferConfig``, ``ParallelConfig``), ``ModuleSource``,
 ``set_current_vllm_config``, DeepGEMM probe, ``finalize_model_weights``; glm_fp8's ``vllm_updater``.
-Stood in: the served model (tests/test_vllm_worker.py's modules with vLLM's names), the rest of the
+Stood in: the served model (test_vllm_worker.py's modules with vLLM's names), the rest of the
 ``VllmConfig`` (its ``model_config`` holds a transformers config), vLLM's TP / DP groups (which only
-give ``vllm_updater`` this worker's ranks) and the RPC (queues, as in tests/test_vllm_backend.py).
+give ``vllm_updater`` this worker's ranks) and the RPC (queues, as in test_vllm_backend.py).
 """
 
 import os
@@ -297,7 +297,7 @@ class VllmWorker:
 
 
 def _serve(worker, inbox, outbox, log):
-    """``collective_rpc`` of the client's calls (tests/test_vllm_backend.py's ``QueueClient``)."""
+    """``collective_rpc`` of the client's calls (test_vllm_backend.py's ``QueueClient``)."""
     calls = {
         "init": worker.init_weight_transfer_engine,
         "start": worker.start_weight_update,
@@ -441,7 +441,7 @@ def _engine_worker(r, trainers, boxes, case, config, dtype, steps, opts):
 
 
 def _expected(config, layout, ids, dtype, *, module: bool):
-    """tests/test_vllm_backend.py's ``_expected``, for a module in Hugging Face's names too: its
+    """test_vllm_backend.py's ``_expected``, for a module in Hugging Face's names too: its
     router keeps the routing bias in float32 whatever the other tensors' dtype."""
     from test_vllm_worker import _vllm_swap_w13_to_w31
 

@@ -20,8 +20,8 @@ of the parameters vLLM built.
 Real: vLLM's model classes, layers, weight loaders, parallel groups (gloo over the engine ranks;
 DP replicas in one world under ``external_launcher``, as torchrun starts them),
 ``VllmConfig`` / ``ModelConfig`` from a config.json, weight-transfer factories; glm_fp8's backend.
-Stood in: the CUDA platform (tests/vllm_standin.py: a Hopper that allocates on the CPU, compiled
-extensions that import but never run), the RPC (queues, tests/test_vllm_backend.py's QueueClient).
+Stood in: the CUDA platform (vllm_standin.py: a Hopper that allocates on the CPU, compiled
+extensions that import but never run), the RPC (queues, test_vllm_backend.py's QueueClient).
 """
 
 import importlib.metadata
