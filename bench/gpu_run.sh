@@ -2,7 +2,7 @@
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
-# GATHER=1 PIPELINE=1 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 FLEET=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
@@ -61,6 +61,13 @@ if [ "${PIPELINE:-1}" = 1 ]; then
     python3 bench/scripts/pipeline.py --mode scatter --layers $L --tp 8 --repeats 1 --no-check
     python3 bench/scripts/pipeline.py --mode senders --layers $L --tp 8 --ep --engines 4 --senders 32 \
       --sender 0 1 --master bf16 fp32 --repeats 2; } 2>&1 | tee "$LOG/pipeline.txt" | grep -v '^---'
+fi
+if [ "${FLEET:-0}" = 1 ]; then
+  L=${FLEET_LAYERS:-40}
+  # One sender into 4 servers of 2 layouts (#32): time against the link, wire bytes against the model.
+  { python3 bench/scripts/pipeline.py --mode scatter --layers $L --servers 2xEP8 2xTP8 --repeats 2 --no-check
+    python3 bench/scripts/pipeline.py --mode senders --layers $L --senders 32 --servers 2xEP8 2xTP8 \
+      --sender 0 1 --master bf16 --repeats 2; } 2>&1 | tee "$LOG/fleet.txt" | grep -v '^---'
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
   python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} 2>&1 | tee "$LOG/engine_rank.txt"

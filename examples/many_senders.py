@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
-from glm_fp8 import Broadcaster, EngineLayout, Receiver, engine_param_specs
+from glm_fp8 import EngineLayout, Receiver, Sender, engine_param_specs
 from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
 from glm_fp8.testing import free_port, reference_engine_params, sharded_layer
 
@@ -33,8 +33,8 @@ def rank_main(rank: int, port: int) -> None:
               engines=[None] * TRAINERS + ENGINE, senders=list(range(TRAINERS)))  # fmt: skip
     if rank < TRAINERS:  # every trainer rank: the same call, with its own shards
         layers = ((i, sharded_layer(CONFIG, i, mesh)) for i in IDS)
-        sender = Broadcaster(None, 0, **kw)
-        stats = sender.broadcast_model(layers, rest=sharded_layer(CONFIG, REST, mesh))
+        sender = Sender(None, 0, **kw)
+        stats = sender.send_model(layers, rest=sharded_layer(CONFIG, REST, mesh))
         whole = sum(layer.layer_nbytes for layer in stats.layers)
         print(
             f"trainer rank {rank}: sent {stats.nbytes / 2**20:.2f} MiB; whole model {whole / 2**20:.2f} MiB"

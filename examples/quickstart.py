@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from glm_fp8 import Broadcaster, EngineLayout, Receiver, engine_param_specs
+from glm_fp8 import EngineLayout, Receiver, Sender, engine_param_specs
 from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
 from glm_fp8.testing import free_port, reference_engine_params, synthetic_layer
 
@@ -28,7 +28,7 @@ def rank_main(rank: int, port: int) -> None:
     kw = dict(config=CONFIG, layer_ids=IDS, rest=True, engines=[None, *ENGINE], device="cpu")
     if rank == 0:  # the trainer: (layer_idx, state_dict) in order, then embeddings, norm, lm_head
         layers = ((i, synthetic_layer(CONFIG, i)) for i in IDS)
-        stats = Broadcaster(None, 0, **kw).broadcast_model(layers, rest=synthetic_layer(CONFIG, REST))
+        stats = Sender(None, 0, **kw).send_model(layers, rest=synthetic_layer(CONFIG, REST))
         print(f"sent {stats.nbytes / 2**20:.1f} MiB in {len(stats.layers)} steps, {stats.seconds:.1f} s")
     else:  # an engine rank: its parameters, by vLLM's names (a real worker passes its model's)
         layout = ENGINE[rank - 1]

@@ -17,6 +17,7 @@ _EXPORTS = {
     "get_default_backend": "glm_fp8.backends",
     "set_default_backend": "glm_fp8.backends",
     "Broadcaster": "glm_fp8.transfer",
+    "Sender": "glm_fp8.transfer",
     "HostSinkComm": "glm_fp8.transfer",
     "Receiver": "glm_fp8.transfer",
     "contribute_shards": "glm_fp8.transfer",
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     from glm_fp8.kernels.triton_launch import DEFAULT_CONFIG, LaunchConfig, default_config
     from glm_fp8.plan import LayerPlan, plan_from_config, plan_from_state_dict
     from glm_fp8.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
-    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver, contribute_shards
+    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver, Sender, contribute_shards
 
 
 def __getattr__(name: str) -> Any:

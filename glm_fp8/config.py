@@ -119,6 +119,17 @@ def _read_json(path: str | os.PathLike) -> object:
     return raw
 
 
+def check_untied_vocab(config: Mapping, needed_for: str, lm_head: str) -> None:
+    """The non-layer tensors need ``vocab_size`` and an lm_head of its own: ValueError naming the
+    field, ``needed_for`` (who reads it) and ``lm_head`` (what the untied head is there)."""
+    if "vocab_size" not in config:
+        raise ValueError(f"config.vocab_size: required for {needed_for} (e.g. 154880 for GLM-5)")
+    if config.get("tie_word_embeddings"):
+        raise ValueError(
+            f"config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is {lm_head})"
+        )
+
+
 # --- the checks ------------------------------------------------------------------------------------
 
 _MISSING = object()
@@ -281,4 +292,4 @@ def _check_qwen3(c: Config, n: int) -> bool:
     return bool(only) or step > 1
 
 
-__all__ = ["Config", "FAMILY_TRAITS", "FamilyTraits", "MAX_LAYERS", "as_config"]
+__all__ = ["Config", "FAMILY_TRAITS", "FamilyTraits", "MAX_LAYERS", "as_config", "check_untied_vocab"]

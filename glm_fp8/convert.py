@@ -39,9 +39,26 @@ def check_layer(
     against ``plan``: ``check_layer_keys``, then passthrough sources of a floating dtype (any of
     bfloat16, float16, float32: they are converted to the entry's dtype as they are copied) and
     one device. Messages name ``prefix + key``. Returns the device (None: no tensor is read)."""
-    plan = adapt_plan(plan, layer, prefix=prefix)
-    wanted = check_layer_keys(plan, layer, prefix, only)
-    for e in wanted:
+    return check_adapted_layer(adapt_plan(plan, layer, prefix=prefix), layer, prefix, only)
+
+
+def check_adapted_layer(
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
+) -> torch.device | None:
+    """``check_layer`` for a ``plan`` already adapted to ``layer``'s trainer layout (``adapt_plan``,
+    or ``glm_fp8.transfer.gather.trainer_view``) and a layer under short names: it adapts nothing,
+    so that a sender adapts and checks each layer once, where it enters."""
+    wanted = check_adapted_keys(plan, layer, prefix, only)
+    check_source_dtypes(wanted, layer, prefix)
+    return layer_device(plan, layer, prefix)
+
+
+def check_source_dtypes(
+    entries: Collection[PlanEntry], layer: Mapping[str, torch.Tensor], prefix: str
+) -> None:
+    """The sources of the passthrough ``entries`` (of a plan adapted to ``layer``) are of a floating
+    dtype: each is converted to its entry's dtype as it is copied. TypeError naming ``prefix + key``."""
+    for e in entries:
         if e.op in ("copy", "concat"):
             for s in e.sources:
                 if layer[s].dtype not in INPUT_DTYPES:
@@ -49,6 +66,11 @@ def check_layer(
                         f"{prefix}{s}: expected a floating dtype (bfloat16, float16 or float32; written to "
                         f"{e.name} as {e.dtype}), got {layer[s].dtype}"
                     )
+
+
+def layer_device(plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str) -> torch.device | None:
+    """The one device of ``layer``'s tensors that ``plan`` (adapted to it) reads; None when it
+    reads none. ValueError naming ``prefix + key`` for a second device."""
     named = [(prefix + k, t) for k, t in layer.items() if k in plan.inputs]
     return _checks.check_same_device(named) if named else None
 
@@ -64,7 +86,14 @@ def check_layer_keys(
     the schedule shares, a routing bias the config's engine lacks) is not an error: it is left
     out, said once per process (``warnings.warn``). Returns the entries wanted (those in
     ``only``, or all; a weight's scale with it)."""
-    plan = adapt_plan(plan, layer, prefix=prefix)
+    return check_adapted_keys(adapt_plan(plan, layer, prefix=prefix), layer, prefix, only)
+
+
+def check_adapted_keys(
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
+) -> list[PlanEntry]:
+    """``check_layer_keys`` for a ``plan`` already adapted to ``layer``'s trainer layout and a
+    layer under short names: it adapts nothing."""
     wanted = wanted_entries(plan, only)
     needed = {s for e in wanted for s in e.sources}
     missing = [k for k in plan.inputs if k in needed and k not in layer]
@@ -177,7 +206,26 @@ def convert_layer(
         raise ValueError(f"target: expected {plan.target!r} (the plan's target), got {target!r}")
     prefix = layer_prefix(layer_idx)
     plan = adapt_plan(plan, layer, prefix=prefix)
-    device = check_layer(plan, layer, prefix, only)
+    device = check_adapted_layer(plan, layer, prefix, only)
+    return convert_checked(layer, plan, prefix, out=out, device=device, check_finite=check_finite,
+                           backend=backend, only=only)  # fmt: skip
+
+
+def convert_checked(
+    layer: Mapping[str, torch.Tensor],
+    plan: LayerPlan,
+    prefix: str,
+    *,
+    out: torch.Tensor | None,
+    device: torch.device | None,
+    check_finite: bool = True,
+    backend: str | None = None,
+    only: Collection[str] | None = None,
+) -> OrderedDict[str, torch.Tensor]:
+    """``convert_layer`` past its checks of the layer: ``layer`` under short names, ``plan``
+    adapted to it, both checked (``check_adapted_layer``, which gave ``device``; or, for a sender's
+    share, the layer's checks on its whole and ``layer_device``). Only ``out`` is checked here
+    (allocated on ``device`` when None), then the entries are written; views by ``prefix + name``."""
     inputs = [(prefix + k, t) for k, t in layer.items() if k in plan.inputs]
     if out is None:
         if device is None:
@@ -190,7 +238,6 @@ def convert_layer(
             raise ValueError("out: expected a contiguous uint8 buffer")
         _checks.check_no_overlap([("out", out)], inputs)
         _checks.check_aligned("out", out, _checks.BUFFER_ALIGN, "the plan's views need it")
-
     return _fill_layer(layer, plan, out, prefix, check_finite, only, backend)
 
 
@@ -321,5 +368,6 @@ def raise_if_non_finite(norms: tuple[list[str], torch.Tensor | None], layer_idx:
     )  # fmt: skip
 
 
-__all__ = ["check_finite_entries", "check_layer", "check_layer_keys", "convert_layer", "entry_norms",
-           "pack_ue8m0_sm100", "raise_if_non_finite", "wanted_entries"]  # fmt: skip
+__all__ = ["check_adapted_keys", "check_adapted_layer", "check_finite_entries", "check_layer",
+           "check_layer_keys", "check_source_dtypes", "convert_checked", "convert_layer", "entry_norms",
+           "layer_device", "pack_ue8m0_sm100", "raise_if_non_finite", "wanted_entries"]  # fmt: skip

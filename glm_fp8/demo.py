@@ -16,7 +16,7 @@ from glm_fp8.plan import plan_from_config, strip_layer
 from glm_fp8.presets import SMALL_GLM5
 from glm_fp8.reference import convert_layer_ref
 from glm_fp8.testing import launch, synthetic_layer
-from glm_fp8.transfer import Broadcaster, Receiver
+from glm_fp8.transfer import Receiver, Sender
 
 
 def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mode: str) -> dict:
@@ -28,9 +28,9 @@ def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mo
     if rank == 0:
         from tqdm import tqdm
 
-        sender = Broadcaster(None, 0, config=config, ring=ring, mode=mode, device=device)
+        sender = Sender(None, 0, config=config, ring=ring, mode=mode, device=device)
         stream = ((i, synthetic_layer(config, i)) for i in range(layers))
-        stats = sender.broadcast_model(tqdm(stream, total=layers, desc="sender", unit="layer"))
+        stats = sender.send_model(tqdm(stream, total=layers, desc="sender", unit="layer"))
         return {"layers": [(s.layer, s.nbytes, s.seconds) for s in stats.layers], "seconds": stats.seconds,
                 "peak_bytes": stats.peak_bytes}  # fmt: skip
     # A receiver keeps at least 2 buffers: a layer waits for its vote while the next one arrives.

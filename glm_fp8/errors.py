@@ -36,7 +36,7 @@ class ReceiverRefused(GlmFp8Error, RuntimeError):
 
 
 class LayerOrderError(GlmFp8Error, ValueError):
-    """``broadcast_model`` was handed a layer other than the one the manifest announced next."""
+    """``send_model`` was handed a layer other than the one the manifest announced next."""
 
 
 # --- the conversion (glm_fp8.jobs) ----------------------------------------------------------------

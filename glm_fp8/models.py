@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from glm_fp8.config import FAMILY_TRAITS, as_config
+from glm_fp8.config import FAMILY_TRAITS, as_config, check_untied_vocab
 from glm_fp8.indexer import INDEXER_FAMILIES, has_indexer, indexer_shapes
 from glm_fp8.indexer import INDEXER_PREFIX as INDEXER_PREFIX
 from glm_fp8.indexer import skip_topk_layers as skip_topk_layers
@@ -280,11 +280,7 @@ def model_layer_ids(config: object, *, mtp: bool = True) -> list[int]:
 def rest_shapes(config: object) -> dict[str, tuple[int, ...]]:
     """Trainer shapes of the non-layer tensors (embeddings, final norm, untied lm_head)."""
     c = as_config(config)
-    if "vocab_size" not in c:
-        raise ValueError("config.vocab_size: required for the non-layer tensors (e.g. 154880 for GLM-5)")
-    if c.get("tie_word_embeddings"):
-        raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
-                         "its own tensor)")  # fmt: skip
+    check_untied_vocab(c, "the non-layer tensors", "its own tensor")
     v, h = c["vocab_size"], c["hidden_size"]
     return {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
 

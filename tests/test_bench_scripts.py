@@ -30,6 +30,9 @@ def _run(script: str, *args: str) -> str:
         ("--mode", "broadcast"),
         ("--mode", "scatter", "--tp", "2"),
         ("--mode", "senders", "--tp", "2", "--ep", "--senders", "2", "--master", "bf16", "fp32"),
+        # a fleet: servers of different layouts in one link (#32)
+        ("--mode", "scatter", "--servers", "2xTP2", "EP2", "TP2xDP2"),
+        ("--mode", "senders", "--senders", "2", "--servers", "TP2", "2xEP2"),
     ],
 )
 def test_pipeline_script_checks_its_bytes(args):
@@ -37,6 +40,10 @@ def test_pipeline_script_checks_its_bytes(args):
     checks = re.findall(r"\b(\d+)/(\d+)\s", out)
     assert checks, out
     assert all(int(checked) > 0 and int(differ) == 0 for checked, differ in checks), out
+    if "broadcast" not in args:
+        # The link carried the model's wire bytes plus the protocol's own words (prelude, votes).
+        ratios = [float(r) for r in re.findall(r"\s(\d+\.\d{5})\s+\d+/\d+\s", out)]
+        assert ratios and all(1 <= r < 1.05 for r in ratios), out
 
 
 def test_engine_rank_script_lands_every_parameter():

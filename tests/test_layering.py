@@ -21,7 +21,7 @@ LAYERS = [
     ["_checks"],
     ["config", "engine.layout"],
     ["presets", "indexer"],
-    ["models"],
+    ["models", "fleet"],
     ["layer_plan"],
     ["trainer_layouts"],
     ["plan", "kernels", "kernels.checksum"],
@@ -40,7 +40,7 @@ LAYERS = [
     ["transfer.endpoint"],
     ["transfer.gather"],
     ["transfer.share"],
-    ["transfer.sender", "transfer.receiver"],
+    ["transfer.sender", "transfer.receiver", "integrations.vllm.gate"],
     [
         "transfer",
         "engine",
@@ -52,17 +52,21 @@ LAYERS = [
         "integrations.vllm.sources",
         "testing",
     ],
-    ["integrations.vllm.trainer_options", "integrations.vllm.trainer_source"],
+    ["integrations.vllm.clients"],
+    ["integrations.vllm.fleet", "integrations.vllm.trainer_options", "integrations.vllm.trainer_source"],
+    ["integrations.vllm.trainer_fleet"],
     ["integrations.vllm.worker", "integrations.vllm.trainer"],
     ["integrations.vllm"],
     ["integrations.vllm.backend", "update_time", "plan_request"],
-    ["plan_deployment"],
+    ["plan_deployment", "plan_text_parts"],
+    ["plan_summary"],
     ["planning", "plan_text"],
-    ["bench", "demo", "cli_args"],
+    ["bench", "demo", "cli_args", "cli_plan"],
     ["cli", "__init__", *sorted(ALIASES)],  # on top: no module of glm_fp8 imports an old path
 ]
-# cli_args: the CLI's option parsers, lazy as the CLI; engine.layout: old names resolved on first use
-LAZY_ALLOWED = {"cli", "cli_args", "__init__", "engine.layout"}
+# cli_args, cli_plan: the CLI's option parsers and plan command, lazy as the CLI; engine.layout: old
+# names resolved on first use
+LAZY_ALLOWED = {"cli", "cli_args", "cli_plan", "__init__", "engine.layout"}
 
 
 def _modules() -> dict[str, Path]:
@@ -201,3 +205,25 @@ def test_plan_report_modules_keep_their_old_paths():
     assert moved <= set(planning.__all__)
     assert cli.WIDTH is plan_text.WIDTH
     assert cli.positive_int is cli_args.positive_int and cli.positive_float is cli_args.positive_float
+
+
+def test_tests_mirror_the_package():
+    """tests/ has one folder per part of the package (its subpackages), each test in it marked with
+    the folder's name (tests/conftest.py), every marker registered (pyproject.toml), so that
+    ``pytest -m transfer`` runs the transfer's tests and nothing else."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - CI runs 3.11+
+        return
+    import conftest
+
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert folders == set(conftest.PARTS)
+    for part in conftest.PARTS:
+        assert (PACKAGE / part / "__init__.py").is_file(), f"tests/{part}/ names no package of glm_fp8"
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    markers = {m.split(":")[0] for m in project["tool"]["pytest"]["ini_options"]["markers"]}
+    assert markers == {*conftest.PARTS, "core"}

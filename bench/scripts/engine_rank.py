@@ -26,7 +26,7 @@ from glm_fp8.engine import EngineLayout, engine_params, take_shard
 from glm_fp8.models import PRESETS, TINY_GLM5
 from glm_fp8.plan import layer_prefix, plan_from_config
 from glm_fp8.reference import convert_layer_ref
-from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver
+from glm_fp8.transfer import HostSinkComm, Receiver, Sender
 from glm_fp8.transfer.link import Link
 from glm_fp8.transfer.wire import MAGIC, PROTOCOL_VERSION
 
@@ -113,8 +113,8 @@ def measure(args, ep: bool) -> list:
     layer = {k: torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16).mul_(0.02)
              for k, (shape, _) in plan.inputs.items()}  # fmt: skip
     rec = SegmentRecorder(len(engines), me)
-    sender = Broadcaster(rec, 0, config=config, layer_ids=[0], engines=engines, device=device)
-    sender.broadcast_model([(0, layer)])
+    sender = Sender(rec, 0, config=config, layer_ids=[0], engines=engines, device=device)
+    sender.send_model([(0, layer)])
     (segment,) = rec.kept
     segment = segment.pin_memory() if device.type == "cuda" else segment
     del rec, sender  # free the sender's rings before the reference's temporaries

@@ -3,7 +3,7 @@
     python3 bench/scripts/gather.py [--world 1] [--model glm-5|small] [--layers 2]
 
 ``--world`` processes (one per GPU with NCCL; gloo on the CPU) hold a GLM-5 sparse layer as
-bf16 DTensors sharded on dim 0 (expert parallel / FSDP2). Rank 0 runs ``Broadcaster`` into a
+bf16 DTensors sharded on dim 0 (expert parallel / FSDP2). Rank 0 runs ``Sender`` into a
 stand-in link (``HostSinkComm``), the others ``contribute_shards``. The sender's peak is
 measured above what it held before (its shards), ring slots included: the figure the targets
 name. With one GPU the world is 1: every gather is then local, but what the sender allocates
@@ -45,7 +45,7 @@ def _sharded_layer(plan, mesh, rank: int, world: int, device: torch.device) -> d
 def gather_rank(rank: int, world: int, config: dict, layers: int, strategy: str, ring: int) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from glm_fp8.transfer import Broadcaster, HostSinkComm, contribute_shards
+    from glm_fp8.transfer import HostSinkComm, Sender, contribute_shards
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -64,8 +64,8 @@ def gather_rank(rank: int, world: int, config: dict, layers: int, strategy: str,
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    sender = Broadcaster(HostSinkComm(), 0, ring=ring, **kw)
-    sender.broadcast_model(stream)
+    sender = Sender(HostSinkComm(), 0, ring=ring, **kw)
+    sender.send_model(stream)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0
     return dict(seconds=seconds, peak=peak, ring_bytes=ring * plan.nbytes, layer_bytes=plan.nbytes)

@@ -4,7 +4,8 @@ against its conversion alone; its peak memory against the transfer plan's; its f
 bytes against the reference.
 
     python3 bench/scripts/pipeline.py --mode broadcast|scatter|senders [--layers 80] [--tp 8] [--ep]
-        [--engines 1] [--senders 32] [--sender 0 1] [--master bf16 fp32] [--repeats 3] [--ring 2]
+        [--engines 1] [--servers 2xEP8 2xTP8] [--senders 32] [--sender 0 1] [--master bf16 fp32]
+        [--repeats 3] [--ring 2]
 
 GLM-5 sparse layers (Gaussian x 0.02 in the master dtype); one layer's tensors are reused for every
 layer (each layer is still converted and sent). The stand-in link (``HostSinkComm``) copies every
@@ -12,6 +13,11 @@ message to pinned host memory, about one inter-node link's speed; it has no peer
 leads and its votes are its own. ``--mode broadcast``: one sender, one "full" receiver (every entry
 whole); ``scatter``: one sender into ``--engines`` engines of TP ``--tp`` (EP with ``--ep``);
 ``senders``: link rank ``--sender`` of ``--senders`` trainer ranks into the same engines.
+``--servers`` replaces ``--engines`` / ``--tp`` / ``--ep`` by a fleet of servers of different
+layouts in one link, each ``[Nx]TP<t>`` or ``[Nx]EP<t>`` (TP t with expert parallel), optionally
+``xDP<d>``: N replicas of that server. The wire bytes the link carried are compared with what the
+update-time model predicts for the sender (``glm_fp8.transfer.pack.update_regions``, scatter; the
+transfer plan, many senders): one group broadcast per set of ranks that hold the same region.
 ``--device cpu --model tiny`` runs a small model on the CPU (a check of the script, no figures).
 """
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import time
 
 import torch
@@ -28,8 +35,9 @@ from glm_fp8.engine import EngineLayout, take_shard
 from glm_fp8.models import PRESETS, TINY_GLM5
 from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
 from glm_fp8.reference import convert_layer_ref
-from glm_fp8.transfer import Broadcaster, HostSinkComm
+from glm_fp8.transfer import HostSinkComm, Sender
 from glm_fp8.transfer.gather import trainer_view
+from glm_fp8.transfer.pack import update_regions
 
 
 class Recorder(HostSinkComm):
@@ -60,7 +68,7 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _check_first_layer(sender: Broadcaster, kept: list, layer: dict) -> tuple[int, int]:
+def _check_first_layer(sender: Sender, kept: list, layer: dict) -> tuple[int, int]:
     """Layer 0's messages (after the prelude, the manifest and its header) against the reference
     conversion cut by each piece's shard and rows: (bytes checked, bytes that differ)."""
     lay, plan = sender.routes.layers[0], sender.plans[0]
@@ -84,6 +92,40 @@ def _check_first_layer(sender: Broadcaster, kept: list, layer: dict) -> tuple[in
     return checked, differ
 
 
+def parse_server(text: str) -> tuple[int, int, int, bool]:
+    """``[Nx]TP<t>[xDP<d>]`` or ``[Nx]EP<t>[xDP<d>]`` -> (replicas, tp, dp, ep)."""
+    m = re.fullmatch(r"(?:(\d+)x)?(TP|EP)(\d+)(?:xDP(\d+))?", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected [Nx]TP<t>[xDP<d>] or [Nx]EP<t>[xDP<d>], got {text!r}")
+    return int(m.group(1) or 1), int(m.group(3)), int(m.group(4) or 1), m.group(2) == "EP"
+
+
+def fleet_layouts(args) -> list[EngineLayout]:
+    """Every engine rank of the fleet, server after server (``--servers``, else ``--engines``
+    replicas of TP ``--tp``)."""
+    servers = args.servers or [(args.engines, args.tp, 1, args.ep)]
+    return [lay for n, tp, dp, ep in servers for _ in range(n) for lay in EngineLayout.all_ranks(tp, dp, ep)]
+
+
+def fleet_name(args) -> str:
+    if not args.servers:
+        return f"{args.engines} x {'EP' if args.ep else 'TP'}{args.tp}"
+    return " + ".join(f"{n} x {'EP' if ep else 'TP'}{tp}{f' x DP{dp}' if dp > 1 else ''}"
+                      for n, tp, dp, ep in args.servers)  # fmt: skip
+
+
+def predicted_wire(sender: Sender, config: dict, layouts: list, mode: str) -> int:
+    """The bytes the model says this sender puts on its link for the update: every segment once
+    per group broadcast or once per receiving rank (``LayerRoutes.sent_nbytes``); for scatter also
+    checked against ``update_regions``, the update-time model's own sum. The link carries these
+    plus the protocol's own words (prelude, manifest, headers, votes: a few KiB)."""
+    routes = sum(lay.sent_nbytes(sender.me) for lay in sender.routes.layers)
+    if mode == "scatter":
+        u = update_regions(config, layouts, layer_ids=sender.layer_ids, rest=False)
+        assert sum(lay.wire_nbytes for lay in u.layers) == routes, "routes and update_regions disagree"
+    return routes
+
+
 def measure(args, master: torch.dtype, t: int) -> list:
     device = torch.device(args.device)
     gc.collect()  # what an earlier row left must not count in this one's memory
@@ -96,7 +138,7 @@ def measure(args, master: torch.dtype, t: int) -> list:
              for k, (shape, _) in plan.inputs.items()}  # fmt: skip
     stream = lambda: ((i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()})  # noqa: E731
                       for i in range(n))  # fmt: skip
-    layouts = EngineLayout.all_ranks(args.tp, 1, args.ep) * args.engines
+    layouts = fleet_layouts(args)
     kw = dict(config=config, device=device, ring=args.ring, checksum=not args.no_checksum)
     if args.mode == "broadcast":
         size, src = 2, 0
@@ -109,21 +151,22 @@ def measure(args, master: torch.dtype, t: int) -> list:
         torch.cuda.empty_cache()
     inputs = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     link = Recorder(src, size)
-    sender = Broadcaster(link, src, **kw)
+    sender = Sender(link, src, **kw)
     lay0 = sender.routes.layers[0]  # keep the prelude, the manifest, layer 0's header and messages
     link.keep_first = 3 + sum(
         1 if lay0.groups[s.cls] else len(lay0.classes[s.cls]) for s in lay0.of_sender(sender.me)
     )
-    sender.broadcast_model(stream())  # warm-up (compiles); keeps layer 0's messages for the check
+    sender.send_model(stream())  # warm-up (compiles); keeps layer 0's messages for the check
     checked, differ = _check_first_layer(sender, link.kept, layer) if args.check else (0, 0)
     link.kept, link.keep_first = [], 0
     runs = []
     for _ in range(args.repeats):  # the update and the link alone, interleaved: the same clocks
         link.log = []
-        stats = sender.broadcast_model(stream())
+        stats = sender.send_model(stream())
         msgs = list(link.log)
         t_link = _seconds(lambda: [HostSinkComm.broadcast(link, m, src) for m in msgs], device)
         runs.append((stats, t_link, sum(m.nbytes for m in msgs)))
+    wire = predicted_wire(sender, config, layouts, args.mode) if args.mode != "broadcast" else 0
 
     def convert_only():
         for pos, (i, sd) in enumerate(stream()):
@@ -143,8 +186,9 @@ def measure(args, master: torch.dtype, t: int) -> list:
             f"{stats.seconds:.3f}", f"{t_link:.3f}", f"{t_convert:.3f}",
             f"{stats.seconds / t_link:.4f} ({ratios[0]:.4f}-{ratios[-1]:.4f})",
             f"{nbytes / t_link / 1e9:.1f}", f"{peak / 2**30:.3f}", f"{predicted / 2**30:.3f}",
-            f"{peak / predicted:.3f}", f"{checked}/{differ}", f"{1e3 * steps[len(steps) // 2]:.1f}",
-            f"{1e3 * steps[-1]:.1f}"]  # fmt: skip
+            f"{peak / predicted:.3f}", f"{wire / 2**30:.3f}" if wire else "-",
+            f"{nbytes / wire:.5f}" if wire else "-", f"{checked}/{differ}",
+            f"{1e3 * steps[len(steps) // 2]:.1f}", f"{1e3 * steps[-1]:.1f}"]  # fmt: skip
 
 
 def main() -> None:
@@ -154,6 +198,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8, help="engine tensor-parallel size (default 8)")
     p.add_argument("--ep", action="store_true", help="engines use expert parallelism")
     p.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
+    p.add_argument("--servers", nargs="+", type=parse_server, default=None,
+                   help="a fleet instead of --engines: [Nx]TP<t>[xDP<d>] or [Nx]EP<t>[xDP<d>], "
+                   "one per server")  # fmt: skip
     p.add_argument("--senders", type=int, default=32, help="trainer ranks, --mode senders (default 32)")
     p.add_argument("--sender", type=int, nargs="+", default=[0], help="the link ranks measured (default 0)")
     p.add_argument("--master", nargs="+", default=["bf16"], choices=("bf16", "fp32"), help="master dtypes")
@@ -172,14 +219,15 @@ def main() -> None:
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     senders = args.sender if args.mode == "senders" else [0]
     rows = [measure(args, dtypes[m], t) for m in args.master for t in senders]
-    engines = f"{args.engines} x {'EP' if args.ep else 'TP'}{args.tp}"
+    engines = fleet_name(args)
     what = {"broadcast": "one sender, one full receiver", "scatter": f"one sender into {engines}",
             "senders": f"{args.senders} senders into {engines}"}[args.mode]  # fmt: skip
     print(f"{args.layers} {args.model} sparse layers, {what}, ring {args.ring}, checksum "
           f"{not args.no_checksum}; stand-in link: device-to-host copies into pinned memory")  # fmt: skip
     print(tabulate(rows, ["mode", "master", "sender", "sent GiB/layer", "total s", "link alone s",
                           "convert+pack alone s", "total / link (median, range)", "link GB/s", "peak GiB",
-                          "predicted GiB", "peak / predicted", "layer-0 bytes checked/differ",
+                          "predicted GiB", "peak / predicted", "wire GiB predicted",
+                          "wire measured / predicted", "layer-0 bytes checked/differ",
                           "step ms (median)", "step ms (max)"]))  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_fp8.config import as_config
+from glm_fp8.config import as_config, check_untied_vocab
 from glm_fp8.engine.layout import EngineLayout, Shard
 from glm_fp8.engine.rules import MTP_OWN, ShardRules, split_name
 from glm_fp8.indexer import skip_topk_layers
@@ -81,11 +81,7 @@ def _dtype(name: str, config: Mapping, table: Mapping[str, tuple[tuple[int, ...]
 
 def _check_config(config: object) -> Mapping:
     c = as_config(config)
-    if "vocab_size" not in c:
-        raise ValueError("config.vocab_size: required for the engine's parameters (e.g. 154880 for GLM-5)")
-    if c.get("tie_word_embeddings"):
-        raise ValueError("config.tie_word_embeddings: tied embeddings are not supported (GLM's lm_head is "
-                         "its own ParallelLMHead in vLLM 0.34)")  # fmt: skip
+    check_untied_vocab(c, "the engine's parameters", "its own ParallelLMHead in vLLM 0.34")
     if c["model_type"] not in ENGINE_FAMILIES:
         raise ValueError(f"config.model_type: the engine's parameters are modelled for "
                          f"{sorted(ENGINE_FAMILIES)} only (docs/layouts.md#engine-side-vllm-034), got "

@@ -5,7 +5,7 @@ every rank shares (``endpoint``), the sending trainer ranks (``sender``), the re
 from glm_fp8.transfer.gather import contribute_shards
 from glm_fp8.transfer.link import HostSinkComm, Link, ObjectLink, StoreLink, TorchLink, as_link
 from glm_fp8.transfer.receiver import Receiver
-from glm_fp8.transfer.sender import Broadcaster
+from glm_fp8.transfer.sender import Broadcaster, Sender
 from glm_fp8.transfer.wire import (
     LayerOrderError,
     ManifestMismatch,
@@ -22,6 +22,7 @@ __all__ = [
     "ObjectLink",
     "Receiver",
     "ReceiverRefused",
+    "Sender",
     "StoreLink",
     "TorchLink",
     "UpdateAborted",

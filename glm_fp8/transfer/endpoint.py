@@ -1,4 +1,4 @@
-"""What every rank of an update shares (``Broadcaster`` and ``Receiver`` both are an ``Endpoint``):
+"""What every rank of an update shares (``Sender`` and ``Receiver`` both are an ``Endpoint``):
 the link, the update's layers and plans, the transfer plan, the device, the rings, the manifest
 vote and the step votes (protocol: ``glm_fp8.transfer.wire``)."""
 
@@ -63,7 +63,7 @@ class LayerStats:
 
 @dataclass
 class UpdateStats:
-    """What ``broadcast_model`` / ``load_into`` return: every step's ``LayerStats``, the wall
+    """What ``send_model`` / ``load_into`` return: every step's ``LayerStats``, the wall
     ``seconds`` of the whole call and, for a sender on CUDA, ``peak_bytes``: the most the call
     allocated above what was allocated when it began (``torch.cuda.max_memory_allocated``; None
     elsewhere)."""
@@ -118,7 +118,7 @@ class Ring:
 
 
 class Endpoint:
-    """The shared setup of ``Broadcaster`` and ``Receiver``.
+    """The shared setup of ``Sender`` and ``Receiver``.
 
     ``layer_ids`` (default: every decoder layer; ``glm_fp8.plan.model_layer_ids`` adds the MTP
     layer) are the update's layers in order, then ``REST`` (-1: the embeddings, final norm and

@@ -1,5 +1,5 @@
 """Collecting sharded trainer weights (DTensors) on the sending rank, piece by piece: the
-gather strategies of ``Broadcaster`` and ``contribute_shards``.
+gather strategies of ``Sender`` and ``contribute_shards``.
 
 Every function here is collective over the DTensor's mesh: all of its ranks call it with the
 same arguments, and only ``dst`` (a global rank) receives. Supported layouts: a 1-D mesh with
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from glm_fp8.convert import check_finite_entries, check_layer, convert_layer
+from glm_fp8.convert import check_adapted_layer, check_finite_entries, convert_checked
 from glm_fp8.plan import (
     LayerPlan,
     adapt_plan,
@@ -173,16 +173,17 @@ def contribute_shards(
     layer_ids: Sequence[int] | None = None,
 ) -> None:
     """What every trainer rank except the sender runs, with the same arguments as the sender's
-    ``Broadcaster``: its part of each layer's DTensor gathers (collective over the mesh).
+    ``Sender``: its part of each layer's DTensor gathers (collective over the mesh).
     ``layer_ids``: the layers ``layers`` yields (default: every decoder layer of ``config``)."""
     if (config is None) == (plans is None):
         raise ValueError("config / plans: pass exactly one of them")
     plans = list(plans) if plans is not None else plans_for_model(config, layer_ids=layer_ids)
     dev = resolve_device(device) if device else default_device()
     for pos, (layer_idx, sd) in enumerate(layers):
+        plan, layer = trainer_view(plans[pos], strip_layer(sd, layer_idx), layer_idx)
         collect_layer(
-            plans[pos], strip_layer(sd, layer_idx), layer_idx, None, mode="fp8", gather=gather,
-            chunk_experts=chunk_experts, gather_dtype=gather_dtype, sender=sender, device=dev,
+            plan, layer, layer_idx, None, mode="fp8", gather=gather, chunk_experts=chunk_experts,
+            gather_dtype=gather_dtype, sender=sender, device=dev,
         )  # fmt: skip
 
 
@@ -203,7 +204,10 @@ def collect_layer(
     """Gather (if sharded) and convert one layer into ``buf`` on the sender (``buf`` given;
     returns every entry's view by prefixed name); on the other trainer ranks only take part in the
     gathers (returns {}). Every trainer rank calls it with the same layer, so the collectives
-    match. ``check_finite=False``: no host read; the caller checks ``buf`` (``entry_norms``).
+    match. ``plan`` and ``layer`` as ``trainer_view`` gives them (short names, the plan adapted to
+    the layer's trainer layout): nothing is adapted again, and the sender checks the layer once
+    (``check_adapted_layer``), before any byte of ``buf`` is written. ``check_finite=False``: no
+    host read; the caller checks ``buf`` (``entry_norms``).
 
     gather: "full" (``full_tensor()`` per tensor, as prime-rl), "chunked" (expert stacks
     ``chunk_experts`` at a time into a reusable buffer: the whole gathered stack never exists),
@@ -214,7 +218,6 @@ def collect_layer(
     """
     sending = buf is not None
     prefix = layer_prefix(layer_idx)
-    plan, layer = trainer_view(plan, layer, layer_idx)
     travel = travel_dtypes(plan, gather_dtype)
     strategy = _choose_gather(plan, layer, gather, mode, prefix)
     if strategy == "full":
@@ -222,17 +225,19 @@ def collect_layer(
         if not sending:
             return {}
         gathered = {k: t.to(device) for k, t in gathered.items()}
+        on = check_adapted_layer(plan, gathered, prefix)
         # check_finite: one flag for every entry, passthrough ones included, one host read.
-        return dict(convert_layer(gathered, layer_idx, out=buf, plan=plan, check_finite=check_finite))
+        return dict(convert_checked(gathered, plan, prefix, out=buf, device=on, check_finite=check_finite))
     stacks = [e for e in plan.entries if e.op == "quantize" and len(e.shape) == 3]
     stacked = {s for e in stacks for s in e.sources}
     rest = {k: full_value(t, travel.get(k)) for k, t in layer.items() if k not in stacked}
     views: dict[str, torch.Tensor] = {}
     if sending:
         rest = {k: t.to(device) for k, t in rest.items()}
-        check_layer(plan, {**rest, **{k: layer[k] for k in stacked}}, prefix)
+        # The whole layer is checked once (the stacks' global shapes); only the rest is written here.
+        on = check_adapted_layer(plan, {**rest, **{k: layer[k] for k in stacked}}, prefix)
         names = {e.name for e in plan.entries if e.op != "scale" and e not in stacks}
-        views = convert_layer(rest, layer_idx, out=buf, plan=plan, check_finite=False, only=names)
+        views = convert_checked(rest, plan, prefix, out=buf, device=on, check_finite=False, only=names)
     me = torch.distributed.get_rank()
     fmt = plan.scale_fmt
     for e in stacks:

@@ -46,7 +46,7 @@ from glm_fp8.transfer.wire import (
 )
 
 
-class Broadcaster(Endpoint):
+class Sender(Endpoint):
     """A trainer rank that sends: converts layers into a ring of buffers and sends them, pipelined.
 
     Args:
@@ -58,7 +58,7 @@ class Broadcaster(Endpoint):
             ``LayerPlan`` per layer; the manifest needs them before the first layer is sent.
         layer_ids: the layers of this update, in order (default: every decoder layer;
             ``glm_fp8.plan.model_layer_ids(config)`` adds the MTP layer); every rank passes the same
-            list, and ``broadcast_model`` must be handed exactly these layers in this order.
+            list, and ``send_model`` must be handed exactly these layers in this order.
         rest: the update also carries the non-layer tensors (``model.embed_tokens.weight``,
             ``model.norm.weight``, ``lm_head.weight``), sent after the last layer.
         scale_fmt: "fp32" (default) or "ue8m0": power-of-two block scales, as vLLM's DeepGEMM
@@ -67,8 +67,8 @@ class Broadcaster(Endpoint):
             receives only its shard: scatter) or "full" (every entry whole). Default: every rank
             but the senders "full", a full broadcast. The same list on every rank.
         senders: the link ranks that send, in the order of the expert chunks they hold (default:
-            ``[src]``). With several, every one of them builds a Broadcaster with the same arguments
-            and calls ``broadcast_model`` with its own (sharded) layers; each converts and sends its
+            ``[src]``). With several, every one of them builds a Sender with the same arguments
+            and calls ``send_model`` with its own (sharded) layers; each converts and sends its
             own experts and the entries it owns (docs/layouts.md#the-transfer-plan).
         ring: conversion buffers (default 2: convert i+1 while i is sent; 1 serializes).
         mode: "fp8" ships kernel-format fp8 entries; "bf16" ships them unquantized, for receivers
@@ -137,7 +137,7 @@ class Broadcaster(Endpoint):
             self._checks: list[tuple | None] = [None, None]
             self._ready: torch.cuda.Event | None = None
 
-    def broadcast_model(
+    def send_model(
         self,
         layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
         rest: Mapping[str, torch.Tensor] | None = None,
@@ -163,6 +163,9 @@ class Broadcaster(Endpoint):
         if self.device.type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
         return stats
+
+    # The old name: this class sends in every mode (broadcast, scatter, many senders).
+    broadcast_model = send_model
 
     def _check_manifest(self, got: bytes) -> tuple[Exception | None, int]:
         if got == self.payload():
@@ -237,7 +240,7 @@ class Broadcaster(Endpoint):
             raise LayerOrderError(
                 "rest: the manifest announced the non-layer tensors, none were given"
                 if self.rest
-                else "rest: given, but this Broadcaster was built without rest=True (not in the manifest)"
+                else "rest: given, but this Sender was built without rest=True (not in the manifest)"
             )
         if pos < n_layers:
             got = next(it, None)
@@ -385,3 +388,7 @@ class Broadcaster(Endpoint):
         for stream in (self.convert_stream, self.link_stream):
             if stream is not None:
                 stream.synchronize()
+
+
+# The old name, kept: the class sends in every mode, not only broadcasts (docs/map.md#words).
+Broadcaster = Sender

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from glm_fp8.convert import check_layer_keys, convert_layer
+from glm_fp8.convert import check_adapted_keys, check_source_dtypes, convert_checked, layer_device
 from glm_fp8.plan import LayerPlan, layer_prefix, source_rows
 from glm_fp8.transfer.gather import full_value, gather_rows, shard_layout, travel_dtypes
 from glm_fp8.transfer.owners import sender_plan, split_entries, stack_entries
@@ -23,13 +23,15 @@ def check_own_layer(
     bounds: Sequence[tuple[int, int]],
 ) -> None:
     """What every sender checks of a layer before any gather, so that all of them gather or
-    none does: keys and global shapes (``check_layer_keys``), expert stacks that are plain
-    tensors or DTensors sharded on the expert dim over the senders (global ranks ``senders``)
-    in their order, other DTensors on a mesh of the senders."""
+    none does (``plan`` and ``layer`` as ``trainer_view`` gives them: nothing is adapted again):
+    keys and global shapes (``check_adapted_keys``), passthrough sources of a floating dtype
+    (``check_source_dtypes``), expert stacks that are plain tensors or DTensors sharded on the
+    expert dim over the senders (global ranks ``senders``) in their order, other DTensors on a
+    mesh of the senders. ``collect_own`` then checks only what its own share adds: one device."""
     from torch.distributed.tensor import DTensor
 
     prefix = layer_prefix(layer_idx)
-    check_layer_keys(plan, layer, prefix)
+    check_source_dtypes(check_adapted_keys(plan, layer, prefix), layer, prefix)
     stacks = {s for e in stack_entries(plan) for s in e.sources}
     per_expert = {s for e in stack_entries(plan) if e.per_expert for s in e.sources}
     for k, t in sorted(layer.items()):
@@ -138,7 +140,11 @@ def collect_own(
     local = sender_plan(plan, prefix, routes.splits, routes.owners, t)
     if not local.entries:
         return local, {}
-    out = buf[: local.nbytes]
-    return local, dict(
-        convert_layer(inputs, routes.layer_idx, out=out, plan=local, check_finite=check_finite)
+    # ``local`` is cut from ``plan`` (already adapted) and ``inputs`` are exactly its sources at its
+    # rows: the keys, shapes and dtypes were checked on the whole layer; what the share adds is
+    # where its tensors are (held ones as they are, gathered ones on ``device``).
+    on = layer_device(local, inputs, prefix)
+    views = convert_checked(
+        inputs, local, prefix, out=buf[: local.nbytes], device=on, check_finite=check_finite
     )
+    return local, dict(views)

@@ -1,4 +1,4 @@
-"""What a trainer rank hands ``Broadcaster.broadcast_model``: an iterable of ``(layer_idx, tensors)``
+"""What a trainer rank hands ``Sender.send_model``: an iterable of ``(layer_idx, tensors)``
 pairs, each a state dict or a module (its ``state_dict()``); anything else is refused with what
 to pass instead, voted at the step it was found, so every rank stops there."""
 
@@ -10,7 +10,7 @@ import torch
 
 
 def layers_arg(layers: object) -> object:
-    """``broadcast_model``'s ``layers`` if it can be iterated for ``(layer_idx, state_dict)``
+    """``send_model``'s ``layers`` if it can be iterated for ``(layer_idx, state_dict)``
     pairs; a module (a whole model) or a mapping is refused, saying what to pass."""
     if isinstance(layers, torch.nn.Module):
         raise TypeError(

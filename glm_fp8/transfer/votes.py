@@ -76,7 +76,7 @@ def refuse_agreement(comm: object | None, src: object, device: object, error: Ba
     stops there with an error naming this rank and ``error``'s message, instead of waiting for it
     until the transport's timeout. Does nothing where this rank cannot reach the link (``comm`` or
     ``src`` themselves refused) or the link is a stand-in with no peers. Blocks until the leader
-    starts the update (its ``broadcast_model``): a constructor that refuses is not left alone."""
+    starts the update (its ``send_model``): a constructor that refuses is not left alone."""
     try:
         link = as_link(comm)
         root = check_int("src", src, 0, link.size - 1)

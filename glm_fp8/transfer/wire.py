@@ -147,7 +147,7 @@ def compare_manifest(got: object, want: dict, layer_ids: Sequence[int], *, requi
     if require_checksum and not got["checksum"]:
         raise ManifestMismatch(
             "manifest: this receiver requires checksums (Receiver(checksum=True)), the sender sends none "
-            "(Broadcaster(checksum=False))"
+            "(Sender(checksum=False))"
         )
     layers = got.get("layers")
     if not isinstance(layers, list) or len(layers) != len(want["layers"]):

@@ -15,24 +15,24 @@ import torch
 from glm_fp8.engine import EngineLayout
 from glm_fp8.models import SMALL_GLM5, TINY_GLM5
 from glm_fp8.testing import launch, synthetic_layer
-from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver
+from glm_fp8.transfer import HostSinkComm, Receiver, Sender
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
 FAST = 60.0  # seconds for a whole 3-process case, process start included; the transport waits 120
 
 
 def _refusing_rank(rank, world, how):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     kw = dict(config=CONFIG, device="cpu")
     if rank == 0:
         if how == "leader_ring":
             kw["ring"] = 0
-        sender = Broadcaster(None, 0, **kw)
+        sender = Sender(None, 0, **kw)
         if how == "module_layers":  # a whole model where (layer_idx, state_dict) pairs belong
-            sender.broadcast_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+            sender.send_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
         else:
-            sender.broadcast_model((i, synthetic_layer(CONFIG, i)) for i in range(3))
+            sender.send_model((i, synthetic_layer(CONFIG, i)) for i in range(3))
         return "sent"
     if how == "engines_short" and rank == 2:
         kw["engines"] = [None, "full"]  # one entry short of the link's 3
@@ -79,7 +79,7 @@ def test_engine_layouts_are_checked_as_a_whole():
         check_replicas([None, *tp2, tp2[1]])
     # Every rank refuses the same list, each in its constructor (here a stand-in link of 3).
     with pytest.raises(ValueError, match="do not form whole replicas"):
-        Broadcaster(HostSinkComm(size=3), 0, config=TINY_GLM5, engines=[None, tp2[0], tp2[0]], device="cpu")
+        Sender(HostSinkComm(size=3), 0, config=TINY_GLM5, engines=[None, tp2[0], tp2[0]], device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_engine_layouts_are_checked_as_a_whole():
 )
 def test_numbers_are_integers_in_range_before_anything_is_allocated(kw, says):
     with pytest.raises(ValueError, match=says):
-        Broadcaster(HostSinkComm(), **{"config": TINY_GLM5, "device": "cpu", **kw})
+        Sender(HostSinkComm(), **{"config": TINY_GLM5, "device": "cpu", **kw})
 
 
 @pytest.mark.parametrize(
@@ -132,12 +132,12 @@ def test_endpoints_take_a_config_as_a_dict_an_hf_config_or_a_path(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_GLM5))
     payloads = {
-        Broadcaster(HostSinkComm(), config=form, device="cpu").payload()
+        Sender(HostSinkComm(), config=form, device="cpu").payload()
         for form in (TINY_GLM5, _PretrainedConfigLike(TINY_GLM5), str(path), tmp_path)
     }
     assert len(payloads) == 1  # the same manifest from every form
     with pytest.raises(TypeError, match="config: expected a dict, an object with to_dict()"):
-        Broadcaster(HostSinkComm(), config=42, device="cpu")
+        Sender(HostSinkComm(), config=42, device="cpu")
 
 
 def test_stats_count_the_bytes_this_rank_sent():
@@ -145,8 +145,8 @@ def test_stats_count_the_bytes_this_rank_sent():
     on the link (each rank's segment once), not the layer's size; ``layer_nbytes`` is that."""
     link = HostSinkComm(keep=True, size=3)
     engines = [None, *(EngineLayout(tp_size=2, tp_rank=r) for r in range(2))]
-    sender = Broadcaster(link, 0, config=TINY_GLM5, layer_ids=[0], engines=engines, device="cpu")
-    stats = sender.broadcast_model([(0, synthetic_layer(TINY_GLM5, 0))])
+    sender = Sender(link, 0, config=TINY_GLM5, layer_ids=[0], engines=engines, device="cpu")
+    stats = sender.send_model([(0, synthetic_layer(TINY_GLM5, 0))])
     uint8 = sum(t.numel() for t in link.sent if t.dtype == torch.uint8)  # the manifest, the segments
     sent = uint8 - len(sender.payload())
     assert stats.nbytes == sent == sender.routes.sent_bytes()[0]

@@ -43,10 +43,10 @@ def _load_into_rank(rank, world, mode):
     """Receivers land the update in fp8 parameters (bf16 mode quantizes on receive)."""
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
-        Broadcaster(None, 0, config=CONFIG, mode=mode).broadcast_model(
+        Sender(None, 0, config=CONFIG, mode=mode).send_model(
             (i, synthetic_layer(CONFIG, i)) for i in range(3)
         )
         return None
@@ -73,10 +73,10 @@ def test_load_into_parameters(mode):
 
 
 def _mismatch_rank(rank, world):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
-        Broadcaster(None, 0, config=CONFIG).broadcast_model((i, synthetic_layer(CONFIG, i)) for i in range(3))
+        Sender(None, 0, config=CONFIG).send_model((i, synthetic_layer(CONFIG, i)) for i in range(3))
     elif rank == 1:
         list(Receiver(None, 0, config={**CONFIG, "n_routed_experts": 12}).receive())
     else:
@@ -92,7 +92,7 @@ def test_manifest_mismatch_stops_every_rank_before_any_layer():
 
 
 def _nan_rank(rank, world):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
 
@@ -103,7 +103,7 @@ def _nan_rank(rank, world):
                     sd["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("nan")
                 yield i, sd
 
-        Broadcaster(None, 0, config=CONFIG).broadcast_model(layers())
+        Sender(None, 0, config=CONFIG).send_model(layers())
     else:
         return sum(1 for _ in Receiver(None, 0, config=CONFIG).receive())
 
@@ -117,7 +117,7 @@ def test_nan_weights_abort_the_update_on_every_rank():
 
 
 def _dying_sender_rank(rank, world, how):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
 
@@ -128,7 +128,7 @@ def _dying_sender_rank(rank, world, how):
             time.sleep(12)  # longer than the 6 s process-group timeout
             yield 1, synthetic_layer(CONFIG, 1)
 
-        Broadcaster(None, 0, config=CONFIG).broadcast_model(layers())
+        Sender(None, 0, config=CONFIG).send_model(layers())
     else:
         t0 = time.monotonic()
         try:
@@ -154,11 +154,11 @@ def test_streams_single_gpu_with_poisoned_released_inputs(ring):
     (no read after release, no slot reused before its send finished)."""
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
-    from glm_fp8.transfer import Broadcaster, HostSinkComm
+    from glm_fp8.transfer import HostSinkComm, Sender
 
     config = {**SMALL_GLM5, "num_hidden_layers": 5}
     sink = HostSinkComm(keep=True)
-    sender = Broadcaster(sink, 0, config=config, ring=ring, device="cuda")
+    sender = Sender(sink, 0, config=config, ring=ring, device="cuda")
 
     def layers():
         prev = None
@@ -169,7 +169,7 @@ def test_streams_single_gpu_with_poisoned_released_inputs(ring):
             prev = {k: v.cuda() for k, v in synthetic_layer(config, i).items()}
             yield i, prev
 
-    sender.broadcast_model(layers())
+    sender.send_model(layers())
     torch.cuda.synchronize()
     msgs = sink.sent[2:]  # after the manifest length and bytes: (header, buffer) per layer
     assert len(msgs) == 2 * 5 + 1 and msgs[-1][1].item() == 2  # header [MAGIC, COMPLETE, ...]
@@ -187,14 +187,14 @@ def _many_senders_sink(fault: str | None):
     overwrites each layer's inputs with NaN as soon as the sender asks for the next one."""
     from glm_fp8.engine import EngineLayout
     from glm_fp8.models import TINY_GLM5
-    from glm_fp8.transfer import Broadcaster, HostSinkComm
+    from glm_fp8.transfer import HostSinkComm, Sender
 
     config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
     n = config["num_hidden_layers"]
     sink = HostSinkComm(keep=True, rank=1, size=4)
     engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
     # src=1: the sender leads, as a stand-in link has no peers to take the manifest from it
-    sender = Broadcaster(sink, 1, config=config, engines=engines, senders=[0, 1], device="cuda")
+    sender = Sender(sink, 1, config=config, engines=engines, senders=[0, 1], device="cuda")
 
     def layers():
         prev = None
@@ -223,7 +223,7 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
     from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
 
     config, n, sink, sender, layers = _many_senders_sink(None)
-    sender.broadcast_model(layers())
+    sender.send_model(layers())
     torch.cuda.synchronize()
     msgs = iter(sink.sent[2:])  # after the prelude and the manifest
     checked = 0
@@ -254,7 +254,7 @@ def test_many_senders_non_finite_share_is_raised_by_its_sender_on_the_gpu():
 
     _, _, sink, sender, layers = _many_senders_sink("nan")
     with pytest.raises(NonFiniteError, match=r"model\.layers\.2\.mlp\.experts"):
-        sender.broadcast_model(layers())
+        sender.send_model(layers())
 
 
 class _Recorder(Link):
@@ -318,7 +318,7 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     from glm_fp8.engine import EngineLayout, engine_params
     from glm_fp8.models import TINY_GLM5
     from glm_fp8.testing import reference_engine_params
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
     n = config["num_hidden_layers"]
@@ -327,7 +327,7 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     recorders = {}
     for t in (0, 1):  # each leads its own recording: a stand-in link has no peers
         recorders[t] = _Recorder(t, len(engines))
-        Broadcaster(recorders[t], t, **kw).broadcast_model(
+        Sender(recorders[t], t, **kw).send_model(
             (i, {k: v.cuda() for k, v in synthetic_layer(config, i).items()}) for i in range(n)
         )
     layout = engines[2]

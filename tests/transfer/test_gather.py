@@ -35,15 +35,15 @@ def _rank(rank, world, gather, expert_dim, dtype=torch.bfloat16):
 
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
-    from glm_fp8.transfer import Broadcaster, Receiver, contribute_shards
+    from glm_fp8.transfer import Receiver, Sender, contribute_shards
 
     trainers = world - 1
     mesh = DeviceMesh("cpu", torch.arange(trainers))  # every rank creates the groups
     link = dist.new_group([0, world - 1])  # trainer rank 0 -> the inference rank
     layers = lambda: ((i, _sharded(CONFIG, i, mesh, expert_dim, dtype)) for i in range(3))  # noqa: E731
     if rank == 0:
-        sender = Broadcaster(link, 0, config=CONFIG, gather=gather, chunk_experts=4, device="cpu")
-        sender.broadcast_model(layers())
+        sender = Sender(link, 0, config=CONFIG, gather=gather, chunk_experts=4, device="cpu")
+        sender.send_model(layers())
         return None
     if rank < trainers:
         contribute_shards(layers(), config=CONFIG, sender=0, gather=gather, chunk_experts=4, device="cpu")

@@ -40,7 +40,7 @@ def _rank(rank, world, n_senders, case, fault=None):
 
     from glm_fp8.engine import engine_params
     from glm_fp8.testing import reference_engine_params, sharded_layer
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if fault in ("split", "split_replicated"):
         import glm_fp8.transfer.owners as owners
@@ -53,7 +53,7 @@ def _rank(rank, world, n_senders, case, fault=None):
               senders=list(range(n_senders)))  # fmt: skip
     if rank < n_senders:
         other = {"scale_fmt": "ue8m0"} if fault == "manifest" and rank == 1 else {}  # another manifest
-        sender = Broadcaster(None, 0, **kw, **other)
+        sender = Sender(None, 0, **kw, **other)
 
         def layers():
             for i in WHOLE:
@@ -76,8 +76,8 @@ def _rank(rank, world, n_senders, case, fault=None):
             name = "model.embed_tokens.weight"
             rest[name] = distribute_tensor(rest[name].full_tensor(), mesh, [Replicate()])
         if fault == "checksum":  # refused at layer 2 (below); then the next update, on the same group
-            first = _first_update(lambda: sender.broadcast_model(layers(), rest=rest))
-        stats = sender.broadcast_model(layers(), rest=rest)
+            first = _first_update(lambda: sender.send_model(layers(), rest=rest))
+        stats = sender.send_model(layers(), rest=rest)
         routes = sender.routes
         if fault == "checksum":
             return first
@@ -186,7 +186,7 @@ def _modes_rank(rank, world, dtypes):
 
     from glm_fp8.engine import engine_params
     from glm_fp8.testing import reference_engine_params, sharded_layer
-    from glm_fp8.transfer import Broadcaster, Receiver, contribute_shards
+    from glm_fp8.transfer import Receiver, Sender, contribute_shards
 
     mesh = DeviceMesh("cpu", torch.arange(2))
     one = dist.new_group([0, 2, 3])  # one sender's link (every rank creates the groups)
@@ -208,8 +208,8 @@ def _modes_rank(rank, world, dtypes):
             if rank < 2:
                 layers = ((i, sharded_layer(TINY_GLM5, i, mesh, dtype)) for i in IDS)
                 if rank in senders:
-                    Broadcaster(link, 0, engines=engines, senders=senders, gather_dtype=gather_dtype,
-                                **kw).broadcast_model(layers)  # fmt: skip
+                    Sender(link, 0, engines=engines, senders=senders, gather_dtype=gather_dtype,
+                                **kw).send_model(layers)  # fmt: skip
                 else:
                     contribute_shards(layers, sender=0, gather_dtype=gather_dtype, **kw)
                 continue
@@ -340,21 +340,21 @@ def test_expert_stacks_split_inside_experts_are_refused_naming_the_tensor():
 
 def test_bad_many_senders_arguments_are_refused():
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.transfer import Broadcaster, HostSinkComm, Receiver
+    from glm_fp8.transfer import HostSinkComm, Receiver, Sender
 
     engines = [None, None, EngineLayout(tp_size=2, tp_rank=0), EngineLayout(tp_size=2, tp_rank=1)]
     kw = dict(config=TINY_GLM5, device="cpu")
     link = lambda rank=0: HostSinkComm(rank=rank, size=4)  # noqa: E731
     with pytest.raises(ValueError, match="engines: no rank of the link receives"):
-        Broadcaster(HostSinkComm(size=2), 0, senders=[0, 1], **kw)
+        Sender(HostSinkComm(size=2), 0, senders=[0, 1], **kw)
     with pytest.raises(ValueError, match=r"src: expected one of the senders \[0, 1\]"):
-        Broadcaster(link(), 2, senders=[0, 1], engines=engines, **kw)
+        Sender(link(), 2, senders=[0, 1], engines=engines, **kw)
     with pytest.raises(ValueError, match=r"this process \(link rank 3\) is not one of the senders"):
-        Broadcaster(link(3), 0, senders=[0, 1], engines=engines, **kw)
+        Sender(link(3), 0, senders=[0, 1], engines=engines, **kw)
     with pytest.raises(ValueError, match=r"engines\[1\]: expected None \(a sender\)"):
-        Broadcaster(link(), 0, senders=[0, 1], engines=[None, *engines[2:], None], **kw)
+        Sender(link(), 0, senders=[0, 1], engines=[None, *engines[2:], None], **kw)
     with pytest.raises(ValueError, match=r"engines: expected one entry per rank of the link \(4\), got 3"):
-        Broadcaster(link(), 0, senders=[0, 1], engines=engines[:3], **kw)
+        Sender(link(), 0, senders=[0, 1], engines=engines[:3], **kw)
     receiver = Receiver(link(2), 0, senders=[0, 1], engines=engines, layout=engines[2], **kw)
     with pytest.raises(TypeError, match="receive_layers: with several senders an entry arrives in pieces"):
         receiver.receive_layers()
@@ -370,13 +370,13 @@ def test_a_sender_queues_the_next_layer_before_it_waits_for_a_vote():
     has no peers.)"""
     from glm_fp8.engine import EngineLayout
     from glm_fp8.testing import synthetic_layer
-    from glm_fp8.transfer import Broadcaster, HostSinkComm
+    from glm_fp8.transfer import HostSinkComm, Sender
 
     config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
     n = config["num_hidden_layers"]
     sink = HostSinkComm(rank=1, size=4)
     engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
-    sender = Broadcaster(sink, 1, config=config, engines=engines, senders=[0, 1], device="cpu")
+    sender = Sender(sink, 1, config=config, engines=engines, senders=[0, 1], device="cpu")
     events = []
     exchange, read = sink.exchange, sender.step_votes.read
 
@@ -389,7 +389,7 @@ def test_a_sender_queues_the_next_layer_before_it_waits_for_a_vote():
         return read(step)
 
     sink.exchange, sender.step_votes.read = logged_exchange, logged_read
-    sender.broadcast_model((i, synthetic_layer(config, i)) for i in range(n))
+    sender.send_model((i, synthetic_layer(config, i)) for i in range(n))
     want = ["send 0"] + [e for k in range(1, n) for e in (f"send {k}", f"read {k - 1}")]
     assert events == want + [f"read {n - 1}", f"read {n}"]
 

@@ -47,25 +47,25 @@ def _check_landed(layout, params):
 
 
 def _update(sender, rest):
-    return sender.broadcast_model(((i, synthetic_layer(TINY_GLM5, i)) for i in WHOLE), rest=rest)
+    return sender.send_model(((i, synthetic_layer(TINY_GLM5, i)) for i in WHOLE), rest=rest)
 
 
 def _scatter_rank(rank, world, fault):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     engines = [None, *_layouts()]
     kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, device="cpu", engines=engines)
     t0 = time.monotonic()
     try:
         if rank == 0:
-            sender = Broadcaster(None, 0, checksum=fault != "no_checksum", **kw)
+            sender = Sender(None, 0, checksum=fault != "no_checksum", **kw)
             rest = synthetic_layer(TINY_GLM5, REST)
             if fault == "rebuilt":
                 try:
                     _update(sender, rest)
                 except Exception as exc:  # noqa: BLE001 - the first update fails on purpose
                     first = type(exc).__name__
-                _update(sender, rest)  # the same Broadcaster, against rebuilt receivers
+                _update(sender, rest)  # the same Sender, against rebuilt receivers
                 return first
             _update(sender, rest)
             return "sent"
@@ -113,7 +113,7 @@ def test_a_rank_with_another_ranks_layout_stops_every_rank_at_the_manifest_vote(
 
 def test_rebuilt_receivers_against_a_reused_sender_land_the_next_update():
     """The first update fails (an engine rank's consumer); every engine rank builds a new
-    Receiver, the sender keeps its Broadcaster: the groups made for the first update serve the
+    Receiver, the sender keeps its Sender: the groups made for the first update serve the
     second, which lands every byte."""
     results = launch(5, _scatter_rank, ("rebuilt",), timeout_s=120)
     assert results[0] == ("ok", "ReceiverRefused"), results
@@ -130,11 +130,11 @@ def test_a_receiver_that_requires_checksums_refuses_a_sender_that_sends_none():
 
 
 def _optional_checksum_rank(rank, world):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     kw = dict(config=TINY_GLM5, layer_ids=[0, 2], device="cpu")
     if rank == 0:
-        Broadcaster(None, 0, checksum=False, **kw).broadcast_model(
+        Sender(None, 0, checksum=False, **kw).send_model(
             (i, synthetic_layer(TINY_GLM5, i)) for i in (0, 2)
         )
         return "sent"

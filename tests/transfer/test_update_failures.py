@@ -100,14 +100,14 @@ class TamperComm(Link):
 
 
 def _tampered_rank(rank, world, how, receiver_kw):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     t0 = time.monotonic()
     try:
         if rank == 0:
-            sender = Broadcaster(None, 0, config=CONFIG, device="cpu")
+            sender = Sender(None, 0, config=CONFIG, device="cpu")
             sender.link = TamperComm(sender.link, how)
-            sender.broadcast_model(_layers())
+            sender.send_model(_layers())
             return "sent"
         config = {**CONFIG, "n_routed_experts": 12} if (how == "negative_vote" and rank == 1) else CONFIG
         params = _params()
@@ -177,10 +177,10 @@ def test_a_negative_vote_cannot_cancel_a_refusal():
 
 
 def _params_rank(rank, world, problem):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
-        Broadcaster(None, 0, config=CONFIG, device="cpu").broadcast_model(_layers())
+        Sender(None, 0, config=CONFIG, device="cpu").send_model(_layers())
         return None
     name = "model.layers.1.self_attn.o_proj.weight"
     norm = "model.layers.1.input_layernorm.weight"  # bf16: it can require grad
@@ -219,10 +219,10 @@ class _FailsOnLayer1(dict):
 
 
 def _consumer_rank(rank, world, how):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
-        Broadcaster(None, 0, config=CONFIG, device="cpu").broadcast_model(_layers())
+        Sender(None, 0, config=CONFIG, device="cpu").send_model(_layers())
         return None
     receiver = Receiver(None, 0, config=CONFIG, device="cpu")
     if rank == 2:
@@ -260,7 +260,7 @@ def test_a_consumer_failing_mid_update_stops_every_rank(how):
 
 
 def _order_rank(rank, world, order, nan_in):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
 
@@ -271,7 +271,7 @@ def _order_rank(rank, world, order, nan_in):
                     sd[f"model.layers.1.{nan_in}"].view(-1)[3] = float("nan")
                 yield i, sd
 
-        Broadcaster(None, 0, config=CONFIG, device="cpu").broadcast_model(layers())
+        Sender(None, 0, config=CONFIG, device="cpu").send_model(layers())
         return None
     params = _params()
     first_bad = 1 if nan_in else next(p for p in range(3) if p >= len(order) or order[p] != p)

@@ -1,0 +1,170 @@
+"""One pass per layer on the sender (issue #31).
+
+Invariant: a layer that enters ``Sender.send_model`` has its names stripped
+(``strip_layer``), its plan adapted to its trainer layout (``adapt_plan``) and its keys checked
+(``check_adapted_keys``) exactly once on the sender, whatever the path below (one sender's full
+gather, a sharded layer's "chunked" and "quantize_then_gather" gathers, one of many senders); the
+inner calls take the adapted plan and do not re-check. And the bytes that leave the sender still
+equal the reference conversion.
+
+Everything runs in this process through the stand-in link (``HostSinkComm`` keeps each message);
+the sharded layers are DTensors on a one-rank gloo mesh.
+"""
+
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+import glm_fp8.convert
+import glm_fp8.trainer_layouts
+from glm_fp8.models import HF, PRIME_RL, TINY_GLM5
+from glm_fp8.plan import layer_prefix, plan_from_config
+from glm_fp8.reference import convert_layer_ref
+from glm_fp8.testing import sharded_layer, synthetic_layer
+from glm_fp8.transfer import HostSinkComm, Sender
+
+CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
+IDS = [1, 2]  # a dense layer and a sparse one (shared and routed experts)
+COUNTED = [
+    (glm_fp8.trainer_layouts, "strip_layer", lambda a, kw: layer_prefix(a[1])),
+    (glm_fp8.trainer_layouts, "adapt_plan", lambda a, kw: kw.get("prefix", "")),
+    (glm_fp8.convert, "check_adapted_keys", lambda a, kw: a[2]),
+]
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """Counts of each counted function's calls by (function, layer prefix). Modules import these
+    by name, so every glm_fp8 module attribute bound to the original is replaced by the counter."""
+    counts: Counter = Counter()
+    for home, name, layer_of in COUNTED:
+        original = getattr(home, name)
+
+        def counted(*args, _f=original, _name=name, _layer_of=layer_of, **kwargs):
+            counts[_name, _layer_of(args, kwargs)] += 1
+            return _f(*args, **kwargs)
+
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name.startswith("glm_fp8") and getattr(mod, name, None) is original:
+                monkeypatch.setattr(mod, name, counted)
+    return counts
+
+
+def _once_per_layer(counts: Counter) -> None:
+    want = {(name, layer_prefix(i)): 1 for _, name, _ in COUNTED for i in IDS}
+    assert dict(counts) == want
+
+
+def _reference(i: int, bias_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    held = synthetic_layer(CONFIG, i, bias_dtype=bias_dtype)  # every layout holds the same values
+    layer = {k.removeprefix(layer_prefix(i)): t for k, t in held.items()}
+    return convert_layer_ref(layer, i, plan_from_config(CONFIG, i))
+
+
+def _check_single_sender_bytes(sink: HostSinkComm, bias_dtype: torch.dtype | None = None) -> None:
+    msgs = sink.sent[2:]  # after the manifest's length and bytes: (header, buffer) per layer, COMPLETE
+    assert len(msgs) == 2 * len(IDS) + 1
+    for pos, i in enumerate(IDS):
+        want = _reference(i, bias_dtype)
+        for name, view in plan_from_config(CONFIG, i).views(msgs[2 * pos + 1]):
+            ref = want[layer_prefix(i) + name]
+            assert torch.equal(view.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("layout", [PRIME_RL, HF])
+def test_one_sender_full_gather_adapts_and_checks_each_layer_once(calls, layout):
+    """Plain tensors (gathered whole), in prime-rl's names and in transformers' (a relayout)."""
+    sink = HostSinkComm(keep=True)
+    sender = Sender(sink, 0, config=CONFIG, layer_ids=IDS, device="cpu")
+    calls.clear()  # the constructor's plans are not the layers' pass
+    sender.send_model((i, synthetic_layer(CONFIG, i, layout=layout)) for i in IDS)
+    _once_per_layer(calls)
+    _check_single_sender_bytes(sink, torch.float32 if layout == HF else None)  # transformers' fp32 bias
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo process group in this process and a CPU mesh on it (DTensors need one)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", torch.arange(1))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("gather", ["chunked", "quantize_then_gather"])
+def test_sharded_gathers_adapt_and_check_each_layer_once(calls, one_rank_mesh, gather):
+    """DTensor layers collected piece by piece: the whole layer is checked once, then the rest
+    converted and the expert stacks quantized chunk by chunk (or where held) without a re-check."""
+    sink = HostSinkComm(keep=True)
+    sender = Sender(sink, 0, config=CONFIG, layer_ids=IDS, gather=gather, chunk_experts=3, device="cpu")
+    calls.clear()
+    sender.send_model((i, sharded_layer(CONFIG, i, one_rank_mesh)) for i in IDS)
+    _once_per_layer(calls)
+    _check_single_sender_bytes(sink)
+
+
+def test_one_of_many_senders_adapts_and_checks_each_layer_once(calls):
+    """Sender 1 of 2 into TP=2 (it leads, as a stand-in link has no peers): its per-sender plan is
+    cut from the adapted one, its share converted without a second adaptation or key check; every
+    piece it sends equals the reference cut by the piece's rows and shard."""
+    from glm_fp8.engine import EngineLayout, take_shard
+    from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
+
+    sink = HostSinkComm(keep=True, rank=1, size=4)
+    engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
+    sender = Sender(sink, 1, config=CONFIG, layer_ids=IDS, engines=engines, senders=[0, 1], device="cpu")
+    calls.clear()
+    sender.send_model((i, synthetic_layer(CONFIG, i)) for i in IDS)
+    _once_per_layer(calls)
+    msgs = iter(sink.sent[2:])  # after the prelude and the manifest
+    checked = 0
+    for pos, (i, lay) in enumerate(zip(IDS, sender.routes.layers)):
+        assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, pos, lay.wire_nbytes]
+        ref = _reference(i)
+        for seg in lay.of_sender(sender.me):
+            for _ in lay.classes[seg.cls]:
+                got = next(msgs)
+                for p in seg.pieces:
+                    full = ref[p.name]
+                    if p.rows is not None:
+                        full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
+                    want = take_shard(full, p.shard).contiguous().view(torch.uint8)
+                    assert torch.equal(p.view(got).contiguous().view(torch.uint8), want), (i, p.name)
+                    checked += want.numel()
+    assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, len(IDS)] and next(msgs, None) is None
+    assert checked > 0
+
+
+def test_many_senders_check_every_sources_dtype_before_any_gather():
+    """The one check of a layer on each of many senders covers every source's dtype, not only
+    those of the entries the sender owns: sender 1 refuses an integer norm that sender 0 owns
+    (layer 2's passthrough entries are sender 0's), before any gather, so that all senders refuse
+    alike."""
+    from glm_fp8.engine import EngineLayout
+
+    sink = HostSinkComm(rank=1, size=4)
+    engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
+    sender = Sender(sink, 1, config=CONFIG, layer_ids=IDS, engines=engines, senders=[0, 1], device="cpu")
+    assert sender.routes.layers[1].owners["model.layers.2.input_layernorm.weight"] == 0
+
+    def layers():
+        for i in IDS:
+            sd = synthetic_layer(CONFIG, i)
+            if i == 2:
+                sd["model.layers.2.input_layernorm.weight"] = torch.ones(
+                    CONFIG["hidden_size"], dtype=torch.int64
+                )
+            yield i, sd
+
+    with pytest.raises(
+        TypeError, match=r"model\.layers\.2\.input_layernorm\.weight: expected a floating dtype"
+    ):
+        sender.send_model(layers())
