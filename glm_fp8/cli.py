@@ -10,7 +10,8 @@ import os
 import sys
 from dataclasses import asdict
 
-from glm_fp8.cli_args import int_at_least, int_in, positive_float, positive_int
+from glm_fp8.cli_args import SERVER_SYNTAX, int_at_least, int_in, positive_float, positive_int, server_spec
+from glm_fp8.cli_plan import _load_config, _plan, _plan_request  # noqa: F401 - their old home
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -63,120 +64,6 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_demo(args.world, args.layers, args.ring, args.mode)
 
 
-def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
-    """The --config file or the --model preset, validated (``glm_fp8.config.as_config``);
-    argparse errors for what cannot be read or used."""
-    from glm_fp8.presets import PRESETS, load_config
-
-    if not args.config:
-        if args.model not in PRESETS:
-            parser.error(f"argument --model: unknown preset {args.model!r} "
-                         f"(expected one of: {', '.join(sorted(PRESETS))})")  # fmt: skip
-        return load_config(args.model)
-    try:
-        return load_config(config_path=args.config)
-    except ValueError as e:
-        parser.error(f"argument --config: {str(e).removeprefix('config: ')}")
-
-
-# PlanRequest fields -> the options that set them, for errors.
-_OPTIONS = {
-    "trainer_gpus": "--trainer-gpus",
-    "engines": "--engines",
-    "engine_tp": "--engine-tp",
-    "engine_dp": "--engine-dp",
-    "link_gbps": "--link-gbps",
-    "gpu_gib": "--gpu-gib",
-    "target": "--target",
-    "master_dtype": "--master-dtype",
-    "gather_dtype": "--gather-dtype",
-    "scale_fmt": "--scale-fmt",
-}
-
-
-def _plan_request(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    """The ``PlanRequest`` the options describe; argparse errors for flags that would be ignored
-    or that contradict each other."""
-    from glm_fp8.planning import GATHER_DTYPES, MASTER_DTYPES, MAX_TRAINER_GPUS, PlanRequest
-
-    trainer_gpus = args.trainer_gpus
-    if args.gpus_per_node is not None and args.nodes is None:
-        parser.error(f"argument --gpus-per-node: {args.gpus_per_node} needs --nodes (the trainer's nodes)")
-    if args.nodes is not None:
-        world = args.nodes * (args.gpus_per_node or 8)
-        if world > MAX_TRAINER_GPUS:
-            parser.error(f"argument --nodes: {args.nodes} x --gpus-per-node {args.gpus_per_node or 8} = "
-                         f"{world} trainer GPUs; expected at most {MAX_TRAINER_GPUS} (the many senders' plan "
-                         "is computed per sender)")  # fmt: skip
-        if trainer_gpus is not None and trainer_gpus != world:
-            parser.error(
-                f"argument --trainer-gpus: {trainer_gpus} contradicts --nodes {args.nodes} x "
-                f"--gpus-per-node {args.gpus_per_node or 8} = {world} trainer GPUs; give "
-                "--trainer-gpus or --nodes, or make them agree"
-            )
-        trainer_gpus = world
-    if trainer_gpus is None:
-        for flag, value in (
-            ("--engines", args.engines),
-            ("--link-gbps", args.link_gbps),
-            ("--experts-split", args.experts_split or None),
-            ("--gpu-gib", args.gpu_gib),
-        ):
-            if value is not None:
-                parser.error(
-                    f"argument {flag}: describes the deployment and needs --trainer-gpus N (or "
-                    "--nodes): without it there is no update to predict"
-                )
-    for flag, value in (("--engine-dp", args.engine_dp), ("--engine-ep", args.engine_ep or None)):
-        if value is not None and args.engine_tp is None:
-            parser.error(
-                f"argument {flag}: needs --engine-tp (the engine's layout is TP x DP, experts by "
-                "EP or MoE TP)"
-            )
-    given = {"engines": args.engines, "engine_dp": args.engine_dp, "link_gbps": args.link_gbps,
-             "gpu_gib": args.gpu_gib}  # fmt: skip
-    return PlanRequest(
-        target=args.target,
-        scale_fmt=args.scale_fmt,
-        master_dtype=MASTER_DTYPES[args.master_dtype],
-        gather_dtype=GATHER_DTYPES[args.gather_dtype],
-        trainer_gpus=trainer_gpus,
-        engine_tp=args.engine_tp,
-        engine_ep=args.engine_ep,
-        experts_whole=not args.experts_split,
-        entries=args.entries,
-        **{k: v for k, v in given.items() if v is not None},  # the rest: PlanRequest's defaults
-    )
-
-
-def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from glm_fp8.plan_text import format_plan_report
-    from glm_fp8.planning import PlanArgumentError, plan_report
-
-    config = _load_config(args, parser)
-    request = _plan_request(args, parser)
-    try:
-        report = plan_report(config, request)
-    except PlanArgumentError as e:
-        option = _OPTIONS.get(e.argument, e.argument)
-        if e.argument == "config":
-            option = "--config" if args.config else f"--model {args.model!r}"
-        if e.argument == "trainer_gpus" and args.nodes is not None and args.trainer_gpus is None:
-            option = "--nodes"
-        parser.error(f"argument {option}: {e.message}")
-    except (KeyError, ValueError) as e:  # a config as_config accepts that the plans read two ways
-        if not args.config:
-            raise
-        parser.error(f"argument --config: {args.config!r} is not a usable config: {e}")
-    if args.json:
-        from glm_fp8 import __version__
-
-        print(json.dumps({"glm_fp8_version": __version__, **report}, indent=1))
-        return 0
-    print(format_plan_report(report, args.detail))
-    return 0
-
-
 def __getattr__(name: str) -> object:
     # WIDTH moved to glm_fp8.plan_text with the plan's text; loaded on first use, as every
     # glm_fp8 import here (the kernels must not load before the CLI picks Triton's interpreter).
@@ -218,6 +105,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from glm_fp8 import __version__
     from glm_fp8.numerics import SCALE_FMTS
     from glm_fp8.planning import MAX_ENGINE_RANKS, MAX_ENGINES, MAX_TRAINER_GPUS
+    from glm_fp8.presets import FLEETS
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="glm-fp8", description=DESCRIPTION, formatter_class=raw)
@@ -256,7 +144,10 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
         description="First a summary: the model's layer kinds and size; with --trainer-gpus (or "
         '--nodes), the mode the vLLM backend\'s mode="auto" picks and why, the predicted time of a '
         "whole-model update, and every rank's extra GPU memory during one (each figure says what it "
-        "counts), and whether the master shards fit a trainer GPU. --detail adds the tables: each "
+        "counts), and whether the master shards fit a trainer GPU; the servers are --engines replicas "
+        "of one --engine-* layout, or a fleet of servers of their own layouts (--server, repeated, or "
+        "--fleet), each server's busiest rank's received bytes and each trainer rank's NIC bytes said "
+        "too. --detail adds the tables: each "
         "layer kind's conversion peak per path (eager, preallocated stack, glm_fp8), the fit per "
         "path, each engine rank's wire bytes and extra memory per mode, every strategy's predicted "
         "time (docs/update_time.md) and the many senders' transfer plan. --json prints all of it as "
@@ -265,9 +156,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--model", default="glm-5",
+        "--model",
         help="an embedded preset: glm-5, glm-5.2, glm-4.5, deepseek-v3, deepseek-v3.2, kimi-k2, "
-        "qwen3-moe (default: glm-5)",
+        "qwen3-moe (default: the --fleet preset's model, else glm-5)",
     )  # fmt: skip
     src.add_argument("--config", help="a Hugging Face config.json instead of a preset (default: none)")
     p.add_argument("--detail", action="store_true", help="also print every table behind the summary")
@@ -333,7 +224,21 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     )  # fmt: skip
     p.add_argument(
         "--link-gbps", type=positive_float,
-        help="network link per GPU, Gb/s, with --trainer-gpus (default: 400)",
+        help="network link per GPU, Gb/s, with --trainer-gpus: every trainer GPU's, and every server "
+        "GPU's unless its --server says gbps= (default: 400, or the --fleet preset's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--server", action="append", type=server_spec, metavar="SPEC",
+        help="one vLLM server of a fleet, with --trainer-gpus or --nodes, instead of --engines and "
+        f"--engine-*: {SERVER_SYNTAX}; repeat for each server (its ranks follow the previous "
+        "server's) (repeatable; default: one engine layout)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fleet", choices=sorted(FLEETS),
+        help="a named fleet (glm_fp8.presets.FLEETS): its trainer GPUs, NIC, servers and model, "
+        "each unless --trainer-gpus / --nodes, --link-gbps, --model or --config says otherwise; "
+        "prime-rl-glm-5.2: 128 trainer GPUs into 2 x prefill (TP 8 x DP 4, EP) + 2 x decode (DP 32, "
+        "EP); glm-5-4xep8: 32 into 4 x EP 8 (default: none)",
     )  # fmt: skip
     p.add_argument(
         "--experts-split", action="store_true",

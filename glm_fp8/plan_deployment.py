@@ -1,49 +1,30 @@
 """The deployment sections of ``glm_fp8.planning.plan_report``: each engine rank's wire bytes and
 extra memory (``engine_section``, ``engine_extra``), every strategy's predicted update time and
-the many senders' transfer plan (``update_section``), and the summary drawn from them (the mode
-``mode="auto"`` picks, its time, every rank's extra memory: ``summary_section``). Each figure
-comes with a label saying what it counts (the ``*_COUNTS`` strings)."""
+the many senders' transfer plan (``update_section``), for one engine layout or for every server of
+a fleet (``server_sections``); the summary drawn from them is ``glm_fp8.plan_summary``
+(``summary_section``, re-exported here). Each
+figure comes with a label saying what it counts (the ``*_COUNTS`` strings)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
-import torch
-
 from glm_fp8.config import as_config
-from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.errors import PlanArgumentError
-from glm_fp8.integrations.vllm.sync import auto_mode
-from glm_fp8.memory import travel_plan
+from glm_fp8.fleet import Fleet, Server
 from glm_fp8.models import REST, model_layer_ids, mtp_layer_index
 from glm_fp8.plan import plans_for_model
 from glm_fp8.plan_request import PlanRequest
+from glm_fp8.plan_summary import (  # their old home: re-exported
+    ENGINE_EXTRA_COUNTS,
+    MODE_STRATEGY,
+    TRAINER_EXTRA_COUNTS,
+    summary_section,
+)
 from glm_fp8.transfer.pack import FULL, update_bytes
 from glm_fp8.transfer.routes import describe, transfer_plan
-from glm_fp8.update_time import STRATEGIES, Fleet, many_senders_plan, predict
-
-# The vLLM backend's modes (``TrainerOptions.mode``) and the update-time strategy each runs.
-MODE_STRATEGY = {"senders": "fp8 many senders", "scatter": "fp8 scatter", "broadcast": "fp8 broadcast"}
-
-TRAINER_EXTRA_COUNTS = {
-    "senders": "2 conversion slots + 2 send slots + one layer's gathered tensors it owns, each at its "
-    "largest layer",
-    "scatter": "2 conversion slots + 2 send slots + one layer's gathered non-expert tensors, each at its "
-    "largest layer (the experts arrive quantized, into its conversion slot)",
-    "scatter/split": "2 conversion slots + 2 send slots + one layer's gathered non-expert tensors + 8 "
-    'experts\' tensors (gather="chunked"), each at its largest layer',
-    "contributor": "one layer's non-expert tensors (every rank all-gathers them: full_tensor) + its own "
-    "experts quantized",
-    "contributor/split": "one layer's non-expert tensors (every rank all-gathers them: full_tensor)",
-    "single": "2 conversion slots + 2 send slots, each at its largest layer (one trainer rank gathers "
-    "nothing: it converts its tensors where they lie)",
-}
-ENGINE_EXTRA_COUNTS = (
-    "its receiver's ring of its largest layer buffer (2 slots; 1 in the draft session, one layer), "
-    "checksum scratch and step headers; above its parameters"
-)
+from glm_fp8.update_time import STRATEGIES, many_senders_plan, predict
 
 
 def _config_error(e: Exception) -> None:
@@ -55,28 +36,51 @@ def _config_error(e: Exception) -> None:
         ) from None
 
 
-def _layouts(r: PlanRequest, tp: int) -> list:
-
+def engine_section(config: Mapping, r: PlanRequest, tp: int) -> dict:
+    """Each engine rank's wire bytes and its receiver's extra memory, ranks grouped by equal
+    figures: the one-layout request's engine (``engine_tp`` None: ``tp``, said as assumed)."""
+    server = Server(tp, r.engine_dp, r.engine_ep, r.engines)
     try:
-        return EngineLayout.all_ranks(tp, r.engine_dp, r.engine_ep)
+        server.layouts()
     except ValueError as e:
         raise PlanArgumentError("engine_tp", f"{tp} with engine_dp {r.engine_dp}: {e}") from None
-
-
-def engine_section(config: Mapping, r: PlanRequest, tp: int) -> dict:
-    """Each engine rank's wire bytes and its receiver's extra memory, ranks grouped by equal figures."""
-    layouts = _layouts(r, tp)
     assumed = " (assumed: pass engine_tp)" if r.engine_tp is None else ""
     what = f"{tp}{assumed} with engine_dp {r.engine_dp}" + (" and engine_ep" if r.engine_ep else "")
+    return server_section(config, server, r.scale_fmt, "engine_tp", what)
+
+
+def server_sections(config: Mapping, r: PlanRequest) -> list[dict]:
+    """``server_section`` of every server of the request's fleet (a vLLM refusal names the server)."""
+    fleet = r.fleet()
+    out = []
+    for s, name in zip(fleet.servers, fleet.server_names()):
+        what = f"{'server ' if s.name else ''}{name} ({s.describe()})"  # unnamed: "server K" already
+        out.append(server_section(config, s, r.scale_fmt, "servers", what, name, fleet))
+    return out
+
+
+def server_section(
+    config: Mapping,
+    server: Server,
+    scale_fmt: str | None,
+    field: str,
+    what: str,
+    name: str | None = None,
+    fleet: Fleet | None = None,
+) -> dict:
+    """One server's ranks (one replica: the others hold the same): each rank's wire bytes and its
+    receiver's extra memory, ranks grouped by equal figures; with ``fleet``, also its ``name``,
+    replicas, layout and NIC. A layout vLLM refuses raises ``PlanArgumentError(field, what: why)``."""
     try:
+        layouts = server.layouts()
         # The first and last ranks first: vLLM's per-rank rules refuse a layout there at once,
         # before every rank's shard is computed.
-        update_bytes(config, [layouts[0], layouts[-1]], scale_fmt=r.scale_fmt)
-        full, per_rank = update_bytes(config, layouts, scale_fmt=r.scale_fmt)
-        extra = engine_extra(config, layouts, r.scale_fmt)
+        update_bytes(config, [layouts[0], layouts[-1]], scale_fmt=scale_fmt)
+        full, per_rank = update_bytes(config, layouts, scale_fmt=scale_fmt)
+        extra = engine_extra(config, layouts, scale_fmt)
     except (KeyError, ValueError) as e:
         _config_error(e)
-        raise PlanArgumentError("engine_tp", f"{what}: {str(e).strip(chr(39))}") from None
+        raise PlanArgumentError(field, f"{what}: {str(e).strip(chr(39))}") from None
     lay = layouts[0]
     groups: dict = {}
     for rank, b in enumerate(per_rank):
@@ -93,14 +97,20 @@ def engine_section(config: Mapping, r: PlanRequest, tp: int) -> dict:
         }
         for (b, (one, broadcast, target, draft)), ranks in sorted(groups.items())
     ]
-    return {
-        "tp": tp,
-        "dp": r.engine_dp,
-        "ep": r.engine_ep,
+    out = {
+        "tp": server.tp,
+        "dp": server.dp,
+        "ep": server.ep,
         "ranks": len(layouts),
         "experts_by": f"EP {lay.ep_size}" if lay.expert_parallel else f"MoE TP {lay.moe_tp_size}",
         "rows": rows,
     }
+    if fleet is not None:  # a server of a fleet: who it is, its replicas and its NIC
+        gbps = server.link_gbps or fleet.link_gbps
+        out.update(
+            {"name": name, "replicas": server.replicas, "link_gbps": gbps, "layout": server.describe()}
+        )
+    return out
 
 
 def engine_extra(
@@ -136,9 +146,7 @@ def engine_extra(
 def update_section(config: Mapping, r: PlanRequest, tp: int) -> tuple[dict, object]:
     """Every strategy's prediction and the many senders' transfer plan, as JSON data, and that
     plan (None where many senders do not apply: split experts, one trainer rank)."""
-    fleet = Fleet(
-        r.trainer_gpus, r.engines, tp, r.engine_dp, r.engine_ep, float(r.link_gbps), r.experts_whole
-    )
+    fleet = r.fleet()
     dtypes = {"master_dtype": r.master_dtype, "gather_dtype": r.gather_dtype}
     many = r.experts_whole and r.trainer_gpus > 1
     try:
@@ -197,142 +205,14 @@ def update_section(config: Mapping, r: PlanRequest, tp: int) -> tuple[dict, obje
     return {"fleet": dataclasses.asdict(fleet), "strategies": strategies, "transfer_plan": plan}, transfer
 
 
-def summary_section(
-    config: Mapping,
-    r: PlanRequest,
-    kinds: list[dict],
-    engine: dict | None,
-    update: dict | None,
-    transfer: object,
-) -> dict:
-    """The mode auto picks, its predicted time and every rank's extra memory."""
-    if update is None:
-        hint = (
-            "pass trainer_gpus (glm-fp8 plan --trainer-gpus N, or --nodes) for the mode auto picks, "
-            "the predicted update time and each trainer rank's extra memory"
-        )
-        out = {
-            "auto_mode": None,
-            "auto_reason": None,
-            "strategy": None,
-            "predicted_seconds": None,
-            "trainer_extra": None,
-            "engine_extra": None,
-            "hint": hint,
-        }
-        if engine is not None:
-            out["engine_extra"] = _engine_extra_summary(engine)
-        return out
-    mode, why = auto_mode(r.trainer_gpus, r.experts_whole)
-    strategy = MODE_STRATEGY[mode]
-    pred = next(s for s in update["strategies"] if s["strategy"] == strategy)
-    t = r.trainer_gpus
-    if mode == "senders":
-        plan = update["transfer_plan"]
-        trainer = [
-            {
-                "ranks": list(range(t)),
-                "role": "sender",
-                "bytes": plan["max_peak_bytes"],
-                "counts": TRAINER_EXTRA_COUNTS["senders"],
-            }
-        ]
-        engine_extra_rows = _senders_engine_extra(transfer, t, mtp_layer_index(config), engine["ranks"])
-    else:
-        trainer = [
-            {
-                "ranks": [0],
-                "role": "sender",
-                "bytes": pred["sender_peak"],
-                "counts": TRAINER_EXTRA_COUNTS[
-                    "single" if t == 1 else "scatter" if r.experts_whole else "scatter/split"
-                ],
-            }
-        ]
-        if t > 1:
-            trainer.append(
-                {
-                    "ranks": list(range(1, t)),
-                    "role": "contributor",
-                    "bytes": _contributor_bytes(config, r),
-                    "counts": TRAINER_EXTRA_COUNTS["contributor" if r.experts_whole else "contributor/split"],
-                }
-            )
-        engine_extra_rows = _engine_extra_summary(engine)
-    return {
-        "auto_mode": mode,
-        "auto_reason": why,
-        "strategy": strategy,
-        "predicted_seconds": pred["seconds"],
-        "trainer_extra": trainer,
-        "engine_extra": engine_extra_rows,
-        "hint": None,
-    }
-
-
-def _engine_extra_summary(engine: dict) -> dict:
-    """The largest engine rank's extra memory per vLLM session, scatter's figures."""
-    rows = engine["rows"]
-    target = max(row["extra_target_session_bytes"] for row in rows)
-    drafts = [row["extra_draft_session_bytes"] for row in rows if row["extra_draft_session_bytes"]]
-    return {
-        "ranks": engine["ranks"],
-        "target_session_bytes": target,
-        "draft_session_bytes": max(drafts) if drafts else None,
-        "broadcast_bytes": max(row["extra_broadcast_bytes"] for row in rows),
-        "counts": ENGINE_EXTRA_COUNTS,
-    }
-
-
-def _senders_engine_extra(transfer, trainer_gpus: int, mtp: int | None, per_engine: int) -> dict:
-    """The largest engine rank's extra memory per vLLM session under the many senders' routes
-    (the whole update's routes, split by session: each session's receiver rings its largest)."""
-    target_layers = tuple(lay for lay in transfer.layers if lay.layer_idx != mtp)
-    draft_layers = tuple(lay for lay in transfer.layers if lay.layer_idx == mtp)
-    ranks = range(trainer_gpus, len(transfer.engines))
-    tgt = dataclasses.replace(transfer, layers=target_layers)
-    target = max(tgt.receiver_bytes(rank) for rank in ranks)
-    draft = None
-    if draft_layers:
-        drf = dataclasses.replace(transfer, layers=draft_layers)
-        draft = max(drf.receiver_bytes(rank, ring=1) for rank in ranks)
-    return {
-        "ranks": per_engine,
-        "target_session_bytes": target,
-        "draft_session_bytes": draft,
-        "counts": ENGINE_EXTRA_COUNTS,
-    }
-
-
-def _contributor_bytes(config: Mapping, r: PlanRequest) -> int:
-    """A trainer rank other than the one sender (scatter): at its peak, one layer's non-expert
-    tensors (each rank all-gathers them: ``full_tensor``) and its own experts quantized (whole
-    experts) or nothing more (split experts travel in pieces)."""
-    ids = [*model_layer_ids(config), REST]
-    best = 0
-    for plan in {
-        id(p): p for p in plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=r.scale_fmt)
-    }.values():
-        p = travel_plan(plan, r.master_dtype, r.gather_dtype)
-        rest = sum(
-            (dt or torch.bfloat16).itemsize * math.prod(shape)
-            for name, (shape, dt) in p.inputs.items()
-            if not name.startswith("mlp.experts.")
-        )
-        own = 0
-        if r.experts_whole:
-            experts = sum(e.nbytes for e in p.entries if e.name.startswith("mlp.experts."))
-            own = -(-experts // r.trainer_gpus)
-        best = max(best, rest + own)
-    return best
-
-
 __all__ = [
     "ENGINE_EXTRA_COUNTS",
     "MODE_STRATEGY",
     "TRAINER_EXTRA_COUNTS",
     "engine_extra",
     "engine_section",
+    "server_section",
+    "server_sections",
     "summary_section",
     "update_section",
 ]

@@ -11,6 +11,7 @@ import torch
 
 from glm_fp8._checks import check_int
 from glm_fp8.errors import PlanArgumentError
+from glm_fp8.fleet import Fleet, Server
 from glm_fp8.numerics import SCALE_FMTS
 
 # Bounds on the deployment, checked before anything is built from it. The transfer plan is
@@ -28,8 +29,11 @@ GATHER_DTYPES = {"trainer": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 @dataclass(frozen=True)
 class PlanRequest:
     """What to size. ``trainer_gpus`` None: no deployment (layer kinds only, and the engine's
-    ranks when ``engine_tp`` is given); with it, ``engine_tp`` None means TP 8 (said in the
-    summary). ``master_dtype``: the dtype the trainer holds its masters in; ``gather_dtype``:
+    ranks when ``engine_tp`` is given); with it, the servers are ``servers`` (a fleet of vLLM
+    servers, each its own layout and replicas: ``glm_fp8.fleet.Server``) or ``engines`` replicas
+    of the ``engine_*`` layout, where ``engine_tp`` None means TP 8 (said in the summary); not
+    both. ``link_gbps``: every trainer GPU's NIC, and a server GPU's unless its server says.
+    ``master_dtype``: the dtype the trainer holds its masters in; ``gather_dtype``:
     None (no cast, the library's default) or the dtype tensors are cast to before they travel.
     ``target`` and ``scale_fmt`` as ``plan_from_config`` takes them; vLLM's sections use its
     Hopper layout, so ``target="blackwell"`` goes with no deployment and no engine."""
@@ -47,6 +51,15 @@ class PlanRequest:
     experts_whole: bool = True
     gpu_gib: float = 139.0
     entries: bool = False
+    servers: tuple[Server, ...] = ()
+
+    def fleet(self) -> Fleet:
+        """The deployment as the update-time model takes it (``trainer_gpus`` given)."""
+        if self.servers:
+            return Fleet(self.trainer_gpus, link_gbps=float(self.link_gbps), experts_whole=self.experts_whole,
+                         servers=self.servers)  # fmt: skip
+        return Fleet(self.trainer_gpus, self.engines, self.engine_tp or 8, self.engine_dp, self.engine_ep,
+                     float(self.link_gbps), self.experts_whole)  # fmt: skip
 
     def check(self) -> None:
         """Refuse sizes out of bounds and combinations that mean nothing, before anything is
@@ -79,6 +92,7 @@ class PlanRequest:
                 f"{self.engines * tp * self.engine_dp} engine ranks; expected at most "
                 f"{MAX_ALL_ENGINE_RANKS} (each is a destination of the many senders' plan)",
             )
+        self._check_servers()
         if not (
             isinstance(self.link_gbps, (int, float)) and math.isfinite(self.link_gbps) and self.link_gbps > 0
         ):
@@ -110,6 +124,48 @@ class PlanRequest:
                 "(the engine and the update) are in Hopper's layout, with scale_fmt='ue8m0' for "
                 "DeepGEMM's power-of-two scales; leave target at 'hopper'",
             )
+
+    def _check_servers(self) -> None:
+        """A fleet: servers of ``Server``, with a deployment, instead of the one-layout fields, and
+        within the bounds the one-layout form has."""
+        if not self.servers:
+            return
+        if not isinstance(self.servers, tuple) or not all(isinstance(s, Server) for s in self.servers):
+            raise PlanArgumentError(
+                "servers", f"expected a tuple of glm_fp8.fleet.Server, got {self.servers!r}"
+            )
+        if self.trainer_gpus is None:
+            raise PlanArgumentError("servers", "describe the deployment and need trainer_gpus")
+        one = {"engines": self.engines != 1, "engine_tp": self.engine_tp is not None,
+               "engine_dp": self.engine_dp != 1, "engine_ep": self.engine_ep}  # fmt: skip
+        given = [k for k, v in one.items() if v]
+        if given:
+            raise PlanArgumentError(
+                "servers", f"given with {', '.join(given)}: give the servers or one engine layout, not both"
+            )
+        for k, s in enumerate(self.servers):
+            if s.ranks > MAX_ENGINE_RANKS:
+                raise PlanArgumentError(
+                    "servers",
+                    f"server {s.name or k}: TP {s.tp} x DP {s.dp} = {s.ranks} ranks; expected at most "
+                    f"{MAX_ENGINE_RANKS} (each engine rank's shard is computed)",
+                )
+        replicas = sum(s.replicas for s in self.servers)
+        ranks = sum(s.replicas * s.ranks for s in self.servers)
+        if replicas > MAX_ENGINES:
+            raise PlanArgumentError(
+                "servers", f"{replicas} servers in all; expected at most {MAX_ENGINES} (each replica is a "
+                "destination of the many senders' plan)",
+            )  # fmt: skip
+        if ranks > MAX_ALL_ENGINE_RANKS:
+            raise PlanArgumentError(
+                "servers", f"{ranks} engine ranks in all; expected at most {MAX_ALL_ENGINE_RANKS} (each is a "
+                "destination of the many senders' plan)",
+            )  # fmt: skip
+        try:
+            self.fleet()
+        except ValueError as e:  # duplicate names
+            raise PlanArgumentError("servers", str(e).removeprefix("Fleet.servers: ")) from None
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:

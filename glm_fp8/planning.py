@@ -1,9 +1,11 @@
 """What ``glm-fp8 plan`` computes, as a library: ``plan_report`` sizes one model's update for a
-deployment (trainer GPUs, engine replicas and their vLLM layout) and returns it as JSON data,
+deployment (trainer GPUs and a fleet of vLLM servers: replicas of one layout, or several servers
+of their own layouts, ``PlanRequest.servers``) and returns it as JSON data,
 first a summary (the mode ``mode="auto"`` picks and why, the predicted update time, every rank's
 extra memory), then the detail (layer kinds and their conversion peaks, whether the masters fit
 a GPU, each engine rank's wire bytes and extra memory, the time of every strategy, the many
-senders' transfer plan). ``auto_mode`` is the rule the vLLM backend's ``mode="auto"`` follows.
+senders' transfer plan). ``auto_mode`` is the rule the vLLM backend's ``mode="auto"`` follows
+(given the trainer's ranks and whether they hold whole experts, or a ``Fleet``).
 
 Every peak comes with a label saying what it counts (the ``*_COUNTS`` strings); none of them
 counts the resident master shards, optimizer state, gradients or activations unless it says so.
@@ -20,7 +22,6 @@ from collections.abc import Mapping
 
 from glm_fp8.config import as_config
 from glm_fp8.errors import PlanArgumentError
-from glm_fp8.integrations.vllm.sync import auto_mode
 from glm_fp8.memory import COUNTS, estimate_memory, master_bytes_per_gpu, travel_plan
 from glm_fp8.models import layer_kind
 from glm_fp8.plan import plan_from_config
@@ -30,6 +31,7 @@ from glm_fp8.plan_deployment import (
     TRAINER_EXTRA_COUNTS,
     engine_extra,
     engine_section,
+    server_sections,
     summary_section,
     update_section,
 )
@@ -43,6 +45,7 @@ from glm_fp8.plan_request import (
     PlanRequest,
     dtype_name,
 )
+from glm_fp8.plan_summary import auto_mode
 from glm_fp8.update_time import SENDER_PEAK_COUNTS
 
 EXCLUDES = "above the resident master shards; optimizer state, gradients and activations not counted"
@@ -54,10 +57,15 @@ def plan_report(config: object, request: PlanRequest | None = None) -> dict:
     Keys, in this order: ``model``; ``assumptions`` (dtypes, target, whether the engine's TP 8 was
     assumed); ``summary`` (``auto_mode`` and ``auto_reason``, ``strategy`` and
     ``predicted_seconds``, ``trainer_extra`` and ``engine_extra``: each rank's extra memory with
-    what it counts; None where no deployment was given, and ``hint`` saying what to pass);
+    what it counts; None where no deployment was given, and ``hint`` saying what to pass; with a
+    deployment also ``servers``: per server its busiest rank's received bytes and extra memory,
+    ``sender_bytes``: what each trainer rank sends the servers, ``fastest``: the strategy
+    predicted fastest, ``trainer_link_gbps``);
     ``layer_kinds`` (per kind: layers, entries, bytes, each conversion path's peak);
     ``peak_counts`` (what each peak counts); ``fits`` (resident masters plus each path's peak,
-    with a deployment); ``engine`` (per group of engine ranks: wire bytes and extra memory);
+    with a deployment); ``engine`` (per group of engine ranks: wire bytes and extra memory; of a
+    fleet's first server); ``servers`` (a fleet's, ``PlanRequest.servers``: each server's
+    ``engine`` section with its name, replicas, layout and NIC; None for one engine layout);
     ``update`` (every strategy of ``glm_fp8.update_time.STRATEGIES``, a row that does not apply
     marked so with why, and the many senders' transfer plan); ``entries`` (per kind, when
     ``request.entries``). Sizes are in bytes, times in seconds.
@@ -102,11 +110,15 @@ def _report(config: dict, r: PlanRequest) -> dict:
         "gathered_in": dtype_name(r.gather_dtype) or f"the masters' own dtype ({dtype_name(r.master_dtype)})",
         "target": r.target,
         "scale_fmt": r.scale_fmt,
-        "engine_tp_assumed": deployed and r.engine_tp is None,
+        "engine_tp_assumed": deployed and r.engine_tp is None and not r.servers,
     }
-    engine = engine_section(config, r, tp) if (deployed or r.engine_tp is not None) else None
+    servers = server_sections(config, r) if r.servers else None
+    if servers:
+        engine = servers[0]
+    else:
+        engine = engine_section(config, r, tp) if (deployed or r.engine_tp is not None) else None
     update, transfer = update_section(config, r, tp) if deployed else (None, None)
-    summary = summary_section(config, r, kinds, engine, update, transfer)
+    summary = summary_section(config, r, kinds, engine, update, transfer, servers)
     report["summary"] = summary
     report["layer_kinds"] = kinds
     report["peak_counts"] = {
@@ -118,6 +130,7 @@ def _report(config: dict, r: PlanRequest) -> dict:
     }
     report["fits"] = _fits(config, r, kinds, summary) if deployed else None
     report["engine"] = engine
+    report["servers"] = servers
     report["update"] = update
     return report
 

@@ -1,7 +1,8 @@
 """Model configs embedded in the package: the presets of released models (``PRESETS``, read by
 ``load_config`` and ``glm-fp8 plan --model``, so no download is needed) and the small configs that
 tests, the demo, the examples and the CPU benchmarks use (``TINY_GLM5``, ``SMALL_GLM5``,
-``SMALL_CONFIGS``). Plain data validated by ``glm_fp8.config.as_config``; the rules that read a
+``SMALL_CONFIGS``) and named fleets of vLLM servers (``FLEETS``, read by
+``glm-fp8 plan --fleet``). Plain data validated by ``glm_fp8.config.as_config``; the rules that read a
 config are ``glm_fp8.models``, which re-exports these names for older imports.
 """
 
@@ -77,6 +78,28 @@ PRESETS: dict[str, dict] = {
     },
 }  # fmt: skip
 
+
+# Named fleets (``glm-fp8 plan --fleet``; ``glm_fp8.fleet.fleet_preset`` builds the ``Fleet``): the
+# model they update, the trainer's GPUs, every GPU's NIC (Gb/s) and the vLLM servers (``Server``'s
+# fields; ranks per replica TP x DP, EP over all of them when on). Plain data, as the configs above.
+FLEETS: dict[str, dict] = {
+    # Shaped like prime-rl's GLM-5.2 recipe: 16 trainer nodes of 8 H200; 2 replicas of a 4-node
+    # prefill server and a 4-node decode server (disaggregated prefill and decode: four vLLM
+    # servers). Prefill TP 8 x DP 4 needs EP (vLLM refuses MoE TP 32: 2048 / 32 = 64 intermediate
+    # rows per rank, below the 128 of a scale block); decode is DP 32 with EP 32.
+    "prime-rl-glm-5.2": {
+        "model": "glm-5.2", "trainer_gpus": 128, "link_gbps": 400.0,
+        "servers": (
+            {"name": "prefill", "tp": 8, "dp": 4, "ep": True, "replicas": 2},
+            {"name": "decode", "tp": 1, "dp": 32, "ep": True, "replicas": 2},
+        ),
+    },
+    # GLM-5 from 32 trainer H200 into 4 servers of one node each at EP 8 (docs/update_time.md).
+    "glm-5-4xep8": {
+        "model": "glm-5", "trainer_gpus": 32, "link_gbps": 400.0,
+        "servers": ({"tp": 8, "dp": 1, "ep": True, "replicas": 4},),
+    },
+}  # fmt: skip
 
 # GLM-5 with every width divided by 24 (hidden 256, 11 experts): the demo's and the CPU
 # benchmarks' model, small enough for Triton's CPU interpreter.

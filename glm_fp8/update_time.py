@@ -1,16 +1,19 @@
 """The update-time model behind ``glm-fp8 plan --trainer-gpus``: for each way of moving one
 whole-model update (every layer, the MTP layer, embeddings, final norm, lm_head) from the
-trainer to a fleet of vLLM engines, the bytes the busiest rank sends, receives and gathers, the
-predicted time and a sender's transient memory.
+trainer to a fleet of vLLM servers (``Fleet``, ``Server``: glm_fp8.fleet), the bytes the busiest
+rank sends, receives and gathers, each sender's and each server's busiest rank's bytes, the
+predicted time and a sender's and a server rank's transient memory.
 
 The model (docs/update_time.md says why each term is there):
 
-- Every GPU has one full-duplex link of ``link_gbps``; NCCL's pipelined broadcast carries each
-  byte over each link once, so a broadcast to many ranks costs its root what a send to one does.
-  Ranks that hold the same shard (engine replicas, data-parallel ranks) share one broadcast.
+- Every GPU has one full-duplex link: a trainer GPU's ``Fleet.link_gbps``, a server GPU's its
+  ``Server.link_gbps`` (default: the fleet's); NCCL's pipelined broadcast carries each byte over
+  each link once, so a broadcast to many ranks costs its root what a send to one does. With one
+  sender, ranks that hold the same region share one broadcast (replicas, data-parallel ranks,
+  ranks of another server of the same shard); many senders send what the transfer plan says.
 - Layers are pipelined (convert layer i+1 while layer i is on the wire), so an update takes the
-  busiest rank's bytes over its link, times ``PIPELINE_FACTOR``, plus the pipeline's fill: one
-  layer's conversion.
+  busiest link's bytes over its rate (a sender's out or in, a server rank's in), times
+  ``PIPELINE_FACTOR``, plus the pipeline's fill: one layer's conversion.
 - Gathers over the trainer's links (FSDP shards to the rank that converts) travel in the
   masters' own dtype (``master_dtype``, float32 by default: the library casts nothing unless
   given a ``gather_dtype``) and overlap with sending (the other direction of a full-duplex
@@ -30,14 +33,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from glm_fp8._checks import check_int
 from glm_fp8.config import as_config
-from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.fleet import Fleet, Server
 from glm_fp8.memory import travel_plan
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, plans_for_model
 from glm_fp8.transfer.owners import stack_entries
-from glm_fp8.transfer.pack import update_regions
+from glm_fp8.transfer.pack import FULL
 from glm_fp8.transfer.routes import TransferPlan, transfer_plan
 
 # Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-04, protocol v3): total / link time of
@@ -59,44 +61,24 @@ CHUNK_EXPERTS = 8
 
 
 @dataclass(frozen=True)
-class Fleet:
-    """Trainer GPUs, engine replicas and their vLLM layout, and the link of each GPU.
+class ServerLoad:
+    """One server of the fleet under one strategy: its busiest rank's received bytes and its
+    receiver's extra memory in one whole-model update (ring of 2 of its largest layer buffers,
+    checksum scratch, headers: ``TransferPlan.receiver_bytes``; None where not modelled: bf16
+    broadcast, vLLM's own path)."""
 
-    ``experts_whole``: the trainer's shards hold whole experts (FSDP2 or expert parallel,
-    ``Shard(0)`` on the expert dim), so each rank can quantize and send its own experts (many
-    senders); else the expert stacks are gathered like every other tensor and many senders do
-    not apply.
-    """
-
-    trainer_gpus: int
-    engines: int = 1
-    engine_tp: int = 8
-    engine_dp: int = 1
-    engine_ep: bool = False
-    link_gbps: float = 400.0
-    experts_whole: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("trainer_gpus", "engines", "engine_tp", "engine_dp"):
-            # a plain int (check_int takes numpy's and torch's too): a fleet is written as JSON
-            object.__setattr__(self, name, check_int(f"Fleet.{name}", getattr(self, name), 1))
-        if not self.link_gbps > 0:
-            raise ValueError(f"Fleet.link_gbps: expected > 0, got {self.link_gbps!r}")
-
-    @property
-    def link_bytes_per_s(self) -> float:
-        return self.link_gbps * 1e9 / 8
-
-    def layouts(self) -> list[EngineLayout]:
-        """One engine's ranks (every replica has the same)."""
-        return EngineLayout.all_ranks(self.engine_tp, self.engine_dp, self.engine_ep)
+    name: str
+    received: int
+    extra: int | None
 
 
 @dataclass(frozen=True)
 class Prediction:
     """One strategy: bytes of the busiest sender (out), engine rank (in) and sender (gathered
     in), the predicted seconds of a whole update, and the largest sender's peak transient bytes
-    (``SENDER_PEAK_COUNTS`` says what they count)."""
+    (``SENDER_PEAK_COUNTS`` says what they count); ``servers``: each server's busiest rank
+    (``ServerLoad``); ``sender_bytes``: what each trainer rank sends the servers over its NIC
+    (index = trainer rank; gathers not counted, they are ``gathered``)."""
 
     strategy: str
     senders: int
@@ -106,6 +88,8 @@ class Prediction:
     seconds: float
     sender_peak: int
     arithmetic: str
+    servers: tuple[ServerLoad, ...] = ()
+    sender_bytes: tuple[int, ...] = ()
 
 
 def _whole(
@@ -121,12 +105,28 @@ def _whole(
     return [cache.setdefault(id(p), travel_plan(p, master_dtype, gather_dtype)) for p in plans]
 
 
-def _time(fleet: Fleet, busiest: int, fill_bytes: int) -> tuple[float, str]:
-    bw = fleet.link_bytes_per_s
+def _time(fleet: Fleet, sent: int, gathered: int, received: list[int], fill_bytes: int) -> tuple[float, str]:
+    """The busiest link's bytes over its rate (a trainer GPU's: ``sent``, ``gathered``; server k's
+    GPU: ``received[k]``), times the pipeline factor, plus the fill. With one rate for every GPU
+    that is the largest of the byte counts."""
+    terms = [(sent, fleet.link_bytes_per_s), (gathered, fleet.link_bytes_per_s)]
+    terms += [(b, fleet.server_link_bytes_per_s(k)) for k, b in enumerate(received)]
+    busiest, bw = max(terms, key=lambda x: x[0] / x[1])
     t = PIPELINE_FACTOR * busiest / bw + CONVERT_SECONDS_PER_BYTE * fill_bytes
     text = (f"{PIPELINE_FACTOR} x {busiest / 1e9:.1f} GB / {bw / 1e9:.1f} GB/s + fill "
             f"{CONVERT_SECONDS_PER_BYTE * fill_bytes * 1e3:.1f} ms = {t:.2f} s")  # fmt: skip
     return t, text
+
+
+def _loads(fleet: Fleet, tp: TransferPlan | None, ranges: list[range], offset: int, received) -> list:
+    """Each server's busiest rank: received bytes (``received[link rank]``) and, from ``tp``, its
+    receiver's extra memory (None without a plan)."""
+    out = []
+    for name, ranks in zip(fleet.server_names(), ranges):
+        links = [offset + r for r in ranks]
+        extra = max(tp.receiver_bytes(r) for r in links) if tp is not None else None
+        out.append(ServerLoad(name, max(received(r) for r in links), extra))
+    return out
 
 
 def predict(
@@ -142,16 +142,18 @@ def predict(
     ``fleet`` (see the module docstring for the model); ``transfer``: the fleet's
     ``many_senders_plan`` (built with the same dtypes) when the caller has it already. The
     trainer holds ``master_dtype`` masters and gathers them in it, or in ``gather_dtype`` when
-    given (the library's opt-in cast). Raises ValueError where vLLM would refuse the engine
+    given (the library's opt-in cast). Raises ValueError where vLLM would refuse a server's
     layout. ``config``: anything ``glm_fp8.config.as_config`` takes."""
     config = as_config(config)
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
+    ids = [*model_layer_ids(config), REST]
     out = []
+    one_sender = lambda n: (n,) + (0,) * (t_gpus - 1)  # noqa: E731 - trainer rank 0 sends, the others gather
 
-    # One sender converts everything after gathering it; every engine rank receives everything.
-    # fp8 with whole experts: each rank quantizes its experts and only fp8 travels to the sender
-    # (gather="quantize_then_gather", what "auto" picks).
+    # One sender converts everything after gathering it and broadcasts each layer once to every
+    # rank of every server. fp8 with whole experts: each rank quantizes its experts and only fp8
+    # travels to the sender (gather="quantize_then_gather", what "auto" picks).
     for strategy, mode in (("bf16 broadcast", "bf16"), ("fp8 broadcast", "fp8")):
         plans = _whole(config, mode, scale_fmt, master_dtype, gather_dtype)
         total = sum(p.nbytes for p in plans)
@@ -159,40 +161,67 @@ def predict(
         biggest = max(plans, key=lambda p: p.nbytes)
         held = max(_held_gathered(p, mode == "fp8", fleet.experts_whole, t_gpus) for p in plans)
         peak = held + 2 * biggest.nbytes  # ring of 2 conversion slots, sent from them (direct)
-        t, text = _time(fleet, max(total, gathered), biggest.nbytes if mode == "fp8" else 0)
-        out.append(Prediction(strategy, 1, total, total, gathered, t, peak, text))
+        # an engine rank's receiver: every rank alike (one FULL rank stands for all)
+        full = transfer_plan(config, plans, ids, [None, FULL], [0]) if mode == "fp8" else None
+        loads = _loads(fleet, full, [range(1)] * len(fleet.servers), 1, {1: total}.__getitem__)
+        t, text = _time(
+            fleet, total, gathered, [total] * len(fleet.servers), biggest.nbytes if mode == "fp8" else 0
+        )
+        out.append(
+            Prediction(strategy, 1, total, total, gathered, t, peak, text, tuple(loads), one_sender(total))
+        )
 
-    # fp8 with engine layouts: each distinct region once per layer (replicas share a broadcast).
-    u = update_regions(config, fleet.layouts(), scale_fmt=scale_fmt)
+    # Scatter: one sender, every distinct region once per layer. Ranks of any server (replicas,
+    # DP ranks, another server's ranks) that hold the same region form one class and share one
+    # broadcast, so one replica of each server stands for all (glm_fp8.transfer.routes).
     plans = _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
-    per_rank = u.per_rank
-    layer_regions = [layer.wire_nbytes for layer in u.layers]
-    regions = sum(layer_regions)
-    received = max(per_rank)
+    scatter = transfer_plan(config, plans, ids, [None, *fleet.layouts()], [0])
+    per_rank = _class_bytes(scatter)
+    layer_regions = [lay.wire_nbytes for lay in scatter.layers]
+    sent = sum(layer_regions)
+    loads = _loads(fleet, scatter, fleet.distinct_ranges(), 1, per_rank.__getitem__)
     biggest = max(range(len(plans)), key=lambda k: plans[k].nbytes)
-
-    sent = regions
     gathered = gather(_sender_inputs(plans, fleet.experts_whole))
-    t, text = _time(fleet, max(sent, received, gathered), plans[biggest].nbytes)
+    t, text = _time(fleet, sent, gathered, [x.received for x in loads], plans[biggest].nbytes)
     held = max(_held_gathered(p, True, fleet.experts_whole, t_gpus) for p in plans)
     peak = held + 2 * plans[biggest].nbytes + 2 * max(layer_regions)  # + ring of 2 send slots
-    out.append(Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text))
+    received = max(x.received for x in loads)
+    out.append(
+        Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text, tuple(loads), one_sender(sent))
+    )
 
     # Many senders (glm_fp8.transfer.routes, only with whole experts): each trainer rank quantizes
-    # its own experts (no gather) and sends every engine rank its part of them, point to point;
+    # its own experts (no gather) and sends every engine rank of every server its part of them;
     # each other entry is gathered on, converted and sent by one owner. The transfer plan gives
-    # every byte: what the busiest sender sends, what an engine rank receives, what an owner
-    # gathers (the part other ranks hold), the largest conversion (the pipeline's fill).
+    # every byte: what each sender sends, what an engine rank receives, what an owner gathers
+    # (the part other ranks hold), the largest conversion (the pipeline's fill).
     if fleet.experts_whole:
         tp = transfer or many_senders_plan(config, fleet, scale_fmt=scale_fmt, plans=plans)
         # sender_peak: 2 x (conversion slot + send slot) + one layer's owned tensors, gathered
-        sent = max(tp.sent_bytes())
-        received = max(tp.received_bytes().values())
+        each = tp.sent_bytes()
+        got = tp.received_bytes()
+        loads = _loads(fleet, tp, fleet.engine_ranges(), t_gpus, got.__getitem__)
         gathered = max(gather(sum(tp.gathered_bytes(s))) for s in range(t_gpus))
         fill = max(tp.sender_buffers(s)[0] for s in range(t_gpus))
-        t, text = _time(fleet, max(sent, received, gathered), fill)
+        t, text = _time(fleet, max(each), gathered, [x.received for x in loads], fill)
         peak = max(tp.sender_peak(s) for s in range(t_gpus))
-        out.append(Prediction("fp8 many senders", t_gpus, sent, received, gathered, t, peak, text))
+        received = max(x.received for x in loads)
+        out.append(
+            Prediction("fp8 many senders", t_gpus, max(each), received, gathered, t, peak, text, tuple(loads),
+                       tuple(each))
+        )  # fmt: skip
+    return out
+
+
+def _class_bytes(tp: TransferPlan) -> dict[int, int]:
+    """Bytes each engine rank (link rank) receives in a whole update: its class's segments, each
+    counted as sent (a region and its checksum word, without the receive buffer's alignment)."""
+    out: dict[int, int] = {}
+    for lay in tp.layers:
+        for k, ranks in enumerate(lay.classes):
+            n = sum(s.nbytes for s in lay.of_class(k))
+            for r in ranks:
+                out[r] = out.get(r, 0) + n
     return out
 
 
@@ -206,12 +235,13 @@ def many_senders_plan(
     gather_dtype: torch.dtype | None = None,
 ) -> TransferPlan:
     """The transfer plan of a whole-model update into ``fleet`` from its trainer GPUs (link ranks
-    0..T-1, then the engines' ranks, engine by engine); ``plans``: the update's fp8 plans, if
-    built already (else built with their inputs in the dtypes they travel in: ``predict``)."""
+    0..T-1, then every server's ranks: server by server, replica by replica); ``plans``: the
+    update's fp8 plans, if built already (else built with their inputs in the dtypes they travel
+    in: ``predict``)."""
     config = as_config(config)
     ids = [*model_layer_ids(config), REST]
     plans = plans or _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
-    engines = [None] * fleet.trainer_gpus + fleet.layouts() * fleet.engines
+    engines = [None] * fleet.trainer_gpus + fleet.engine_layouts()
     return transfer_plan(config, plans, ids, engines, range(fleet.trainer_gpus))
 
 
@@ -263,4 +293,5 @@ def predictions_json(preds: list[Prediction]) -> list[dict]:
 
 
 __all__ = ["CHUNK_EXPERTS", "CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "SENDER_PEAK_COUNTS", "STRATEGIES",
-           "Fleet", "Prediction", "many_senders_plan", "predict", "predictions_json"]  # fmt: skip
+           "Fleet", "Prediction", "Server", "ServerLoad", "many_senders_plan", "predict",
+           "predictions_json"]  # fmt: skip

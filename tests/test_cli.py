@@ -283,10 +283,16 @@ def test_plan_summary_first_then_the_detail_on_request(capsys):
     assert lines[0].startswith("glm_moe_dsa: 78 layers (3 dense, 75 sparse)")
     assert not any(line.startswith("---") for line in lines), out
     flat = _flat(out)
+    # one line: the mode auto picks and its predicted time, then why
     assert (
-        'mode="auto" picks many senders (mode="senders"): each of the 32 trainer ranks holds whole ' in flat
+        'mode="auto" picks many senders (mode="senders"), predicted 1.98 s for the whole model in one '
+        "update (fp8 many senders): each of the 32 trainer ranks holds whole " in flat
     )
-    assert "predicted update: 1.98 s (fp8 many senders, the whole model in one update;" in flat
+    assert "other strategies: bf16 broadcast 59.08 s, fp8 broadcast 15.98 s, fp8 scatter 15.98 s" in flat
+    assert "an engine rank receives 90.28 GiB at most (fp8 many senders)" in flat
+    assert re.search(
+        r"each trainer rank sends the servers 89\.\d\d \(rank \d+\) to 91\.06 GiB \(rank 4\)", flat
+    )
     m = re.search(r"trainer ranks 0-31 \(senders\): ([\d.]+) GiB at most: 2 conversion slots \+ 2 send "
                   r"slots \+ one layer's gathered tensors it owns", flat)  # fmt: skip
     assert m, out
@@ -345,7 +351,13 @@ def test_plan_experts_split_shows_every_strategy(capsys):
     ]
     out = _plan_text(capsys, argv)
     flat = _flat(out)
-    assert 'mode="auto" picks scatter (mode="scatter"): the trainer\'s shards split experts' in flat
+    picks = (
+        r'mode="auto" picks scatter \(mode="scatter"\), predicted [\d.]+ s for the whole model in one update'
+    )
+    assert re.search(picks + r" \(fp8 scatter\): the trainer's shards split experts", flat)
+    assert re.search(
+        r"trainer rank 0 sends the servers [\d.]+ GiB; trainer ranks 1-15 send the servers nothing", flat
+    )
     assert re.search(r"^fp8 many senders\s+-\s+-\s+-\s+-\s+n/a\s+-$", out, re.M), out
     assert "fp8 many senders: n/a: needs every trainer rank to hold whole experts" in flat
     assert re.search(
@@ -366,6 +378,16 @@ def test_plan_experts_split_shows_every_strategy(capsys):
         ["plan", "--model", "glm-5.2", "--nodes", "1", "--detail"],
         ["plan", "--model", "kimi-k2", "--engine-tp", "8", "--engine-dp", "2", "--engine-ep", "--detail"],
         ["plan", "--model", "qwen3-moe", "--trainer-gpus", "1", "--engine-tp", "4", "--detail", "--entries"],
+        [
+            "plan",
+            "--trainer-gpus",
+            "8",
+            "--server",
+            "tp=2,name=a",
+            "--server",
+            "tp=4,replicas=2,gbps=200",
+            "--detail",
+        ],
     ],
 )
 def test_plan_lines_fit_100_characters(capsys, argv):
@@ -449,6 +471,27 @@ def test_plan_request_checks_bounds_for_python_callers():
         assert exc.value.argument == field
 
 
+def test_plan_request_checks_servers_for_python_callers():
+    """A fleet given to ``PlanRequest`` (``servers``): with a deployment, instead of the one-layout
+    fields, within the same bounds; refused naming ``servers``."""
+    from glm_fp8.fleet import Server
+    from glm_fp8.models import PRESETS
+    from glm_fp8.planning import PlanArgumentError, PlanRequest, plan_report
+
+    for request, want in (
+        (PlanRequest(servers=(Server(8),)), "servers: describe the deployment and need trainer_gpus"),
+        (PlanRequest(trainer_gpus=8, engine_tp=8, servers=(Server(8),)), "servers: given with engine_tp"),
+        (PlanRequest(trainer_gpus=8, servers=(Server(8, dp=128),)), "server 0: TP 8 x DP 128 = 1024 ranks"),
+        (
+            PlanRequest(trainer_gpus=8, servers=[Server(8)]),
+            "servers: expected a tuple of glm_fp8.fleet.Server",
+        ),
+    ):
+        with pytest.raises(PlanArgumentError, match=re.escape(want)) as exc:
+            plan_report(PRESETS["glm-5"], request)
+        assert exc.value.argument == "servers"
+
+
 def test_version(capsys):
     from glm_fp8 import __version__
 
@@ -489,3 +532,75 @@ def test_plan_gather_dtype_option(capsys):
     }
     assert sparse[()] > 1.9 * sparse[("--gather-dtype", "bf16")]
     assert sparse[("--master-dtype", "bf16")] == pytest.approx(sparse[("--gather-dtype", "bf16")], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("", "--server: expected KEY=VALUE[,KEY=VALUE...] with keys tp, dp"),
+        ("tp=8,pp=2", "--server: unknown key 'pp' in 'tp=8,pp=2'; expected KEY=VALUE"),
+        ("tp=8,tp=4", "--server: tp given twice in 'tp=8,tp=4'"),
+        ("tp", "--server: tp: expected tp=VALUE in 'tp'"),
+        ("tp=eight", "--server: tp: expected an integer in [1, 512] (at most 512 ranks per server"),
+        ("tp=8,dp=128", "--server: TP 8 x DP 128 = 1024 ranks; expected at most 512 ranks per server"),
+        ("replicas=0", "--server: replicas: expected an integer >= 1, got 0"),
+        ("tp=8,dp=4,ep=16", "--server: ep=16 with tp=8, dp=4: vLLM's expert-parallel size is TP x DP = 32"),
+        ("tp=8,name=a b", "--server: name: expected letters, digits, '_', '.' or '-', got 'a b'"),
+        ("tp=8,gbps=0", "--server: gbps: expected a finite number > 0, got 0"),
+    ],
+)
+def test_plan_refuses_malformed_servers(capsys, spec, expected):
+    assert expected in _usage_error(capsys, ["plan", "--trainer-gpus", "8", "--server", spec])
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--server", "tp=8"], "--server: describes the deployment and needs --trainer-gpus N (or --nodes)"),
+        (["--trainer-gpus", "8", "--server", "tp=8", "--engine-tp", "8"],
+         "--engine-tp: one engine layout; --server gives each server its own"),
+        (["--fleet", "glm-5-4xep8", "--engines", "2"],
+         "--engines: one engine layout; --fleet glm-5-4xep8 gives"),
+        (["--fleet", "glm-5-4xep8", "--server", "tp=8"], "--server: --fleet glm-5-4xep8 gives the servers"),
+        (["--fleet", "nosuch"], "--fleet: invalid choice: 'nosuch'"),
+        (["--trainer-gpus", "8", "--server", "tp=8,name=a", "--server", "tp=4,name=a"],
+         "--server: expected distinct server names, got ['a', 'a']"),
+        (["--trainer-gpus", "8", "--server", "tp=2", "--server", "tp=64,name=big"],
+         "--server: server big (TP 64 x DP 1, MoE TP 64): model.layers.0.self_attn.kv_b_proj.weight"),
+        (["--trainer-gpus", "8", *["--server", "tp=8,replicas=200"] * 2],
+         "--server: 400 servers in all; expected at most 256"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_fleets_that_contradict_or_exceed(capsys, argv, expected):
+    assert expected in _usage_error(capsys, ["plan", *argv])
+
+
+def test_plan_fleet_preset_of_the_target_case(capsys):
+    """--fleet glm-5-4xep8 is --trainer-gpus 32 --engines 4 --engine-tp 8 --engine-ep: the same
+    1.98 s and the same figures, said per server; a --server fleet of one server alike."""
+    assert main([*DEPLOYMENT, "--json"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--fleet", "glm-5-4xep8", "--json"]) == 0
+    new = json.loads(capsys.readouterr().out)
+    assert round(new["summary"]["predicted_seconds"], 2) == 1.98
+    assert new["update"]["strategies"] == old["update"]["strategies"]
+    assert new["update"]["fleet"] == old["update"]["fleet"]  # the same fleet: 4 replicas of one server
+    assert {k: v for k, v in new["summary"].items() if k != "engine_extra"} == {
+        k: v for k, v in old["summary"].items() if k != "engine_extra"
+    }
+    assert new["servers"][0]["rows"] == old["engine"]["rows"] and old["servers"] is None
+    (server,) = new["summary"]["servers"]
+    assert server["received_bytes"] == new["update"]["strategies"][-1]["received"]
+    assert (
+        server["name"] == "server 0" and server["layout"] == "TP 8 x DP 1, EP 8" and server["replicas"] == 4
+    )
+    senders = new["summary"]["sender_bytes"]
+    assert len(senders) == 32 and max(senders) == new["update"]["strategies"][-1]["sent"]
+    out = _flat(_plan_text(capsys, ["plan", "--fleet", "glm-5-4xep8"]))
+    assert (
+        "deployment: 32 trainer GPUs -> 4 x server 0 (TP 8 x DP 1, EP 8): 32 server ranks; 400 Gb/s per"
+        in out
+    )
+    assert 'mode="auto" picks many senders (mode="senders"), predicted 1.98 s for the whole model' in out
+    assert "server 0 ranks (4 replicas x 8): 2.35 GiB in vLLM's target session, 1.54 GiB in the draft" in out
+    assert "received by each server's busiest rank (fp8 many senders): server 0 90.28 GiB" in out

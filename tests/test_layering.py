@@ -58,8 +58,8 @@ LAYERS = [
     ["integrations.vllm.worker", "integrations.vllm.trainer"],
     ["integrations.vllm"],
     ["integrations.vllm.backend", "update_time", "plan_request"],
-    ["plan_deployment", "plan_text_parts"],
     ["plan_summary"],
+    ["plan_deployment", "plan_text_parts"],
     ["planning", "plan_text"],
     ["bench", "demo", "cli_args", "cli_plan"],
     ["cli", "__init__", *sorted(ALIASES)],  # on top: no module of glm_fp8 imports an old path
@@ -227,3 +227,13 @@ def test_tests_mirror_the_package():
     project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     markers = {m.split(":")[0] for m in project["tool"]["pytest"]["ini_options"]["markers"]}
     assert markers == {*conftest.PARTS, "core"}
+
+
+def test_renamed_names_keep_working():
+    """Renamed for one meaning per word (docs/map.md#words): the old names are the same objects."""
+    import glm_fp8
+    from glm_fp8 import transfer
+    from glm_fp8.transfer import sender
+
+    assert glm_fp8.Broadcaster is glm_fp8.Sender is transfer.Broadcaster is transfer.Sender is sender.Sender
+    assert sender.Sender.broadcast_model is sender.Sender.send_model

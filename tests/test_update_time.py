@@ -6,6 +6,7 @@ link + CONVERT_SECONDS_PER_BYTE * fill``, and the bytes are those of the plans (
 fp8 update of GLM-5 is 706.06 GiB; an engine rank at EP=8 receives 90.28 GiB of it).
 """
 
+import dataclasses
 import json
 import re
 
@@ -14,8 +15,10 @@ import torch
 
 from glm_fp8.cli import main
 from glm_fp8.engine import EngineLayout
+from glm_fp8.fleet import Server, fleet_preset
 from glm_fp8.models import PRESETS
-from glm_fp8.transfer.pack import update_bytes
+from glm_fp8.planning import auto_mode
+from glm_fp8.transfer.pack import update_bytes, update_regions
 from glm_fp8.update_time import PIPELINE_FACTOR, STRATEGIES, Fleet, predict
 
 GLM5 = PRESETS["glm-5"]
@@ -35,7 +38,7 @@ def test_glm5_into_four_ep8_engines_from_32_trainer_gpus():
     # many senders: the same shard, in segments from each sender (each aligned, with its checksum)
     assert 0 <= preds["fp8 many senders"].received - max(per_rank) < 32 * 80 * (256 + 8)
     many = preds["fp8 many senders"]
-    assert many.senders == 32 and many.seconds <= 3.0
+    assert many.senders == 32 and many.seconds <= 3.0 and round(many.seconds, 2) == 1.98
     # Point to point, a sender sends its part to each replica: about what an engine rank
     # receives (the busiest sender owns three decoder layers' other entries besides its rows).
     assert round(many.sent / GIB, 2) == 91.06
@@ -84,7 +87,7 @@ def test_fleet_keeps_plain_ints():
     fleet = Fleet(trainer_gpus=np.int64(8), engine_tp=torch.tensor(4))
     assert fleet == Fleet(trainer_gpus=8, engine_tp=4)
     assert type(fleet.trainer_gpus) is int and type(fleet.engine_tp) is int
-    json.dumps(fleet.__dict__)
+    json.dumps(dataclasses.asdict(fleet))  # its servers too: plain data
 
 
 @pytest.mark.parametrize("field, value", [("trainer_gpus", 0), ("engines", 1.5), ("link_gbps", 0.0)])
@@ -104,3 +107,132 @@ def test_cli_prints_the_table_and_the_json(capsys):
     assert main([*argv, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["update"]["strategies"]
     assert [p["strategy"] for p in got] == list(STRATEGIES) and got[-1]["seconds"] <= 3.0
+
+
+def test_the_old_fleet_is_a_fleet_of_one_server():
+    """``Fleet(engines=M, engine_tp=T, ...)`` means M replicas of one server: the same fleet (so the
+    same predictions) as ``servers=[Server(T, ..., replicas=M)]``, and the preset glm-5-4xep8 is
+    the 32 -> 4 x EP 8 case (1.98 s: test_glm5_into_four_ep8_engines_from_32_trainer_gpus)."""
+    old = Fleet(trainer_gpus=32, engines=4, engine_tp=8, engine_ep=True)
+    assert old == Fleet(32, servers=[Server(8, ep=True, replicas=4)]) == fleet_preset("glm-5-4xep8")
+    assert old.servers == (Server(8, 1, True, 4),) and old.engine_layouts() == old.layouts() * 4
+    assert (old.engines, old.engine_tp, old.engine_dp, old.engine_ep) == (4, 8, 1, True)
+    # computed both ways on a small fleet: every figure equal
+    a = predict(GLM5, Fleet(trainer_gpus=4, engines=2, engine_tp=4, engine_dp=2, engine_ep=True))
+    b = predict(GLM5, Fleet(4, servers=[{"tp": 4, "dp": 2, "ep": True, "replicas": 2}]))
+    assert (
+        a == b
+        and [len(p.servers) for p in a] == [1] * 4
+        and a[-1].sender_bytes
+        and len(a[-1].sender_bytes) == 4
+    )
+
+
+def test_fleet_rank_order_and_views():
+    """Link order after the trainer's ranks: server by server, replica by replica; the one-layout
+    view (engines, engine_tp, ...) reads None when the servers differ."""
+    fleet = Fleet(2, servers=[Server(2, replicas=2, name="a"), Server(1, dp=2, ep=True, name="b")])
+    lays = fleet.engine_layouts()
+    assert [(x.tp_size, x.tp_rank, x.dp_rank, x.ep_size) for x in lays] == [
+        (2, 0, 0, 1), (2, 1, 0, 1), (2, 0, 0, 1), (2, 1, 0, 1), (1, 0, 0, 2), (1, 0, 1, 2)
+    ]  # fmt: skip
+    assert fleet.engine_ranges() == [range(0, 4), range(4, 6)] and fleet.distinct_ranges() == [
+        range(2),
+        range(2, 4),
+    ]
+    assert (fleet.engines, fleet.engine_tp, fleet.engine_ep) == (None, None, None) and fleet.engine_ranks == 6
+    assert fleet.server_names() == ["a", "b"] and Fleet(2, servers=[Server(2)]).server_names() == ["server 0"]
+    assert dataclasses.replace(fleet, trainer_gpus=4).servers == fleet.servers
+    assert Fleet(**json.loads(json.dumps(dataclasses.asdict(fleet)))) == fleet  # read back from --json
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"servers": [Server(8)], "engine_tp": 4},
+            "Fleet.servers: given with engine_tp=4, which the servers",
+        ),
+        (
+            {"servers": [Server(8, name="x"), Server(4, name="x")]},
+            "Fleet.servers: expected distinct server names",
+        ),
+        ({"servers": [{"tp": 0}]}, "Server.tp: expected an integer >= 1"),
+        ({"servers": [{"tp": 8, "link_gbps": -1}]}, "Server.link_gbps: expected a finite number > 0"),
+        ({"servers": "tp=8"}, "Fleet.servers: expected a sequence of Server"),
+    ],
+)
+def test_bad_servers_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Fleet(8, **kwargs)
+
+
+def test_a_server_link_slower_than_the_trainers_bounds_the_update():
+    """Each side's bytes over its own NIC: 8 senders into one TP 8 server whose GPUs have 100 Gb/s
+    (12.5 GB/s): no strategy is faster than what an engine rank receives over that link, and each
+    one whose server side is the busiest takes just that (the broadcasts, many senders)."""
+    fast, slow = Fleet(8, servers=[Server(8, ep=True)]), Fleet(8, servers=[Server(8, ep=True, link_gbps=100)])
+    slow_preds = predict(GLM5, slow, master_dtype=torch.bfloat16)
+    assert "/ 12.5 GB/s" in slow_preds[-1].arithmetic  # many senders: the server's NIC is the busiest
+    for f, s in zip(predict(GLM5, fast, master_dtype=torch.bfloat16), slow_preds):
+        assert (f.sent, f.received, f.servers) == (s.sent, s.received, s.servers)
+        bound = PIPELINE_FACTOR * s.received / 12.5e9
+        assert s.seconds >= bound and s.seconds >= f.seconds
+        if s.received * 4 > max(s.sent, s.gathered):  # the server's link is the busiest
+            assert s.seconds == pytest.approx(bound, abs=0.02) and "/ 12.5 GB/s" in s.arithmetic
+            assert f.seconds < s.seconds
+
+
+def test_prime_rl_glm52_fleet(capsys):
+    """prime-rl's GLM-5.2 recipe: 16 trainer nodes of 8 H200 into 2 replicas of a prefill server
+    (TP 8 x DP 4, EP 32) and of a decode server (DP 32, EP 32), 400 Gb/s per GPU. Every figure is
+    its arithmetic: the broadcast sends each layer once to all 128 server ranks; scatter sends each
+    distinct region once (the replicas share its broadcast: one replica of each server has every
+    region); a server's busiest rank receives its region; many senders are bound by their busiest
+    NIC. auto picks many senders: 1.40 s (fp32 masters)."""
+    assert main(["plan", "--fleet", "prime-rl-glm-5.2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    fleet = fleet_preset("prime-rl-glm-5.2")
+    assert got["update"]["fleet"] == json.loads(json.dumps(dataclasses.asdict(fleet)))
+    assert fleet.engine_ranks == 128
+    assert got["model"]["kinds"]["sparse/no-indexer"] and fleet.trainer_gpus == 128  # GLM-5.2's config
+    g52 = PRESETS["glm-5.2"]
+    pre, dec = (s.layouts() for s in fleet.servers)
+    full, per_rank = update_bytes(g52, pre + dec)
+    regions = update_regions(g52, pre + dec)
+    by = {p["strategy"]: p for p in got["update"]["strategies"]}
+    bc = by["fp8 broadcast"]
+    assert bc["sent"] == full and [x["received"] for x in bc["servers"]] == [full, full]
+    sc = by["fp8 scatter"]
+    assert sc["sent"] == sum(layer.wire_nbytes for layer in regions.layers)
+    assert [x["received"] for x in sc["servers"]] == [max(per_rank[:32]), max(per_rank[32:])]
+    assert sc["sent"] <= sum(
+        sum(lay.wire_nbytes for lay in update_regions(g52, x).layers) for x in (pre, dec)
+    )
+    many = by["fp8 many senders"]
+    assert len(many["sender_bytes"]) == 128 and max(many["sender_bytes"]) == many["sent"]
+    decode = many["servers"][1]["received"]
+    assert 0 <= decode - max(per_rank[32:]) < 128 * 80 * (256 + 8)  # the same region, in segments
+    for p in (bc, sc, many):
+        busiest = max(p["sent"], p["received"], p["gathered"])
+        assert p["seconds"] == pytest.approx(PIPELINE_FACTOR * busiest / 50e9, abs=0.02), p["arithmetic"]
+    s = got["summary"]
+    assert s["auto_mode"] == "senders" and s["predicted_seconds"] == many["seconds"]
+    assert s["fastest"] == {"strategy": "fp8 many senders", "seconds": many["seconds"]}
+    assert auto_mode(fleet) == auto_mode(128, True)  # the backend's rule: the trainer decides
+    assert round(many["seconds"], 2) == 1.40 and PIPELINE_FACTOR * decode / 50e9 < many["seconds"]
+    assert [x["name"] for x in s["servers"]] == ["prefill", "decode"]
+    assert [x["received_bytes"] for x in s["servers"]] == [x["received"] for x in many["servers"]]
+    assert s["sender_bytes"] == many["sender_bytes"] and got["servers"][1]["ranks"] == 32
+    # the text: one line with the mode and its time, each server's memory and bytes, the NICs
+    assert main(["plan", "--fleet", "prime-rl-glm-5.2"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert 'mode="auto" picks many senders (mode="senders"), predicted 1.40 s for the whole model' in flat
+    assert "-> 2 x prefill (TP 8 x DP 4, EP 32) + 2 x decode (TP 1 x DP 32, EP 32): 128 server ranks" in flat
+    assert re.search(r"decode ranks \(2 replicas x 32\): [\d.]+ GiB in vLLM's target session", flat)
+    gib = decode / GIB
+    assert (
+        "received by each server's busiest rank (fp8 many senders): prefill" in flat
+        and f"decode {gib:.2f} GiB" in flat
+    )
+    assert f"to {many['sent'] / GIB:.2f} GiB (rank" in flat

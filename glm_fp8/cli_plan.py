@@ -1,0 +1,157 @@
+"""``glm-fp8 plan``'s command: the config (``--model``, ``--config``, or a ``--fleet`` preset's
+model), the ``PlanRequest`` its options describe (one engine layout, ``--server`` specs or a
+``--fleet`` preset), the report printed as text or JSON; every refusal is argparse's error naming
+the option. glm_fp8 is imported lazily, as everywhere in the CLI (the kernels must not load before
+the CLI picks Triton's interpreter)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _load_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The --config file or the --model preset (default: the --fleet preset's model, else glm-5),
+    validated (``glm_fp8.config.as_config``); argparse errors for what cannot be read or used."""
+    from glm_fp8.presets import FLEETS, PRESETS, load_config
+
+    if args.model is None:  # the fleet's model unless --model or --config says otherwise
+        args.model = FLEETS[args.fleet]["model"] if getattr(args, "fleet", None) else "glm-5"
+    if not args.config:
+        if args.model not in PRESETS:
+            parser.error(f"argument --model: unknown preset {args.model!r} "
+                         f"(expected one of: {', '.join(sorted(PRESETS))})")  # fmt: skip
+        return load_config(args.model)
+    try:
+        return load_config(config_path=args.config)
+    except ValueError as e:
+        parser.error(f"argument --config: {str(e).removeprefix('config: ')}")
+
+
+# PlanRequest fields -> the options that set them, for errors.
+_OPTIONS = {
+    "trainer_gpus": "--trainer-gpus",
+    "engines": "--engines",
+    "engine_tp": "--engine-tp",
+    "engine_dp": "--engine-dp",
+    "link_gbps": "--link-gbps",
+    "gpu_gib": "--gpu-gib",
+    "target": "--target",
+    "master_dtype": "--master-dtype",
+    "gather_dtype": "--gather-dtype",
+    "scale_fmt": "--scale-fmt",
+    "servers": "--server",
+}
+
+
+def _plan_request(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The ``PlanRequest`` the options describe; argparse errors for flags that would be ignored
+    or that contradict each other."""
+    from glm_fp8.planning import GATHER_DTYPES, MASTER_DTYPES, MAX_TRAINER_GPUS, PlanRequest
+
+    trainer_gpus = args.trainer_gpus
+    if args.gpus_per_node is not None and args.nodes is None:
+        parser.error(f"argument --gpus-per-node: {args.gpus_per_node} needs --nodes (the trainer's nodes)")
+    if args.nodes is not None:
+        world = args.nodes * (args.gpus_per_node or 8)
+        if world > MAX_TRAINER_GPUS:
+            parser.error(f"argument --nodes: {args.nodes} x --gpus-per-node {args.gpus_per_node or 8} = "
+                         f"{world} trainer GPUs; expected at most {MAX_TRAINER_GPUS} (the many senders' plan "
+                         "is computed per sender)")  # fmt: skip
+        if trainer_gpus is not None and trainer_gpus != world:
+            parser.error(
+                f"argument --trainer-gpus: {trainer_gpus} contradicts --nodes {args.nodes} x "
+                f"--gpus-per-node {args.gpus_per_node or 8} = {world} trainer GPUs; give "
+                "--trainer-gpus or --nodes, or make them agree"
+            )
+        trainer_gpus = world
+    servers, link_gbps = tuple(args.server or ()), args.link_gbps
+    if args.fleet is not None:
+        from glm_fp8.fleet import fleet_preset
+
+        if servers:
+            parser.error(
+                f"argument --server: --fleet {args.fleet} gives the servers; give --fleet or --server"
+            )
+        fleet = fleet_preset(args.fleet)
+        # the preset's trainer and NIC unless the options say otherwise
+        trainer_gpus = trainer_gpus or fleet.trainer_gpus
+        link_gbps = link_gbps or fleet.link_gbps
+        servers = fleet.servers
+    if servers:
+        which = f"--fleet {args.fleet}" if args.fleet else "--server"
+        one = (("--engines", args.engines), ("--engine-tp", args.engine_tp),
+               ("--engine-dp", args.engine_dp), ("--engine-ep", args.engine_ep or None))  # fmt: skip
+        for flag, value in one:
+            if value is not None:
+                parser.error(
+                    f"argument {flag}: one engine layout; {which} gives each server its own (--server "
+                    "tp=..,dp=..,ep,replicas=..): give one or the other"
+                )
+    if trainer_gpus is None:
+        for flag, value in (
+            ("--server", args.server),
+            ("--engines", args.engines),
+            ("--link-gbps", args.link_gbps),
+            ("--experts-split", args.experts_split or None),
+            ("--gpu-gib", args.gpu_gib),
+        ):
+            if value is not None:
+                parser.error(
+                    f"argument {flag}: describes the deployment and needs --trainer-gpus N (or "
+                    "--nodes): without it there is no update to predict"
+                )
+    for flag, value in (("--engine-dp", args.engine_dp), ("--engine-ep", args.engine_ep or None)):
+        if value is not None and args.engine_tp is None:
+            parser.error(
+                f"argument {flag}: needs --engine-tp (the engine's layout is TP x DP, experts by "
+                "EP or MoE TP)"
+            )
+    given = {"engines": args.engines, "engine_dp": args.engine_dp, "link_gbps": link_gbps,
+             "gpu_gib": args.gpu_gib}  # fmt: skip
+    return PlanRequest(
+        target=args.target,
+        scale_fmt=args.scale_fmt,
+        master_dtype=MASTER_DTYPES[args.master_dtype],
+        gather_dtype=GATHER_DTYPES[args.gather_dtype],
+        trainer_gpus=trainer_gpus,
+        engine_tp=args.engine_tp,
+        engine_ep=args.engine_ep,
+        experts_whole=not args.experts_split,
+        entries=args.entries,
+        servers=servers,
+        **{k: v for k, v in given.items() if v is not None},  # the rest: PlanRequest's defaults
+    )
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from glm_fp8.plan_text import format_plan_report
+    from glm_fp8.planning import PlanArgumentError, plan_report
+
+    config = _load_config(args, parser)
+    request = _plan_request(args, parser)
+    try:
+        report = plan_report(config, request)
+    except PlanArgumentError as e:
+        option = _OPTIONS.get(e.argument, e.argument)
+        if e.argument == "servers" and args.fleet:
+            option = "--fleet"
+        if e.argument == "config":
+            option = "--config" if args.config else f"--model {args.model!r}"
+        if e.argument == "trainer_gpus" and args.nodes is not None and args.trainer_gpus is None:
+            option = "--nodes"
+        parser.error(f"argument {option}: {e.message}")
+    except (KeyError, ValueError) as e:  # a config as_config accepts that the plans read two ways
+        if not args.config:
+            raise
+        parser.error(f"argument --config: {args.config!r} is not a usable config: {e}")
+    if args.json:
+        from glm_fp8 import __version__
+
+        print(json.dumps({"glm_fp8_version": __version__, **report}, indent=1))
+        return 0
+    print(format_plan_report(report, args.detail))
+    return 0
+
+
+__all__ = ["_load_config", "_plan", "_plan_request"]
