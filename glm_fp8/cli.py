@@ -61,7 +61,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from glm_fp8.demo import run_demo
 
-    return run_demo(args.world, args.layers, args.ring, args.mode)
+    return run_demo(args.world, args.layers, args.ring, args.wire)
 
 
 def __getattr__(name: str) -> object:
@@ -133,9 +133,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
         "least 2) (default: 2)",
     )  # fmt: skip
     d.add_argument(
-        "--mode", choices=["fp8", "bf16"], default="fp8",
-        help="fp8: send kernel-format fp8 entries; bf16: send them unquantized, receivers quantize "
-        "(default: fp8)",
+        "--wire", "--mode", dest="wire", choices=["fp8", "bf16"], default="fp8",
+        help="the wire format: fp8: send kernel-format fp8 entries; bf16: send them unquantized, "
+        "receivers quantize (default: fp8; --mode is its old name)",
     )  # fmt: skip
     d.set_defaults(func=_demo)
     p = sub.add_parser(

@@ -19,7 +19,7 @@ from glm_fp8.testing import launch, synthetic_layer
 from glm_fp8.transfer import Receiver, Sender
 
 
-def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mode: str) -> dict:
+def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, wire: str) -> dict:
     """Rank 0 broadcasts ``layers`` synthetic layers; the others receive and verify them."""
     config = {**config, "num_hidden_layers": layers}
     # On a GPU machine every rank uses a GPU (gloo carries CUDA tensors too), else the CPU.
@@ -28,18 +28,18 @@ def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mo
     if rank == 0:
         from tqdm import tqdm
 
-        sender = Sender(None, 0, config=config, ring=ring, mode=mode, device=device)
+        sender = Sender(None, 0, config=config, ring=ring, wire=wire, device=device)
         stream = ((i, synthetic_layer(config, i)) for i in range(layers))
         stats = sender.send_model(tqdm(stream, total=layers, desc="sender", unit="layer"))
         return {"layers": [(s.layer, s.nbytes, s.seconds) for s in stats.layers], "seconds": stats.seconds,
                 "peak_bytes": stats.peak_bytes}  # fmt: skip
     # A receiver keeps at least 2 buffers: a layer waits for its vote while the next one arrives.
-    receiver = Receiver(None, 0, config=config, ring=max(ring, 2), mode=mode, device=device)
+    receiver = Receiver(None, 0, config=config, ring=max(ring, 2), wire=wire, device=device)
     mismatched = 0
     checked = 0
     for pos, views in receiver.receive_layers():
         layer = strip_layer(synthetic_layer(config, pos), pos)
-        want = convert_layer_ref(layer, pos, plan_from_config(config, pos, quantize=mode == "fp8"))
+        want = convert_layer_ref(layer, pos, plan_from_config(config, pos, quantize=wire == "fp8"))
         for name, view in views:
             got = view.cpu().contiguous().view(torch.uint8)
             ref = want[name].contiguous().view(torch.uint8)
@@ -48,7 +48,7 @@ def demo_rank(rank: int, world: int, config: Mapping, layers: int, ring: int, mo
     return {"bytes_checked": checked, "bytes_mismatched": mismatched}
 
 
-def run_demo(world: int | None = None, layers: int = 4, ring: int = 2, mode: str = "fp8") -> int:
+def run_demo(world: int | None = None, layers: int = 4, ring: int = 2, wire: str = "fp8") -> int:
     """The README's main command: prints a per-layer table; exit code 0 iff every byte matched."""
     from tabulate import tabulate
 
@@ -58,8 +58,8 @@ def run_demo(world: int | None = None, layers: int = 4, ring: int = 2, mode: str
     if backend == "gloo":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
     print(f"glm-fp8 demo: {world} processes over {backend} (rank 0 sends), {layers} layers of a "
-          f"GLM-5 scaled down 24x, mode {mode}, ring {ring}")  # fmt: skip
-    results = launch(world, demo_rank, (SMALL_GLM5, layers, ring, mode), backend=backend, timeout_s=300)
+          f"GLM-5 scaled down 24x, wire {wire}, ring {ring}")  # fmt: skip
+    results = launch(world, demo_rank, (SMALL_GLM5, layers, ring, wire), backend=backend, timeout_s=300)
     failed = {r: v for r, v in results.items() if v[0] != "ok"}
     for r, (status, detail) in sorted(failed.items()):
         print(f"rank {r}: {status}: {detail}")

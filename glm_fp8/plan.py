@@ -198,15 +198,21 @@ def plan_from_config(
 
 def plans_for_model(
     config: object,
-    mode: str = "fp8",
+    wire: str = "fp8",
     target: str = "hopper",
     layer_ids: Sequence[int] | None = None,
     scale_fmt: str | None = None,
+    *,
+    mode: str | None = None,
 ) -> list[LayerPlan]:
     """One plan per layer of ``layer_ids`` (default: every decoder layer; the MTP layer and
     ``REST`` may be listed too, and need not be: a trainer that does not model the MTP layer
     updates the target only), built once per kind of layer (``glm_fp8.models.layer_kind``:
-    dense or sparse MLP, with or without an indexer)."""
+    dense or sparse MLP, with or without an indexer). ``wire``: "fp8" (kernel format) or "bf16"
+    (unquantized entries); ``mode=`` is its old name."""
+    if mode is not None:
+        warnings.warn("plans_for_model(mode=) is now wire=", DeprecationWarning, stacklevel=2)
+        wire = mode
     c = as_config(config)
     cache: dict[object, LayerPlan] = {}
     out = []
@@ -214,7 +220,7 @@ def plans_for_model(
     for i in range(c["num_hidden_layers"]) if layer_ids is None else layer_ids:
         kind = i if i in (REST, mtp) else layer_kind(c, i)
         if kind not in cache:
-            cache[kind] = plan_from_config(c, i, target=target, quantize=mode == "fp8", scale_fmt=scale_fmt)
+            cache[kind] = plan_from_config(c, i, target=target, quantize=wire == "fp8", scale_fmt=scale_fmt)
         out.append(cache[kind])
     return out
 

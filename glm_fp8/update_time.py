@@ -56,7 +56,7 @@ SENDER_PEAK_COUNTS = (
     "shards, optimizer state, gradients and activations"
 )
 # Expert stacks split over the trainer ranks are gathered this many experts at a time
-# (gather="chunked", what "auto" picks for them; ``Broadcaster``'s chunk_experts default).
+# (gather="chunked", what "auto" picks for them; ``Sender``'s chunk_experts default).
 CHUNK_EXPERTS = 8
 
 

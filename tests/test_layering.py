@@ -26,11 +26,11 @@ LAYERS = [
     ["trainer_layouts"],
     ["plan", "kernels", "kernels.checksum"],
     ["reference", "kernels.triton_quantize", "kernels.cuda"],
-    ["kernels.triton_launch", "kernels.torch_ref"],
+    ["kernels.triton_launch", "kernels.torch_ref", "kernels.triton_delta"],
     ["backends"],
     ["jobs"],
     ["quantize"],
-    ["convert", "memory", "engine.rules"],
+    ["convert", "delta", "memory", "engine.rules"],
     ["engine.specs"],
     ["engine.postload"],
     ["transfer.wire", "transfer.link"],
@@ -53,7 +53,7 @@ LAYERS = [
         "testing",
     ],
     ["integrations.vllm.clients"],
-    ["integrations.vllm.fleet", "integrations.vllm.trainer_options", "integrations.vllm.trainer_source"],
+    ["integrations.vllm.fleet_link", "integrations.vllm.trainer_options", "integrations.vllm.trainer_source"],
     ["integrations.vllm.trainer_fleet"],
     ["integrations.vllm.worker", "integrations.vllm.trainer"],
     ["integrations.vllm"],
@@ -237,3 +237,29 @@ def test_renamed_names_keep_working():
 
     assert glm_fp8.Broadcaster is glm_fp8.Sender is transfer.Broadcaster is transfer.Sender is sender.Sender
     assert sender.Sender.broadcast_model is sender.Sender.send_model
+
+
+def test_the_old_mode_keyword_still_names_the_wire_format():
+    """``mode=`` ("fp8" / "bf16") is now ``wire=``: the old keyword still works, with a
+    DeprecationWarning, and contradicting ``wire=`` is refused; ``MODES`` is ``WIRE_FORMATS``."""
+    import warnings
+
+    import pytest
+
+    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.plan import plans_for_model
+    from glm_fp8.transfer import HostSinkComm, Receiver, Sender, endpoint, wire
+
+    assert endpoint.MODES is wire.MODES is wire.WIRE_FORMATS
+    with pytest.warns(DeprecationWarning, match="wire="):
+        sender = Sender(HostSinkComm(), 0, config=TINY_GLM5, mode="bf16", device="cpu")
+    assert sender.wire == "bf16" and sender.payload() == Sender(
+        HostSinkComm(), 0, config=TINY_GLM5, wire="bf16", device="cpu").payload()  # fmt: skip
+    with pytest.raises(ValueError, match="two wire formats"):
+        Receiver(None, 0, config=TINY_GLM5, wire="bf16", mode="fp8", device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Sender(HostSinkComm(), 0, config=TINY_GLM5, device="cpu").wire == "fp8"
+    with pytest.warns(DeprecationWarning):
+        old = plans_for_model(TINY_GLM5, mode="bf16")
+    assert [p.manifest() for p in old] == [p.manifest() for p in plans_for_model(TINY_GLM5, "bf16")]

@@ -6,11 +6,12 @@ prediction (what ``glm-fp8 plan`` reports).
     python3 bench/scripts/engine_rank.py [--layers 16] [--tp 8] [--ep] [--rank 0] [--ring 2]
 
 GLM-5 sparse layers (Gaussian x 0.02, bf16); a single sender scatters each layer (the rank
-receives only its shard: one segment per layer). The sender's segment for this rank is recorded
-once, on the GPU; every layer carries the same bytes, so the replay link hands the rank that
-segment from pinned host memory for every layer, and the leader's prelude, manifest and headers
-as an agreeing leader sends them. The rank's parameters are vLLM's (``engine_params``), checked
-against the reference after the update. ``--device cpu --model tiny`` checks the script.
+receives only its shard: its segments of each layer, one per class of ranks it belongs to). The
+sender's segments for this rank are recorded once, on the GPU; every layer carries the same bytes,
+so the replay link hands the rank those segments from pinned host memory for every layer, and the
+leader's prelude, manifest and headers as an agreeing leader sends them. The rank's parameters are
+vLLM's (``engine_params``), checked against the reference after the update. ``--device cpu
+--model tiny`` checks the script.
 """
 
 from __future__ import annotations
@@ -50,16 +51,17 @@ class SegmentRecorder(HostSinkComm):
 
 class Replay(Link):
     """The engine rank's stand-in link: the leader's prelude, manifest and headers as an agreeing
-    leader sends them (the receiver's own), and ``segment`` (pinned host memory) for every layer,
-    copied to the device on the current stream."""
+    leader sends them (the receiver's own), and ``segments`` (pinned host memory: the one layer's
+    segments for this rank, in the order the sender sent them) for every layer, copied to the
+    device on the current stream."""
 
     groups_supported = True
 
-    def __init__(self, rank: int, size: int, segment: torch.Tensor):
-        self.rank, self.size, self.segment = rank, size, segment
+    def __init__(self, rank: int, size: int, segments: list[torch.Tensor]):
+        self.rank, self.size, self.segments = rank, size, segments
         self.receiver: Receiver | None = None
         self.calls = 0
-        self.copies: list[torch.Tensor] = []  # the destinations of the segment, for the link-alone replay
+        self.copies: list[torch.Tensor] = []  # the destinations of the segments, for the link-alone replay
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         r, payload = self.receiver, self.receiver.payload()
@@ -72,8 +74,8 @@ class Replay(Link):
         self.calls += 1
 
     def _segment(self, tensor: torch.Tensor) -> None:
+        tensor.copy_(self.segments[len(self.copies) % len(self.segments)], non_blocking=True)
         self.copies.append(tensor)
-        tensor.copy_(self.segment, non_blocking=True)
 
     def group_broadcast(self, tensor, src, ranks) -> None:
         self._segment(tensor)
@@ -115,8 +117,7 @@ def measure(args, ep: bool) -> list:
     rec = SegmentRecorder(len(engines), me)
     sender = Sender(rec, 0, config=config, layer_ids=[0], engines=engines, device=device)
     sender.send_model([(0, layer)])
-    (segment,) = rec.kept
-    segment = segment.pin_memory() if device.type == "cuda" else segment
+    segments = [s.pin_memory() if device.type == "cuda" else s for s in rec.kept]
     del rec, sender  # free the sender's rings before the reference's temporaries
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -136,7 +137,7 @@ def measure(args, ep: bool) -> list:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    link = Replay(me, len(engines), segment)
+    link = Replay(me, len(engines), segments)
     receiver = Receiver(link, 0, config=config, layout=layout, engines=engines, ring=args.ring, device=device)
     link.receiver = receiver
     receiver.load_into(params)  # warm-up
@@ -145,16 +146,18 @@ def measure(args, ep: bool) -> list:
         link.calls, link.copies = 0, []
         stats = receiver.load_into(params)
         dsts = list(link.copies)
-        t_link = _seconds(lambda: [d.copy_(segment, non_blocking=True) for d in dsts], device)
+        srcs = [segments[k % len(segments)] for k in range(len(dsts))]
+        t_link = _seconds(lambda: [d.copy_(s, non_blocking=True) for d, s in zip(dsts, srcs)], device)
         runs.append((stats.seconds, t_link))
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
     predicted = receiver.routes.receiver_bytes(me, args.ring, device.type)
     same = sum(torch.equal(params[k.replace(layer_prefix(0), layer_prefix(i), 1)].view(torch.uint8),
                            want.view(torch.uint8)) for k, want in ref.items() for i in range(n))  # fmt: skip
     total, t_link = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
-    nbytes = segment.nbytes
-    slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    t_copy = _seconds(lambda: [slot.copy_(link.copies[0]) for _ in range(n)], device)
+    nbytes = sum(s.nbytes for s in segments)  # one layer's, for this rank
+    slots = [torch.empty(s.nbytes, dtype=torch.uint8, device=device) for s in segments]
+    firsts = link.copies[: len(segments)]
+    t_copy = _seconds(lambda: [d.copy_(c) for _ in range(n) for d, c in zip(slots, firsts)], device)
     return [f"{'EP' if ep else 'TP'}{args.tp} rank {args.rank}", f"{nbytes / 2**30:.3f}",
             f"{1e3 * total / n:.2f}", f"{1e3 * t_link / n:.2f}", f"{total / t_link:.4f}",
             f"{1e3 * t_copy / n:.3f}", f"{(total - t_link) / t_copy:.2f}", f"{peak / 2**30:.4f}",

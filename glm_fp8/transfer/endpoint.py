@@ -32,6 +32,7 @@ from glm_fp8.transfer.wire import (
     MAGIC,
     PROTOCOL_VERSION,
     REFUSED_PRELUDE,
+    WIRE_FORMATS,
     ManifestMismatch,
     UpdateAborted,
     describe_refusal,
@@ -41,8 +42,8 @@ from glm_fp8.transfer.wire import (
     message_checksum,
     refusal_code,
 )
+from glm_fp8.transfer.wire import MODES as MODES  # the old path of the wire formats
 
-MODES = ("fp8", "bf16")
 # Ring slots: 2 overlap conversion (or arrival) with the wire; more only cost memory. The bound keeps
 # a typo (ring=10**6) from allocating until the device is out of memory, one layer slot at a time.
 MAX_RING = 16
@@ -141,7 +142,7 @@ class Endpoint:
         plans: Sequence[LayerPlan] | None,
         layer_ids: Sequence[int] | None,
         ring: int,
-        mode: str,
+        wire: str,
         device: torch.device | str | None,
         rest: bool = False,
         scale_fmt: str | None = None,
@@ -149,8 +150,8 @@ class Endpoint:
         senders: Sequence[int] | None = None,
         checksum: bool = True,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if wire not in WIRE_FORMATS:
+            raise ValueError(f"wire: expected one of {WIRE_FORMATS}, got {wire!r}")
         if (config is None) == (plans is None):
             raise ValueError("config / plans: pass exactly one of them")
         if scale_fmt not in (None, *SCALE_FMTS):
@@ -158,7 +159,7 @@ class Endpoint:
         check_int("ring", ring, 1, MAX_RING, " (buffers of one layer each)")
         if not isinstance(checksum, bool):
             raise ValueError(f"checksum: expected True or False, got {checksum!r}")
-        self.mode, self.checksum = mode, checksum
+        self.wire, self.checksum = wire, checksum
         self.config = as_config(config) if config is not None else None
         self._layers(plans, layer_ids, rest, scale_fmt)
         self.device = resolve_device(device) if device else default_device()
@@ -184,8 +185,8 @@ class Endpoint:
             raise ValueError(
                 f"engines: expected one entry per rank of the link ({self.link.size}), got {len(engines)}"
             )
-        if mode != "fp8" and (len(senders) > 1 or any(e not in (None, FULL) for e in engines)):
-            raise ValueError("mode: engine layouts and many senders need mode='fp8'")
+        if wire != "fp8" and (len(senders) > 1 or any(e not in (None, FULL) for e in engines)):
+            raise ValueError("wire: engine layouts and many senders need wire='fp8'")
         self.routes: TransferPlan = transfer_plan(
             self.config, self.plans, self.layer_ids, engines, senders, groups=self.link.groups_supported
         )
@@ -232,7 +233,7 @@ class Endpoint:
         if plans is not None:
             self.plans = [plans[i] for i in self.layer_ids]
         else:
-            self.plans = plans_for_model(config, self.mode, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
+            self.plans = plans_for_model(config, self.wire, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
 
     def release(self) -> None:
         """Give the ring buffers back once the work queued on them finished (between updates: the
@@ -248,7 +249,7 @@ class Endpoint:
     # --- what every rank agrees on ----------------------------------------------------------------
 
     def manifest(self) -> dict:
-        m = manifest_of(self.plans, self.layer_ids, self.mode, self.checksum)
+        m = manifest_of(self.plans, self.layer_ids, self.wire, self.checksum)
         m["plan"] = self.routes.manifest()
         return m
 

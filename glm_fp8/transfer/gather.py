@@ -182,7 +182,7 @@ def contribute_shards(
     for pos, (layer_idx, sd) in enumerate(layers):
         plan, layer = trainer_view(plans[pos], strip_layer(sd, layer_idx), layer_idx)
         collect_layer(
-            plan, layer, layer_idx, None, mode="fp8", gather=gather, chunk_experts=chunk_experts,
+            plan, layer, layer_idx, None, wire="fp8", gather=gather, chunk_experts=chunk_experts,
             gather_dtype=gather_dtype, sender=sender, device=dev,
         )  # fmt: skip
 
@@ -193,7 +193,7 @@ def collect_layer(
     layer_idx: int,
     buf: torch.Tensor | None,
     *,
-    mode: str,
+    wire: str,
     gather: str,
     chunk_experts: int,
     gather_dtype: torch.dtype | None,
@@ -219,7 +219,7 @@ def collect_layer(
     sending = buf is not None
     prefix = layer_prefix(layer_idx)
     travel = travel_dtypes(plan, gather_dtype)
-    strategy = _choose_gather(plan, layer, gather, mode, prefix)
+    strategy = _choose_gather(plan, layer, gather, wire, prefix)
     if strategy == "full":
         gathered = {k: full_value(t, travel.get(k)) for k, t in layer.items()}
         if not sending:
@@ -281,7 +281,7 @@ def collect_layer(
 
 
 def _choose_gather(
-    plan: LayerPlan, layer: Mapping[str, torch.Tensor], gather: str, mode: str, prefix: str
+    plan: LayerPlan, layer: Mapping[str, torch.Tensor], gather: str, wire: str, prefix: str
 ) -> str:
     from torch.distributed.tensor import DTensor
 
@@ -292,8 +292,8 @@ def _choose_gather(
     if gather == "full" or not sharded or not stacks:
         return "full"
     why = None
-    if mode != "fp8" or plan.target != "hopper":
-        why = f"mode {mode!r} / target {plan.target!r} (piecewise gathers need fp8 for Hopper)"
+    if wire != "fp8" or plan.target != "hopper":
+        why = f"wire {wire!r} / target {plan.target!r} (piecewise gathers need fp8 for Hopper)"
     per_expert = [e for e in stacks if e.per_expert]
     if why is None and per_expert:
         why = f"{prefix}{per_expert[0].name} comes from per-expert tensors (each is gathered whole)"

@@ -59,9 +59,11 @@ class Link:
 
     def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         """Make the groups (sorted tuples of link ranks) not made yet; every rank of the link
-        calls it with the same list after the manifest vote."""
-        if groups:
-            raise ValueError(f"{type(self).__name__}: this link cannot make groups of ranks")
+        calls it with the same list after the manifest vote. Here: none but the whole link, which
+        ``group_broadcast`` reaches by the link's own broadcast."""
+        some = [g for g in groups if len(g) < self.size]
+        if some:
+            raise ValueError(f"{type(self).__name__}: this link cannot make groups of ranks ({some[0]})")
 
     def group_broadcast(self, tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         """Broadcast from ``src`` within the group ``ranks`` (this rank is one of them)."""
@@ -165,12 +167,33 @@ class StoreLink(Link):
         timeout: timedelta = timedelta(minutes=10),
         device: torch.device | None = None,
     ):
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        self._setup(store, rank, size, backend, timeout, device)
+
+    @classmethod
+    def over_store(
+        cls,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        *,
+        backend: str,
+        timeout: timedelta = timedelta(minutes=10),
+        device: torch.device | None = None,
+    ) -> StoreLink:
+        """The link over a store the caller holds (and that outlives the link: e.g. one
+        generation's ``PrefixStore`` of a trainer's store), instead of one served at ``host:port``."""
+        link = cls.__new__(cls)
+        link._setup(store, rank, size, backend, timeout, device)
+        return link
+
+    def _setup(self, store, rank: int, size: int, backend: str, timeout: timedelta, device) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank: expected 0 <= rank < size={size}, got {rank}")
         self.rank, self.size, self.backend, self.timeout = rank, size, backend, timeout
         self.device = device
-        self.store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-        self.pg = _store_group(dist.PrefixStore("glm_fp8/link/", self.store), rank, size, backend, timeout)
+        self.store = store
+        self.pg = _store_group(dist.PrefixStore("glm_fp8/link/", store), rank, size, backend, timeout)
         self._groups: dict[tuple[int, ...], object] = {}
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

@@ -1,12 +1,21 @@
 """The wire regions (docs/layouts.md#the-transfer-plan): one engine rank's share of a layer on the
-wire, the cut of every entry that the rank holds (``Shard`` without its zero padding rows), packed
-one after another into one region, and the classes of ranks that hold the same bytes
-(data-parallel replicas, EP ranks for replicated tensors) and so share one broadcast of that
-region; and the ``engines`` every plan of regions takes, one entry per link rank (``FULL``, an
-``EngineLayout`` or None at a sender), checked whole by ``check_engines``.
+wire, the cut of every entry that the rank holds (``Shard`` without its zero padding rows); the
+classes of ranks that share one broadcast; and the ``engines`` every plan of regions takes, one
+entry per link rank (``FULL``, an ``EngineLayout`` or None at a sender), checked whole by
+``check_engines``.
 
-Region layout: the pieces in plan order, each at a multiple of 256 bytes, then one int64: the
-region's checksum (``glm_fp8.transfer.wire.message_checksum`` of the bytes before it).
+A class is a set of ranks and the pieces they all hold. One sender (scatter): per piece, an entry's
+cut is keyed by the bytes it covers (its entry, dim and ranges), its class is the set of ranks
+that hold it (its holders), whatever server they belong to, and the pieces of one holder set form
+one pack: a rank is in several classes, e.g. in a sparse layer every rank for the replicated
+entries, the ranks of one TP position across servers and DP replicas for attention and the shared
+expert, the ranks of one expert cut for the routed experts. Ranks that take every entry whole
+(``FULL``) form one class of the whole layer. On a link that cannot make groups, only the pieces
+every engine rank holds are shared (the link's own broadcast); each rank's other pieces are its
+own class. Many senders: a class is ranks whose whole region is equal (``scatter_classes``).
+
+Pack layout: the pieces in plan order, each at a multiple of 256 bytes, then one int64: the
+pack's checksum (``glm_fp8.transfer.wire.message_checksum`` of the bytes before it).
 """
 
 from __future__ import annotations
@@ -112,8 +121,8 @@ def full_pack(plan: LayerPlan, layer_idx: int) -> ShardPack:
 
 
 def scatter_classes(packs: Sequence[ShardPack | None]) -> list[tuple[int, ...]]:
-    """Ranks (indices into ``packs``; None: not a receiver) grouped by equal packs, in order of
-    first appearance: each class shares one broadcast."""
+    """Ranks (indices into ``packs``; None: not a receiver) grouped by equal packs (whole regions),
+    in order of first appearance."""
     classes: dict[tuple[Shard, ...], list[int]] = {}
     for rank, pack in enumerate(packs):
         if pack is not None:
@@ -121,10 +130,64 @@ def scatter_classes(packs: Sequence[ShardPack | None]) -> list[tuple[int, ...]]:
     return [tuple(ranks) for ranks in classes.values()]
 
 
+def cut_key(p: ShardPiece) -> tuple:
+    """What bytes of its entry a piece holds, whatever the rule that cut it: ranks of different
+    layouts that hold equal keys hold the same bytes (the group a cut is over, its kind and a
+    single range covering the whole dim do not change them)."""
+    s, ndim = p.shard, len(p.shape)
+    parts: list[list[int]] = []
+    for a, b in s.parts if s.kind != "replicated" else ():
+        if parts and parts[-1][1] == a:
+            parts[-1][1] = b
+        elif b > a:
+            parts.append([a, b])
+    if s.kind == "replicated" or parts == [[0, s.full]]:
+        return p.name, p.rows, None
+    return p.name, p.rows, s.dim % ndim, tuple(map(tuple, parts))
+
+
+def piece_classes(
+    packs: Sequence[ShardPack | None], whole: Sequence[bool], groups: bool = True
+) -> tuple[list[tuple[int, ...]], list[ShardPack]]:
+    """One sender's classes: each distinct piece of ``packs`` (None: not a receiver) grouped by the
+    ranks that hold it, the pieces of one holder set packed afresh; ``whole[r]``: rank r takes its
+    pack as one piece (``FULL``). ``groups`` False: a holder set short of every receiver is cut into
+    one class per rank. Classes that share one broadcast come first (in order of first appearance,
+    then the rest), so that a sender's group broadcasts precede its point-to-point messages."""
+    everyone = tuple(r for r, pk in enumerate(packs) if pk is not None)
+    holders: dict[tuple, list[int]] = {}
+    piece: dict[tuple, ShardPiece | ShardPack] = {}
+    for r in everyone:
+        pk = packs[r]
+        for key, p in [((FULL,), pk)] if whole[r] else [(cut_key(p), p) for p in pk.pieces]:
+            holders.setdefault(key, []).append(r)
+            piece.setdefault(key, p)
+    sets: dict[tuple[int, ...], list[tuple]] = {}
+    for key, ranks in holders.items():
+        ranks = tuple(ranks)
+        for hs in [ranks] if groups or ranks == everyone else [(r,) for r in ranks]:
+            sets.setdefault(hs, []).append(key)
+    # stable: first appearance among the shared ones (a group or the link's broadcast), then the rest
+    classes = sorted(sets, key=lambda hs: not ((groups and len(hs) > 1) or hs == everyone))
+    out = []
+    for hs in classes:
+        keys = sets[hs]
+        if keys[0] == (FULL,):
+            out.append(piece[keys[0]])
+            continue
+        pieces, offset = [], 0
+        for key in keys:
+            pieces.append(dataclasses.replace(piece[key], offset=offset))
+            offset = align(offset + pieces[-1].nbytes)
+        out.append(ShardPack(tuple(pieces), offset + CHECKSUM_BYTES))
+    return classes, out
+
+
 @dataclass(frozen=True)
 class LayerScatter:
-    """One layer in scatter mode: each class's ranks, its pack and its region's offset in the
-    sender's buffer of ``nbytes`` (regions side by side, each at a multiple of 256 bytes)."""
+    """One layer in scatter mode: each class's ranks (a rank may be in several), its pack and its
+    pack's offset in the sender's buffer of ``nbytes`` (packs side by side, each at a multiple of
+    256 bytes)."""
 
     classes: tuple[tuple[int, ...], ...]
     packs: tuple[ShardPack, ...]
@@ -133,23 +196,37 @@ class LayerScatter:
 
     @property
     def wire_nbytes(self) -> int:
-        """What the sender sends for the layer: every class's region once."""
+        """What the sender sends for the layer on a link that makes groups: every class's pack once."""
         return sum(p.nbytes for p in self.packs)
 
 
 def layer_scatter(
-    plan: LayerPlan, layer_idx: int, config: Mapping | None, engines: Sequence[EngineLayout | str | None]
+    plan: LayerPlan,
+    layer_idx: int,
+    config: Mapping | None,
+    engines: Sequence[EngineLayout | str | None],
+    *,
+    per_piece: bool | None = None,
+    groups: bool = True,
 ) -> LayerScatter:
     """The classes of ``engines`` (None: not a receiver; ``FULL``: every entry whole) for one layer
-    and where their regions lie in the sender's buffer."""
+    and where their packs lie in the sender's buffer. ``per_piece`` (default: when ``engines``
+    names at most one sender): classes by piece (``piece_classes``, with ``groups``), else by
+    whole region (``scatter_classes``, many senders)."""
     packs = [None if lay is None else full_pack(plan, layer_idx) if lay == FULL
              else shard_pack(plan, layer_idx, config, lay) for lay in engines]  # fmt: skip
-    classes = scatter_classes(packs)
+    if per_piece is None:
+        per_piece = sum(lay is None for lay in engines) <= 1
+    if per_piece:
+        classes, chosen = piece_classes(packs, [lay == FULL for lay in engines], groups)
+    else:
+        classes = scatter_classes(packs)
+        chosen = [packs[ranks[0]] for ranks in classes]
     offsets, total = [], 0
-    for ranks in classes:
+    for pack in chosen:
         offsets.append(total)
-        total = align(total + packs[ranks[0]].nbytes)
-    return LayerScatter(tuple(classes), tuple(packs[c[0]] for c in classes), tuple(offsets), total)
+        total = align(total + pack.nbytes)
+    return LayerScatter(tuple(classes), tuple(chosen), tuple(offsets), total)
 
 
 def check_engines(engines: Sequence[EngineLayout | str | None], senders: Sequence[int]) -> None:
@@ -268,6 +345,7 @@ __all__ = [
     "FULL",
     "check_engines",
     "check_replicas",
+    "cut_key",
     "LayerScatter",
     "ShardPack",
     "ShardPiece",
@@ -275,6 +353,7 @@ __all__ = [
     "layer_scatter",
     "full_pack",
     "layout_words",
+    "piece_classes",
     "scatter_classes",
     "shard_pack",
     "update_bytes",

@@ -41,6 +41,7 @@ from glm_fp8.transfer.wire import (
     describe_refusal,
     refusal_code,
     refusal_reason,
+    wire_arg,
 )
 
 
@@ -48,9 +49,9 @@ class Receiver(Endpoint):
     """An engine rank: receives its segments of every layer into a ring and lands them.
 
     Args:
-        comm, src, config / plans, layer_ids, rest, scale_fmt, engines, senders, mode: as for
-            ``Broadcaster``, the same on every rank; a manifest that differs is refused before
-            any parameter is touched.
+        comm, src, config / plans, layer_ids, rest, scale_fmt, engines, senders, wire: as for
+            ``Sender`` (``mode=``: the old name of ``wire=``), the same on every rank; a manifest
+            that differs is refused before any parameter is touched.
         layout: this engine rank's ``EngineLayout`` (needs ``config``): ``load_into`` lands each
             entry's shard under vLLM's name and dtype (``glm_fp8.engine.engine_params``), with no
             full-size temporary. With ``engines``, this rank's entry must be this layout (it
@@ -77,7 +78,7 @@ class Receiver(Endpoint):
         plans: Sequence[LayerPlan] | None = None,
         layer_ids: Sequence[int] | None = None,
         ring: int = 2,
-        mode: str = "fp8",
+        wire: str = "fp8",
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         layout: EngineLayout | None = None,
         rest: bool = False,
@@ -86,25 +87,25 @@ class Receiver(Endpoint):
         senders: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         checksum: bool = True,
+        mode: str | None = None,
     ):
         with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
+            wire = wire_arg(wire, mode)
             if layout is not None and not isinstance(layout, EngineLayout):
                 raise TypeError(f"layout: expected an EngineLayout or None, got {type(layout).__name__}")
             check_int("ring", ring, 2, MAX_RING,
                       " buffers (a layer waits for its vote while the next one arrives)")  # fmt: skip
             check_int("max_manifest_bytes", max_manifest_bytes, 1, 1 << 40)
-            if layout is not None and (config is None or mode != "fp8"):
+            if layout is not None and (config is None or wire != "fp8"):
                 raise ValueError(
                     "layout: a sharded engine needs config= (its sharding rules read it) and "
-                    "mode='fp8'; use layout=None for mode='bf16'"
+                    "wire='fp8'; use layout=None for wire='bf16'"
                 )
-            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
+            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, wire=wire,
                              device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
                              checksum=checksum)  # fmt: skip
             if self.rank in self.senders:
-                raise ValueError(
-                    f"senders: this process (link rank {self.rank}) is a sender; build a Broadcaster"
-                )
+                raise ValueError(f"senders: this process (link rank {self.rank}) is a sender; build a Sender")
             entry = self.routes.engines[self.rank]
             self.full = entry == FULL
             self.layout = layout
@@ -129,6 +130,8 @@ class Receiver(Endpoint):
                     self.targets = self._targets(layout)
                 except ValueError as exc:
                     self._layout_error = exc
+            # This rank's segments per layer (from each of its classes), where each lies in its buffer.
+            self._mine = [lay.of_rank(self.rank) for lay in self.routes.layers]
             self.ring = Ring(ring, self.routes.receive_slot(self.rank), self.device)
             self.scratch = checksum_scratch(self.routes.receive_slot(self.rank), self.device)
             self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -241,21 +244,21 @@ class Receiver(Endpoint):
             raise UpdateAborted(f"receiving {step_name(pos, self.layer_ids)} failed: {exc}") from exc
 
     def _receive_segments(self, pos: int) -> torch.Tensor | None:
-        """Receive this rank's segments of the layer at ``pos`` into its ring slot; a device
-        boolean, set when a checksum differs (None: nothing checked)."""
-        lay = self.routes.layers[pos]
-        k = self.routes.class_of(pos, self.rank)
-        segments = lay.of_class(k)
+        """Receive this rank's segments of the layer at ``pos`` into its ring slot, in the order
+        the senders send them: the group broadcasts of its classes in class order, then one
+        exchange for the point-to-point ones; a device boolean, set when a checksum differs (None:
+        nothing checked)."""
+        lay, segments = self.routes.layers[pos], self._mine[pos]
         buf, slot = self.ring.slot(pos)
         self.ring.wait_free(slot, self.link_stream)  # the consumer's copies out of its last layer
-        if lay.groups[k] is not None:
-            (s,) = segments  # one sender
-            self.link.group_broadcast(buf[: s.nbytes], self.senders[s.sender], lay.groups[k])
-        else:
-            self.link.exchange(
-                [],
-                [(buf[s.recv_offset : s.recv_offset + s.nbytes], self.senders[s.sender]) for s in segments],
-            )
+        recvs = []
+        for s in segments:
+            data = buf[s.recv_offset : s.recv_offset + s.nbytes]
+            if lay.groups[s.cls] is not None:  # one sender: every rank of the group takes part in order
+                self.link.group_broadcast(data, self.senders[s.sender], lay.groups[s.cls])
+            else:
+                recvs.append((data, self.senders[s.sender]))
+        self.link.exchange([], recvs)
         return self.segment_checksums_bad(buf, segments, self.scratch) if self._sums else None
 
     def _settle_step(self, pos: int, failure: BaseException | None) -> None:
@@ -291,17 +294,19 @@ class Receiver(Endpoint):
         raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
 
     def _views(self, pos: int) -> tuple[list[tuple], int]:
-        """The views of this rank's segments of the layer at ``pos`` and its ring slot."""
-        lay = self.routes.layers[pos]
+        """The views of this rank's segments of the layer at ``pos`` (in the plan's entry order)
+        and its ring slot."""
         buf, slot = self.ring.slot(pos)
         prefix = layer_prefix(self.layer_ids[pos])
         views = []
-        for s in lay.of_class(self.routes.class_of(pos, self.rank)):
+        for s in self._mine[pos]:
             region = buf[s.recv_offset : s.recv_offset + s.nbytes]
             if s.direct:
                 views += [(prefix + name, view, None) for name, view in self.plans[pos].views(region)]
             else:
                 views += [(p.name, p.view(region), p.rows) for p in s.pieces]
+        order = {prefix + e.name: k for k, e in enumerate(self.plans[pos].entries)}
+        views.sort(key=lambda v: order[v[0]])  # stable: a split entry's pieces stay in sender order
         return views, slot
 
     # --- landing ------------------------------------------------------------------------------------
@@ -309,7 +314,7 @@ class Receiver(Endpoint):
     def load_into(
         self, params: Mapping[str, torch.Tensor], *, aliases: Mapping[str, str] | None = None
     ) -> UpdateStats:
-        """Copy (fp8 mode) or quantize (bf16 mode: into an fp8 parameter with a ``_scale_inv`` beside
+        """Copy (wire 'fp8') or quantize (wire 'bf16': into an fp8 parameter with a ``_scale_inv`` beside
         it, else copied) every received entry into ``params``. ``aliases``: parameter names that
         hold the very tensor of another (alias -> name); they are not written.
 
@@ -330,7 +335,7 @@ class Receiver(Endpoint):
                     self._land(pos, views, params, aliases)
                 except BaseException as exc:
                     layers.throw(exc)  # refuses at the next vote, then re-raises exc
-                got = self.routes.layers[pos].recv_nbytes[self.routes.class_of(pos, self.rank)]
+                got = sum(s.nbytes for s in self._mine[pos])  # what arrived, without the buffer's padding
                 seconds = time.perf_counter() - t
                 stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes))
         finally:
@@ -345,7 +350,7 @@ class Receiver(Endpoint):
     ) -> Exception | None:
         """The first problem with ``params`` as an exception (not raised), or None."""
         try:
-            bf16 = params if self.mode == "bf16" else None
+            bf16 = params if self.wire == "bf16" else None
             check_params(params, expected_params(self.layer_ids, self.plans, self.targets, bf16), self.device,
                          aliases)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - reported at the manifest vote, then raised
@@ -353,7 +358,7 @@ class Receiver(Endpoint):
         return None
 
     def _land(self, pos: int, views, params: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
-        fmt = self.plans[pos].scale_fmt if self.mode == "bf16" else None
+        fmt = self.plans[pos].scale_fmt if self.wire == "bf16" else None
         land_layer(views, params, self.targets, aliases, full=self.full, quantize_fmt=fmt)
         if len(self.senders) > 1 and self.targets is not None:
             # A padded parameter's rows past V, which no sender sends (a rank may hold nothing but

@@ -4,19 +4,30 @@ each layer of an update to which engine ranks. Every mode is one such plan:
 - **full broadcast**: one sender; every engine rank is ``FULL`` (it receives every entry whole,
   as ``glm_fp8.convert`` lays the layer out) and they form one class;
 - **scatter**: one sender; each engine rank gives its ``EngineLayout`` and receives only its
-  shard; ranks that hold the same bytes form a class (``glm_fp8.transfer.pack.scatter_classes``);
+  shard; each distinct piece (an entry's cut) goes once to the ranks that hold it, the pieces of
+  one holder set as one segment (``glm_fp8.transfer.pack.piece_classes``);
 - **many senders**: every trainer rank sends its own share: its rows of the expert stacks and of
-  the largest matrices, and the other entries it owns (``glm_fp8.transfer.owners``).
+  the largest matrices, and the other entries it owns (``glm_fp8.transfer.owners``); ranks whose
+  whole region is equal form a class.
 
 Per layer, each sender sends each class at most one **segment**: the pieces it has of the
-class's region, one after another at multiples of 256 bytes, then a checksum word. A class of
+class's pack, one after another at multiples of 256 bytes, then a checksum word. A class of
 several ranks served by a single sender gets one broadcast in the group of that sender and the
-class (where the link can make groups); every other segment goes point to point to each rank of
-its class. A single sender's segment that is its whole converted layer, as the plan lays it
-out (the full broadcast), is **direct**: sent from the conversion buffer, never packed. An engine
-rank's layer buffer holds its class's segments side by side, in sender order; a sender's send
-buffer holds its packed segments side by side, in class order. The plan is computed once per
-update configuration, identically on every rank, and agreed on at the manifest vote.
+class (where the link can make groups, or on the link itself when the class is every other
+rank); every other segment goes point to point to each rank of its class. A single sender's
+segment that is its whole converted layer, as the plan lays it out (the full broadcast), is
+**direct**: sent from the conversion buffer, never packed. An engine rank may be in several
+classes: its layer buffer holds the segments of its classes side by side, in class order then
+sender order (``LayerRoutes.of_rank``); a sender's send buffer holds its packed segments side by
+side, in class order (the broadcast classes first). The plan is computed once per update
+configuration, identically on every rank, and agreed on at the manifest vote.
+
+Several servers on one link (``engines`` lists every server's ranks): the full broadcast is one
+broadcast of each layer on the link whatever the servers' layouts; scatter sends each distinct
+piece once per holder set (on a link that makes groups), so attention, shared experts and dense
+layers that ranks of several servers hold alike travel once, the routed experts once per expert
+cut; many senders send every segment point to point, to every rank of its class. A sender
+converts each layer once (its share, with many senders), however many servers there are.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ class Segment(ShardPack):
     layer: a ``ShardPack`` of the pieces it has of the class's region (a split entry's pieces name
     their ``rows``), then the checksum word. It lies at ``send_offset`` in the sender's send
     buffer (``direct``: in its conversion buffer, at 0) and at ``recv_offset`` in each receiving
-    rank's layer buffer."""
+    rank's layer buffer (``LayerRoutes.of_rank``: where a rank in several classes puts it)."""
 
     sender: int = 0
     cls: int = 0
@@ -52,12 +63,13 @@ class Segment(ShardPack):
 
 @dataclass(frozen=True)
 class LayerRoutes:
-    """One layer's routes: ``classes`` (link ranks that receive the same bytes), ``groups`` (per
-    class, the sorted link ranks of its single sender's broadcast; None: point to point),
-    ``segments`` (by class, then sender), ``splits`` (each split entry, by prefixed name: every
-    sender's rows), ``owners`` (every other entry: the sender that gathers, converts and sends it),
-    ``local_plans`` (per sender: the part of the layer it converts, possibly nothing), the bytes of
-    each sender's send buffer and of each class's receive buffer."""
+    """One layer's routes: ``classes`` (link ranks that receive the same bytes; a rank may be in
+    several), ``groups`` (per class, the sorted link ranks of its single sender's broadcast; None:
+    point to point), ``segments`` (by class, then sender), ``splits`` (each split entry, by
+    prefixed name: every sender's rows), ``owners`` (every other entry: the sender that gathers,
+    converts and sends it), ``local_plans`` (per sender: the part of the layer it converts,
+    possibly nothing), the bytes of each sender's send buffer and of each class's segments side by
+    side (``recv_nbytes``; a rank's buffer holds those of all its classes: ``rank_nbytes``)."""
 
     layer_idx: int
     classes: tuple[tuple[int, ...], ...]
@@ -74,6 +86,21 @@ class LayerRoutes:
 
     def of_class(self, k: int) -> list[Segment]:
         return [s for s in self.segments if s.cls == k]
+
+    def of_rank(self, rank: int) -> list[Segment]:
+        """The segments link rank ``rank`` receives, in the order it receives them (its classes in
+        order, each class's segments in sender order), ``recv_offset`` set to where each lies in
+        its layer buffer."""
+        out, base = [], 0
+        for k, ranks in enumerate(self.classes):
+            if rank in ranks:
+                out += [dataclasses.replace(s, recv_offset=base + s.recv_offset) for s in self.of_class(k)]
+                base += self.recv_nbytes[k]
+        return out
+
+    def rank_nbytes(self, rank: int) -> int:
+        """Engine rank ``rank``'s layer buffer: its classes' segments side by side."""
+        return sum(n for ranks, n in zip(self.classes, self.recv_nbytes) if rank in ranks)
 
     def starts(self, t: int) -> dict[str, int]:
         """Where sender ``t``'s rows of each split entry begin (``ShardPack.pack_into``)."""
@@ -104,6 +131,7 @@ class TransferPlan:
     layers: tuple[LayerRoutes, ...]
 
     def class_of(self, pos: int, rank: int) -> int:
+        """The first class of ``rank`` in the layer at ``pos`` (its only one with many senders)."""
         return next(k for k, ranks in enumerate(self.layers[pos].classes) if rank in ranks)
 
     def groups(self) -> list[tuple[int, ...]]:
@@ -130,14 +158,7 @@ class TransferPlan:
 
     def receive_slot(self, rank: int) -> int:
         """The largest layer buffer engine rank ``rank`` receives: one ring slot."""
-        return max(
-            (
-                lay.recv_nbytes[self.class_of(pos, rank)]
-                for pos, lay in enumerate(self.layers)
-                if any(rank in c for c in lay.classes)
-            ),
-            default=0,
-        )
+        return max((lay.rank_nbytes(rank) for lay in self.layers), default=0)
 
     def receiver_bytes(self, rank: int, ring: int = 2, device: str = "cuda") -> int:
         """Engine rank ``rank``'s memory above its parameters during an update (what ``Receiver``
@@ -238,7 +259,7 @@ def transfer_plan(
     scatters, cache = [], {}
     for plan, layer_idx in zip(plans, layer_ids):
         if id(plan) not in cache:
-            cache[id(plan)] = (layer_idx, layer_scatter(plan, layer_idx, config, engines))
+            cache[id(plan)] = (layer_idx, layer_scatter(plan, layer_idx, config, engines, groups=groups))
         first, scatter = cache[id(plan)]
         scatters.append(_renamed(scatter, layer_prefix(first), layer_prefix(layer_idx)))
     bounds, splits, owners = divide(plans, layer_ids, scatters, n)
@@ -246,8 +267,8 @@ def transfer_plan(
     layers = []
     for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
         scatter, split, prefix = scatters[pos], splits[pos], layer_prefix(layer_idx)
-        # One sender broadcasts to a class of replicas (in the group of it and the class), and to a
-        # class that is every other rank of the link (the link itself, which any link can do).
+        # One sender broadcasts to a class of several ranks (in the group of it and the class), and
+        # to a class that is every other rank of the link (the link itself, which any link can do).
         cls_groups = tuple(
             tuple(sorted((senders[0], *ranks)))
             if n == 1 and ((groups and len(ranks) > 1) or len(ranks) + 1 == len(engines))

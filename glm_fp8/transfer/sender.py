@@ -43,6 +43,7 @@ from glm_fp8.transfer.wire import (
     message_checksum,
     refusal_code,
     refusal_reason,
+    wire_arg,
 )
 
 
@@ -71,8 +72,9 @@ class Sender(Endpoint):
             and calls ``send_model`` with its own (sharded) layers; each converts and sends its
             own experts and the entries it owns (docs/layouts.md#the-transfer-plan).
         ring: conversion buffers (default 2: convert i+1 while i is sent; 1 serializes).
-        mode: "fp8" ships kernel-format fp8 entries; "bf16" ships them unquantized, for receivers
-            that quantize on receive (one sender, full broadcast only).
+        wire: the wire format: "fp8" ships kernel-format fp8 entries; "bf16" ships them
+            unquantized, for receivers that quantize on receive (one sender, full broadcast only).
+            ``mode=`` is its old name (a DeprecationWarning).
         gather: how a single sender collects DTensor layers: "auto", "full", "chunked" or
             "quantize_then_gather" (``glm_fp8.transfer.gather.collect_layer``); the trainer ranks
             that do not send run ``contribute_shards`` with the same arguments.
@@ -97,7 +99,7 @@ class Sender(Endpoint):
         plans: Sequence[LayerPlan] | None = None,
         layer_ids: Sequence[int] | None = None,
         ring: int = 2,
-        mode: str = "fp8",
+        wire: str = "fp8",
         gather: str = "auto",
         chunk_experts: int = 8,
         gather_dtype: torch.dtype | None = None,
@@ -107,9 +109,11 @@ class Sender(Endpoint):
         engines: Sequence[EngineLayout | str | None] | None = None,
         senders: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        mode: str | None = None,
     ):
         with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
-            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, mode=mode,
+            wire = wire_arg(wire, mode)
+            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, wire=wire,
                              device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
                              checksum=checksum)  # fmt: skip
             if self.rank not in self.senders:
@@ -123,7 +127,7 @@ class Sender(Endpoint):
             self.me = self.senders.index(self.rank)
             # The senders' ranks in the trainer's default group, where their DTensors live.
             self.senders_global = [self.link.global_rank(r) for r in self.senders]
-            self.collect_args = dict(mode=mode, gather=gather, chunk_experts=chunk_experts,
+            self.collect_args = dict(wire=wire, gather=gather, chunk_experts=chunk_experts,
                                      gather_dtype=gather_dtype, device=self.device)  # fmt: skip
             conv, send = self.routes.sender_buffers(self.me)
             self.conv_ring = Ring(ring, conv, self.device)
@@ -172,7 +176,7 @@ class Sender(Endpoint):
             return None, 0
         return ManifestMismatch(
             f"manifest: link rank {self.rank}'s differs from the leader's (rank {self.src}); every sender "
-            "needs the same config, layer_ids, rest, scale_fmt, mode, checksum, engines and senders"
+            "needs the same config, layer_ids, rest, scale_fmt, wire, checksum, engines and senders"
         ), REFUSED_MANIFEST
 
     def _steps(self, layers, rest, stats: UpdateStats) -> None:

@@ -2,7 +2,8 @@
 refusal codes and the errors every rank raises (defined in ``glm_fp8.errors``, re-exported here;
 docs/layouts.md#the-protocol).
 
-Protocol version 3. One protocol for every mode: a transfer plan (``glm_fp8.transfer.routes``) says
+Protocol version 4 (3 until scatter classes became per piece and the manifest named the wire format
+``wire``). One protocol for every mode: a transfer plan (``glm_fp8.transfer.routes``) says
 which sender sends which bytes of each layer to which engine ranks, one sender (the full
 broadcast, scatter) or many. Every rank of the link runs the same steps:
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -45,7 +47,7 @@ from glm_fp8.errors import LayerOrderError, ManifestMismatch, ReceiverRefused, U
 from glm_fp8.kernels.checksum import checksum_rows, checksum_torch, checksum_triton
 from glm_fp8.plan import LayerPlan
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = int.from_bytes(b"glm_fp8\x03", "little")  # first word of the prelude and of every header
 DATA, COMPLETE = 1, 2
 STATUSES = {DATA: "DATA", COMPLETE: "COMPLETE"}
@@ -99,17 +101,34 @@ def describe_refusal(code: int) -> str:
     return f"rank {refusal_rank(code)} {REFUSAL_REASONS.get(reason, f'refused (unknown reason {reason})')}"
 
 
+# The wire format: what the entries travel as (kernel-format fp8, or unquantized bf16 for receivers
+# that quantize). "Mode" names how an update travels (broadcast, scatter, many senders).
+WIRE_FORMATS = ("fp8", "bf16")
+MODES = WIRE_FORMATS  # the old name (docs/map.md#words)
+
+
+def wire_arg(wire: str, mode: str | None) -> str:
+    """``wire=``, or the old keyword ``mode=`` for it (a DeprecationWarning): "mode" now names only
+    how an update travels (broadcast, scatter, many senders; docs/map.md#words)."""
+    if mode is None:
+        return wire
+    if wire != "fp8" and wire != mode:
+        raise ValueError(f"mode / wire: two wire formats given ({mode!r}, {wire!r}); pass wire= only")
+    warnings.warn("mode= is now wire= (the wire format, 'fp8' or 'bf16')", DeprecationWarning, stacklevel=3)
+    return mode
+
+
 def header_words(status: int, layer_idx: int, pos: int, nbytes: int = 0) -> list[int]:
     """A step's header: ``HEADER_WORDS`` words."""
     return [MAGIC, status, layer_idx, pos, nbytes, 0, 0, 0]
 
 
-def manifest_of(plans: Sequence[LayerPlan], layer_ids: Sequence[int], mode: str, checksum: bool) -> dict:
+def manifest_of(plans: Sequence[LayerPlan], layer_ids: Sequence[int], wire: str, checksum: bool) -> dict:
     """The layers and entries of an update as data (the transfer plan is added by the caller)."""
     return {
         "format": "glm_fp8",
         "version": PROTOCOL_VERSION,
-        "mode": mode,
+        "wire": wire,
         "checksum": checksum,
         "layers": [
             {"layer": i, "nbytes": p.nbytes, "scale_fmt": p.scale_fmt, "entries": p.manifest()}
@@ -139,7 +158,7 @@ def compare_manifest(got: object, want: dict, layer_ids: Sequence[int], *, requi
     carries no checksums."""
     if not isinstance(got, dict):
         raise ManifestMismatch(f"manifest: expected a JSON object, got {type(got).__name__}")
-    for key in ("format", "version", "mode"):
+    for key in ("format", "version", "wire"):
         if got.get(key) != want[key]:
             raise ManifestMismatch(f"manifest: expected {key}={want[key]!r}, got {got.get(key)!r}")
     if not isinstance(got.get("checksum"), bool):
@@ -213,6 +232,8 @@ __all__ = [
     "MAGIC",
     "MAX_MANIFEST_BYTES",
     "PROTOCOL_VERSION",
+    "WIRE_FORMATS",
+    "wire_arg",
     "REASON_BYTES",
     "REFUSED_ARGUMENTS",
     "REFUSED_HEADER",

@@ -55,14 +55,14 @@ def _rank(rank, world, case, fault, scale_fmt, scatter=False):
     from glm_fp8.engine import EngineLayout, engine_params, take_shard
     from glm_fp8.plan import plan_from_config, strip_layer
     from glm_fp8.reference import convert_layer_ref
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, scale_fmt=scale_fmt, device="cpu")
     if scatter:
         kw["engines"] = [None, *_layouts(case, world)]
     if rank == 0:
-        sender = Broadcaster(None, 0, **kw)
-        stats = sender.broadcast_model(
+        sender = Sender(None, 0, **kw)
+        stats = sender.send_model(
             ((i, synthetic_layer(TINY_GLM5, i)) for i in WHOLE), rest=synthetic_layer(TINY_GLM5, REST)
         )
         return (stats.nbytes, sender.routes.received_bytes()) if scatter else stats.nbytes
@@ -70,9 +70,8 @@ def _rank(rank, world, case, fault, scale_fmt, scatter=False):
     params = _params(EngineLayout() if case == "tp4" else layout, fault if rank == 1 else None)
     try:
         receiver = Receiver(None, 0, layout=layout, **kw)
-        if scatter:  # its ring holds its own largest region, not a layer
-            mine = [lay.recv_nbytes[receiver.routes.class_of(pos, rank)]
-                    for pos, lay in enumerate(receiver.routes.layers)]  # fmt: skip
+        if scatter:  # its ring holds its own largest share of a layer (its classes' packs), not a layer
+            mine = [lay.rank_nbytes(rank) for lay in receiver.routes.layers]
             assert receiver.ring.nbytes == max(mine) < max(p.nbytes for p in receiver.plans)
         receiver.load_into(params)
     except BaseException:
@@ -151,13 +150,13 @@ def test_rest_must_be_given_when_announced_and_announced_when_given():
 
 
 def _send_rest_case(rank, world, flag, give):
-    from glm_fp8.transfer import Broadcaster, Receiver
+    from glm_fp8.transfer import Receiver, Sender
 
     kw = dict(config=TINY_GLM5, rest=flag, device="cpu")
     if rank == 0:
         layers = ((i, synthetic_layer(TINY_GLM5, i)) for i in range(4))
         rest = synthetic_layer(TINY_GLM5, REST) if give else None
-        return Broadcaster(None, 0, **kw).broadcast_model(layers, rest=rest)
+        return Sender(None, 0, **kw).send_model(layers, rest=rest)
     return len(list(Receiver(None, 0, **kw).receive()))
 
 
@@ -165,8 +164,8 @@ def test_a_layout_needs_the_config_and_fp8():
     from glm_fp8.engine import EngineLayout
     from glm_fp8.transfer import Receiver
 
-    with pytest.raises(ValueError, match="layout: a sharded engine needs config= .* and mode='fp8'"):
-        Receiver(None, 0, config=TINY_GLM5, layout=EngineLayout(), mode="bf16", device="cpu")
+    with pytest.raises(ValueError, match="layout: a sharded engine needs config= .* and wire='fp8'"):
+        Receiver(None, 0, config=TINY_GLM5, layout=EngineLayout(), wire="bf16", device="cpu")
     with pytest.raises(TypeError, match="layout: expected an EngineLayout"):
         Receiver(None, 0, config=TINY_GLM5, layout=(2, 0), device="cpu")
     with pytest.raises(ValueError, match="layer_ids: layer 5 is not a layer of the model"):

@@ -15,7 +15,8 @@ Invariants:
   draft start, update, finish). After each step every engine parameter equals the reference bit for
   bit (as test_vllm_backend.py checks it), in every mode, from glm_fp8's ``LayerSource`` and from
   vLLM's ``ModuleSource`` over FSDP2-style DTensors in Hugging Face's names; the MTP layer travels in
-  vLLM's draft session; vLLM's ``finalize_model_weights`` rebuilds MLA's ``W_UK_T`` / ``W_UV``.
+  vLLM's draft session; vLLM's ``finalize_model_weights`` rebuilds MLA's ``W_UK_T`` / ``W_UV``; two
+  servers of two layouts (a fleet, each its own client) in one update on one link.
 - A worker that cannot take part (its ``ParallelConfig`` has EPLB on) stops every rank at init.
 
 Real: vLLM's factories, config classes (``WeightTransferConfig``, ``ParallelConfig``), ``ModuleSource``,
@@ -353,6 +354,11 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     return _engine_worker(rank - trainers, trainers, boxes, case, config, dtype, steps, opts)
 
 
+def _case_layouts(case: str):
+    """The workers' layouts of ``case``: one server ("tp2"), or a fleet ("tp2+ep2"), in link order."""
+    return [layout for server in case.split("+") for layout in _layouts(server)]
+
+
 def _trainer(rank, world, trainers, port, boxes, config, dtype, steps, mesh_params, opts):
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
@@ -366,10 +372,17 @@ def _trainer(rank, world, trainers, port, boxes, config, dtype, steps, mesh_para
                              rest=lambda: synthetic_layer(config, REST, dtype), mtp=bool(opts.get("mtp")),
                              experts_whole=True)  # fmt: skip
     client = QueueClient(boxes) if rank == 0 else None
+    engine_ranks, fleet = world - trainers, {}
+    if opts.get("fleet"):  # one client per server, each over its own workers' queues
+        engine_ranks = [len(_layouts(server)) for server in opts["fleet"]]
+        starts = [sum(engine_ranks[:k]) for k in range(len(engine_ranks))]
+        clients = [QueueClient(boxes[a : a + n]) for a, n in zip(starts, engine_ranks)]
+        fleet = {"server_names": list(opts["fleet"])}
+        client = clients if rank == 0 else None
     hf_config = _hf_config(config) if opts.get("hf_trainer_config") else config
-    info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=world - trainers, config=hf_config,
+    info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=engine_ranks, config=hf_config,
                                  mode=opts.get("mode", "auto"), trainer_ranks=trainers, timeout_s=60,
-                                 rank=rank)  # fmt: skip
+                                 rank=rank, **fleet)  # fmt: skip
     try:
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         assert type(engine) is GlmFp8TrainerWeightTransferEngine
@@ -398,7 +411,7 @@ def _engine_worker(r, trainers, boxes, case, config, dtype, steps, opts):
     from glm_fp8.integrations.vllm.backend import GlmFp8WeightTransferEngine
 
     integ.register()  # what vLLM's plugin loader does in every worker process
-    layout = _layouts(case)[r]
+    layout = _case_layouts(case)[r]
     # vllm_updater reads this worker's ranks from vLLM's TP and DP groups, which need vLLM's
     # distributed init; they are the ParallelConfig's rank and data_parallel_index.
     parallel_state.get_tp_group = lambda: _Group(layout.tp_rank)
@@ -463,7 +476,9 @@ def _run(trainers, case, **opts):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    engines = len(_layouts(case))
+    engines = len(_case_layouts(case))
+    if "+" in case:
+        opts = {**opts, "fleet": case.split("+")}
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     return launch(trainers + engines, _rank, (trainers, free_port(), boxes, case, opts), timeout_s=150)
 
@@ -486,6 +501,14 @@ def test_every_mode_lands_every_byte_through_vllms_api(trainers, case, mode):
     _landed(results, trainers)
     for t in range(trainers):
         assert [s[0] for s in results[t][1]] == ["ok", "ok"] and results[t][1][0][2] == mode, results[t]
+
+
+def test_two_servers_of_two_layouts_land_every_byte_in_one_update_through_vllms_api():
+    """A fleet (docs/vllm.md#fleet): a TP 2 server and an EP 2 server, each its own client, on one
+    link (the second's workers at rank_offset 3), vLLM's worker engine in each."""
+    results = _run(1, "tp2+ep2", mode="scatter")
+    _landed(results, 1)
+    assert [s[0] for s in results[0][1]] == ["ok", "ok"], results[0]
 
 
 def test_vllms_module_source_over_fsdp2_dtensors_in_hf_names_lands_with_many_senders():

@@ -339,13 +339,13 @@ def _rank(rank, world, case):
     from glm_fp8.engine.postload import mla_absorbed_ref
     from glm_fp8.plan import plan_from_config, strip_layer
     from glm_fp8.reference import convert_layer_ref
-    from glm_fp8.transfer import Broadcaster
+    from glm_fp8.transfer import Sender
 
     whole = model_layer_ids(TINY_GLM5)
     glm_fp8.set_default_backend("torch")
     if rank == 0:
-        sender = Broadcaster(None, 0, config=TINY_GLM5, layer_ids=whole, rest=True, device="cpu")
-        stats = sender.broadcast_model(
+        sender = Sender(None, 0, config=TINY_GLM5, layer_ids=whole, rest=True, device="cpu")
+        stats = sender.send_model(
             ((i, synthetic_layer(TINY_GLM5, i)) for i in whole), rest=synthetic_layer(TINY_GLM5, REST)
         )
         return stats.nbytes

@@ -32,21 +32,21 @@ def test_every_received_byte_matches_the_reference(world):
         assert results[r][1]["bytes_checked"] > 0 and results[r][1]["bytes_mismatched"] == 0
 
 
-def test_ring_of_one_and_bf16_mode():
+def test_ring_of_one_and_the_bf16_wire_format():
     _ok(launch(2, demo_rank, (SMALL_GLM5, 2, 1, "fp8"), timeout_s=120))
     results = launch(2, demo_rank, (SMALL_GLM5, 2, 2, "bf16"), timeout_s=120)
     _ok(results)
     assert results[1][1]["bytes_mismatched"] == 0
 
 
-def _load_into_rank(rank, world, mode):
-    """Receivers land the update in fp8 parameters (bf16 mode quantizes on receive)."""
+def _load_into_rank(rank, world, wire):
+    """Receivers land the update in fp8 parameters (wire 'bf16': they quantize on receive)."""
     from glm_fp8.plan import plan_from_config
     from glm_fp8.reference import convert_layer_ref
     from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
-        Sender(None, 0, config=CONFIG, mode=mode).send_model(
+        Sender(None, 0, config=CONFIG, wire=wire).send_model(
             (i, synthetic_layer(CONFIG, i)) for i in range(3)
         )
         return None
@@ -56,7 +56,7 @@ def _load_into_rank(rank, world, mode):
         for n, v in p.views(torch.zeros(p.nbytes, dtype=torch.uint8)):
             filler = torch.full_like(v.contiguous().view(torch.uint8), 7, device=DEV)
             params[f"model.layers.{i}.{n}"] = filler.view(v.dtype)
-    Receiver(None, 0, config=CONFIG, mode=mode).load_into(params)
+    Receiver(None, 0, config=CONFIG, wire=wire).load_into(params)
     for i, plan in enumerate(fp8_plans):
         layer = {k.removeprefix(f"model.layers.{i}."): t for k, t in synthetic_layer(CONFIG, i).items()}
         for name, ref in convert_layer_ref(layer, i, plan).items():
@@ -65,9 +65,9 @@ def _load_into_rank(rank, world, mode):
     return len(params)
 
 
-@pytest.mark.parametrize("mode", ["fp8", "bf16"])
-def test_load_into_parameters(mode):
-    results = launch(2, _load_into_rank, (mode,), timeout_s=120)
+@pytest.mark.parametrize("wire", ["fp8", "bf16"])
+def test_load_into_parameters(wire):
+    results = launch(2, _load_into_rank, (wire,), timeout_s=120)
     _ok(results)
     assert results[1][1] > 0
 

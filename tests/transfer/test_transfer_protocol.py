@@ -134,9 +134,7 @@ def _optional_checksum_rank(rank, world):
 
     kw = dict(config=TINY_GLM5, layer_ids=[0, 2], device="cpu")
     if rank == 0:
-        Sender(None, 0, checksum=False, **kw).send_model(
-            (i, synthetic_layer(TINY_GLM5, i)) for i in (0, 2)
-        )
+        Sender(None, 0, checksum=False, **kw).send_model((i, synthetic_layer(TINY_GLM5, i)) for i in (0, 2))
         return "sent"
     return sum(1 for _ in Receiver(None, 0, checksum=False, **kw).receive())
 

@@ -13,7 +13,10 @@ The pieces without vLLM: ``probe`` (what the worker was built with: its layout, 
 step), ``updater`` (its parameters, ``EngineUpdater``), ``sync`` (the handshake), ``worker``
 (``WorkerSide``), ``trainer`` (``TrainerSide``), ``sources`` (``LayerSource``;
 ``ModuleStateSource``: a module's parameters and persistent buffers, which a transformers model
-needs, as a vLLM ``WeightSource``). ``engine`` is the old name of ``updater`` and ``probe``.
+needs, as a vLLM ``WeightSource``), ``clients`` (``VllmServer``, one vLLM server of a fleet; clients for
+every kind vLLM 0.34 has, draft sessions included), ``fleet_link`` and ``trainer_fleet`` (several servers
+on one link, membership changes), ``gate`` (every update's go / no-go). ``engine`` is the old name
+of ``updater`` and ``probe``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from glm_fp8.integrations.vllm.clients import AsyncLLMClient, LLMClient, VllmServer
 from glm_fp8.integrations.vllm.probe import (
     EngineNotSupported,
     check_moe_parallel,
@@ -166,15 +170,22 @@ class ExtensionClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.rpc("glm_fp8_finish", ())
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leave the link (a server removed from a fleet: ``remove_server``)."""
+        self.rpc("glm_fp8_close", ())
+
 
 __all__ = [
+    "AsyncLLMClient",
     "BACKEND",
     "EngineNotSupported",
     "EngineUpdater",
     "ExtensionClient",
     "GlmFp8WorkerExtension",
+    "LLMClient",
     "LayerSource",
     "ModuleStateSource",
+    "VllmServer",
     "WorkerSide",
     "register",
     "vllm_finalize",

@@ -11,6 +11,11 @@ Engine: ``LLM(model, weight_transfer_config=WeightTransferConfig(backend="glm_fp
                               config=hf_config, rank=rank),
         client=client, source=ModuleStateSource(model))  # a transformers model: its buffers too
     engine.send_weights()  # each step
+
+A fleet (several vLLM servers, one link): ``engine_ranks=[n0, n1, ...]``, ``server_names=[...]``,
+``client=[c0, c1, ...]``; between updates ``engine.add_server(VllmServer(...))``,
+``engine.remove_server(name)``, ``engine.replace_server(name, VllmServer(...))`` or
+``engine.set_fleet([...])`` on every trainer rank (docs/vllm.md#fleet).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from glm_fp8.integrations.vllm import engine_postload_plan, register, vllm_updater
+from glm_fp8.integrations.vllm.clients import VllmServer
 from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
 from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
 from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
@@ -127,6 +133,28 @@ class GlmFp8TrainerWeightTransferEngine(TrainerWeightTransferEngine):
         link), ``seconds``, ``sender``, ``update_bytes`` (the whole converted update; None off the
         link). See ``TrainerSide.send`` and docs/vllm.md#what-send_weights-returns."""
         return self.side.send()
+
+    # --- the fleet (docs/vllm.md#fleet): on every trainer rank alike, between updates -------------
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        """The fleet this engine updates, in link order."""
+        return list(self.side.servers)
+
+    def set_fleet(self, servers: list[VllmServer]) -> None:
+        """Make ``servers`` the fleet (``VllmServer(name, engine_ranks, client)``; the client on trainer
+        rank 0): the link is rebuilt, every server re-runs its init, and the next ``send_weights()``
+        is a whole update for every server. See ``FleetMembership.set_fleet``."""
+        self.side.set_fleet(servers)
+
+    def add_server(self, server: VllmServer) -> None:
+        self.side.add_server(server)
+
+    def remove_server(self, name: str) -> None:
+        self.side.remove_server(name)
+
+    def replace_server(self, name: str, server: VllmServer) -> None:
+        self.side.replace_server(name, server)
 
     def shutdown(self) -> None:
         self.side.shutdown()

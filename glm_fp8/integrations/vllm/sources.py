@@ -2,7 +2,7 @@
 (docs/vllm.md#sources). Two kinds, vLLM-free:
 
 - ``LayerSource``: glm_fp8's own, a function that yields the layers asked for (each trainer rank
-  its own, sharded or not, as ``Broadcaster.broadcast_model`` takes them) and one that gives the
+  its own, sharded or not, as ``Sender.send_model`` takes them) and one that gives the
   non-layer tensors;
 - ``WeightSourceLayers``: vLLM's ``WeightSource`` (e.g. ``ModuleSource`` over a module of
   DTensors, or glm_fp8's ``ModuleStateSource``, which adds the module's persistent buffers), its

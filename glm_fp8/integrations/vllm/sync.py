@@ -3,9 +3,10 @@
 with each update (``SyncUpdate``), and how every rank of the link learns every engine rank's
 layout and needs (``publish`` / ``read_fleet``: JSON through the link's TCP store, no pickle).
 
-The link's ranks: the trainer ranks that send, ``0 .. senders - 1``, then the engine workers,
-``senders + data_parallel_index * world_size + rank`` (vLLM's own numbering of a DP fleet's
-workers, ``nccl_common.py::_worker_group_rank``).
+The link's ranks: the trainer ranks that send, ``0 .. senders - 1``, then each server's engine
+workers in the order of the fleet (``servers``), server ``k``'s at ``rank_offset`` (``senders`` plus
+the earlier servers' workers) ``+ data_parallel_index * world_size + rank`` (vLLM's own numbering
+of a DP engine's workers and its ``rank_offset``, ``nccl_common.py::_worker_group_rank``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from datetime import timedelta
 
 from glm_fp8._checks import check_int, check_seconds
 from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.integrations.vllm.gate import (  # re-exported: the gate is part of the handshake
+    clear_gate,
+    gate_reads,
+    open_gate,
+    poll_ready,
+    publish_ready,
+    wait_gate,
+)
 from glm_fp8.numerics import SCALE_FMTS
 from glm_fp8.transfer.endpoint import MAX_RING  # checked at init, before any buffer is sized from it
 
@@ -81,7 +90,13 @@ class SyncInit:
     ``link_backend`` "nccl" or "gloo"), the mode the trainer chose, what an update carries
     (``layer_ids`` of the target session, ``rest``; ``draft``: the MTP layer in a draft session of
     its own, in the same stream, or not at all) and the wire options (``scale_fmt`` None: as the
-    engines need, ``checksum``, ``ring``)."""
+    engines need, ``checksum``, ``ring``).
+
+    A fleet (several vLLM servers on one link): ``servers`` lists every server as ``[name,
+    first link rank, workers]`` in link order (None: one server, its workers from ``senders``);
+    ``rank_offset`` is the first link rank of the server this init is sent to (None: ``senders``);
+    ``generation`` counts the link's rebuilds (a change of membership): its keys in the store
+    live under it, so a rebuilt link never reads an old one's."""
 
     master_address: str
     master_port: int
@@ -96,6 +111,9 @@ class SyncInit:
     checksum: bool = True
     ring: int = 2
     timeout_s: float = 600.0
+    rank_offset: int | None = None
+    servers: list | None = None
+    generation: int = 0
     version: int = HANDSHAKE_VERSION
 
     @classmethod
@@ -123,6 +141,9 @@ class SyncInit:
             checksum=_field(d, "checksum", bool, "a bool", True),
             ring=_field(d, "ring", int, "an int >= 2", 2),
             timeout_s=_field(d, "timeout_s", (int, float), "seconds", 600.0),
+            rank_offset=_field(d, "rank_offset", (int, type(None)), "the server's first link rank", None),
+            servers=_field(d, "servers", (list, type(None)), "[[name, first link rank, workers], ...]", None),
+            generation=_field(d, "generation", int, "the link's generation (an int >= 0)", 0),
         )
         out.check()
         return out
@@ -155,6 +176,56 @@ class SyncInit:
         if self.mode != "senders" and self.senders != 1:
             raise ValueError(f"init_info.senders: mode {self.mode!r} has one sender, got {self.senders}")
         check_seconds("init_info.timeout_s", self.timeout_s)
+        check_int("init_info.generation", self.generation, 0, None, " (the link's rebuilds)")
+        self._check_servers()
+
+    def _check_servers(self) -> None:
+        """The fleet tiles the link's engine ranks in order, and ``rank_offset`` starts one server."""
+        servers = self.servers
+        if servers is None:
+            if self.rank_offset not in (None, self.senders):
+                raise ValueError(
+                    f"init_info.rank_offset: {self.rank_offset!r} without init_info.servers; expected None "
+                    f"or senders={self.senders}"
+                )
+            return
+        at, names = self.senders, set()
+        for k, entry in enumerate(servers):
+            what = f"init_info.servers[{k}]"
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
+                raise ValueError(f"{what}: expected [name, first link rank, workers], got {entry!r}")
+            if not entry[0] or entry[0] in names:
+                raise ValueError(f"{what}: the name {entry[0]!r} is empty or used twice")
+            names.add(entry[0])
+            check_int(f"{what}[1]", entry[1], at, at, f" (server {entry[0]!r} starts after the last one)")
+            at += check_int(f"{what}[2]", entry[2], 1, MAX_LINK_RANKS - 1, f" ({entry[0]!r}'s workers)")
+        if at != self.world_size:
+            raise ValueError(
+                f"init_info.servers: the servers' workers end at link rank {at}; world_size={self.world_size}"
+            )
+        if self.rank_offset is not None and self.rank_offset not in [e[1] for e in servers]:
+            raise ValueError(
+                f"init_info.rank_offset: {self.rank_offset!r} is no server's first link rank "
+                f"{[e[1] for e in servers]}"
+            )
+
+    def fleet(self) -> list[tuple[str, int, int]]:
+        """Every server as ``(name, first link rank, workers)``: one nameless server when the trainer
+        sent no ``servers`` (one vLLM engine)."""
+        if self.servers is None:
+            return [("", self.senders, self.world_size - self.senders)]
+        return [(str(n), int(o), int(w)) for n, o, w in self.servers]
+
+    def rank_name(self, rank: int) -> str:
+        """Link rank ``rank`` in words: "engine rank 5 (server 'decode' #1, its worker 2)"."""
+        if rank < self.senders:
+            return f"trainer rank {rank} (a sender)"
+        for k, (name, first, workers) in enumerate(self.fleet()):
+            if first <= rank < first + workers:
+                # one server without a name (one vLLM engine): the rank says it all
+                where = f" (server {name!r} #{k}, its worker {rank - first})" if name else ""
+                return f"engine rank {rank}{where}"
+        return f"link rank {rank} (outside the link's {self.world_size})"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -215,13 +286,14 @@ def publish(store, rank: int, desc: Mapping) -> None:
     store.set(_key(rank), json.dumps(dict(desc), default=str))
 
 
-def read_fleet(store, ranks: Sequence[int]) -> dict[int, dict]:
+def read_fleet(store, ranks: Sequence[int], name=None) -> dict[int, dict]:
     """Every engine rank's description (waits for each, up to the store's timeout); raises
-    naming the first rank that reported an error, on every rank alike."""
+    naming the first rank that reported an error (``name(rank)``: its server too), on every rank alike."""
     fleet = {r: json.loads(store.get(_key(r)).decode()) for r in ranks}
     for r, desc in fleet.items():
         if desc.get("error"):
-            raise RuntimeError(f"engine rank {r} refused the weight transfer: {desc['error']}")
+            who = name(r) if name is not None else f"engine rank {r}"
+            raise RuntimeError(f"{who} refused the weight transfer: {desc['error']}")
     return fleet
 
 
@@ -252,67 +324,6 @@ def fleet_mtp(fleet: Mapping[int, Mapping]) -> int | None:
     """The MTP layer's index when every engine rank runs an MTP drafter, else None."""
     mtps = {desc.get("mtp") for desc in fleet.values()}
     return mtps.pop() if len(mtps) == 1 else None
-
-
-# --- the gate: every update's go / no-go, through the TCP store, before the link is used ----------
-#
-# A refusal known before the transfer (a worker outside a session, vLLM's own "start_weight_update
-# must be called before update_weights", a client call that raised) would otherwise leave the
-# ranks that did enter the transfer waiting for the others until the link's timeout, and the link
-# broken for the next update. So no rank enters it before trainer rank 0 opened the gate: each
-# engine worker says it is ready (or why not) under the update's key, and rank 0 writes "go" once
-# every worker is ready, or the first refusal (a worker's, or its client call's error) for every
-# rank to raise at once.
-
-GO = "go"
-
-
-def _gate_key(step: int, session: str, what: str) -> str:
-    return f"glm_fp8/gate/{step}/{session}/{what}"
-
-
-def publish_ready(store, step: int, session: str, rank: int, refusal: str | None) -> None:
-    """Engine rank ``rank`` is ready for update ``step`` (``refusal`` None), or why it is not."""
-    store.set(_gate_key(step, session, f"ready/{rank}"), refusal or "")
-
-
-def poll_ready(store, step: int, session: str, ranks: Sequence[int]) -> tuple[bool, str | None]:
-    """(every rank said, the first refusal among them, naming its rank), without waiting."""
-    keys = [_gate_key(step, session, f"ready/{r}") for r in ranks]
-    if not store.check(keys):
-        return False, None
-    for r, key in zip(ranks, keys):
-        said = store.get(key).decode()
-        if said:
-            return True, f"engine rank {r} refused the update: {said}"
-    return True, None
-
-
-def open_gate(store, step: int, session: str, verdict: str | None) -> None:
-    """Trainer rank 0's verdict on update ``step``: None, every rank goes; else why none does."""
-    store.set(_gate_key(step, session, "verdict"), GO if verdict is None else verdict)
-
-
-def wait_gate(store, step: int, session: str) -> None:
-    """Wait for rank 0's verdict (up to the store's timeout); raise it, naming the update, unless
-    it is "go"."""
-    verdict = store.get(_gate_key(step, session, "verdict")).decode()
-    if verdict != GO:
-        raise RuntimeError(f"update {step} ({session} session) stopped before any byte moved: {verdict}")
-    store.add(_gate_key(step, session, "read"), 1)
-
-
-def gate_reads(store, step: int, session: str) -> int:
-    """How many ranks read update ``step``'s "go" (its keys can go once every reader has)."""
-    return int(store.add(_gate_key(step, session, "read"), 0))
-
-
-def clear_gate(store, step: int, session: str, ranks: Sequence[int]) -> None:
-    """Drop an update's keys once every rank is past them."""
-    store.delete_key(_gate_key(step, session, "verdict"))
-    store.delete_key(_gate_key(step, session, "read"))
-    for r in ranks:
-        store.delete_key(_gate_key(step, session, f"ready/{r}"))
 
 
 # --- what trainer rank 0 decided, for every trainer rank -----------------------------------------

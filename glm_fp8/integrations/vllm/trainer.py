@@ -1,8 +1,9 @@
 """The trainer side of glm_fp8's vLLM weight-transfer backend, without vLLM (docs/vllm.md#the-backend):
 ``TrainerOptions`` (what ``GlmFp8TrainerInitInfo`` carries; ``trainer_options``, re-exported here)
 and ``TrainerSide``, which every trainer rank builds at init and calls each step (what it reads
-each step: ``trainer_source``). It drives the engine through any object with vLLM's
-``VLLMWeightSyncClient`` methods (``LLM``, ``AsyncLLM``, the HTTP routes; rank 0 only).
+each step: ``trainer_source``). It drives each vLLM server through a client with vLLM's
+``VLLMWeightSyncClient`` methods (``clients``: ``LLM``, ``AsyncLLM``, HTTP, Ray; rank 0 only), one
+or several servers on one link (a fleet: ``trainer_fleet``, ``fleet_link``; docs/vllm.md#fleet).
 
 At init the senders open the link (a TCP store served by trainer rank 0 and a process group of
 its own) while rank 0 sends every engine worker the ``SyncInit``; every engine rank then tells
@@ -14,15 +15,25 @@ every sender sends) and ``finish``.
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
-from datetime import timedelta
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from glm_fp8.config import as_config
+from glm_fp8.integrations.vllm.clients import VllmServer
+from glm_fp8.integrations.vllm.fleet_link import (
+    FleetCall,
+    generation_store,
+    name_ranks,
+    open_store,
+    publish_failure,
+    read_failure,
+    start_sessions,
+    wait_ready,
+)
 from glm_fp8.integrations.vllm.sources import WeightSourceLayers
 from glm_fp8.integrations.vllm.sync import (
     SyncInit,
@@ -30,25 +41,28 @@ from glm_fp8.integrations.vllm.sync import (
     auto_mode,
     clear_gate,
     fleet_layouts,
-    fleet_mtp,
     fleet_scale_fmt,
     gate_reads,
     open_gate,
-    poll_ready,
     publish_trainer_init,
     read_fleet,
     read_trainer_init,
     session_layers,
     wait_gate,
 )
+from glm_fp8.integrations.vllm.trainer_fleet import FleetMembership, draft_decision
 from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions
 from glm_fp8.integrations.vllm.trainer_source import contribute, trainer_source
 from glm_fp8.models import mtp_layer_index
 from glm_fp8.transfer.link import StoreLink
-from glm_fp8.transfer.sender import Broadcaster
+from glm_fp8.transfer.sender import Sender
+
+# How long trainer rank 0 waits, after a failed transfer, for the servers' update_weights to say
+# why (a dead server's client answers at once; the others once their link broke), before raising.
+FAILURE_WAIT_S = 10.0
 
 
-class TrainerSide:
+class TrainerSide(FleetMembership):
     """One trainer rank's end of the backend; see the module docstring. Build with ``connect``."""
 
     def __init__(self, opts: TrainerOptions, client: object, source: object, device: torch.device):
@@ -63,61 +77,59 @@ class TrainerSide:
                 f"init_info.rank: expected a trainer rank below trainer_ranks={self.trainer_ranks}, "
                 f"got {self.rank}"
             )
+        self.servers = opts.servers(client)
+        # One server without names: its messages and init as before the fleet (no server names).
+        self.named = isinstance(opts.engine_ranks, (list, tuple)) or opts.server_names is not None
         self.source = trainer_source(
             source, self.config, rank=self.rank, trainer_ranks=self.trainer_ranks, device=device
         )
         self.mode = self._mode()
         self.senders = self.trainer_ranks if self.mode == "senders" else 1
-        backend = (
+        self.backend = (
             opts.link_backend
             if opts.link_backend != "auto"
             else ("nccl" if device.type == "cuda" else "gloo")
         )
-        # draft="auto" is decided by the rank that holds the client (rank 0): whether the client can
-        # open vLLM's draft session. The other ranks take rank 0's decision at connect(); what they
-        # hold until then is provisional.
-        draft = opts.draft
-        if draft == "auto":
-            draft = "session" if self.source.mtp and self._client_drafts() else "none"
-            if self.rank == 0 and self.source.mtp and draft == "none":
-                # vLLM's HTTP and Ray clients have no draft session: say so rather than leave the
-                # drafter on its old weights without a word.
-                warnings.warn(
-                    f"init_info.draft='auto': the source holds the MTP layer but "
-                    f"{type(client).__name__} has no start_draft_weight_update, so it is not sent; "
-                    "wrap AsyncLLM's start_draft_weight_update in the client, or pass draft='none' "
-                    "to silence this",
-                    stacklevel=2,
-                )
+        self.init = self._make_init(0)
+        self.link: StoreLink | None = None
+        self.store = None  # this generation's view of the trainer's TCP store
+        self._root = None  # the store itself: served by trainer rank 0 for the engine's life
+        self.state = "built"  # then "connected", then "shut down"
+        self.steps = 0
+        self._senders_cache: dict[str, Sender] = {}
+        self._gates: list[tuple[int, str]] = []  # updates whose "go" keys rank 0 still holds
+
+    def _make_init(self, generation: int) -> SyncInit:
+        """The fleet's ``SyncInit`` (each server gets it with its ``rank_offset``); ``draft`` decided
+        per server by rank 0 (``draft_decision``), provisional on the other ranks until connect."""
+        draft = draft_decision(self.opts.draft, self.source.mtp, self.servers, self.rank)
         if draft != "none" and not self.source.mtp:
             raise ValueError(
                 f"init_info.draft: {draft!r} sends the MTP layer, which the source does not hold"
             )
-        self.init = SyncInit(
-            master_address=opts.master_address,
-            master_port=int(opts.master_port),  # checked integral (numpy / torch ints too): JSON-able
-            world_size=self.senders + int(opts.engine_ranks),
+        at, servers = self.senders, []
+        for s in self.servers:
+            servers.append([s.name, at, int(s.engine_ranks)])
+            at += int(s.engine_ranks)
+        init = SyncInit(
+            master_address=self.opts.master_address,
+            master_port=int(self.opts.master_port),  # checked integral (numpy / torch ints too): JSON-able
+            world_size=at,
             senders=self.senders,
             mode=self.mode,
-            link_backend=backend,
+            link_backend=self.backend,
             layer_ids=list(self.source.layer_ids),
             rest=self.source.rest,
             draft=draft,
-            scale_fmt=opts.scale_fmt,
-            checksum=opts.checksum,
-            ring=int(opts.ring),
-            timeout_s=float(opts.timeout_s),
+            scale_fmt=self.opts.scale_fmt,
+            checksum=self.opts.checksum,
+            ring=int(self.opts.ring),
+            timeout_s=float(self.opts.timeout_s),
+            servers=servers if self.named else None,
+            generation=generation,
         )
-        self.init.check()
-        self.link: StoreLink | None = None
-        self.store = None  # the link's TCP store (a client of it on a rank off the link)
-        self.state = "built"  # then "connected", then "shut down"
-        self.steps = 0
-        self._senders_cache: dict[str, Broadcaster] = {}
-        self._gates: list[tuple[int, str]] = []  # updates whose "go" keys rank 0 still holds
-
-    def _client_drafts(self) -> bool:
-        return callable(getattr(self.client, "start_draft_weight_update", None))
+        init.check()
+        return init
 
     def _mode(self) -> str:
         mode = self.opts.mode
@@ -136,67 +148,70 @@ class TrainerSide:
         return self.rank < self.senders
 
     def connect(self) -> TrainerSide:
-        """Open the link and learn the engines (rank 0 sends them the init meanwhile). Every other
-        trainer rank then takes rank 0's ``SyncInit`` (its ``draft`` decision) through the link's
-        store; a rank off the link (one sender) connects to the store only."""
+        """Open the link and learn the engines (rank 0 sends every server the init meanwhile, each
+        with its ``rank_offset``, in parallel). Every other trainer rank then takes rank 0's
+        ``SyncInit`` (its ``draft`` decision) through the link's store; a rank off the link (one
+        sender) reads the store only."""
         if self.state != "built":
             raise RuntimeError(f"connect(): this trainer side is {self.state} already; build a new one")
         if self.mode == "senders" and isinstance(self.source, WeightSourceLayers):
             self.source.local = True  # each rank reads its own pieces: iter_local
+        if self._root is None:
+            self._root = open_store(self.init.master_address, self.init.master_port, master=self.rank == 0,
+                                    timeout_s=self.init.timeout_s)  # fmt: skip
+        self.store = generation_store(self._root, self.init.generation)
         if not self.on_link:
-            self.store = dist.TCPStore(
-                self.init.master_address,
-                self.init.master_port,
-                is_master=False,
-                timeout=timedelta(seconds=self.init.timeout_s),
-            )
             self._adopt(read_trainer_init(self.store))
+            self._learn_fleet()
             self.state = "connected"
             return self
-        error: list[BaseException] = []
-        rpc = None
+        call = None
         if self.rank == 0:
-            rpc = threading.Thread(
-                target=_capture,
-                args=(error, self.client.init_weight_transfer_engine, self.init.to_dict()),
-                daemon=True,
-            )
-            rpc.start()
+            inits = [(replace(self.init, rank_offset=o).to_dict(),) for _, o, _ in self.init.fleet()]
+            call = FleetCall(self.servers, "init_weight_transfer_engine", inits)
         try:
-            self.link = StoreLink(
-                self.init.master_address,
-                self.init.master_port,
-                self.rank,
-                self.init.world_size,
-                backend=self.init.link_backend,
-                timeout=timedelta(seconds=self.init.timeout_s),
-                device=self.device,
-            )
-            self.store = self.link.store
+            self.link = StoreLink.over_store(self.store, self.rank, self.init.world_size,
+                                             backend=self.init.link_backend, timeout=self.init.timeout,
+                                             device=self.device)  # fmt: skip
             if self.rank == 0:
                 publish_trainer_init(self.store, self.init)
             else:
                 self._adopt(read_trainer_init(self.store))
-            self.fleet = read_fleet(self.store, range(self.senders, self.init.world_size))
+            self._learn_fleet()
         except BaseException as exc:
-            if rpc is not None:
-                rpc.join(self.init.timeout_s)
-                if error and hasattr(exc, "add_note"):
-                    exc.add_note(f"the engine's init raised: {type(error[0]).__name__}: {error[0]}")
+            if call is not None:
+                err = call.join(self.init.timeout_s).error(self.init)
+                if err is not None and hasattr(exc, "add_note"):
+                    exc.add_note(f"the engine's init raised: {err}")
             raise
-        if rpc is not None:
-            rpc.join(self.init.timeout_s)
-        if error:
-            raise error[0]
-        self.engines = fleet_layouts(self.fleet, self.senders) if self.mode != "broadcast" else None
-        self.scale_fmt = fleet_scale_fmt(self.fleet, self.init.scale_fmt)
-        if self.init.draft != "none" and fleet_mtp(self.fleet) != self.mtp:
-            raise ValueError(
-                f"init_info.draft: {self.init.draft!r} sends the MTP layer, and the engines run no "
-                "MTP drafter (speculative decoding off); pass draft='none'"
-            )
+        if call is not None:
+            call.wait(self.init.timeout_s, self.init)
         self.state = "connected"
         return self
+
+    def _learn_fleet(self) -> None:
+        """Every engine rank's layout and needs; the MTP layer only where every server runs a
+        drafter (draft="auto" drops it otherwise, with a warning naming the servers)."""
+        self.fleet = read_fleet(
+            self.store, range(self.senders, self.init.world_size), name=self.init.rank_name
+        )
+        self.engines = fleet_layouts(self.fleet, self.senders) if self.mode != "broadcast" else None
+        self.scale_fmt = fleet_scale_fmt(self.fleet, self.init.scale_fmt)
+        if self.init.draft == "none":
+            return
+        bare = [name or "the engine" for name, first, n in self.init.fleet()
+                if any(self.fleet[r].get("mtp") != self.mtp for r in range(first, first + n))]  # fmt: skip
+        if not bare:
+            return
+        if self.opts.draft != "auto":
+            raise ValueError(
+                f"init_info.draft: {self.init.draft!r} sends the MTP layer, and {bare} run(s) no MTP "
+                "drafter (speculative decoding off); pass draft='none'"
+            )
+        if self.rank == 0:
+            warnings.warn(f"init_info.draft='auto': {bare} run(s) no MTP drafter; the MTP layer is not sent",
+                          stacklevel=3)  # fmt: skip
+        self.init = replace(self.init, draft="none")
 
     def _adopt(self, leader: SyncInit) -> None:
         """Take trainer rank 0's init: its ``draft`` where this rank left it to "auto" (only rank 0
@@ -209,7 +224,7 @@ class TrainerSide:
             if mine[key] != value:
                 raise ValueError(
                     f"init_info.{key}: trainer rank {self.rank} has {mine[key]!r}, trainer rank 0 "
-                    f"{value!r}; every trainer rank needs the same init info and source layers"
+                    f"{value!r}; every trainer rank needs the same init info, source layers and servers"
                 )
         self.init = leader
 
@@ -223,10 +238,10 @@ class TrainerSide:
             return ["stream"]
         return ["target"] + (["draft"] if self.init.draft == "session" else [])
 
-    def _broadcaster(self, session: str) -> Broadcaster:
+    def _sender(self, session: str) -> Sender:
         if session not in self._senders_cache:
             ids, rest = session_layers(self.init, session, self.mtp)
-            self._senders_cache[session] = Broadcaster(
+            self._senders_cache[session] = Sender(
                 self.link,
                 0,
                 config=self.config,
@@ -244,14 +259,21 @@ class TrainerSide:
         return self._senders_cache[session]
 
     def send(self) -> list[dict]:
-        """One step: every session's update (on every trainer rank). Returns one dict per session,
-        what this rank did in it: ``session``, ``seconds`` (this rank's wall time), ``bytes`` (what
-        this rank put on the link: a sender's segments, each once per receiving rank, a group
-        broadcast once; 0 on a rank off the link, which only takes part in the sender's gathers),
-        ``sender`` (this rank is on the link), ``update_bytes`` (the whole converted update, every
-        engine's shard together; None off the link). Raises what a ``Broadcaster`` raises (an engine
-        rank's refusal names it), with the engine's own error as a note on rank 0; a refusal known
-        before the transfer (a worker outside a session, the client's error) on every rank at once."""
+        """One step: every session's update (on every trainer rank), to every server. Returns one
+        dict per session, what this rank did in it: ``session``, ``seconds`` (this rank's wall
+        time), ``bytes`` (what this rank put on the link: a sender's segments, each once per
+        receiving rank, a group broadcast once; 0 on a rank off the link, which only takes part in
+        the sender's gathers), ``sender`` (this rank is on the link), ``update_bytes`` (the whole
+        converted update, every engine's shard together; None off the link). Raises what a
+        ``Sender`` raises (an engine rank's refusal names it, and a note its server), with
+        the engines' own errors as a note (naming each server); a refusal known before the
+        transfer (a worker outside a session, a client's error) on every rank at once."""
+        if self.state == "broken":
+            raise RuntimeError(
+                f"send(): {self.broken}; call engine.remove_server(name) for a server that is gone, "
+                "replace_server(name, VllmServer(...)) for a restarted one, or set_fleet(engine.servers), on "
+                "every trainer rank, to rebuild it"
+            )
         if self.state != "connected":
             raise RuntimeError(
                 "send(): this trainer engine was shut down (shutdown()); build a new one with trainer_init"
@@ -284,71 +306,52 @@ class TrainerSide:
                    gather_dtype=gather_dtype, device=self.device)  # fmt: skip
 
     def _update(self, session: str, layers, rest_map) -> dict:
-        step = self.steps
+        step, timeout = self.steps, self.init.timeout_s
         if self.rank != 0:
             wait_gate(self.store, step, session)
-            stats = self._broadcaster(session).broadcast_model(layers, rest=rest_map)
-            return _stats(session, stats)
+            try:
+                return _stats(session, self._sender(session).send_model(layers, rest=rest_map))
+            except BaseException as exc:
+                name_ranks(exc, self.init)
+                said = read_failure(self.store, step, session, FAILURE_WAIT_S + 5)
+                if said is not None and hasattr(exc, "add_note"):
+                    exc.add_note(f"trainer rank 0: {said}")
+                self._broke(exc, step, session)
+                raise
         self._prune_gates()
-        error: list[BaseException] = []
-        rpc = None
+        call = None
         try:
-            client = self.client
-            (client.start_draft_weight_update if session == "draft" else client.start_weight_update)()
-            rpc = threading.Thread(
-                target=_capture,
-                args=(error, self.client.update_weights, SyncUpdate(session, step).to_dict()),
-                daemon=True,
+            start_sessions(self.servers, self.init, draft=session == "draft")
+            call = FleetCall(
+                self.servers, "update_weights", [(SyncUpdate(session, step).to_dict(),)] * len(self.servers)
             )
-            rpc.start()
-            self._wait_ready(step, session, rpc, error)
+            wait_ready(self.store, step, session, self.init, call)
         except BaseException as exc:
             # Every other rank waits at the gate: it raises this at once, and nothing moves.
             open_gate(self.store, step, session, f"trainer rank 0: {type(exc).__name__}: {exc}")
-            if rpc is not None:
-                rpc.join(self.init.timeout_s)
+            if call is not None:
+                call.join(timeout)
             raise
         open_gate(self.store, step, session, None)
         self._gates.append((step, session))
         try:
-            stats = self._broadcaster(session).broadcast_model(layers, rest=rest_map)
+            stats = self._sender(session).send_model(layers, rest=rest_map)
         except BaseException as exc:
-            rpc.join(self.init.timeout_s)
-            if error and hasattr(exc, "add_note"):
-                exc.add_note(f"the engine's update_weights raised: {type(error[0]).__name__}: {error[0]}")
+            err = call.join_first(min(timeout, FAILURE_WAIT_S)).error(self.init)
+            names = name_ranks(exc, self.init)
+            if err is None:
+                late = [s.name for s, t in zip(self.servers, call.threads) if t.is_alive()]
+                err = RuntimeError(f"no server's update_weights said why within {FAILURE_WAIT_S:g} s; "
+                                   f"still running on {late}")  # fmt: skip
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"the engine's update_weights raised: {err}")
+            said = str(err)
+            publish_failure(self.store, step, session, f"{said} (the link names {names})" if names else said)
+            self._broke(exc, step, session)
             raise
-        rpc.join(self.init.timeout_s)
-        if error:
-            raise error[0]
-        self.client.finish_weight_update()
+        call.wait(timeout, self.init)
+        FleetCall(self.servers, "finish_weight_update").wait(timeout, self.init)
         return _stats(session, stats)
-
-    def _wait_ready(self, step: int, session: str, rpc: threading.Thread, error: list) -> None:
-        """Until every engine worker said it is ready for this update: raise the first refusal,
-        or the client call's error when it ended before every worker was ready (vLLM's own
-        refusals come that way: "start_weight_update must be called before update_weights")."""
-        engines = range(self.senders, self.init.world_size)
-        deadline = time.monotonic() + self.init.timeout_s
-        pause = 0.001
-        while True:
-            said, refusal = poll_ready(self.store, step, session, engines)
-            if said:
-                if refusal is not None:
-                    raise RuntimeError(refusal)
-                return
-            if not rpc.is_alive() and error:
-                raise RuntimeError(
-                    f"the engine's update_weights raised before the transfer: {type(error[0]).__name__}: "
-                    f"{error[0]}"
-                ) from error[0]
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"update {step} ({session} session): not every engine worker was ready within "
-                    f"init_info.timeout_s={self.init.timeout_s:g} s (the client's update_weights "
-                    f"{'is still running' if rpc.is_alive() else 'returned'})"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
 
     def _prune_gates(self) -> None:
         """Drop the keys of earlier updates that every other rank has read (rank 0)."""
@@ -361,13 +364,18 @@ class TrainerSide:
                 keep.append((step, session))
         self._gates = keep
 
-    def shutdown(self) -> None:
-        """Close the link (or this rank's store client); ``send()`` then refuses."""
+    def _drop_link(self) -> None:
         self._senders_cache.clear()
+        self._gates = []
         if self.link is not None:
             self.link.close()
             self.link = None
         self.store = None
+
+    def shutdown(self) -> None:
+        """Close the link and the store (this rank's end); ``send()`` then refuses."""
+        self._drop_link()
+        self._root = None
         self.state = "shut down"
 
 
@@ -382,11 +390,4 @@ def _stats(session: str, stats) -> dict:
     }
 
 
-def _capture(errors: list, fn, *args) -> None:
-    try:
-        fn(*args)
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-        errors.append(exc)
-
-
-__all__ = ["TrainerOptions", "TrainerSide"]
+__all__ = ["VllmServer", "TrainerOptions", "TrainerSide"]

@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from glm_fp8._checks import check_int, check_seconds
+from glm_fp8.integrations.vllm.clients import VllmServer
 from glm_fp8.integrations.vllm.sync import DRAFTS, LINK_BACKENDS, MAX_LINK_RANKS, MAX_RING, MODES
 from glm_fp8.transfer.gather import GATHERS
 
@@ -20,7 +22,10 @@ class TrainerOptions:
     """What the trainer side needs (``GlmFp8TrainerInitInfo`` has these fields, and ``rank``).
 
     - ``master_address``, ``master_port``: where trainer rank 0 serves the link's TCP store.
-    - ``engine_ranks``: the engine workers (every GPU of every engine and DP replica).
+    - ``engine_ranks``: the engine workers (every GPU of the engine and its DP replicas); a fleet of
+      several vLLM servers: a list, each server's (``client`` is then a list of their clients, in
+      the same order, on trainer rank 0). ``server_names``: the servers' names, which errors use
+      (default ``server0``, ``server1``...).
     - ``config``: the model's HF config (a dict, a transformers config object or a config.json path).
     - ``mode``: "auto" (default: many senders when every trainer rank holds whole experts, else
       scatter), "senders", "scatter" or "broadcast" (every engine rank receives every byte).
@@ -30,8 +35,8 @@ class TrainerOptions:
       client can start one), "session", "stream" (one update with it: ``GlmFp8WorkerExtension``)
       or "none" (the target only).
     - ``scale_fmt``: None (what the engines need: power-of-two scales where vLLM re-quantizes for
-      DeepGEMM), "fp32" or "ue8m0"; ``checksum``, ``ring``: as ``Broadcaster`` takes them.
-    - ``gather``, ``gather_dtype``: how one sender collects DTensor layers (``Broadcaster``).
+      DeepGEMM), "fp32" or "ue8m0"; ``checksum``, ``ring``: as ``Sender`` takes them.
+    - ``gather``, ``gather_dtype``: how one sender collects DTensor layers (``Sender``).
       ``gather_dtype`` None (the default): no cast, every tensor travels and is quantized in the
       dtype the trainer holds (fp32 masters are quantized from fp32, as in every other mode, and
       land the bytes of a checkpoint quantized from them). "bfloat16" is an explicit opt-in that
@@ -42,7 +47,7 @@ class TrainerOptions:
 
     master_address: str
     master_port: int
-    engine_ranks: int
+    engine_ranks: int | Sequence[int]
     config: object
     mode: str = "auto"
     trainer_ranks: int | None = None
@@ -54,6 +59,7 @@ class TrainerOptions:
     gather: str = "auto"
     gather_dtype: str | None = None
     timeout_s: float = 600.0
+    server_names: Sequence[str] | None = None
     rank: int = field(kw_only=True)
 
     def check(self) -> None:
@@ -62,8 +68,7 @@ class TrainerOptions:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"init_info.master_address: expected a host name, got {self.master_address!r}")
         check_int("init_info.master_port", self.master_port, 1, 65535, " (a TCP port)")
-        check_int("init_info.engine_ranks", self.engine_ranks, 1, MAX_LINK_RANKS - 1,
-                  " (the engine workers: every GPU of every engine and DP replica)")  # fmt: skip
+        self.servers(None)  # each server's workers and name
         if self.trainer_ranks is not None:
             check_int("init_info.trainer_ranks", self.trainer_ranks, 1, MAX_LINK_RANKS - 1,
                       " (or None: torch.distributed's world size)")  # fmt: skip
@@ -88,6 +93,48 @@ class TrainerOptions:
         check_int("init_info.ring", self.ring, 2, MAX_RING,
                   " (layer buffers per rank: 2 overlap each layer with the wire)")  # fmt: skip
         check_seconds("init_info.timeout_s", self.timeout_s)
+
+    def servers(self, client: object) -> list[VllmServer]:
+        """The fleet: one ``VllmServer`` per entry of ``engine_ranks`` (an int: one server, ``client``
+        its client), named by ``server_names``, each with its client from ``client`` (a list, in
+        the same order; None on a trainer rank other than 0; ``...``: not checked)."""
+        one = not isinstance(self.engine_ranks, (list, tuple))
+        counts = [self.engine_ranks] if one else list(self.engine_ranks)
+        if not counts:
+            raise ValueError("init_info.engine_ranks: an empty list; expected each server's workers")
+        names = self.server_names
+        if names is None:
+            names = [f"server{k}" for k in range(len(counts))]
+        elif isinstance(names, str) or not isinstance(names, (list, tuple)) or len(names) != len(counts):
+            raise ValueError(
+                f"init_info.server_names: expected a list of {len(counts)} names (one per entry of "
+                f"engine_ranks), got {names!r}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"init_info.server_names: each server needs a name of its own, got {list(names)}"
+            )
+        if client is None:
+            clients = [None] * len(counts)
+        elif one:
+            clients = [client]
+        elif isinstance(client, (list, tuple)) and len(client) == len(counts):
+            clients = list(client)
+        else:
+            raise ValueError(
+                f"client: engine_ranks lists {len(counts)} servers; expected a list of their "
+                f"{len(counts)} clients in the same order, got {type(client).__name__}"
+            )
+        for k, (name, count) in enumerate(zip(names, counts)):
+            check_int("init_info.engine_ranks" + ("" if one else f"[{k}]"), count, 1, MAX_LINK_RANKS - 1,
+                      " (the engine workers: every GPU of the engine and its DP replicas)")  # fmt: skip
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"init_info.server_names[{k}]: expected a non-empty string, got {name!r}")
+        servers = [VllmServer(n, c, cl) for n, c, cl in zip(names, counts, clients)]
+        total = sum(s.engine_ranks for s in servers)
+        check_int("init_info.engine_ranks", total, 1, MAX_LINK_RANKS - 1,
+                  " (the engine workers of every server together)")  # fmt: skip
+        return servers
 
 
 __all__ = ["TrainerOptions"]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from glm_fp8._checks import check_int
+from glm_fp8.integrations.vllm.fleet_link import open_link
 from glm_fp8.integrations.vllm.sync import (
     MAX_LINK_RANKS,
     SyncInit,
@@ -57,7 +58,8 @@ class WorkerSide:
         make_updater: builds this worker's ``EngineUpdater`` (its layout, parameters and post-load
             plan); called at the first ``init``. What it raises is this worker's refusal, told to
             every rank of the link.
-        link_rank: this worker's link rank, given the number of trainer ranks that send.
+        link_rank: this worker's link rank, given its server's first link rank (``rank_offset``: the
+            trainer ranks that send, then the earlier servers' workers).
         has_drafter: the engine runs an MTP drafter (speculative decoding), whose module may be
             handed over only in a draft session (``start(drafter=...)``).
         device: where the parameters live and updates are received.
@@ -85,24 +87,21 @@ class WorkerSide:
 
     def init(self, payload: Mapping | str) -> dict:
         """Join the trainer's link (``SyncInit``) and learn the fleet; raises on this worker's
-        refusal or any other rank's, naming it."""
+        refusal or any other rank's, naming it. Again (a new generation of the fleet: a server
+        added, removed or replaced): the old link is torn down first."""
         info = SyncInit.from_dict(payload)
         self.close()
-        rank = self.link_rank(info.senders)
-        if not info.senders <= rank < info.world_size:
+        offset = info.senders if info.rank_offset is None else info.rank_offset
+        rank = self.link_rank(offset)
+        name, first, workers = next(s for s in info.fleet() if s[1] == offset)
+        if not first <= rank < first + workers:
             raise ValueError(
-                f"init_info.world_size: this worker is link rank {rank}, outside the link's "
-                f"{info.world_size} ranks ({info.senders} senders, then the engine workers)"
+                f"init_info.world_size: this worker is link rank {rank}, outside its server's ranks "
+                f"{first}..{first + workers - 1} ({f'server {name!r}: ' if name else ''}{workers} workers "
+                f"after {first} senders and earlier servers' workers); the trainer's engine_ranks"
+                f"{'' if info.servers is None else ' for this server'} must be its TP x DP"
             )
-        self.link = StoreLink(
-            info.master_address,
-            info.master_port,
-            rank,
-            info.world_size,
-            backend=info.link_backend,
-            timeout=info.timeout,
-            device=self.device,
-        )
+        self.link = open_link(info, rank, self.device)
         desc: dict = {"error": None}
         try:
             if self.updater is None:
@@ -114,7 +113,7 @@ class WorkerSide:
             publish(self.link.store, rank, desc)
             raise
         publish(self.link.store, rank, desc)
-        fleet = read_fleet(self.link.store, range(info.senders, info.world_size))
+        fleet = read_fleet(self.link.store, range(info.senders, info.world_size), name=info.rank_name)
         self.engines = fleet_layouts(fleet, info.senders) if info.mode != "broadcast" else None
         self.scale_fmt = fleet_scale_fmt(fleet, info.scale_fmt)
         self.mtp = fleet_mtp(fleet)
