@@ -2,7 +2,7 @@
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
-# GATHER=1 PIPELINE=1 FLEET=0 DELTA=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 FLEET=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
@@ -36,7 +36,7 @@ if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   TEST_PATHS="tests/kernels/test_backends.py tests/transfer/test_broadcast.py tests/test_convert.py tests/kernels/test_errors.py
     tests/kernels/test_quantize.py tests/test_cli.py tests/kernels/test_checksum.py tests/test_trainer_layouts.py
-    tests/transfer/test_one_pass.py $(ls tests/kernels/test_delta.py 2>/dev/null)"
+    tests/transfer/test_one_pass.py"
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   # tests/kernels/test_fuzz.py ran in FUZZ above, if on.
@@ -69,11 +69,6 @@ if [ "${FLEET:-0}" = 1 ]; then
   { python3 bench/scripts/pipeline.py --mode scatter --layers $L --servers 2xEP8 2xTP8 --repeats 2 --no-check
     python3 bench/scripts/pipeline.py --mode senders --layers $L --senders 32 --servers 2xEP8 2xTP8 \
       --sender 0 1 --master bf16 --repeats 2; } 2>&1 | tee "$LOG/fleet.txt" | grep -v '^---'
-fi
-if [ "${DELTA:-0}" = 1 ]; then
-  # #33: the changed fraction of FP8 bytes between real AdamW steps (bench/scripts/delta_fraction.py).
-  python3 bench/scripts/delta_fraction.py ${DELTA_ARGS:-} --json "$LOG/delta_fraction.json" 2>&1 \
-    | tee "$LOG/delta_fraction.txt" | tail -40
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
   python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} 2>&1 | tee "$LOG/engine_rank.txt"
