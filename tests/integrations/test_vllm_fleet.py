@@ -449,3 +449,36 @@ def test_a_server_that_cannot_start_its_session_is_named_and_the_others_are_clos
     with pytest.raises(RuntimeError, match=named):
         start_sessions([VllmServer("prefill", 2, a), VllmServer("decode", 4, b)], init, draft=False)
     assert a.calls == ["start", "finish"] and b.calls == ["start"]
+
+
+def test_the_first_failing_server_is_reported_at_once_while_the_others_still_wait():
+    """``FleetCall(on_failure=...)``: the first client call that fails runs the callback in its own
+    thread, as it fails, while the other servers' calls still block (a dead server's client fails
+    long before the servers whose link broke with it): what lets trainer rank 0 tell the other
+    ranks which server died within seconds, not after the slow calls return."""
+    import threading
+
+    from glm_fp8.integrations.vllm.clients import VllmServer
+    from glm_fp8.integrations.vllm.fleet_link import FleetCall
+
+    release = threading.Event()
+    seen = []
+
+    def dies():
+        raise ConnectionError("server gone")
+
+    def waits():
+        release.wait(30)
+
+    def report(call):
+        seen.append(([k for _, k, _ in call.failures], call.alive()))
+
+    servers = [VllmServer("prefill", 2), VllmServer("decode", 4)]
+    call = FleetCall(servers, "update_weights", calls=[waits, dies], on_failure=report)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [([1], True)]  # decode failed and was reported while prefill still waited
+    release.set()
+    call.join(10)
+    assert not call.alive() and [k for _, k, _ in call.failures] == [1]

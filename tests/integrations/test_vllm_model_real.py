@@ -17,6 +17,15 @@ path leaves unwritten shows as a difference unless both leave it (vLLM's vocabul
 glm_fp8's ``engine_param_specs`` for the rank's layout lists exactly the names, shapes and dtypes
 of the parameters vLLM built.
 
+A fleet (docs/vllm.md#fleet): servers at TP 2, EP 2 and TP 2 x DP 2, each its own vLLM world and
+client, behind one trainer engine of two ranks, get one update in each mode (broadcast, scatter,
+many senders; each with the draft session); the EP 2 server dies in the middle of the next update
+(its workers exit): both trainer ranks raise within seconds of its death, naming it and
+``engine.remove_server``; after ``remove_server`` an update lands on the other two, after
+``add_server`` of a TP 1 server (built at the start, never in the fleet before) on all three. Both
+models of every member are poisoned again when each update starts, and after each update every
+parameter of every member holds vLLM's own ``load_weights``' bytes.
+
 Real: vLLM's model classes, layers, weight loaders, parallel groups (gloo over the engine ranks;
 DP replicas in one world under ``external_launcher``, as torchrun starts them),
 ``VllmConfig`` / ``ModelConfig`` from a config.json, weight-transfer factories; glm_fp8's backend.
@@ -28,6 +37,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -227,10 +237,14 @@ def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kin
                 inbox.put(("stop", ()))
 
 
-def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
+def _build(r, engines, vllm_port, layout, config, tmp, dtype):
+    """Engine rank ``r`` of a server of ``engines`` workers as a vLLM worker builds it: vLLM's
+    parallel groups (gloo, at ``vllm_port``), the model loaded by vLLM's own ``load_weights`` (the
+    reference), the poisoned model the update goes into, vLLM's ``Worker`` around it. Returns
+    (worker, the reference's (target, drafter, unloaded), the updated models, the parameters whose
+    name, shape or dtype differs from glm_fp8's ``engine_param_specs``)."""
     import torch.distributed as dist
-    from test_vllm_backend import _layouts
-    from test_vllm_backend_real import VllmWorker, _serve
+    from test_vllm_backend_real import VllmWorker
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
 
@@ -238,7 +252,6 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
     from glm_fp8.engine import engine_param_specs
 
     integ.register()  # what vLLM's plugin loader does in every worker process
-    layout = _layouts(case)[r]
     dist.destroy_process_group()  # the launcher's group spans the trainer too; vLLM's spans its workers
     # Two engines, each with its own config: a config registers the attention layers of one model.
     os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(engines))  # what torchrun sets
@@ -257,24 +270,40 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
     specs = {n: (tuple(shape), dtype) for n, (shape, dtype) in engine_param_specs(config, layout).items()}
     spec_mismatch = sorted(n for n in set(built) | set(specs) if built.get(n) != specs.get(n))
     worker = VllmWorker(configs[1], target, drafter, torch.device("cpu"))
-    log: list[str] = []
-    _serve(worker, *boxes[r], log)
+    return worker, theirs, (target, drafter), spec_mismatch
 
+
+def _compare(ours, theirs) -> dict:
+    """Every parameter of the updated (target, drafter) against vLLM's own load of the same weights,
+    byte for byte: the names that differ, the reference's names left all 0xFF (unloaded), its count."""
     same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
     differ, poisoned, names = [], [], []
-    for ours, want in zip((target, drafter), theirs[:2]):
-        if ours is None:
+    for model, want in zip(ours, theirs[:2]):
+        if model is None:
             continue
         params = dict(want.named_parameters())
-        differ += [n for n, p in ours.named_parameters() if not same(p, params[n])]
+        differ += [n for n, p in model.named_parameters() if not same(p, params[n])]
         poisoned += [n for n, p in params.items() if bool((p.contiguous().view(torch.uint8) == 0xFF).all())]
         names += list(params)
     return {
         "differ": differ,
         "params": len(names),
         "absorbed": sum(n.endswith(".W_UK_T") for n in names),
-        "unloaded": theirs[2],
         "poisoned": poisoned,
+    }
+
+
+def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
+    from test_vllm_backend import _layouts
+    from test_vllm_backend_real import _serve
+
+    layout = _layouts(case)[r]
+    worker, theirs, ours, spec_mismatch = _build(r, engines, vllm_port, layout, config, tmp, dtype)
+    log: list[str] = []
+    _serve(worker, *boxes[r], log)
+    return {
+        **_compare(ours, theirs),
+        "unloaded": theirs[2],
         "spec_mismatch": spec_mismatch,
         "log": log,
         "updates": worker.updates,
@@ -328,3 +357,222 @@ def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(
         # MLA's W_UK_T / W_UV (rebuilt by the hooks) compared too, the drafter's included
         assert out["absorbed"] == CONFIG["num_hidden_layers"] + mtp, out
         assert [into for _, into in out["updates"]] == (["target", "drafter"] if mtp else ["target"]), out
+
+
+# --- a fleet: servers of different layouts behind one trainer engine (docs/vllm.md#fleet) ----------
+
+# (server name, its layout): one update in every mode reaches the first three; "ep2" dies in the
+# middle of the fourth update and is removed; "tp1", built at the start but outside the fleet, is
+# added after that (a new server: its first init and its first update come then).
+FLEET = [("tp2", "tp2"), ("ep2", "ep2"), ("tp2xdp2", "tp2xdp2")]
+NEW_SERVER = ("tp1", "tp1")
+DIES = "ep2"
+FLEET_MTP = True  # every server runs vLLM's MTP drafter: each update a target and a draft session
+
+
+def _server_layouts(case: str):
+    from test_vllm_backend import _layouts
+
+    from glm_fp8.engine import EngineLayout
+
+    return EngineLayout.all_ranks(1) if case == "tp1" else _layouts(case)
+
+
+def _fleet_workers():
+    """Every worker of every server, the new one last: (server index, its index in the server)."""
+    servers = [*FLEET, NEW_SERVER]
+    return [(k, i) for k, (_, case) in enumerate(servers) for i in range(len(_server_layouts(case)))]
+
+
+def _fleet_rank(rank, world, trainers, vllm_ports, boxes, tmp):
+    import vllm_standin
+
+    vllm_standin.install()
+    config = {**CONFIG, "num_nextn_predict_layers": int(FLEET_MTP)}
+    if rank < trainers:
+        return _fleet_trainer(rank, trainers, boxes, config)
+    return _fleet_engine(rank - trainers, vllm_ports, boxes, config, tmp)
+
+
+def _fleet_trainer(rank, trainers, boxes, config):
+    """Three trainer engines, one per mode, each one update of the three servers; the last one
+    (many senders) goes on: the update a server dies in, ``remove_server``, the next update,
+    ``add_server`` of the new server, the next update. Returns what each update did on this rank."""
+    from test_vllm_backend import QueueClient
+    from test_vllm_fleet import _port
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from glm_fp8.integrations.vllm import LayerSource, VllmServer
+    from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
+
+    source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, torch.bfloat16, "hf")) for i in ids),
+                         rest=lambda: synthetic_layer(config, REST, torch.bfloat16, "hf"),
+                         mtp=FLEET_MTP, experts_whole=True)  # fmt: skip
+    servers, at = [], 0
+    for name, case in [*FLEET, NEW_SERVER]:
+        n = len(_server_layouts(case))
+        servers.append(VllmServer(name, n, QueueClient(boxes[at : at + n]) if rank == 0 else None))
+        at += n
+    fleet, new = servers[: len(FLEET)], servers[-1]
+
+    def sent(engine):
+        sessions = [o["session"] for o in engine.send_weights()]
+        return "ok", engine.side.mode, [s.name for s in engine.servers], sessions, engine.side.init.world_size
+
+    out = []
+    try:
+        for mode in ("broadcast", "scatter", "senders"):
+            info = GlmFp8TrainerInitInfo("127.0.0.1", _port(rank, mode), config=config, mode=mode,
+                                         engine_ranks=[s.engine_ranks for s in fleet],
+                                         server_names=[s.name for s in fleet],
+                                         trainer_ranks=trainers, timeout_s=120, rank=rank)  # fmt: skip
+            client = [s.client for s in fleet] if rank == 0 else None
+            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+            out.append(sent(engine))
+            if mode != "senders":
+                engine.shutdown()
+        try:  # DIES's workers exit in the middle of this update
+            out.append(sent(engine))
+        except Exception as exc:  # noqa: BLE001 - the test reads every rank's outcome
+            text = str(exc) + " | " + " | ".join(getattr(exc, "__notes__", []))
+            out.append((type(exc).__name__, text, time.time()))
+        engine.remove_server(DIES)
+        out.append(sent(engine))
+        engine.add_server(new)
+        out.append(sent(engine))
+        engine.shutdown()
+        return out
+    finally:
+        if rank == 0:
+            for inbox, _ in boxes:
+                inbox.put(("stop", ()))
+
+
+def _fleet_engine(w, vllm_ports, boxes, config, tmp):
+    """One worker of one server (its own vLLM world at its own port): both models poisoned again
+    when each step's first session starts, and compared with vLLM's own ``load_weights`` when its
+    last session finishes, so that every update must land every byte. DIES's workers exit in the
+    middle of their fourth update's transfer (one layer received), as a server that dies does."""
+    from test_vllm_backend_real import _serve
+
+    from glm_fp8.transfer.receiver import Receiver
+
+    k, i = _fleet_workers()[w]
+    name, case = [*FLEET, NEW_SERVER][k]
+    layouts = _server_layouts(case)
+    worker, theirs, ours, spec_mismatch = _build(
+        i, len(layouts), vllm_ports[k], layouts[i], config, tmp, torch.bfloat16
+    )  # fmt: skip
+    start, update, finish = worker.start_weight_update, worker.update_weights, worker.finish_weight_update
+    checks, steps = [], [0]
+
+    def poisoned_start():
+        with torch.no_grad():
+            for model in ours:
+                for p in model.parameters() if model is not None else ():
+                    p.untyped_storage().fill_(0xFF)  # the hooks leave some transposed (W_UK_T)
+        start()
+
+    def counted_update(update_info):
+        steps[0] += update_info.get("session") == "target"
+        return update(update_info)
+
+    def checked_finish():
+        last = worker.is_draft or ours[1] is None
+        finish()
+        if last:
+            checks.append((worker.engine.side.rank, _compare(ours, theirs)["differ"]))
+
+    worker.start_weight_update, worker.update_weights = poisoned_start, counted_update
+    worker.finish_weight_update = checked_finish
+    if name == DIES:
+        receive, received = Receiver._receive_segments, [0]
+
+        def dying(self, pos):
+            if steps[0] == 4:
+                received[0] += 1
+                if received[0] == 2:  # the whole server goes; its client sees the connection drop
+                    with open(os.path.join(tmp, f"died.{w}"), "w") as f:
+                        f.write(repr(time.time()))
+                    outbox = boxes[w][1]
+                    outbox.put(("error", f"server {name!r} died (ConnectionError)"))
+                    outbox.close()
+                    outbox.join_thread()
+                    os._exit(1)
+            return receive(self, pos)
+
+        Receiver._receive_segments = dying
+    log: list[str] = []
+    _serve(worker, *boxes[w], log)
+    return {
+        **_compare(ours, theirs),
+        "checks": checks,
+        "unloaded": theirs[2],
+        "spec_mismatch": spec_mismatch,
+        "log": log,
+    }
+
+
+def test_a_fleet_of_vllms_glm5_models_gets_every_byte_in_every_mode_and_through_membership_changes(
+    tmp_path,
+):
+    """Servers of vLLM's own ``GlmMoeDsaForCausalLM`` at TP 2, EP 2 and TP 2 x DP 2 (each its own
+    vLLM world, its own client) behind two trainer ranks: one update in each mode (broadcast,
+    scatter, many senders), each with vLLM's draft session; then the EP 2 server dies in the middle
+    of an update (both trainer ranks raise within seconds naming it), ``remove_server`` and an
+    update of the other two, ``add_server`` of a TP 1 server and an update of the three. After every
+    update every parameter of every member (the MTP drafter's too) holds the bytes vLLM's own
+    ``load_weights`` of the same weights gives it."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    trainers, workers = 2, len(_fleet_workers())
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(workers)]
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:  # read by every engine rank
+        json.dump({**CONFIG, "num_nextn_predict_layers": int(FLEET_MTP)}, f)
+    vllm_ports = [free_port() for _ in range(len(FLEET) + 1)]
+    t0 = time.monotonic()
+    results = launch(trainers + workers, _fleet_rank, (trainers, vllm_ports, boxes, str(tmp_path)),
+                     timeout_s=400)  # fmt: skip
+    sessions = ["target", "draft"] if FLEET_MTP else ["target"]
+    names = [n for n, _ in FLEET]
+    died = min(
+        float(open(os.path.join(tmp_path, f)).read()) for f in os.listdir(tmp_path) if f.startswith("died")
+    )
+    for t in range(trainers):
+        status, out = results[t]
+        assert status == "ok", (t, status, out)
+        modes, (kind, text, raised), removed, added = out[:3], out[3], out[4], out[5]
+        # one sender (broadcast, scatter): 1 + 8 link ranks; two senders: 2 + 8
+        assert modes == [("ok", m, names, sessions, w) for m, w in
+                         [("broadcast", 9), ("scatter", 9), ("senders", 10)]], modes  # fmt: skip
+        # the link's own error (gloo: the peer closed), a note naming the server and what to call
+        assert kind == "RuntimeError" and raised - died < 10, (t, kind, raised - died, text)
+        assert f"server {DIES!r} #1" in text and "died" in text, (t, text)
+        assert f"engine.remove_server({DIES!r})" in text, (t, text)
+        assert removed == ("ok", "senders", ["tp2", "tp2xdp2"], sessions, 8), removed
+        assert added == ("ok", "senders", ["tp2", "tp2xdp2", "tp1"], sessions, 9), added
+    by_server: dict[str, list] = {}
+    for w, (k, i) in enumerate(_fleet_workers()):
+        by_server.setdefault([*FLEET, NEW_SERVER][k][0], []).append((trainers + w, i))
+    for r, _ in by_server[DIES]:
+        assert results[r][0].startswith("exit"), results[r]
+    # each member's link ranks after the senders: the earlier members' workers, then its own
+    link_ranks = {
+        "tp2": lambda i: [1 + i, 1 + i, 2 + i, 2 + i, 2 + i],
+        "tp2xdp2": lambda i: [5 + i, 5 + i, 6 + i, 4 + i, 4 + i],
+        "tp1": lambda i: [8],
+    }
+    for server, ranks in link_ranks.items():
+        for r, i in by_server[server]:
+            status, out = results[r]
+            assert status == "ok", (r, status, out)
+            # updates 1-3, 5, 6 (4 failed: no finish); the new server: update 6 only
+            assert out["checks"] == [(rank, []) for rank in ranks(i)], (r, out["checks"])
+            assert out["spec_mismatch"] == [] and out["unloaded"] == [] and out["poisoned"] == [], out
+            assert out["params"] > 120 and out["differ"] == [], out
+            assert out["absorbed"] == CONFIG["num_hidden_layers"] + FLEET_MTP, out
+            # the others' workers: their update_weights of update 4 raised (the link broke), only it
+            assert len(out["log"]) == (server != "tp1"), out
+            assert all(m.startswith("UpdateAborted: receiving layer") for m in out["log"]), out
+    print(f"fleet of vLLM's GLM-5 models: {time.monotonic() - t0:.1f} s")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -97,12 +97,18 @@ def name_ranks(exc: BaseException, init: SyncInit) -> list[str]:
 class FleetCall:
     """One client method called on every server at once, each in a thread of its own; each
     failure is kept with when it came, the first first (a dead server's client fails before the
-    servers whose link broke with it)."""
+    servers whose link broke with it); ``on_failure(call)`` runs in the thread of the first failure,
+    at once (what it raises is dropped)."""
 
     def __init__(
-        self, servers: Sequence[VllmServer], method: str, args: Sequence[tuple] | None = None, calls=None
+        self,
+        servers: Sequence[VllmServer],
+        method: str,
+        args: Sequence[tuple] | None = None,
+        calls=None,
+        on_failure: Callable[[FleetCall], None] | None = None,
     ):
-        self.servers, self.method = list(servers), method
+        self.servers, self.method, self.on_failure = list(servers), method, on_failure
         self.failures: list[tuple[float, int, BaseException]] = []
         self._lock = threading.Lock()
         self.threads = []
@@ -117,7 +123,13 @@ class FleetCall:
             fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             with self._lock:
+                first = not self.failures
                 self.failures.append((time.monotonic(), k, exc))
+            if first and self.on_failure is not None:
+                try:
+                    self.on_failure(self)
+                except Exception:  # noqa: BLE001 - an early account only; the caller still raises
+                    pass
 
     def alive(self) -> bool:
         return any(t.is_alive() for t in self.threads)

@@ -322,9 +322,15 @@ class TrainerSide(FleetMembership):
         call = None
         try:
             start_sessions(self.servers, self.init, draft=session == "draft")
+            # A server that dies mid-transfer fails its client at once, while this rank may stay
+            # blocked on a live peer (another trainer rank, which failed at once on the dead one)
+            # until that peer drops its link: say which server at once, for the ranks that wait
+            # for this account before raising.
+            store, init = self.store, self.init
             call = FleetCall(
-                self.servers, "update_weights", [(SyncUpdate(session, step).to_dict(),)] * len(self.servers)
-            )
+                self.servers, "update_weights", [(SyncUpdate(session, step).to_dict(),)] * len(self.servers),
+                on_failure=lambda c: publish_failure(store, step, session, str(c.error(init))),
+            )  # fmt: skip
             wait_ready(self.store, step, session, self.init, call)
         except BaseException as exc:
             # Every other rank waits at the gate: it raises this at once, and nothing moves.
