@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
@@ -135,6 +135,36 @@ def reference_engine_params(
             t = targets[kernel_name]
             out[t.name] = take_shard(full, t.shard).to(t.dtype)
     return out
+
+
+def sent_layer_mismatches(
+    lay, me: int, msgs: Iterator[torch.Tensor], ref: Mapping[str, torch.Tensor], plan, layer_idx: int
+) -> tuple[int, int, list[str]]:
+    """Read from ``msgs`` the segments sender ``me`` put on the link for one layer (``lay``: the
+    layer's ``LayerRoutes``; a segment once per group broadcast, else once per receiving rank, in
+    the sender's order; its header already read) and compare every piece with ``ref`` (the
+    reference conversion of the layer, by prefixed name; a whole-layer segment read through
+    ``plan``'s views) cut by the piece's rows and shard, on the CPU. Returns (bytes checked, bytes
+    that differ, the names of the pieces that differ)."""
+    checked = differ = 0
+    bad: list[str] = []
+    prefix = layer_prefix(layer_idx)
+    for seg in lay.of_sender(me):
+        for _ in range(1 if lay.groups[seg.cls] else len(lay.classes[seg.cls])):
+            got = next(msgs)
+            pairs = [(prefix + n, ref[prefix + n], v) for n, v in plan.views(got)] if seg.direct else []
+            for p in [] if seg.direct else seg.pieces:
+                full = ref[p.name]
+                if p.rows is not None:
+                    full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
+                pairs.append((p.name, take_shard(full, p.shard), p.view(got)))
+            for name, want, have in pairs:
+                want, have = (x.cpu().contiguous().view(torch.uint8).flatten() for x in (want, have))
+                checked += want.numel()
+                n = int((want != have).sum())
+                differ += n
+                bad += [name] if n else []
+    return checked, differ, bad
 
 
 def free_port() -> int:

@@ -31,10 +31,11 @@ import time
 import torch
 from tabulate import tabulate
 
-from glm_fp8.engine import EngineLayout, take_shard
+from glm_fp8.engine import EngineLayout
 from glm_fp8.models import PRESETS, TINY_GLM5
 from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
 from glm_fp8.reference import convert_layer_ref
+from glm_fp8.testing import sent_layer_mismatches
 from glm_fp8.transfer import HostSinkComm, Sender
 from glm_fp8.transfer.gather import trainer_view
 from glm_fp8.transfer.pack import update_regions
@@ -74,21 +75,7 @@ def _check_first_layer(sender: Sender, kept: list, layer: dict) -> tuple[int, in
     lay, plan = sender.routes.layers[0], sender.plans[0]
     # The reference on the layer's device (bit-exact there as on the CPU, and far faster).
     ref = convert_layer_ref({k.removeprefix(layer_prefix(0)): t for k, t in layer.items()}, 0, plan)
-    msgs = iter(kept[3:])
-    checked = differ = 0
-    for seg in lay.of_sender(sender.me):
-        for _ in range(1 if lay.groups[seg.cls] else len(lay.classes[seg.cls])):
-            got = next(msgs)
-            pairs = [(ref[layer_prefix(0) + n], v) for n, v in plan.views(got)] if seg.direct else []
-            for p in [] if seg.direct else seg.pieces:
-                full = ref[p.name]
-                if p.rows is not None:
-                    full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
-                pairs.append((take_shard(full, p.shard), p.view(got)))
-            for want, have in pairs:
-                want, have = (x.cpu().contiguous().view(torch.uint8).flatten() for x in (want, have))
-                checked += want.numel()
-                differ += int((want != have).sum())
+    checked, differ, _ = sent_layer_mismatches(lay, sender.me, iter(kept[3:]), ref, plan, 0)
     return checked, differ
 
 

@@ -204,22 +204,29 @@ def _module_params(config, trainers: int, layout: str, dtype):
     return {k: distribute_tensor(t, mesh, [TShard(0) if t.dim() >= 2 else TRep()]) for k, t in params.items()}
 
 
-def _hf_like_module(mesh_params: dict) -> torch.nn.Module:
-    """A module as a transformers model holds these tensors: parameters, except the routing bias
-    ``mlp.gate.e_score_correction_bias``, a plain buffer (FSDP2 does not shard buffers)."""
+def _as_module(tensors: dict, buffers: frozenset = frozenset()) -> torch.nn.Module:
+    """A trainer model holding ``{name: tensor}`` under the module's own names: parameters (FSDP2's
+    ``fully_shard`` leaves DTensor parameters there), except the leaves named in ``buffers``,
+    plain buffers of the whole tensor (``.full_tensor()``: FSDP2 does not shard buffers)."""
     root = torch.nn.Module()
-    for name, t in mesh_params.items():
+    for name, t in tensors.items():
         *path, leaf = name.split(".")
         mod = root
         for part in path:
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        if leaf == "e_score_correction_bias":
+        if leaf in buffers:
             mod.register_buffer(leaf, t.full_tensor())
         else:
             mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     return root
+
+
+def _hf_like_module(mesh_params: dict) -> torch.nn.Module:
+    """A module as a transformers model holds these tensors: parameters, except the routing bias
+    ``mlp.gate.e_score_correction_bias``, a plain buffer (FSDP2 does not shard buffers)."""
+    return _as_module(mesh_params, frozenset({"e_score_correction_bias"}))
 
 
 # --- one process of a run -------------------------------------------------------------------------

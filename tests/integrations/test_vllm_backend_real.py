@@ -41,7 +41,7 @@ if not vllm.__version__.startswith("0.34."):
     pytest.skip(f"written against vLLM 0.34's weight-transfer API, found {vllm.__version__}",
                 allow_module_level=True)  # fmt: skip
 
-from test_vllm_backend import MTP, NO_MTP, QueueClient, _layouts, _module_params  # noqa: E402
+from test_vllm_backend import MTP, NO_MTP, QueueClient, _as_module, _layouts, _module_params  # noqa: E402
 
 from glm_fp8.models import REST, TINY_GLM5  # noqa: E402
 from glm_fp8.testing import free_port, launch, synthetic_layer  # noqa: E402
@@ -323,21 +323,6 @@ class _Group:
 
     def __init__(self, rank_in_group: int):
         self.rank_in_group = rank_in_group
-
-
-def _as_module(params: dict) -> torch.nn.Module:
-    """A trainer model holding ``{name: DTensor}`` as its parameters (FSDP2's ``fully_shard`` leaves
-    DTensor parameters under the module's own names)."""
-    root = torch.nn.Module()
-    for name, t in params.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return root
 
 
 # --- one process of a run -------------------------------------------------------------------------

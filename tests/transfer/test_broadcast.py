@@ -12,7 +12,7 @@ import torch
 
 from glm_fp8.demo import demo_rank
 from glm_fp8.models import SMALL_GLM5
-from glm_fp8.testing import launch, synthetic_layer
+from glm_fp8.testing import launch, sent_layer_mismatches, synthetic_layer
 from glm_fp8.transfer.link import Link
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}
@@ -217,7 +217,6 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
     for (no read after release, and the finite check, decided on the device and voted with the
     layer's messages, sees the layer as converted); a header per layer, then COMPLETE, close the
     update."""
-    from glm_fp8.engine import take_shard
     from glm_fp8.plan import layer_prefix, plan_from_config
     from glm_fp8.reference import convert_layer_ref
     from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
@@ -231,16 +230,9 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
         assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, i, lay.wire_nbytes]
         layer = {k.removeprefix(layer_prefix(i)): t for k, t in synthetic_layer(config, i).items()}
         ref = convert_layer_ref(layer, i, plan_from_config(config, i))
-        for seg in lay.of_sender(sender.me):
-            for _ in lay.classes[seg.cls]:
-                got = next(msgs)
-                for p in seg.pieces:
-                    full = ref[p.name]
-                    if p.rows is not None:
-                        full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
-                    want = take_shard(full, p.shard).contiguous().view(torch.uint8)
-                    assert torch.equal(p.view(got).contiguous().view(torch.uint8), want.cpu()), (i, p.name)
-                    checked += want.numel()
+        got, _, bad = sent_layer_mismatches(lay, sender.me, msgs, ref, sender.plans[i], i)
+        assert not bad, (i, bad)
+        checked += got
     assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, n] and next(msgs, None) is None
     assert checked > 0
 

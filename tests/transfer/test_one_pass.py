@@ -22,7 +22,7 @@ import glm_fp8.trainer_layouts
 from glm_fp8.models import HF, PRIME_RL, TINY_GLM5
 from glm_fp8.plan import layer_prefix, plan_from_config
 from glm_fp8.reference import convert_layer_ref
-from glm_fp8.testing import sharded_layer, synthetic_layer
+from glm_fp8.testing import sent_layer_mismatches, sharded_layer, synthetic_layer
 from glm_fp8.transfer import HostSinkComm, Sender
 
 CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
@@ -115,7 +115,7 @@ def test_one_of_many_senders_adapts_and_checks_each_layer_once(calls):
     """Sender 1 of 2 into TP=2 (it leads, as a stand-in link has no peers): its per-sender plan is
     cut from the adapted one, its share converted without a second adaptation or key check; every
     piece it sends equals the reference cut by the piece's rows and shard."""
-    from glm_fp8.engine import EngineLayout, take_shard
+    from glm_fp8.engine import EngineLayout
     from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
 
     sink = HostSinkComm(keep=True, rank=1, size=4)
@@ -129,16 +129,9 @@ def test_one_of_many_senders_adapts_and_checks_each_layer_once(calls):
     for pos, (i, lay) in enumerate(zip(IDS, sender.routes.layers)):
         assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, pos, lay.wire_nbytes]
         ref = _reference(i)
-        for seg in lay.of_sender(sender.me):
-            for _ in lay.classes[seg.cls]:
-                got = next(msgs)
-                for p in seg.pieces:
-                    full = ref[p.name]
-                    if p.rows is not None:
-                        full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])
-                    want = take_shard(full, p.shard).contiguous().view(torch.uint8)
-                    assert torch.equal(p.view(got).contiguous().view(torch.uint8), want), (i, p.name)
-                    checked += want.numel()
+        got, _, bad = sent_layer_mismatches(lay, sender.me, msgs, ref, sender.plans[pos], i)
+        assert not bad, (i, bad)
+        checked += got
     assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, len(IDS)] and next(msgs, None) is None
     assert checked > 0
 
