@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict
 
 from glm_fp8.cli_args import SERVER_SYNTAX, int_at_least, int_in, positive_float, positive_int, server_spec
-from glm_fp8.cli_plan import _load_config, _plan, _plan_request  # noqa: F401 - their old home
+from glm_fp8.cli_plan import _load_config, _plan, _plan_request, add_delta_arguments  # noqa: F401 - their old home
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -249,6 +249,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
         "--json", action="store_true",
         help="print the whole report (summary and every table) as one JSON object instead of text",
     )  # fmt: skip
+    add_delta_arguments(p)
     p.set_defaults(func=_plan)
     b = sub.add_parser(
         "bench",

@@ -47,6 +47,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """An argparse ``type=``: a number in [0, 1] (a fraction, not a percentage)."""
+    expected = "expected a fraction in [0, 1] (0.0012 for 0.12 %)"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    if not 0 <= value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{expected}, got {text}")
+    return value
+
+
 SERVER_KEYS = ("tp", "dp", "ep", "replicas", "name", "gbps")
 SERVER_SYNTAX = (
     "KEY=VALUE[,KEY=VALUE...] with keys tp, dp (vLLM's sizes, default 1), ep (expert parallel: "
@@ -106,6 +118,7 @@ def server_spec(text: str):
 __all__ = [
     "SERVER_KEYS",
     "SERVER_SYNTAX",
+    "fraction",
     "int_at_least",
     "int_in",
     "positive_float",

@@ -3,7 +3,8 @@ sections (``glm_fp8.plan_deployment``, which re-exports it), and the labels of w
 counts (``*_COUNTS``): the mode ``mode="auto"`` picks (``auto_mode``, the vLLM
 backend's rule, also given a ``Fleet``) and its predicted time, every trainer rank's and every
 server's ranks' extra memory, what each server's busiest rank receives and what each trainer rank
-sends the servers over its NIC. Each figure comes with a label saying what it counts."""
+sends the servers over its NIC; with a delta, the delta update beside the dense one
+(``delta_summary``). Each figure comes with a label saying what it counts."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ ENGINE_EXTRA_COUNTS = (
     "its receiver's ring of its largest layer buffer (2 slots; 1 in the draft session, one layer), "
     "checksum scratch and step headers; above its parameters"
 )
+DELTA_COUNTS = {
+    "kept": "a sender's copy of what it last sent: the fp8 bytes and scales of its share (and the "
+    "passthrough entries' bytes when they go as deltas), resident between updates where it is kept",
+    "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + quantize_compare's "
+    "scratch for its largest entry + 2 layers of the kept copy staged on the GPU when kept in host memory",
+    "engine_extra": "a ring of 2 of its largest layer's delta buffers, apply_delta's offsets for its "
+    "largest entry, the checksum scratch (of the full post-update layer) and step headers; a rank "
+    "that gets a layer dense (stale, failed checksum) needs the dense figure for it",
+}
 
 
 def auto_mode(trainer_ranks: int | Fleet, experts_whole: bool | None = None) -> tuple[str, str]:
@@ -161,6 +171,45 @@ def summary_section(
     }
 
 
+def delta_summary(update: dict, summary: dict, fits: dict) -> dict | None:
+    """The delta update of the strategy auto picks, beside its dense one: time, wire bytes, a
+    sender's kept copy and transient memory (with the resident masters, against the GPU), each
+    server's busiest rank (``DELTA_COUNTS`` says what each memory figure counts)."""
+    pred = next(s for s in update["strategies"] if s["strategy"] == summary["strategy"])
+    d = pred.get("delta")
+    if d is None:
+        return None
+    spec = d["delta"]
+    gpu = (d["kept"] if spec["kept"] == "gpu" else 0) + d["sender_peak"]
+    total = fits["resident_master_bytes"] + gpu
+    return {
+        **spec,
+        "strategy": pred["strategy"],
+        "seconds": d["seconds"],
+        "dense_seconds": pred["seconds"],
+        "arithmetic": d["arithmetic"],
+        "wire_fraction": d["wire_fraction"],
+        "sent_bytes": d["sent"],
+        "received_bytes": d["received"],
+        "sender_kept_bytes": d["kept"],
+        "sender_staging_bytes": d["staging"],
+        "sender_peak_bytes": d["sender_peak"],
+        "sender_gpu_bytes": gpu,
+        "trainer_gpu_bytes": total,
+        "fits": total <= fits["gpu_gib"] * 2**30,
+        "servers": [
+            {
+                "name": x["name"],
+                "received_bytes": x["received"],
+                "extra_bytes": x["extra"],
+                "dense_extra_bytes": dense["extra"],
+            }
+            for x, dense in zip(d["servers"], pred["servers"])
+        ],  # fmt: skip
+        "counts": DELTA_COUNTS,
+    }
+
+
 def _engine_extra_summary(engine: dict) -> dict:
     """The largest engine rank's extra memory per vLLM session, scatter's figures."""
     rows = engine["rows"]
@@ -218,4 +267,5 @@ def _contributor_bytes(config: Mapping, r: PlanRequest) -> int:
     return best
 
 
-__all__ = ["ENGINE_EXTRA_COUNTS", "MODE_STRATEGY", "TRAINER_EXTRA_COUNTS", "auto_mode", "summary_section"]
+__all__ = ["DELTA_COUNTS", "ENGINE_EXTRA_COUNTS", "MODE_STRATEGY", "TRAINER_EXTRA_COUNTS", "auto_mode",
+           "delta_summary", "summary_section"]  # fmt: skip

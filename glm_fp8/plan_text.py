@@ -1,11 +1,23 @@
 """``glm-fp8 plan``'s text: ``format_plan_report`` renders ``glm_fp8.planning.plan_report``'s data
 as the summary, then (``detail``) tables of the layer kinds, the fit, the engine ranks, every
-strategy and the many senders' transfer plan, then the entries when the report holds them;
+strategy (and its delta update, with one) and the many senders' transfer plan, then the entries
+when the report holds them;
 every line fits ``WIDTH`` characters. A Python user gets the same text as the command line."""
 
 from __future__ import annotations
 
-from glm_fp8.plan_text_parts import _GIB, WIDTH, deployment_lines, gib, ranks_text, table, traffic_lines, wrap
+from glm_fp8.plan_text_parts import (
+    _GIB,
+    WIDTH,
+    delta_lines,
+    deployment_lines,
+    gib,
+    pct,
+    ranks_text,
+    table,
+    traffic_lines,
+    wrap,
+)
 from glm_fp8.update_time import CONVERT_SECONDS_PER_BYTE, PIPELINE_FACTOR
 
 
@@ -48,7 +60,7 @@ def _summary_lines(report: dict, detail: bool) -> list[str]:
             indent,
         )
     if update is not None:
-        out += traffic_lines(report)
+        out += traffic_lines(report) + delta_lines(report)
     if report["fits"] is not None:
         fits = report["fits"]
         auto = fits["paths"][-1]
@@ -229,6 +241,9 @@ def _update_lines(lines: list[str], report: dict) -> None:
             f"{p['strategy']}: {p['arithmetic'] if p['applicable'] else 'n/a: ' + p['why_not']}", "  "
         )
     lines += wrap(f"sender peak: {counts['sender_peak']}", "  ")
+    deltas = [p for p in update["strategies"] if p["applicable"] and p.get("delta")]
+    if deltas:
+        _delta_table(lines, deltas, counts["delta"])
     if report["servers"] is not None:
         lines.append("")
         lines += wrap(
@@ -290,6 +305,39 @@ def _update_lines(lines: list[str], report: dict) -> None:
         f"{gib(tp['max_peak_bytes'])} GiB (the summary's figure)",
         "  ",
     )
+
+
+def _delta_table(lines: list[str], preds: list[dict], counts: dict) -> None:
+    """Every fp8 strategy's delta update (model prediction) beside its dense time."""
+    spec = preds[0]["delta"]["delta"]
+    lines.append("")
+    where = "on the GPU" if spec["kept"] == "gpu" else "in host memory"
+    lines += wrap(
+        f"delta update, every fp8 strategy (model prediction; {pct(spec['fraction'])} of the e4m3 bytes "
+        f"changed, kept {where}); GiB of the busiest rank:"
+    )
+    rows = [
+        [
+            p["strategy"],
+            gib(p["delta"]["sent"], 3),
+            gib(p["delta"]["received"], 3),
+            pct(p["delta"]["wire_fraction"]),
+            f"{p['delta']['seconds']:.3f}",
+            f"{p['seconds']:.2f}",
+            gib(p["delta"]["kept"], 2),
+            gib(p["delta"]["sender_peak"], 2),
+        ]
+        for p in preds
+    ]
+    lines += table(
+        rows,
+        ["strategy", "sent GiB\n(sender)", "received GiB\n(engine rank)", "wire /\ndense", "delta s",
+         "dense s", "kept GiB\n(sender)", "sender peak\nGiB"],
+    )  # fmt: skip
+    for p in preds:
+        lines += wrap(f"{p['strategy']}: {p['delta']['arithmetic']}", "  ")
+    for key in ("kept", "sender_peak", "engine_extra"):
+        lines += wrap(f"{key.replace('_', ' ')}: {counts[key]}", "  ")
 
 
 _SHORT_DTYPES = {"float8_e4m3fn": "fp8 e4m3", "bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}

@@ -1,7 +1,7 @@
 """Parts of ``glm-fp8 plan``'s text (``glm_fp8.plan_text``): the helpers every section uses (lines
 wrapped to ``WIDTH``, GiB, rank ranges, tables) and the deployment's summary lines: the fleet, the
 mode auto picks with its predicted time, each rank's extra memory, each server's busiest rank's
-received bytes and each trainer rank's NIC bytes."""
+received bytes and each trainer rank's NIC bytes; with a delta, the delta update's lines."""
 
 from __future__ import annotations
 
@@ -147,4 +147,43 @@ def traffic_lines(report: dict) -> list[str]:
     return out
 
 
-__all__ = ["WIDTH", "deployment_lines", "gib", "ranks_text", "table", "traffic_lines", "wrap"]
+def pct(x: float) -> str:
+    """A fraction as a percentage with enough digits for 0.12 % and for 100 %."""
+    return f"{100 * x:.3g} %"
+
+
+def delta_lines(report: dict) -> list[str]:
+    """The delta update of auto's strategy (``summary["delta"]``): its predicted time beside the
+    dense one and the wire fraction (one line), then a sender's kept copy and memory, each
+    server's receiver; nothing without a delta."""
+    d = report["summary"].get("delta")
+    if d is None:
+        return []
+    through = "dense" if d["passthrough"] is None else f"{pct(d['passthrough'])} changed"
+    where = "on the GPU" if d["kept"] == "gpu" else "in pinned host memory"
+    out = wrap(
+        f"delta update (model prediction; {pct(d['fraction'])} of the e4m3 bytes changed, scales "
+        f"{pct(d['scales_changed'])}, passthrough entries {through}): {d['seconds']:.3f} s against "
+        f"{d['dense_seconds']:.2f} s dense ({d['strategy']}), {pct(d['wire_fraction'])} of the dense "
+        f"bytes on the trainer's NICs: {d['arithmetic']}"
+    )
+    staged = f", {gib(d['sender_staging_bytes'])} GiB of it staged on the GPU" if d["kept"] == "host" else ""
+    verdict = "fits" if d["fits"] else "does NOT fit"
+    fits = report["fits"]
+    out += wrap(
+        f"a sender keeps what it last sent: {gib(d['sender_kept_bytes'])} GiB {where}{staged}; on its GPU "
+        f"{gib(d['sender_gpu_bytes'])} GiB with the transient peak, + "
+        f"{gib(fits['resident_master_bytes'], 1)} GiB of master shards = {gib(d['trainer_gpu_bytes'], 1)} "
+        f"GiB: {verdict} {fits['gpu_gib']:g} GiB (optimizer state, gradients, activations not counted)",
+        "  ",
+    )
+    servers = ", ".join(
+        f"{x['name']} {gib(x['extra_bytes'])} GiB (dense {gib(x['dense_extra_bytes'])})" for x in d["servers"]
+    )
+    out += wrap(f"server ranks' receiver in a delta update: {servers}; a rank that gets a layer dense needs "
+                "the dense figure for it", "  ")  # fmt: skip
+    return out
+
+
+__all__ = ["WIDTH", "delta_lines", "deployment_lines", "gib", "pct", "ranks_text", "table", "traffic_lines",
+           "wrap"]  # fmt: skip

@@ -4,8 +4,10 @@ of their own layouts, ``PlanRequest.servers``) and returns it as JSON data,
 first a summary (the mode ``mode="auto"`` picks and why, the predicted update time, every rank's
 extra memory), then the detail (layer kinds and their conversion peaks, whether the masters fit
 a GPU, each engine rank's wire bytes and extra memory, the time of every strategy, the many
-senders' transfer plan). ``auto_mode`` is the rule the vLLM backend's ``mode="auto"`` follows
-(given the trainer's ranks and whether they hold whole experts, or a ``Fleet``).
+senders' transfer plan), and with a delta (``plan_report(..., delta=Delta(fraction, ...))``) the
+delta update's time, wire bytes and memory beside the dense one's. ``auto_mode`` is the rule the
+vLLM backend's ``mode="auto"`` follows (given the trainer's ranks and whether they hold whole
+experts, or a ``Fleet``).
 
 Every peak comes with a label saying what it counts (the ``*_COUNTS`` strings); none of them
 counts the resident master shards, optimizer state, gradients or activations unless it says so.
@@ -45,13 +47,16 @@ from glm_fp8.plan_request import (
     PlanRequest,
     dtype_name,
 )
-from glm_fp8.plan_summary import auto_mode
-from glm_fp8.update_time import SENDER_PEAK_COUNTS
+from glm_fp8.plan_summary import DELTA_COUNTS, auto_mode, delta_summary
+from glm_fp8.update_delta import Delta, as_delta
+from glm_fp8.update_time import SENDER_PEAK_COUNTS, predict
 
 EXCLUDES = "above the resident master shards; optimizer state, gradients and activations not counted"
 
 
-def plan_report(config: object, request: PlanRequest | None = None) -> dict:
+def plan_report(
+    config: object, request: PlanRequest | None = None, delta: Delta | float | None = None
+) -> dict:
     """Everything ``glm-fp8 plan`` shows, as JSON data (the CLI prints it as text or as is).
 
     Keys, in this order: ``model``; ``assumptions`` (dtypes, target, whether the engine's TP 8 was
@@ -70,29 +75,42 @@ def plan_report(config: object, request: PlanRequest | None = None) -> dict:
     marked so with why, and the many senders' transfer plan); ``entries`` (per kind, when
     ``request.entries``). Sizes are in bytes, times in seconds.
 
+    ``delta`` (a ``glm_fp8.update_delta.Delta``, or its changed fraction; needs a deployment): each
+    applicable strategy's ``delta`` (``glm_fp8.update_time.DeltaPrediction`` as data) and
+    ``summary["delta"]`` (auto's strategy: the delta time beside the dense one, the wire
+    fraction, a sender's kept copy and whether it fits, each server's receiver; None without).
+
     Raises ``PlanArgumentError`` for a request out of bounds (``PlanRequest.check``) or one vLLM
-    would refuse (naming the field to change), ValueError for a config the plans cannot use."""
+    would refuse (naming the field to change), or a bad ``delta``; ValueError for a config the
+    plans cannot use."""
     request = request or PlanRequest()
     request.check()
+    try:
+        spec = as_delta(delta)
+    except ValueError as e:
+        raise PlanArgumentError("delta", str(e).removeprefix("Delta.").removeprefix("fraction: ")) from None
+    if spec is not None and request.trainer_gpus is None:
+        raise PlanArgumentError("delta", "needs trainer_gpus: a delta update is predicted for a deployment")
     config = as_config(config)
+    bare = dataclasses.replace(request, entries=False)
     try:
         key = json.dumps(config, sort_keys=True)
     except (TypeError, ValueError):  # a value JSON cannot hold: no cache
-        report = _report(config, dataclasses.replace(request, entries=False))
+        report = _report(config, bare, spec)
     else:
-        report = copy.deepcopy(_cached_report(key, dataclasses.replace(request, entries=False)))
+        report = copy.deepcopy(_cached_report(key, bare, spec))
     report["entries"] = _entries(config, request) if request.entries else None
     return report
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_report(config_json: str, request: PlanRequest) -> dict:
+def _cached_report(config_json: str, request: PlanRequest, delta: Delta | None) -> dict:
     # The same question asked again (text, then --json; tests) costs nothing: the report is a
-    # function of the config and the request alone.
-    return _report(json.loads(config_json), request)
+    # function of the config, the request and the delta alone.
+    return _report(json.loads(config_json), request, delta)
 
 
-def _report(config: dict, r: PlanRequest) -> dict:
+def _report(config: dict, r: PlanRequest, delta: Delta | None = None) -> dict:
     """``plan_report`` without the entries: the summary first, then the detail."""
     report: dict = {}
     kinds = _layer_kinds(config, r)
@@ -118,6 +136,8 @@ def _report(config: dict, r: PlanRequest) -> dict:
     else:
         engine = engine_section(config, r, tp) if (deployed or r.engine_tp is not None) else None
     update, transfer = update_section(config, r, tp) if deployed else (None, None)
+    if delta is not None:
+        _add_delta(config, r, update, transfer, delta)
     summary = summary_section(config, r, kinds, engine, update, transfer, servers)
     report["summary"] = summary
     report["layer_kinds"] = kinds
@@ -127,12 +147,25 @@ def _report(config: dict, r: PlanRequest) -> dict:
         "excludes": EXCLUDES,
         "sender_peak": SENDER_PEAK_COUNTS,
         "engine_extra": ENGINE_EXTRA_COUNTS,
+        "delta": DELTA_COUNTS,
     }
     report["fits"] = _fits(config, r, kinds, summary) if deployed else None
+    summary["delta"] = delta_summary(update, summary, report["fits"]) if delta is not None else None
     report["engine"] = engine
     report["servers"] = servers
     report["update"] = update
     return report
+
+
+def _add_delta(config: Mapping, r: PlanRequest, update: dict, transfer: object, delta: Delta) -> None:
+    """Each applicable strategy's delta update (``predict(..., delta=)``, the many senders' plan
+    reused), as data under its ``delta`` key."""
+    dtypes = {"master_dtype": r.master_dtype, "gather_dtype": r.gather_dtype}
+    preds = predict(config, r.fleet(), scale_fmt=r.scale_fmt, transfer=transfer, delta=delta, **dtypes)
+    by = {p.strategy: p.delta for p in preds}
+    for s in update["strategies"]:
+        if s["applicable"]:
+            s["delta"] = dataclasses.asdict(by[s["strategy"]]) if by.get(s["strategy"]) else None
 
 
 def _kind_plans(config: Mapping, r: PlanRequest) -> dict:
@@ -221,6 +254,8 @@ def _fits(config: Mapping, r: PlanRequest, kinds: list[dict], summary: dict) -> 
 
 
 __all__ = [
+    "DELTA_COUNTS",
+    "Delta",
     "ENGINE_EXTRA_COUNTS",
     "GATHER_DTYPES",
     "MASTER_DTYPES",

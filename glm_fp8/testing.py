@@ -142,15 +142,18 @@ def sent_layer_mismatches(
 ) -> tuple[int, int, list[str]]:
     """Read from ``msgs`` the segments sender ``me`` put on the link for one layer (``lay``: the
     layer's ``LayerRoutes``; a segment once per group broadcast, else once per receiving rank, in
-    the sender's order; its header already read) and compare every piece with ``ref`` (the
-    reference conversion of the layer, by prefixed name; a whole-layer segment read through
-    ``plan``'s views) cut by the piece's rows and shard, on the CPU. Returns (bytes checked, bytes
-    that differ, the names of the pieces that differ)."""
+    the order the sender posts them: group broadcasts, then point-to-point messages; its header
+    already read) and compare every piece with ``ref`` (the reference conversion of the layer, by
+    prefixed name; a whole-layer segment read through ``plan``'s views) cut by the piece's rows
+    and shard, on the CPU. Returns (bytes checked, bytes that differ, the names of the pieces
+    that differ)."""
     checked = differ = 0
     bad: list[str] = []
     prefix = layer_prefix(layer_idx)
-    for seg in lay.of_sender(me):
-        for _ in range(1 if lay.groups[seg.cls] else len(lay.classes[seg.cls])):
+    mine = lay.of_sender(me)
+    # in the order the sender posts them: its group broadcasts, then its point-to-point messages
+    for seg in [s for s in mine if s.group is not None] + [s for s in mine if s.group is None]:
+        for _ in range(lay.messages(seg)):
             got = next(msgs)
             pairs = [(prefix + n, ref[prefix + n], v) for n, v in plan.views(got)] if seg.direct else []
             for p in [] if seg.direct else seg.pieces:

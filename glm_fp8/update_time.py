@@ -24,6 +24,9 @@ The model (docs/update_time.md says why each term is there):
 
 What it does not model: latency per message (votes, headers; a few hundred per update), link
 contention inside a node, stragglers, and the engines' post-load steps.
+
+Delta updates (``predict(..., delta=Delta(fraction))``: ``Prediction.delta``): the same model with the
+delta's bytes, plus the sender's conversion and host copies (docs/update_time.md#delta-updates).
 """
 
 from __future__ import annotations
@@ -41,6 +44,17 @@ from glm_fp8.plan import LayerPlan, plans_for_model
 from glm_fp8.transfer.owners import stack_entries
 from glm_fp8.transfer.pack import FULL
 from glm_fp8.transfer.routes import TransferPlan, transfer_plan
+from glm_fp8.update_delta import (
+    HOST_COPY_BYTES_PER_S,
+    Delta,
+    DeltaTraffic,
+    SenderShare,
+    as_delta,
+    plan_bytes,
+    sender_share,
+    traffic,
+)
+from glm_fp8.update_delta import receiver_bytes as delta_receiver_bytes
 
 # Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-04, protocol v3): total / link time of
 # one pipelined sender through the one-GPU stand-in link, 80 GLM-5 sparse layers: full broadcast
@@ -49,6 +63,9 @@ PIPELINE_FACTOR = 1.01
 # One GLM-5 sparse layer (9.20 GiB of kernel format) converted from bf16, checksum included, in
 # 10.28 ms (the full broadcast's conversion alone, 80 layers in 0.822 s).
 CONVERT_SECONDS_PER_BYTE = 10.28e-3 / (9.20 * 2**30)
+# The least time a sender's share of a layer took to convert and pack, launch-bound: many senders, 32 into
+# 4 x EP 8, 80 GLM-5 sparse layers alone in 0.069-0.076 s (senders 0 and 20, bf16 and fp32 masters).
+CONVERT_SECONDS_PER_LAYER = 0.076 / 80
 STRATEGIES = ("bf16 broadcast", "fp8 broadcast", "fp8 scatter", "fp8 many senders")
 # What ``Prediction.sender_peak`` counts (every strategy alike; the terms each at its largest layer).
 SENDER_PEAK_COUNTS = (
@@ -78,7 +95,8 @@ class Prediction:
     in), the predicted seconds of a whole update, and the largest sender's peak transient bytes
     (``SENDER_PEAK_COUNTS`` says what they count); ``servers``: each server's busiest rank
     (``ServerLoad``); ``sender_bytes``: what each trainer rank sends the servers over its NIC
-    (index = trainer rank; gathers not counted, they are ``gathered``)."""
+    (index = trainer rank; gathers not counted, they are ``gathered``); ``delta``: the same update
+    sent as a delta (``predict(..., delta=)``; None for the bf16 broadcast)."""
 
     strategy: str
     senders: int
@@ -88,6 +106,32 @@ class Prediction:
     seconds: float
     sender_peak: int
     arithmetic: str
+    servers: tuple[ServerLoad, ...] = ()
+    sender_bytes: tuple[int, ...] = ()
+    delta: DeltaPrediction | None = None
+
+
+@dataclass(frozen=True)
+class DeltaPrediction:
+    """One strategy's delta update (``predict(..., delta=...)``): what was asked (``delta``), the
+    busiest sender's NIC bytes, the busiest engine rank's, the gathers (as dense), the predicted
+    seconds and their arithmetic; ``wire_fraction``: every sender's NIC bytes over the dense
+    update's; the largest sender's ``kept`` copy, its GPU ``staging`` (kept in host memory) and its
+    transient ``sender_peak``: the dense one (a layer sent dense still needs it) plus
+    ``quantize_compare``'s scratch and the staging, the kept copy not included; each server's
+    busiest rank (its delta bytes and its receiver's extra memory: a ring of delta buffers);
+    each trainer rank's NIC bytes."""
+
+    delta: Delta
+    sent: int
+    received: int
+    gathered: int
+    seconds: float
+    arithmetic: str
+    wire_fraction: float
+    kept: int
+    staging: int
+    sender_peak: int
     servers: tuple[ServerLoad, ...] = ()
     sender_bytes: tuple[int, ...] = ()
 
@@ -118,15 +162,48 @@ def _time(fleet: Fleet, sent: int, gathered: int, received: list[int], fill_byte
     return t, text
 
 
-def _loads(fleet: Fleet, tp: TransferPlan | None, ranges: list[range], offset: int, received) -> list:
-    """Each server's busiest rank: received bytes (``received[link rank]``) and, from ``tp``, its
-    receiver's extra memory (None without a plan)."""
+def _loads(fleet: Fleet, extra, ranges: list[range], offset: int, received) -> list:
+    """Each server's busiest rank: received bytes (``received(link rank)``) and its receiver's
+    extra memory (``extra(link rank)``; None: not modelled)."""
     out = []
     for name, ranks in zip(fleet.server_names(), ranges):
         links = [offset + r for r in ranks]
-        extra = max(tp.receiver_bytes(r) for r in links) if tp is not None else None
-        out.append(ServerLoad(name, max(received(r) for r in links), extra))
+        most = max(extra(r) for r in links) if extra is not None else None
+        out.append(ServerLoad(name, max(received(r) for r in links), most))
     return out
+
+
+def _delta_loads(fleet: Fleet, tp: TransferPlan, tr: DeltaTraffic, ranges: list[range], offset: int) -> list:
+    """Each server's busiest rank in a delta update: its delta bytes and its receiver's memory."""
+    extra = lambda r: delta_receiver_bytes(tp, tr, r)
+    return _loads(fleet, extra, ranges, offset, lambda r: tr.received.get(r, 0))
+
+
+def _delta(
+    fleet: Fleet, spec: Delta, each: tuple, loads: list, gathered: int, fill: int, share: SenderShare,
+    dense_peak: int, dense_each: tuple,
+) -> DeltaPrediction:  # fmt: skip
+    """A strategy's ``DeltaPrediction`` from its delta bytes (``each``: every trainer rank's NIC
+    bytes; ``loads``: each server's busiest rank) and its sender's ``share``: the busiest of its
+    links (the dense terms), its conversion and, kept in host memory, its copies, as ``_time``."""
+    bw = fleet.link_bytes_per_s
+    gb = lambda n, rate: f"{n / 1e9:.3f} GB / {rate / 1e9:.1f} GB/s"
+    terms = [(max(each) / bw, "sent " + gb(max(each), bw)), (gathered / bw, "gathered " + gb(gathered, bw))]
+    for k, x in enumerate(loads):
+        rate = fleet.server_link_bytes_per_s(k)
+        terms.append((x.received / rate, f"received ({x.name}) " + gb(x.received, rate)))
+    terms.append((share.converted, f"conversion {share.converted * 1e3:.1f} ms"))
+    if spec.kept == "host":
+        host = HOST_COPY_BYTES_PER_S
+        terms.append((share.kept / host, "host copy " + gb(share.kept, host)))
+    busiest, text = max(terms, key=lambda x: x[0])
+    fill_s = CONVERT_SECONDS_PER_BYTE * fill
+    t = PIPELINE_FACTOR * busiest + fill_s
+    text = f"{PIPELINE_FACTOR} x {text} + fill {fill_s * 1e3:.1f} ms = {t:.3f} s"
+    return DeltaPrediction(
+        spec, max(each), max(x.received for x in loads), gathered, t, text, sum(each) / sum(dense_each),
+        share.kept, share.staging, dense_peak + share.scratch + share.staging, tuple(loads), tuple(each),
+    )  # fmt: skip
 
 
 def predict(
@@ -137,14 +214,19 @@ def predict(
     transfer: TransferPlan | None = None,
     master_dtype: torch.dtype = torch.float32,
     gather_dtype: torch.dtype | None = None,
+    delta: Delta | float | None = None,
 ) -> list[Prediction]:
     """The four strategies of ``STRATEGIES`` for a whole-model update of ``config`` into
     ``fleet`` (see the module docstring for the model); ``transfer``: the fleet's
     ``many_senders_plan`` (built with the same dtypes) when the caller has it already. The
     trainer holds ``master_dtype`` masters and gathers them in it, or in ``gather_dtype`` when
-    given (the library's opt-in cast). Raises ValueError where vLLM would refuse a server's
-    layout. ``config``: anything ``glm_fp8.config.as_config`` takes."""
+    given (the library's opt-in cast). ``delta``: also predict a delta update of each fp8
+    strategy (``Prediction.delta``; a number is ``Delta(fraction)``). Raises ValueError where
+    vLLM would refuse a server's layout or for a bad ``delta``. ``config``: anything
+    ``glm_fp8.config.as_config`` takes."""
     config = as_config(config)
+    spec = as_delta(delta)
+    shares = lambda parts: sender_share(parts, spec, CONVERT_SECONDS_PER_BYTE, CONVERT_SECONDS_PER_LAYER)
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
     ids = [*model_layer_ids(config), REST]
@@ -163,13 +245,20 @@ def predict(
         peak = held + 2 * biggest.nbytes  # ring of 2 conversion slots, sent from them (direct)
         # an engine rank's receiver: every rank alike (one FULL rank stands for all)
         full = transfer_plan(config, plans, ids, [None, FULL], [0]) if mode == "fp8" else None
-        loads = _loads(fleet, full, [range(1)] * len(fleet.servers), 1, {1: total}.__getitem__)
+        rx = full and full.receiver_bytes
+        loads = _loads(fleet, rx, [range(1)] * len(fleet.servers), 1, {1: total}.get)
         t, text = _time(
             fleet, total, gathered, [total] * len(fleet.servers), biggest.nbytes if mode == "fp8" else 0
         )
-        out.append(
-            Prediction(strategy, 1, total, total, gathered, t, peak, text, tuple(loads), one_sender(total))
-        )
+        dp = None  # with a delta, every rank gets the whole layer's
+        if spec is not None and full is not None:
+            whole = round(sum(plan_bytes(p, spec) for p in plans))
+            tr = traffic(full, plans, spec)
+            dloads = [ServerLoad(x.name, whole, delta_receiver_bytes(full, tr, 1)) for x in loads]
+            dp = _delta(fleet, spec, one_sender(whole), dloads, gathered, biggest.nbytes, shares(plans), peak,
+                        one_sender(total))  # fmt: skip
+        one = (total, total, gathered, t, peak, text, tuple(loads), one_sender(total), dp)
+        out.append(Prediction(strategy, 1, *one))
 
     # Scatter: one sender, every distinct region once per layer. Ranks of any server (replicas,
     # DP ranks, another server's ranks) that hold the same region form one class and share one
@@ -179,16 +268,21 @@ def predict(
     per_rank = _class_bytes(scatter)
     layer_regions = [lay.wire_nbytes for lay in scatter.layers]
     sent = sum(layer_regions)
-    loads = _loads(fleet, scatter, fleet.distinct_ranges(), 1, per_rank.__getitem__)
+    loads = _loads(fleet, scatter.receiver_bytes, fleet.distinct_ranges(), 1, per_rank.__getitem__)
     biggest = max(range(len(plans)), key=lambda k: plans[k].nbytes)
     gathered = gather(_sender_inputs(plans, fleet.experts_whole))
     t, text = _time(fleet, sent, gathered, [x.received for x in loads], plans[biggest].nbytes)
     held = max(_held_gathered(p, True, fleet.experts_whole, t_gpus) for p in plans)
     peak = held + 2 * plans[biggest].nbytes + 2 * max(layer_regions)  # + ring of 2 send slots
     received = max(x.received for x in loads)
-    out.append(
-        Prediction("fp8 scatter", 1, sent, received, gathered, t, peak, text, tuple(loads), one_sender(sent))
-    )
+    dp = None
+    if spec is not None:
+        tr = traffic(scatter, plans, spec)
+        dloads = _delta_loads(fleet, scatter, tr, fleet.distinct_ranges(), 1)
+        dp = _delta(fleet, spec, one_sender(tr.sent[0]), dloads, gathered, plans[biggest].nbytes,
+                    shares(plans), peak, one_sender(sent))  # fmt: skip
+    one = (sent, received, gathered, t, peak, text, tuple(loads), one_sender(sent), dp)
+    out.append(Prediction("fp8 scatter", 1, *one))
 
     # Many senders (glm_fp8.transfer.routes, only with whole experts): each trainer rank quantizes
     # its own experts (no gather) and sends every engine rank of every server its part of them;
@@ -200,15 +294,22 @@ def predict(
         # sender_peak: 2 x (conversion slot + send slot) + one layer's owned tensors, gathered
         each = tp.sent_bytes()
         got = tp.received_bytes()
-        loads = _loads(fleet, tp, fleet.engine_ranges(), t_gpus, got.__getitem__)
+        loads = _loads(fleet, tp.receiver_bytes, fleet.engine_ranges(), t_gpus, got.__getitem__)
         gathered = max(gather(sum(tp.gathered_bytes(s))) for s in range(t_gpus))
         fill = max(tp.sender_buffers(s)[0] for s in range(t_gpus))
         t, text = _time(fleet, max(each), gathered, [x.received for x in loads], fill)
         peak = max(tp.sender_peak(s) for s in range(t_gpus))
         received = max(x.received for x in loads)
+        dp = None
+        if spec is not None:
+            tr = traffic(tp, plans, spec)
+            dloads = _delta_loads(fleet, tp, tr, fleet.engine_ranges(), t_gpus)
+            per = [shares([lay.local_plans[s] for lay in tp.layers]) for s in range(t_gpus)]
+            share = SenderShare(*(max(getattr(x, f) for x in per) for f in SenderShare.__dataclass_fields__))
+            dp = _delta(fleet, spec, tr.sent, dloads, gathered, fill, share, peak, tuple(each))
         out.append(
             Prediction("fp8 many senders", t_gpus, max(each), received, gathered, t, peak, text, tuple(loads),
-                       tuple(each))
+                       tuple(each), dp)
         )  # fmt: skip
     return out
 
@@ -292,6 +393,6 @@ def predictions_json(preds: list[Prediction]) -> list[dict]:
     return [asdict(p) for p in preds]
 
 
-__all__ = ["CHUNK_EXPERTS", "CONVERT_SECONDS_PER_BYTE", "PIPELINE_FACTOR", "SENDER_PEAK_COUNTS", "STRATEGIES",
-           "Fleet", "Prediction", "Server", "ServerLoad", "many_senders_plan", "predict",
-           "predictions_json"]  # fmt: skip
+__all__ = ["CHUNK_EXPERTS", "CONVERT_SECONDS_PER_BYTE", "CONVERT_SECONDS_PER_LAYER", "PIPELINE_FACTOR",
+           "SENDER_PEAK_COUNTS", "STRATEGIES", "Delta", "DeltaPrediction", "Fleet", "Prediction", "Server",
+           "ServerLoad", "many_senders_plan", "predict", "predictions_json"]  # fmt: skip

@@ -604,3 +604,66 @@ def test_plan_fleet_preset_of_the_target_case(capsys):
     assert 'mode="auto" picks many senders (mode="senders"), predicted 1.98 s for the whole model' in out
     assert "server 0 ranks (4 replicas x 8): 2.35 GiB in vLLM's target session, 1.54 GiB in the draft" in out
     assert "received by each server's busiest rank (fp8 many senders): server 0 90.28 GiB" in out
+
+
+# --- glm-fp8 plan --delta: the delta update beside the dense one (issue #33; model predictions) ---
+
+
+def test_plan_delta_summary_detail_and_json(capsys):
+    """--delta FRACTION: one summary line with the delta time next to the dense one and the wire
+    fraction, a sender's kept copy against its GPU, each server's receiver; --detail: every fp8
+    strategy's delta row; --json: the same figures (summary.delta, each strategy's delta)."""
+    argv = [*DEPLOYMENT, "--delta", "0.0012"]
+    flat = _flat(_plan_text(capsys, argv))
+    assert (
+        "delta update (model prediction; 0.12 % of the e4m3 bytes changed, scales 100 %, passthrough "
+        "entries dense): 0.075 s against 1.98 s dense (fp8 many senders), 1.73 % of the dense bytes" in flat
+    )
+    kept = (
+        r"a sender keeps what it last sent: 21\.97 GiB on the GPU; on its GPU [\d.]+ GiB with the "
+        r"transient peak, \+ 86\.4 GiB of master shards = [\d.]+ GiB: fits 139 GiB"
+    )
+    assert re.search(kept, flat), flat
+    assert "server ranks' receiver in a delta update: server 0 0.89 GiB (dense 3.07)" in flat
+    detail = _plan_text(capsys, [*argv, "--detail"])
+    row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.075\s+1\.98\s+21\.97\s+[\d.]+$"
+    assert re.search(row, detail, re.M), detail
+    assert "fp8 many senders: 1.01 x conversion 74.1 ms + fill 0.6 ms = 0.075 s" in detail
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    d, many = got["summary"]["delta"], got["update"]["strategies"][-1]
+    assert (d["fraction"], d["kept"], d["scales_changed"], d["passthrough"]) == (0.0012, "gpu", 1.0, None)
+    assert d["seconds"] == many["delta"]["seconds"] and d["dense_seconds"] == many["seconds"]
+    assert d["sender_kept_bytes"] == many["delta"]["kept"] and d["fits"]
+    assert got["update"]["strategies"][0]["delta"] is None  # bf16 broadcast: no delta
+    assert main([*DEPLOYMENT, "--json"]) == 0  # without --delta: none
+    assert json.loads(capsys.readouterr().out)["summary"]["delta"] is None
+    # kept in host memory (a small deployment): 2 layers of it staged on the GPU, its copies timed
+    host = _flat(_plan_text(capsys, ["plan", "--model", "qwen3-moe", "--trainer-gpus", "2", "--engine-tp",
+                                     "2", "--delta", "0.01", "--delta-kept", "host"]))  # fmt: skip
+    assert re.search(r"GiB in pinned host memory, [\d.]+ GiB of it staged on the GPU", host), host
+    assert re.search(r"1\.01 x host copy [\d.]+ GB / 55\.3 GB/s", host), host
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--delta", "1.5", "--trainer-gpus", "8"],
+         "--delta: expected a fraction in [0, 1] (0.0012 for 0.12 %), got 1.5"),
+        (["--delta", "-0.1", "--trainer-gpus", "8"], "--delta: expected a fraction in [0, 1]"),
+        (["--delta", "0.12%", "--trainer-gpus", "8"],
+         "--delta: expected a fraction in [0, 1] (0.0012 for 0.12 %), got '0.12%'"),
+        (["--delta", "nan", "--trainer-gpus", "8"], "--delta: expected a fraction in [0, 1]"),
+        (["--delta", "0.01"],
+         "--delta: a delta update is predicted for a deployment and needs --trainer-gpus N"),
+        (["--trainer-gpus", "8", "--delta-kept", "host"],
+         "--delta-kept: describes a delta update and needs --delta FRACTION"),
+        (["--trainer-gpus", "8", "--delta-scales", "0"],
+         "--delta-scales: describes a delta update and needs"),
+        (["--trainer-gpus", "8", "--delta", "0.01", "--delta-scales", "2"],
+         "--delta-scales: expected a fraction"),
+        (["--trainer-gpus", "8", "--delta", "0.01", "--delta-kept", "disk"], "--delta-kept: invalid choice"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_a_bad_delta(capsys, argv, expected):
+    assert expected in _usage_error(capsys, ["plan", *argv])

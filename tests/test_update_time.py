@@ -54,6 +54,30 @@ def test_glm5_into_four_ep8_engines_from_32_trainer_gpus():
     assert preds["bf16 broadcast"].seconds > 10 * many.seconds
 
 
+def test_group_broadcasts_where_the_senders_nics_bound_the_update():
+    """GLM-5 from 8 trainer GPUs into 4 servers of EP 8 at 400 Gb/s (model predictions): point to
+    point each sender would send its share to each server, 361.71 GiB over its NIC, 7.85 s; the
+    transfer plan sends each (sender, class of 4 ranks, one per server) segment as one group
+    broadcast instead (glm_fp8.transfer.topology), 90.43 GiB, so the update takes about what an
+    engine rank receives (90.28 GiB): 1.96 s, the same as from 32 trainer GPUs (1.98 s)."""
+    from glm_fp8.update_time import many_senders_plan
+
+    fleet = Fleet(8, servers=[Server(8, ep=True, replicas=4)])
+    tp = many_senders_plan(GLM5, fleet)
+    p2p = dataclasses.replace(tp, layers=tuple(
+        dataclasses.replace(lay, segments=tuple(dataclasses.replace(s, group=None) for s in lay.segments))
+        for lay in tp.layers
+    ))  # fmt: skip
+    before, after = (predict(GLM5, fleet, transfer=plan)[-1] for plan in (p2p, None))
+    assert (before.strategy, after.strategy) == ("fp8 many senders",) * 2
+    assert round(before.sent / GIB, 2) == 361.71 and round(before.seconds, 2) == 7.85
+    assert round(after.sent / GIB, 2) == 90.43 and round(after.seconds, 2) == 1.96
+    assert max(after.sender_bytes) == after.sent and min(after.sender_bytes) > 0.99 * after.sent
+    assert before.received == after.received and round(after.received / GIB, 2) == 90.28
+    assert after.seconds == pytest.approx(PIPELINE_FACTOR * max(after.sent, after.received) / 50e9, abs=3e-3)
+    assert all(s.group for lay in tp.layers for s in lay.segments)  # every class: one rank per server
+
+
 def test_every_figure_is_its_arithmetic():
     fleet = Fleet(trainer_gpus=16, engines=2, engine_tp=4, engine_dp=2, engine_ep=True, link_gbps=200)
     for p in predict(GLM5, fleet):
@@ -189,7 +213,9 @@ def test_prime_rl_glm52_fleet(capsys):
     its arithmetic: the broadcast sends each layer once to all 128 server ranks; scatter sends each
     distinct region once (the replicas share its broadcast: one replica of each server has every
     region); a server's busiest rank receives its region; many senders are bound by their busiest
-    NIC. auto picks many senders: 1.40 s (fp32 masters)."""
+    NIC (64.67 GiB against a decode rank's 42.73 GiB: group broadcasts would cut it to 20.33 GiB,
+    0.93 s, but need up to 256 communicators on a decode rank, past MAX_GROUPS_PER_RANK, so every
+    segment goes point to point). auto picks many senders: 1.40 s (fp32 masters)."""
     assert main(["plan", "--fleet", "prime-rl-glm-5.2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     fleet = fleet_preset("prime-rl-glm-5.2")
@@ -236,3 +262,157 @@ def test_prime_rl_glm52_fleet(capsys):
         and f"decode {gib:.2f} GiB" in flat
     )
     assert f"to {many['sent'] / GIB:.2f} GiB (rank" in flat
+
+
+# --- Delta updates (issue #33): only the changed fp8 bytes and scales travel -----------------------
+# Model predictions (docs/update_time.md#delta-updates); the changed fractions are issue #33's
+# measured median steps. TINY_GLM5 for the arithmetic (milliseconds), GLM-5 for the target case.
+
+
+def _delta_fleet() -> Fleet:
+    return Fleet(4, servers=[Server(2, ep=True), Server(1, dp=2, ep=True, name="b")])
+
+
+def test_delta_entry_bytes_by_hand():
+    """One quantized entry [2, 200, 300]: 2 x 2 x 3 = 12 blocks of 128x128 (partial at the edges),
+    120000 e4m3 bytes; per block a 4-byte count, per change 3 bytes, per changed scale 8."""
+    from glm_fp8.update_delta import Delta, blocks, entry_bytes, piece_bytes
+
+    shape = (2, 200, 300)
+    assert blocks(shape) == 12
+    assert entry_bytes(shape, Delta(0.01)) == pytest.approx(4 * 12 + 3 * 0.01 * 120000 + 8 * 12)  # 3744
+    assert entry_bytes(shape, Delta(0.01, scales_changed=0.5)) == pytest.approx(48 + 3600 + 48)
+    # the entry's two plan entries (e4m3 bytes, float32 scales) add up to the same
+    fp8 = piece_bytes("quantize", torch.float8_e4m3fn, shape, 120000, Delta(0.01))
+    scale = piece_bytes("scale", torch.float32, (2, 2, 3), 48, Delta(0.01))
+    assert fp8 + scale == pytest.approx(3744)
+    # nothing changed: the counts and the changed scales only
+    assert entry_bytes(shape, Delta(0.0)) == 4 * 12 + 8 * 12
+    assert entry_bytes(shape, Delta(0.0, scales_changed=0)) == 4 * 12
+    # 3n > v: every block dense, no more than its bytes (at exactly a third both cost v)
+    for f in (1 / 3, 0.5, 1.0):
+        assert entry_bytes(shape, Delta(f, scales_changed=0)) == pytest.approx(120000 + 4 * 12)
+    # a passthrough entry: dense, or compare_bytes' blocks over its bytes ([4, 64] bf16: 1 x 1 block)
+    assert piece_bytes("copy", torch.bfloat16, (4, 64), 512, Delta(0.5)) == 512
+    assert piece_bytes("copy", torch.bfloat16, (4, 64), 512, Delta(0.5, passthrough=0.1)) == pytest.approx(
+        4 + 0.3 * 512
+    )
+
+
+def test_delta_at_a_third_is_dense_and_nothing_changed_is_counts_and_scales():
+    """Over a whole update (every fp8 strategy, a fleet of two layouts): at fraction >= 1/3 with
+    no scale changed the delta is the dense update byte for byte (the counts take the float32
+    scales' place); each changed scale adds its 8-byte pair; nothing changed leaves the counts,
+    the scale pairs and the passthrough entries."""
+    from glm_fp8.models import REST, model_layer_ids
+    from glm_fp8.plan import plans_for_model
+    from glm_fp8.presets import TINY_GLM5
+    from glm_fp8.update_delta import Delta
+
+    plans = plans_for_model(TINY_GLM5, "fp8", layer_ids=[*model_layer_ids(TINY_GLM5), REST])
+    fp8 = sum(e.nbytes for p in plans for e in p.entries if e.dtype == torch.float8_e4m3fn)
+    scales = sum(e.nbytes // 4 for p in plans for e in p.entries if e.op == "scale")  # one a block
+    fleet = _delta_fleet()
+    same = predict(TINY_GLM5, fleet, delta=Delta(0.5, scales_changed=0))
+    assert [p.delta is None for p in same] == [True, False, False, False]  # bf16 broadcast: none
+    for p in same[1:]:
+        d = p.delta
+        assert (d.sent, d.sender_bytes, d.wire_fraction) == (p.sent, p.sender_bytes, 1.0), p.strategy
+        # what an engine rank receives: its segments as sent (many senders' dense figure counts
+        # its buffer's alignment between segments too)
+        assert all(x.received <= y.received for x, y in zip(d.servers, p.servers)), p.strategy
+        assert d.received > 0.99 * p.received
+    assert [x.received for x in same[1].delta.servers] == [x.received for x in same[1].servers]
+    bc = predict(TINY_GLM5, fleet, delta=Delta(1.0, scales_changed=1))[1]
+    assert bc.delta.sent == bc.sent + 8 * scales  # the full broadcast carries every block once
+    none = predict(TINY_GLM5, fleet, delta=Delta(0.0, scales_changed=0))[1]
+    assert none.delta.sent == none.sent - fp8  # counts (= the scales' bytes) + passthrough, dense
+
+
+def test_delta_kept_copy_is_the_senders_share():
+    """A sender keeps the fp8 bytes and scales of what it sends: the whole update for one sender,
+    its own converted share for each of many senders (their sum: every entry once, the
+    passthrough entries left out); in host memory 2 layers of it are staged on the GPU, and its
+    copy in and out is a term of the time."""
+    from glm_fp8.models import REST, model_layer_ids
+    from glm_fp8.plan import plans_for_model
+    from glm_fp8.presets import TINY_GLM5
+    from glm_fp8.update_delta import HOST_COPY_BYTES_PER_S, Delta
+    from glm_fp8.update_time import many_senders_plan
+
+    plans = plans_for_model(TINY_GLM5, "fp8", layer_ids=[*model_layer_ids(TINY_GLM5), REST])
+    kept = lambda entries: sum(e.nbytes for e in entries if e.dtype == torch.float8_e4m3fn or e.op == "scale")
+    fleet = _delta_fleet()
+    gpu, host = (predict(TINY_GLM5, fleet, delta=Delta(0.01, kept=k)) for k in ("gpu", "host"))
+    assert gpu[1].delta.kept == gpu[2].delta.kept == kept(e for p in plans for e in p.entries)
+    tp = many_senders_plan(TINY_GLM5, fleet)
+    shares = [kept(e for lay in tp.layers for e in lay.local_plans[t].entries) for t in range(4)]
+    assert gpu[3].delta.kept == max(shares) and sum(shares) == gpu[1].delta.kept
+    for g, h in zip(gpu[1:], host[1:]):
+        assert g.delta.staging == 0 and h.delta.kept == g.delta.kept
+        assert h.delta.sender_peak == g.delta.sender_peak + h.delta.staging > g.delta.sender_peak
+        assert h.delta.seconds >= PIPELINE_FACTOR * h.delta.kept / HOST_COPY_BYTES_PER_S
+    layer = max(kept(lay.local_plans[t].entries) for t in range(4) for lay in tp.layers)
+    assert host[3].delta.staging == 2 * layer
+
+
+def test_glm5_delta_update_32_into_four_ep8():
+    """Issue #33's target, model predictions: a whole GLM-5 delta update from 32 trainer GPUs into
+    4 x EP 8 at 400 Gb/s (fp32 masters, every fp32 scale changed, passthrough entries dense, kept
+    on the GPU), at the measured median fractions 0.12 %, 0.31 %, 0.90 %: the dense update stays
+    1.98 s; the delta is bound by the sender's conversion of its share (74 ms at the measured
+    launch-bound rate per layer) up to 0.31 %, by its NIC at 0.90 %. Each sender keeps 21.97 GiB
+    (the issue's ~22 GiB); in host memory its copy in and out takes 0.43 s. An engine rank's ring
+    holds delta buffers: 0.89 GiB against 3.07 GiB dense."""
+    from glm_fp8.update_delta import Delta
+    from glm_fp8.update_time import many_senders_plan
+
+    fleet = fleet_preset("glm-5-4xep8")
+    tp = many_senders_plan(GLM5, fleet)
+    got = {}
+    for f in (0.0012, 0.0031, 0.009):
+        p = predict(GLM5, fleet, transfer=tp, delta=Delta(f))[-1]
+        assert p.strategy == "fp8 many senders" and round(p.seconds, 2) == 1.98
+        got[f] = p.delta
+    assert [round(d.seconds, 3) for d in got.values()] == [0.075, 0.075, 0.082]
+    assert [round(100 * d.wire_fraction, 2) for d in got.values()] == [1.73, 2.29, 4.04]
+    assert "conversion 74.1 ms" in got[0.0012].arithmetic
+    assert "sent 4.032 GB / 50.0 GB/s" in got[0.009].arithmetic
+    assert got[0.0012].gathered == p.gathered  # a sender still gathers what it owns
+    assert round(got[0.0012].kept / GIB, 2) == 21.97 and got[0.0012].staging == 0
+    assert [round(x.extra / GIB, 2) for x in got[0.0012].servers] == [0.89]
+    assert [round(x.extra / GIB, 2) for x in p.servers] == [3.07]
+    host = predict(GLM5, fleet, transfer=tp, delta=Delta(0.0012, kept="host"))[-1].delta
+    assert round(host.seconds, 2) == 0.43 and "host copy" in host.arithmetic
+    # the passthrough entries (embeddings, heads, router, norms) dense are most of the delta's bytes
+    none = predict(GLM5, fleet, transfer=tp, delta=Delta(0.0012, passthrough=0.0))[-1].delta
+    assert round(100 * none.wire_fraction, 2) == 0.43
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"fraction": -0.1}, r"Delta.fraction: expected a number in \[0, 1\] \(a fraction: 0.0012 for 0.12"),
+        ({"fraction": 1.5}, r"Delta.fraction: expected a number in \[0, 1\]"),
+        ({"fraction": float("nan")}, r"Delta.fraction: expected a number in \[0, 1\]"),
+        ({"fraction": True}, r"Delta.fraction: expected a number in \[0, 1\]"),
+        ({"fraction": 0.1, "scales_changed": 2}, r"Delta.scales_changed: expected a number in \[0, 1\]"),
+        ({"fraction": 0.1, "passthrough": -1}, r"Delta.passthrough: expected a number in \[0, 1\]"),
+        ({"fraction": 0.1, "kept": "disk"}, r"Delta.kept: expected 'gpu' or 'host', got 'disk'"),
+    ],
+)
+def test_bad_delta_is_refused(kwargs, match):
+    from glm_fp8.update_delta import Delta
+
+    with pytest.raises(ValueError, match=match):
+        Delta(**kwargs)
+
+
+def test_plan_report_refuses_a_bad_delta():
+    from glm_fp8.planning import PlanArgumentError, PlanRequest, plan_report
+
+    with pytest.raises(PlanArgumentError, match=r"^delta: expected a number in \[0, 1\]") as exc:
+        plan_report(GLM5, PlanRequest(trainer_gpus=8), delta=2.0)
+    assert exc.value.argument == "delta"
+    with pytest.raises(PlanArgumentError, match="^delta: needs trainer_gpus"):
+        plan_report(GLM5, PlanRequest(), delta=0.01)

@@ -140,9 +140,7 @@ def measure(args, master: torch.dtype, t: int) -> list:
     link = Recorder(src, size)
     sender = Sender(link, src, **kw)
     lay0 = sender.routes.layers[0]  # keep the prelude, the manifest, layer 0's header and messages
-    link.keep_first = 3 + sum(
-        1 if lay0.groups[s.cls] else len(lay0.classes[s.cls]) for s in lay0.of_sender(sender.me)
-    )
+    link.keep_first = 3 + sum(lay0.messages(s) for s in lay0.of_sender(sender.me))
     sender.send_model(stream())  # warm-up (compiles); keeps layer 0's messages for the check
     checked, differ = _check_first_layer(sender, link.kept, layer) if args.check else (0, 0)
     link.kept, link.keep_first = [], 0

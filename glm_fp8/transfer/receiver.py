@@ -245,17 +245,17 @@ class Receiver(Endpoint):
 
     def _receive_segments(self, pos: int) -> torch.Tensor | None:
         """Receive this rank's segments of the layer at ``pos`` into its ring slot, in the order
-        the senders send them: the group broadcasts of its classes in class order, then one
-        exchange for the point-to-point ones; a device boolean, set when a checksum differs (None:
-        nothing checked)."""
-        lay, segments = self.routes.layers[pos], self._mine[pos]
+        every rank posts them (``glm_fp8.transfer.routes``, "Order"): the group broadcasts of its
+        classes in class order, each class's in sender order, then one exchange for the
+        point-to-point ones; a device boolean, set when a checksum differs (None: nothing checked)."""
+        segments = self._mine[pos]
         buf, slot = self.ring.slot(pos)
         self.ring.wait_free(slot, self.link_stream)  # the consumer's copies out of its last layer
         recvs = []
         for s in segments:
             data = buf[s.recv_offset : s.recv_offset + s.nbytes]
-            if lay.groups[s.cls] is not None:  # one sender: every rank of the group takes part in order
-                self.link.group_broadcast(data, self.senders[s.sender], lay.groups[s.cls])
+            if s.group is not None:
+                self.link.group_broadcast(data, self.senders[s.sender], s.group)
             else:
                 recvs.append((data, self.senders[s.sender]))
         self.link.exchange([], recvs)

@@ -11,23 +11,30 @@ each layer of an update to which engine ranks. Every mode is one such plan:
   whole region is equal form a class.
 
 Per layer, each sender sends each class at most one **segment**: the pieces it has of the
-class's pack, one after another at multiples of 256 bytes, then a checksum word. A class of
-several ranks served by a single sender gets one broadcast in the group of that sender and the
-class (where the link can make groups, or on the link itself when the class is every other
-rank); every other segment goes point to point to each rank of its class. A single sender's
-segment that is its whole converted layer, as the plan lays it out (the full broadcast), is
-**direct**: sent from the conversion buffer, never packed. An engine rank may be in several
-classes: its layer buffer holds the segments of its classes side by side, in class order then
-sender order (``LayerRoutes.of_rank``); a sender's send buffer holds its packed segments side by
-side, in class order (the broadcast classes first). The plan is computed once per update
-configuration, identically on every rank, and agreed on at the manifest vote.
+class's pack, one after another at multiples of 256 bytes, then a checksum word. It goes as one
+broadcast in its ``group`` (its sender's and its class's link ranks), else point to point to each
+rank of its class (``glm_fp8.transfer.topology`` chooses: one sender, a group per class of several
+ranks where the link makes groups; many senders, a group per (sender, class) only where the
+senders' NICs bound the update, ``sender_groups_pay``). A single sender's segment that is its
+whole converted layer, as the plan lays it out (the full broadcast), is **direct**: sent from the
+conversion buffer, never packed. An engine rank may be in several classes: its layer buffer holds
+the segments of its classes side by side, in class order then sender order
+(``LayerRoutes.of_rank``); a sender's send buffer holds its packed segments side by side, in
+class order (the broadcast classes first). The plan is computed once per update configuration,
+identically on every rank, and agreed on at the manifest vote.
+
+**Order**, so that no rank waits on a group whose other members wait elsewhere: per layer, every
+rank posts its group broadcasts first, then one exchange of its point-to-point segments. A sender
+posts its segments in class order; an engine rank its classes in order and, within a class, the
+senders in order. So every rank's group broadcasts follow one total order, (layer, class,
+sender), each group broadcast at one place in it: the earliest one not done always has all its
+members at it. An exchange follows every group broadcast of its layer on every rank.
 
 Several servers on one link (``engines`` lists every server's ranks): the full broadcast is one
-broadcast of each layer on the link whatever the servers' layouts; scatter sends each distinct
-piece once per holder set (on a link that makes groups), so attention, shared experts and dense
-layers that ranks of several servers hold alike travel once, the routed experts once per expert
-cut; many senders send every segment point to point, to every rank of its class. A sender
-converts each layer once (its share, with many senders), however many servers there are.
+broadcast of each layer on the link; scatter sends each distinct piece once per holder set, so
+what ranks of several servers hold alike travels once; many senders send a segment once per rank
+of its class, or once to the ranks of several servers that hold the same region where groups pay.
+A sender converts each layer once (its share, with many senders), however many servers there are.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from glm_fp8.kernels.checksum import checksum_rows
 from glm_fp8.plan import LayerPlan, align, layer_prefix
 from glm_fp8.transfer.owners import divide, sender_pieces, sender_plan
 from glm_fp8.transfer.pack import FULL, ShardPack, check_engines, layer_scatter, layout_words
+from glm_fp8.transfer.topology import GROUP_MIN_GAIN, class_groups, sender_groups_pay
 from glm_fp8.transfer.wire import CHECKSUM_BYTES
 
 
@@ -52,28 +60,30 @@ class Segment(ShardPack):
     layer: a ``ShardPack`` of the pieces it has of the class's region (a split entry's pieces name
     their ``rows``), then the checksum word. It lies at ``send_offset`` in the sender's send
     buffer (``direct``: in its conversion buffer, at 0) and at ``recv_offset`` in each receiving
-    rank's layer buffer (``LayerRoutes.of_rank``: where a rank in several classes puts it)."""
+    rank's layer buffer (``LayerRoutes.of_rank``: where a rank in several classes puts it). It
+    travels as one broadcast in ``group`` (sorted link ranks: its sender's and its class's, or
+    every rank of the link), or, ``group`` None, point to point to each rank of its class."""
 
     sender: int = 0
     cls: int = 0
     send_offset: int = 0
     recv_offset: int = 0
     direct: bool = False
+    group: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class LayerRoutes:
     """One layer's routes: ``classes`` (link ranks that receive the same bytes; a rank may be in
-    several), ``groups`` (per class, the sorted link ranks of its single sender's broadcast; None:
-    point to point), ``segments`` (by class, then sender), ``splits`` (each split entry, by
-    prefixed name: every sender's rows), ``owners`` (every other entry: the sender that gathers,
-    converts and sends it), ``local_plans`` (per sender: the part of the layer it converts,
-    possibly nothing), the bytes of each sender's send buffer and of each class's segments side by
-    side (``recv_nbytes``; a rank's buffer holds those of all its classes: ``rank_nbytes``)."""
+    several), ``segments`` (by class, then sender; how each travels: ``Segment.group``), ``splits``
+    (each split entry, by prefixed name: every sender's rows), ``owners`` (every other entry: the
+    sender that gathers, converts and sends it), ``local_plans`` (per sender: the part of the
+    layer it converts, possibly nothing), the bytes of each sender's send buffer and of each
+    class's segments side by side (``recv_nbytes``; a rank's buffer holds those of all its
+    classes: ``rank_nbytes``)."""
 
     layer_idx: int
     classes: tuple[tuple[int, ...], ...]
-    groups: tuple[tuple[int, ...] | None, ...]
     segments: tuple[Segment, ...]
     splits: dict[str, tuple[tuple[int, int], ...]]
     owners: dict[str, int]
@@ -106,12 +116,14 @@ class LayerRoutes:
         """Where sender ``t``'s rows of each split entry begin (``ShardPack.pack_into``)."""
         return {name: bounds[t][0] for name, bounds in self.splits.items()}
 
+    def messages(self, s: Segment) -> int:
+        """The messages segment ``s`` takes: one group broadcast, else one per rank of its class."""
+        return 1 if s.group is not None else len(self.classes[s.cls])
+
     def sent_nbytes(self, t: int) -> int:
         """Bytes sender ``t`` puts on the link for this layer: a point-to-point segment once per
         rank of its class, a group broadcast once."""
-        return sum(
-            s.nbytes * (1 if self.groups[s.cls] else len(self.classes[s.cls])) for s in self.of_sender(t)
-        )
+        return sum(s.nbytes * self.messages(s) for s in self.of_sender(t))
 
     @property
     def wire_nbytes(self) -> int:
@@ -135,9 +147,9 @@ class TransferPlan:
         return next(k for k, ranks in enumerate(self.layers[pos].classes) if rank in ranks)
 
     def groups(self) -> list[tuple[int, ...]]:
-        """The groups of link ranks the update needs, in a fixed order: every class broadcast's,
-        then the senders' own (their vote before gathers, with several senders)."""
-        out = list(dict.fromkeys(g for lay in self.layers for g in lay.groups if g is not None))
+        """The groups of link ranks the update needs, in a fixed order: every group broadcast's (by
+        layer, class, sender), then the senders' own (their vote before gathers, with several)."""
+        out = list(dict.fromkeys(s.group for lay in self.layers for s in lay.segments if s.group is not None))
         if len(self.senders) > 1:
             out.append(tuple(sorted(self.senders)))
         return out
@@ -145,7 +157,11 @@ class TransferPlan:
     def sent_bytes(self) -> list[int]:
         """Bytes each sender sends in a whole update (a point-to-point segment once per rank of its
         class, a group broadcast once)."""
-        return [sum(lay.sent_nbytes(t) for lay in self.layers) for t in range(len(self.senders))]
+        out = [0] * len(self.senders)
+        for lay in self.layers:  # one pass: plans of many senders hold thousands of segments a layer
+            for s in lay.segments:
+                out[s.sender] += s.nbytes * lay.messages(s)
+        return out
 
     def received_bytes(self) -> dict[int, int]:
         """Bytes each engine rank (link rank) receives in a whole update."""
@@ -199,10 +215,7 @@ class TransferPlan:
 
     def messages_per_layer(self) -> int:
         """The most messages one layer takes (a group broadcast is one)."""
-        return max(
-            sum(1 if lay.groups[s.cls] else len(lay.classes[s.cls]) for s in lay.segments)
-            for lay in self.layers
-        )
+        return max(sum(lay.messages(s) for s in lay.segments) for lay in self.layers)
 
     def manifest(self) -> dict:
         return {
@@ -211,13 +224,7 @@ class TransferPlan:
             "bounds": [list(b) for b in self.bounds],
             "layers": [
                 [
-                    [
-                        s.sender,
-                        list(lay.classes[s.cls]),
-                        s.nbytes,
-                        lay.groups[s.cls] and list(lay.groups[s.cls]),
-                        s.direct,
-                    ]
+                    [s.sender, list(lay.classes[s.cls]), s.nbytes, s.group and list(s.group), s.direct]
                     for s in lay.segments
                 ]
                 for lay in self.layers
@@ -245,7 +252,8 @@ def transfer_plan(
     ``senders`` (link ranks) into ``engines`` (one entry per link rank, see
     ``glm_fp8.transfer.pack.check_engines``; ``config`` is needed when some are ``EngineLayout``).
     ``groups``: the link can make groups, so a single sender broadcasts once to a class of several
-    ranks. Raises ValueError for a plan the senders cannot carry out, or where vLLM would refuse an
+    ranks, and many senders each once to each such class where ``sender_groups_pay`` says so.
+    Raises ValueError for a plan the senders cannot carry out, or where vLLM would refuse an
     engine layout."""
     senders, engines = tuple(int(s) for s in senders), tuple(engines)
     check_engines(engines, senders)
@@ -267,14 +275,8 @@ def transfer_plan(
     layers = []
     for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
         scatter, split, prefix = scatters[pos], splits[pos], layer_prefix(layer_idx)
-        # One sender broadcasts to a class of several ranks (in the group of it and the class), and
-        # to a class that is every other rank of the link (the link itself, which any link can do).
-        cls_groups = tuple(
-            tuple(sorted((senders[0], *ranks)))
-            if n == 1 and ((groups and len(ranks) > 1) or len(ranks) + 1 == len(engines))
-            else None
-            for ranks in scatter.classes
-        )
+        # many senders: point to point here, then ``_sender_groups``
+        cls_groups = class_groups(senders[0], scatter.classes, len(engines), groups) if n == 1 else None
         segments, recv_nbytes = [], []
         for k, pack in enumerate(scatter.packs):
             recv = 0
@@ -293,6 +295,7 @@ def transfer_plan(
                             cls=k,
                             recv_offset=recv,
                             direct=direct,
+                            group=cls_groups and cls_groups[k],
                         )
                     )
                     recv = align(recv + off + CHECKSUM_BYTES)
@@ -316,7 +319,6 @@ def transfer_plan(
             LayerRoutes(
                 layer_idx,
                 scatter.classes,
-                cls_groups,
                 tuple(placed),
                 split,
                 owners[pos],
@@ -325,7 +327,29 @@ def transfer_plan(
                 tuple(recv_nbytes),
             )
         )
-    return TransferPlan(senders, engines, bounds, tuple(layers))
+    tp = TransferPlan(senders, engines, bounds, tuple(layers))
+    return _sender_groups(tp) if n > 1 and groups else tp
+
+
+def _sender_groups(tp: TransferPlan) -> TransferPlan:
+    """``tp`` (many senders, every segment point to point) with a group broadcast per (sender,
+    class of several ranks), where ``sender_groups_pay`` says so."""
+    once = [0] * len(tp.senders)
+    for lay in tp.layers:
+        for s in lay.segments:
+            once[s.sender] += s.nbytes
+
+    def grouped(lay: LayerRoutes, s: Segment) -> Segment:
+        group = tuple(sorted((tp.senders[s.sender], *lay.classes[s.cls])))
+        return dataclasses.replace(s, group=group) if len(group) > 2 else s  # a class of several ranks
+
+    layers = [
+        dataclasses.replace(lay, segments=tuple(grouped(lay, s) for s in lay.segments)) for lay in tp.layers
+    ]
+    made = {s.group for lay in layers for s in lay.segments if s.group is not None}
+    if not sender_groups_pay(tp.sent_bytes(), once, tp.received_bytes().values(), made):
+        return tp
+    return dataclasses.replace(tp, layers=tuple(layers))
 
 
 def _is_plan_layout(pack: ShardPack, plan: LayerPlan) -> bool:
@@ -359,18 +383,18 @@ def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
     order = sorted(range(len(tp.senders)), key=lambda t: (-sent[t], t))[:top]
     for t in order:
         owned = sum(1 for lay in tp.layers for o in lay.owners.values() if o == t)
-        msgs = sum(
-            1 if lay.groups[s.cls] else len(lay.classes[s.cls]) for lay in tp.layers for s in lay.of_sender(t)
-        )
+        msgs = sum(lay.messages(s) for lay in tp.layers for s in lay.of_sender(t))
         local, send = tp.sender_buffers(t)
         lo, hi = tp.bounds[t] if tp.bounds else (0, 0)
         yield [tp.senders[t], f"{lo}..{hi - 1}" if hi > lo else "-", owned, sent[t], msgs, local, send]
 
 
 __all__ = [
+    "GROUP_MIN_GAIN",
     "LayerRoutes",
     "Segment",
     "TransferPlan",
     "describe",
+    "sender_groups_pay",
     "transfer_plan",
 ]

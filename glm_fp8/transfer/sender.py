@@ -345,9 +345,8 @@ class Sender(Endpoint):
         sends = []
         for s in lay.of_sender(self.me):
             data = conv[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes]
-            group = lay.groups[s.cls]
-            if group is not None:
-                self.link.group_broadcast(data, self.rank, group)
+            if s.group is not None:  # in class order, before the exchange: routes' order, on every rank
+                self.link.group_broadcast(data, self.rank, s.group)
             else:
                 sends += [(data, r) for r in lay.classes[s.cls]]
         self.link.exchange(sends, [])

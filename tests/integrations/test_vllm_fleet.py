@@ -11,8 +11,9 @@ Invariants:
   link (the remaining server re-runs its init); the next update lands every byte on every member,
   the new server included.
 - A server that dies in the middle of an update: every trainer rank raises within seconds, naming
-  the server and what to call (``remove_server``); after ``remove_server`` the next update lands
-  on the remaining server.
+  the server and what to call (``remove_server``), with many senders and with one (the rank off
+  the link learns it from rank 0's outcome); after ``remove_server`` the next update lands on the
+  remaining server.
 
 No vLLM: the workers are ``WorkerSide`` over stand-in modules with vLLM's names (test_vllm_worker.py),
 each server's driven through its own ``QueueClient``, as ``collective_rpc`` would.
@@ -22,6 +23,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 from test_vllm_backend import NO_MTP, QueueClient, _expected, _layouts, _serve
 
@@ -206,7 +208,7 @@ def test_three_servers_of_three_layouts_get_every_byte_in_every_mode():
 # --- membership: a server dies mid-update, is removed, a new one is added ------------------------
 
 
-def _membership_rank(rank, world, trainers, boxes):
+def _membership_rank(rank, world, trainers, boxes, mode):
     from glm_fp8.integrations.vllm.clients import VllmServer
 
     if rank >= trainers:
@@ -214,7 +216,7 @@ def _membership_rank(rank, world, trainers, boxes):
     a, b, c = boxes[0:2], boxes[2:4], boxes[4:6]
     out = []
     try:
-        side = _trainer_side(rank, trainers, _port(rank, "senders"), "senders", [("a", 2), ("b", 2)],
+        side = _trainer_side(rank, trainers, _port(rank, mode), mode, [("a", 2), ("b", 2)],
                              [QueueClient(a), QueueClient(b)])  # fmt: skip
         for step in range(4):
             if step == 2:
@@ -239,34 +241,44 @@ def _membership_rank(rank, world, trainers, boxes):
             _stop(boxes)
 
 
-def test_a_server_dies_mid_update_is_removed_and_a_new_one_is_added():
-    """Servers a (TP 2) and b (EP 2), two trainer ranks sending their own experts. Update 1 lands
-    on both; b's workers die in the middle of update 2: both trainer ranks raise within seconds,
-    naming b and remove_server; ``remove_server("b")``: update 3 lands on a alone (its workers at
-    the same link ranks, on a rebuilt link); ``add_server(c)`` (TP 2): update 4 lands on a and c."""
+@pytest.mark.parametrize("mode", ["senders", "broadcast"])
+def test_a_server_dies_mid_update_is_removed_and_a_new_one_is_added(mode):
+    """Servers a (TP 2) and b (EP 2), two trainer ranks: both sending their own experts, or rank 0
+    alone (rank 1 off the link, waiting for rank 0's outcome of each update). Update 1 lands on
+    both; b's workers die in the middle of update 2: both trainer ranks raise within seconds,
+    naming b and remove_server, and refuse the next update; ``remove_server("b")``: update 3
+    lands on a alone (its workers at the same link ranks, on a rebuilt link); ``add_server(c)``
+    (TP 2): update 4 lands on a and c."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     trainers, workers = 2, len(_workers(MEMBERSHIP_FLEET))
+    senders = trainers if mode == "senders" else 1
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(workers)]
-    results = launch(trainers + workers, _membership_rank, (trainers, boxes), timeout_s=120)
+    results = launch(trainers + workers, _membership_rank, (trainers, boxes, mode), timeout_s=120)
     for t in range(trainers):
         status, out = results[t]
         assert status == "ok", (t, status, out)
         (s1, *_), (kind, text, seconds), refused, third, fourth = out
-        assert s1 == "ok" and third == ("ok", ["a"], 4) and fourth == ("ok", ["a", "c"], 6), out
+        assert (
+            s1 == "ok" and third == ("ok", ["a"], senders + 2) and fourth == ("ok", ["a", "c"], senders + 4)
+        ), out
         assert kind == "UpdateAborted" and seconds < 10, (t, kind, seconds, text)
         assert "server 'b' #1" in text and "died" in text and "engine.remove_server('b')" in text, (t, text)
         assert refused[0] == "refused" and "broke the link" in refused[1], refused
     for r in (4, 5):  # b's workers died
         assert results[r][0].startswith("exit"), results[r]
+    link = [r - trainers + senders for r in range(trainers + workers)]  # each worker's link rank
     for r in (2, 3):  # a: updates 1, 3 and 4 landed whole (2 failed: no finish)
         status, out = results[r]
-        assert status == "ok" and [rank for rank, *_ in out["checks"]] == [r, r, r], (r, out)
+        assert status == "ok" and [rank for rank, *_ in out["checks"]] == [link[r]] * 3, (r, out)
         assert all(bad == [] for _, bad, _ in out["checks"]), (r, out)
     for r in (6, 7):  # c: update 4, after a's workers
         status, out = results[r]
-        assert status == "ok" and [(rank, bad) for rank, bad, _ in out["checks"]] == [(r - 2, [])], (r, out)
+        assert status == "ok" and [(rank, bad) for rank, bad, _ in out["checks"]] == [(link[r] - 2, [])], (
+            r,
+            out,
+        )
 
 
 # --- no process needed: the fleet's init info, its draft decision per client kind, its errors -----

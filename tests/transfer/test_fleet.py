@@ -15,7 +15,13 @@ link's interface (a group broadcast once, a point-to-point message once per rece
   the 4 ranks of one TP position across A, B and C), point to point when it has one (the routed
   experts: no two ranks of these layouts hold the same expert cut, not even C's DP replicas); so
   the sender sends each layer's dense part about once, not once per layout;
-- many senders: every segment point to point, once per rank of its class.
+- many senders: a segment to a class of several ranks (ranks of several servers whose whole region
+  is equal) as one group broadcast per (sender, class), the others point to point, once per rank
+  of its class: the senders' NICs bound these updates (``glm_fp8.transfer.topology``). With A, B
+  and C the dense layer's and the non-layer tensors' classes are the 4 ranks of one TP position,
+  the sparse layer's each rank alone (group broadcasts and point-to-point messages in one
+  update); a fourth update into A, B and replicas of them, A' and B', also sends each sparse
+  layer segment once to the two ranks, of two servers, that hold the same experts.
 Each layer is converted once per sender whatever the number of servers (a single sender all of
 it, each of many senders its share), then cut into every class's region.
 
@@ -36,9 +42,9 @@ IDS = [0, 2]  # a dense layer, a sparse one; then the non-layer tensors (rest=Tr
 N_TRAINER = 2
 
 
-def _fleet():
-    """Servers A (TP 2), B (TP 2, EP 2), C (TP 2 x DP 2): the 8 engine ranks' layouts, in order,
-    and each one's server."""
+def _fleet(replicas: bool = False):
+    """Servers A (TP 2), B (TP 2, EP 2), C (TP 2 x DP 2), or with ``replicas`` A, B and replicas of
+    them in C's place, A' and B': the 8 engine ranks' layouts, in order, and each one's server."""
     from glm_fp8.engine import EngineLayout
 
     servers = {
@@ -46,6 +52,8 @@ def _fleet():
         "B": EngineLayout.all_ranks(2, 1, enable_expert_parallel=True),
         "C": EngineLayout.all_ranks(2, 2),
     }
+    if replicas:
+        servers = {"A": servers["A"], "B": servers["B"], "A'": servers["A"], "B'": servers["B"]}
     layouts = [lay for lays in servers.values() for lay in lays]
     names = [s for s, lays in servers.items() for _ in lays]
     return layouts, names
@@ -121,6 +129,7 @@ def _rank(rank, world, port, reference):
     # the reference): the eager backend converts 10x faster than Triton's CPU interpreter.
     set_default_backend("torch")
     layouts, _ = _fleet()
+    twins, _ = _fleet(replicas=True)
     mesh = DeviceMesh("cpu", torch.arange(N_TRAINER))  # every rank makes the mesh's group
     kw = dict(config=TINY_GLM5, layer_ids=IDS, rest=True, device="cpu")
     one_rank = 0 if rank == 0 else rank - 1  # link rank on the single sender's link (rank 1 is not on it)
@@ -128,6 +137,7 @@ def _rank(rank, world, port, reference):
         ("broadcast", None, [0]),
         ("scatter", [None, *layouts], [0]),
         ("many senders", [None] * N_TRAINER + layouts, list(range(N_TRAINER))),
+        ("many senders, replicas", [None] * N_TRAINER + twins, list(range(N_TRAINER))),
     ]
     store = None
     if rank != 1:
@@ -160,15 +170,15 @@ def _rank(rank, world, port, reference):
                 "converted": list(calls),
             }
         return out
-    layout = layouts[rank - N_TRAINER]
-    # What the rank must hold, by vLLM's name and dtype (as glm_fp8.testing.reference_engine_params).
-    want, params = {}, {}
-    for p in engine_params(TINY_GLM5, layout).values():
-        if p.kernel_name in reference:
-            want[p.name] = take_shard(reference[p.kernel_name], p.shard).to(p.dtype)
-            params[p.name] = torch.empty(p.shape, dtype=p.dtype)
-    assert len(want) == len(reference)  # every entry of the update lands in a parameter of this rank
     for mode, engines, senders in runs:
+        layout = (twins if mode.endswith("replicas") else layouts)[rank - N_TRAINER]
+        # What the rank must hold, by vLLM's name and dtype (as glm_fp8.testing.reference_engine_params).
+        want, params = {}, {}
+        for p in engine_params(TINY_GLM5, layout).values():
+            if p.kernel_name in reference:
+                want[p.name] = take_shard(reference[p.kernel_name], p.shard).to(p.dtype)
+                params[p.name] = torch.empty(p.shape, dtype=p.dtype)
+        assert len(want) == len(reference)  # every entry of the update lands in a parameter of this rank
         for p in params.values():
             p.view(torch.uint8).fill_(FILL)
         link = store if len(senders) == 1 else _counted(TorchLink(None))
@@ -186,7 +196,7 @@ def _predicted():
     """What each sender sends per mode, from the plan alone (what the update-time model reads):
     the full broadcast its whole layers once (``full_pack``), the scatter each class's region once
     (``layer_scatter``: group broadcasts on a link that makes groups), many senders the transfer
-    plan's point-to-point segments (``TransferPlan.sent_bytes``)."""
+    plan's segments (``TransferPlan.sent_bytes``), into A, B, C and into A, B, A', B'."""
     from glm_fp8.plan import plans_for_model
     from glm_fp8.transfer.pack import full_pack, layer_scatter
     from glm_fp8.transfer.routes import transfer_plan
@@ -196,7 +206,10 @@ def _predicted():
     plans = plans_for_model(TINY_GLM5, "fp8", layer_ids=ids)
     full = [full_pack(p, i).nbytes for p, i in zip(plans, ids)]
     scatters = [layer_scatter(p, i, TINY_GLM5, [None, *layouts]) for p, i in zip(plans, ids)]
-    many = transfer_plan(TINY_GLM5, plans, ids, [None] * N_TRAINER + layouts, range(N_TRAINER))
+    many = {
+        mode: transfer_plan(TINY_GLM5, plans, ids, [None] * N_TRAINER + lays, range(N_TRAINER))
+        for mode, lays in (("many senders", layouts), ("many senders, replicas", _fleet(replicas=True)[0]))
+    }
     # The one function for every mode: the plan's count, on a link that makes groups (StoreLink).
     for engines, want in (([None] + ["full"] * len(layouts), full), ([None, *layouts], scatters)):
         one = transfer_plan(TINY_GLM5, plans, ids, engines, [0], groups=True)
@@ -296,16 +309,39 @@ def test_three_servers_of_different_layouts_in_every_mode():
         assert results[r][1]["scatter"]["received"] == sum(mine) < sum(full)
         assert len(mine) == 2 + 3 + 2  # every rank's pieces, its TP position's; sparse: its experts too
 
-    # Many senders: the plan's segments, each point to point to every rank of its class.
-    for t in range(N_TRAINER):
-        run = sent[t]["many senders"]
-        assert run["per_layer"] == [lay.sent_nbytes(t) for lay in many.layers]
-        assert run["stats"] == many.sent_bytes()[t] > 0
-        assert {kind for kind, _, _ in run["log"]} == {"p2p"}
-    for r in range(N_TRAINER, world):  # each engine rank: its class's segments, from both senders
-        mine = [s.nbytes for lay in many.layers for k, ranks in enumerate(lay.classes) if r in ranks
-                for s in lay.of_class(k)]  # fmt: skip
-        assert results[r][1]["many senders"]["received"] == sum(mine)
+    # Many senders: the senders' NICs bound both updates (each would send its share to every rank
+    # of a class), so each (sender, class of several ranks) segment is one group broadcast in the
+    # group of that sender and that class, posted in class order, then one exchange of the
+    # segments to a class of one rank, once per rank.
+    twins, twin_servers = _fleet(replicas=True)
+    tp0, tp1 = (2, 4, 6, 8), (3, 5, 7, 9)  # link ranks 2..9 now
+    sparse = {"many senders": tuple((r,) for r in range(2, 10)),
+              "many senders, replicas": ((2, 6), (3, 7), (4, 8), (5, 9))}  # fmt: skip
+    for mode, plan in many.items():
+        assert [lay.classes for lay in plan.layers] == [(tp0, tp1), sparse[mode], (tp0, tp1)]
+        for t in range(N_TRAINER):
+            run = sent[t][mode]
+            assert run["per_layer"] == [lay.sent_nbytes(t) for lay in plan.layers]
+            assert run["stats"] == plan.sent_bytes()[t] > 0
+            want = []
+            for lay in plan.layers:
+                mine = lay.of_sender(t)
+                assert all(s.group == tuple(sorted((t, *lay.classes[s.cls]))) for s in mine if s.group)
+                want += [("group", s.group, s.nbytes) for s in mine if len(lay.classes[s.cls]) > 1]
+                want += [("p2p", lay.classes[s.cls], s.nbytes) for s in mine if len(lay.classes[s.cls]) == 1]
+            assert run["log"] == want, (t, mode, run["log"])
+            assert len(set(want)) == len(want)  # one group broadcast per (sender, class) and layer
+        for r in range(N_TRAINER, world):  # each engine rank: its class's segments, from both senders
+            mine = [s.nbytes for lay in plan.layers for k, ranks in enumerate(lay.classes) if r in ranks
+                    for s in lay.of_class(k)]  # fmt: skip
+            assert results[r][1][mode]["received"] == sum(mine)
+    # into A, B, A', B': the sparse layer's experts go once to the two servers that hold them alike
+    log = [x for t in range(N_TRAINER) for x in sent[t]["many senders, replicas"]["log"]]
+    assert {kind for kind, _, _ in log} == {"group"}
+    pairs = {ranks[1:] for _, ranks, _ in log if len(ranks) == 3}  # a sender and two engine ranks
+    assert pairs == set(sparse["many senders, replicas"])
+    assert all(twins[a - N_TRAINER] == twins[b - N_TRAINER] for a, b in pairs)  # the same experts
+    assert {twin_servers[r - N_TRAINER] for pair in pairs for r in pair} == {"A", "B", "A'", "B'"}
 
 
 def test_scatter_sends_each_piece_once_per_holder_set():
@@ -331,8 +367,9 @@ def test_scatter_sends_each_piece_once_per_holder_set():
         tp = transfer_plan(TINY_GLM5, plans, ids, engines, [0], groups=groups)
         for plan, i, lay in zip(plans, ids, tp.layers):
             if not groups:  # every rank's pieces by the link's broadcast, each rank's others its own
-                assert lay.classes[0] == tuple(range(1, 9)) and lay.groups[0] == tuple(range(9))
-                assert all(len(c) == 1 and g is None for c, g in zip(lay.classes[1:], lay.groups[1:]))
+                assert lay.classes[0] == tuple(range(1, 9))
+                assert [s.group for s in lay.of_class(0)] == [tuple(range(9))]
+                assert all(len(lay.classes[s.cls]) == 1 and s.group is None for s in lay.segments[1:])
             for r, layout in enumerate(layouts, start=1):
                 mine = lay.of_rank(r)
                 got = sorted(cut_key(p) for s in mine for p in s.pieces)

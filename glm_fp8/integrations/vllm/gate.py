@@ -1,5 +1,6 @@
 """The gate of glm_fp8's vLLM backend (docs/vllm.md#what-a-step-does): every update's go / no-go,
-through the link's TCP store, before the link is used. Re-exported by
+through the link's TCP store, before the link is used, and its outcome for the trainer ranks off
+the link. Re-exported by
 ``glm_fp8.integrations.vllm.sync``, the handshake it is part of.
 """
 
@@ -60,12 +61,52 @@ def gate_reads(store, step: int, session: str) -> int:
     return int(store.add(_gate_key(step, session, "read"), 0))
 
 
+# With one sender, the trainer ranks off the link take part in its gathers only, and would return
+# from an update that then failed on the link as if it had landed: rank 0 therefore ends every
+# update with its outcome, which those ranks wait for, so that every trainer rank raises alike.
+OK = "ok"
+BROKEN = "broken: "  # the outcome's prefix when the link itself failed (a server gone)
+
+
+def publish_outcome(store, step: int, session: str, failure: str | None, broken: bool = False) -> None:
+    """Trainer rank 0's outcome of update ``step``: None, it landed on every server; else why not
+    (``broken``: the link failed and a membership change must rebuild it)."""
+    text = OK if failure is None else (BROKEN if broken else "") + failure
+    store.set(_gate_key(step, session, "outcome"), text)
+
+
+def wait_outcome(store, step: int, session: str) -> tuple[str | None, bool]:
+    """Wait for rank 0's outcome of update ``step`` (up to the store's timeout): (None, False) when
+    it landed, else (why, whether the link broke)."""
+    text = store.get(_gate_key(step, session, "outcome")).decode()
+    store.add(_gate_key(step, session, "outcome_read"), 1)
+    if text == OK:
+        return None, False
+    return text.removeprefix(BROKEN), text.startswith(BROKEN)
+
+
+def outcome_reads(store, step: int, session: str) -> int:
+    """How many ranks read update ``step``'s outcome."""
+    return int(store.add(_gate_key(step, session, "outcome_read"), 0))
+
+
 def clear_gate(store, step: int, session: str, ranks: Sequence[int]) -> None:
     """Drop an update's keys once every rank is past them."""
-    store.delete_key(_gate_key(step, session, "verdict"))
-    store.delete_key(_gate_key(step, session, "read"))
+    for what in ("verdict", "read", "outcome", "outcome_read"):
+        store.delete_key(_gate_key(step, session, what))
     for r in ranks:
         store.delete_key(_gate_key(step, session, f"ready/{r}"))
 
 
-__all__ = ["GO", "clear_gate", "gate_reads", "open_gate", "poll_ready", "publish_ready", "wait_gate"]
+__all__ = [
+    "GO",
+    "clear_gate",
+    "gate_reads",
+    "open_gate",
+    "outcome_reads",
+    "poll_ready",
+    "publish_outcome",
+    "publish_ready",
+    "wait_gate",
+    "wait_outcome",
+]

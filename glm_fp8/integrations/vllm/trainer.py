@@ -39,10 +39,8 @@ from glm_fp8.integrations.vllm.sync import (
     SyncInit,
     SyncUpdate,
     auto_mode,
-    clear_gate,
     fleet_layouts,
     fleet_scale_fmt,
-    gate_reads,
     open_gate,
     publish_trainer_init,
     read_fleet,
@@ -267,7 +265,8 @@ class TrainerSide(FleetMembership):
         converted update, every engine's shard together; None off the link). Raises what a
         ``Sender`` raises (an engine rank's refusal names it, and a note its server), with
         the engines' own errors as a note (naming each server); a refusal known before the
-        transfer (a worker outside a session, a client's error) on every rank at once."""
+        transfer (a worker outside a session, a client's error) on every rank at once. A rank off
+        the link returns once rank 0 says the update landed, and raises what failed otherwise."""
         if self.state == "broken":
             raise RuntimeError(
                 f"send(): {self.broken}; call engine.remove_server(name) for a server that is gone, "
@@ -290,6 +289,7 @@ class TrainerSide(FleetMembership):
             if not self.on_link:
                 wait_gate(self.store, self.steps, session)
                 self._contribute(layers, rest_map, ids)
+                self._await_outcome(self.steps, session)
                 out.append(
                     {"session": session, "seconds": time.perf_counter() - t0, "bytes": 0, "sender": False,
                      "update_bytes": None}
@@ -354,21 +354,16 @@ class TrainerSide(FleetMembership):
             said = str(err)
             publish_failure(self.store, step, session, f"{said} (the link names {names})" if names else said)
             self._broke(exc, step, session)
+            self._publish_outcome(step, session, exc, said)
             raise
-        call.wait(timeout, self.init)
-        FleetCall(self.servers, "finish_weight_update").wait(timeout, self.init)
+        try:
+            call.wait(timeout, self.init)
+            FleetCall(self.servers, "finish_weight_update").wait(timeout, self.init)
+        except BaseException as exc:
+            self._publish_outcome(step, session, exc, f"{type(exc).__name__}: {exc}")
+            raise
+        self._publish_outcome(step, session, None, None)
         return _stats(session, stats)
-
-    def _prune_gates(self) -> None:
-        """Drop the keys of earlier updates that every other rank has read (rank 0)."""
-        readers = self.init.world_size - self.senders + self.trainer_ranks - 1
-        keep = []
-        for step, session in self._gates:
-            if gate_reads(self.store, step, session) >= readers:
-                clear_gate(self.store, step, session, range(self.senders, self.init.world_size))
-            else:
-                keep.append((step, session))
-        self._gates = keep
 
     def _drop_link(self) -> None:
         self._senders_cache.clear()

@@ -15,6 +15,14 @@ from collections.abc import Sequence
 
 from glm_fp8.integrations.vllm.clients import VllmServer, client_kind, draft_starter
 from glm_fp8.integrations.vllm.fleet_link import FleetCall, link_broke
+from glm_fp8.integrations.vllm.gate import (
+    clear_gate,
+    gate_reads,
+    outcome_reads,
+    publish_outcome,
+    wait_outcome,
+)
+from glm_fp8.transfer.wire import UpdateAborted
 
 # How long trainer rank 0 waits for a removed server to release its link before going on without
 # its answer (a dead server never answers).
@@ -148,6 +156,45 @@ class FleetMembership:
                     "the link is broken: send_weights() refuses until engine.remove_server(name), "
                     "replace_server(...) or set_fleet(...) rebuilds it (on every trainer rank)"
                 )
+
+    @property
+    def _off_link(self) -> int:
+        """Trainer ranks off the link (one sender: every rank but 0), which wait for each outcome."""
+        return self.trainer_ranks - self.senders
+
+    def _publish_outcome(self, step: int, session: str, exc: BaseException | None, why: str | None) -> None:
+        """Rank 0: update ``step``'s outcome for the ranks off the link (none with many senders)."""
+        if self._off_link:
+            publish_outcome(self.store, step, session, why, broken=exc is not None and link_broke(exc))
+
+    def _await_outcome(self, step: int, session: str) -> None:
+        """A rank off the link, after its part of the gathers: raise as the link's ranks did when the
+        update failed (naming the server, as rank 0 learned it), and refuse the next one as they do
+        when the link broke."""
+        why, broken = wait_outcome(self.store, step, session)
+        if why is None:
+            return
+        exc = UpdateAborted(f"update {step} ({session} session) failed on the link: trainer rank 0: {why}")
+        if broken:
+            self.state, self.broken = "broken", f"update {step} ({session} session) broke the link"
+            exc.add_note(
+                "the link is broken: send_weights() refuses until engine.remove_server(name), "
+                "replace_server(...) or set_fleet(...) rebuilds it (on every trainer rank)"
+            )
+        raise exc
+
+    def _prune_gates(self) -> None:
+        """Drop the keys of earlier updates that every other rank has read (rank 0)."""
+        readers = self.init.world_size - self.senders + self.trainer_ranks - 1
+        keep = []
+        for step, session in self._gates:
+            if gate_reads(self.store, step, session) >= readers and (
+                outcome_reads(self.store, step, session) >= self._off_link
+            ):
+                clear_gate(self.store, step, session, range(self.senders, self.init.world_size))
+            else:
+                keep.append((step, session))
+        self._gates = keep
 
     def _index(self, name: str) -> int:
         names = self.server_names

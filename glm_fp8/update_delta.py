@@ -1,0 +1,242 @@
+"""The delta mode of the update-time model (issue #33; docs/update_time.md#delta-updates): the bytes
+a delta update puts on the wire, what a sender keeps of what it last sent, and what an engine
+rank's receiver holds, for ``glm_fp8.update_time.predict(..., delta=Delta(...))``.
+
+The encoding is docs/delta.md's (per quantized entry, its 128x128 blocks): an int32 count per
+block; a block with ``3 n > v`` (``n`` of its ``v`` valid positions changed) goes dense (its ``v``
+bytes), any other 3 bytes per change (int16 offset, uint8 value); each changed scale an (int32
+index, float32 value) pair. The model spreads the changes uniformly (every block holds
+``fraction`` of its positions changed: the measured case, nearly every block has a few), so a
+quantized entry of ``elements`` e4m3 bytes in ``blocks`` blocks costs
+
+    4 * blocks + min(3 * fraction, 1) * elements + 8 * scales_changed * blocks
+
+(at ``fraction`` > 1/3 every block is dense; at 1/3 both cost ``v``). Passthrough entries (bf16 and
+fp32 copies: norms, the router, the indexer's projection, embeddings, heads, ``eh_proj``) go dense
+unless ``Delta.passthrough`` says what fraction of their bytes change; then they take
+``compare_bytes``' encoding (the same blocks over their bytes seen as uint8 [rows, row bytes], no
+scales). A segment keeps its framing (each piece aligned, its checksum word), as a dense one.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.numerics import BLOCK
+from glm_fp8.plan import LayerPlan, layer_prefix
+from glm_fp8.transfer.routes import TransferPlan
+
+KEPT = ("gpu", "host")
+COUNT_BYTES = 4  # int32 per block
+CHANGE_BYTES = 3  # int16 offset + uint8 value per change of a sparse block
+SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
+# quantize_compare's scratch per block of the entry it compares (docs/delta.md, "Kernels"): a 2 KiB
+# bitmap, an int32 count, an int8 flag and two int64 offsets, freed on return; apply_delta's: two
+# int64 offsets per block.
+COMPARE_SCRATCH_PER_BLOCK = 2048 + 4 + 1 + 16
+APPLY_SCRATCH_PER_BLOCK = 16
+STAGING_LAYERS = 2  # kept in host memory: this many layers of it staged on the GPU at once
+# Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
+# (the one-GPU stand-in link's) at 55.3 GB/s; the kept copy in host memory is streamed in and
+# written back at that rate, one direction each.
+HOST_COPY_BYTES_PER_S = 55.3e9
+
+
+def _fraction(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+        raise ValueError(f"Delta.{name}: expected a number in [0, 1] (a fraction: 0.0012 for 0.12 %), "
+                         f"got {value!r}")  # fmt: skip
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A delta update to predict: ``fraction`` of the e4m3 bytes changed since the last update
+    (issue #33's measured median steps: 0.0012 at lr 1e-6, 0.0031 at 3e-6, 0.0090 at 1e-5);
+    ``scales_changed``: the fraction of block scales changed (1: float32 scales from float32
+    masters, which nearly all change, the default; 0: UE8M0 scales, which never did);
+    ``kept``: where each sender keeps what it last sent, "gpu" or "host" (pinned, streamed layer by
+    layer through ``STAGING_LAYERS`` layers on the GPU); ``passthrough``: the fraction of the
+    passthrough entries' bytes changed, None to send them dense (the default: not measured)."""
+
+    fraction: float
+    scales_changed: float = 1.0
+    kept: str = "gpu"
+    passthrough: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fraction", _fraction("fraction", self.fraction))
+        object.__setattr__(self, "scales_changed", _fraction("scales_changed", self.scales_changed))
+        if self.passthrough is not None:
+            object.__setattr__(self, "passthrough", _fraction("passthrough", self.passthrough))
+        if self.kept not in KEPT:
+            raise ValueError(f"Delta.kept: expected 'gpu' or 'host', got {self.kept!r}")
+
+
+def as_delta(delta: Delta | float | None) -> Delta | None:
+    """``delta`` as a ``Delta`` (a bare number is its ``fraction``), or None."""
+    return delta if delta is None or isinstance(delta, Delta) else Delta(delta)
+
+
+def blocks(shape: Sequence[int]) -> int:
+    """128x128 blocks of a quantized entry [(E,) R, C] (partial blocks at the edges count)."""
+    *experts, rows, cols = shape
+    return math.prod(experts) * -(-rows // BLOCK) * -(-cols // BLOCK)
+
+
+def entry_bytes(shape: Sequence[int], delta: Delta) -> float:
+    """Expected wire bytes of one quantized entry [(E,) R, C] with its scales (the formula of the
+    module's docstring); dense, the same entry is ``E R C + 4 blocks``."""
+    changes = min(CHANGE_BYTES * delta.fraction, 1.0) * math.prod(shape)
+    return (COUNT_BYTES + SCALE_PAIR_BYTES * delta.scales_changed) * blocks(shape) + changes
+
+
+def _byte_blocks(shape: Sequence[int], itemsize: int) -> int:
+    """``compare_bytes``' blocks: the tensor's bytes as uint8 [rows, row bytes]."""
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    return -(-rows // BLOCK) * -(-(shape[-1] * itemsize if shape else itemsize) // BLOCK)
+
+
+def _is_kept(op: str, dtype: torch.dtype, delta: Delta) -> bool:
+    return dtype == torch.float8_e4m3fn or op == "scale" or delta.passthrough is not None
+
+
+def piece_bytes(op: str, dtype: torch.dtype, shape: Sequence[int], nbytes: int, delta: Delta) -> float:
+    """Expected delta bytes of one entry (or an engine rank's piece of one) of plan op ``op``: its
+    e4m3 bytes' changes; for a scale entry its blocks' counts and changed scales; a passthrough
+    entry dense (``delta.passthrough`` None) or in ``compare_bytes``' encoding."""
+    if dtype == torch.float8_e4m3fn:
+        return min(CHANGE_BYTES * delta.fraction, 1.0) * nbytes
+    if op == "scale":  # one scale per block (Blackwell packs four UE8M0 scales in an int32)
+        n = math.prod(shape) * (4 if dtype == torch.int32 else 1)
+        return (COUNT_BYTES + SCALE_PAIR_BYTES * delta.scales_changed) * n
+    if delta.passthrough is None:
+        return float(nbytes)
+    n = _byte_blocks(shape, dtype.itemsize)
+    return COUNT_BYTES * n + min(CHANGE_BYTES * delta.passthrough, 1.0) * nbytes
+
+
+def plan_bytes(plan: LayerPlan, delta: Delta) -> float:
+    """Expected delta bytes of a whole layer buffer (its alignment as dense)."""
+    extra = sum(piece_bytes(e.op, e.dtype, e.shape, e.nbytes, delta) - e.nbytes for e in plan.entries)
+    return plan.nbytes + extra
+
+
+def kept_bytes(plan: LayerPlan, delta: Delta) -> int:
+    """What a sender keeps of ``plan`` (its part of a layer): the fp8 bytes and scales (and the
+    passthrough entries when they are sent as deltas)."""
+    return sum(e.nbytes for e in plan.entries if _is_kept(e.op, e.dtype, delta))
+
+
+def largest_blocks(entries: Iterable) -> int:
+    """The most 128x128 blocks of one quantized entry (or piece) among ``entries``."""
+    return max((blocks(e.shape) for e in entries if e.dtype == torch.float8_e4m3fn), default=0)
+
+
+@dataclass(frozen=True)
+class DeltaTraffic:
+    """A transfer plan's delta bytes: each sender's NIC bytes (a point-to-point segment once per
+    rank of its class, a group broadcast once), each engine (link) rank's received bytes (its
+    segments as sent), its largest layer buffer (a ring slot: the segments side by side, aligned)
+    and the most blocks of one piece it applies."""
+
+    sent: tuple[int, ...]
+    received: dict[int, int]
+    slot: dict[int, int]
+    apply_blocks: dict[int, int]
+
+
+def traffic(tp: TransferPlan, plans: Sequence[LayerPlan], delta: Delta) -> DeltaTraffic:
+    """``DeltaTraffic`` of ``tp`` (``plans``: the update's layer plans, in ``tp.layers``' order)."""
+    sent = [0.0] * len(tp.senders)
+    received: dict[int, float] = {}
+    slot: dict[int, float] = {}
+    apply: dict[int, int] = {}
+    ops_cache: dict[tuple, dict] = {}
+    for lay, plan in zip(tp.layers, plans):
+        key = (id(plan), lay.layer_idx)
+        if key not in ops_cache:
+            prefix = layer_prefix(lay.layer_idx)
+            ops_cache[key] = {prefix + e.name: e.op for e in plan.entries}
+        ops = ops_cache[key]
+        wire = [0.0] * len(lay.classes)  # a class's segments as sent
+        buffer = [float(n) for n in lay.recv_nbytes]  # and side by side in its buffer, aligned
+        most = [0] * len(lay.classes)
+        for s in lay.segments:
+            less = sum(piece_bytes(ops[p.name], p.dtype, p.shape, p.nbytes, delta) - p.nbytes
+                       for p in s.pieces)  # fmt: skip
+            n = s.nbytes + less
+            wire[s.cls] += n
+            buffer[s.cls] += less
+            most[s.cls] = max(most[s.cls], largest_blocks(s.pieces))
+            sent[s.sender] += n * lay.messages(s)
+        layer: dict[int, float] = {}
+        for k, ranks in enumerate(lay.classes):
+            for r in ranks:
+                received[r] = received.get(r, 0.0) + wire[k]
+                layer[r] = layer.get(r, 0.0) + buffer[k]
+                apply[r] = max(apply.get(r, 0), most[k])
+        for r, n in layer.items():
+            slot[r] = max(slot.get(r, 0.0), n)
+    rnd = lambda d: {r: round(n) for r, n in d.items()}  # noqa: E731 - expected bytes, to whole bytes
+    return DeltaTraffic(tuple(round(n) for n in sent), rnd(received), rnd(slot), apply)
+
+
+def receiver_bytes(tp: TransferPlan, t: DeltaTraffic, rank: int, ring: int = 2) -> int:
+    """Engine rank ``rank``'s receiver in a delta update: ``TransferPlan.receiver_bytes`` with its
+    ring of ``ring`` slots holding its largest layer's delta instead of the dense layer (the
+    checksum scratch still covers the dense bytes: the checksum is of the full post-update layer),
+    plus ``apply_delta``'s offsets for its largest piece."""
+    dense = tp.receiver_bytes(rank, ring) - ring * tp.receive_slot(rank)
+    return dense + ring * t.slot.get(rank, 0) + APPLY_SCRATCH_PER_BLOCK * t.apply_blocks.get(rank, 0)
+
+
+@dataclass(frozen=True)
+class SenderShare:
+    """One sender's side of a delta update: ``kept`` (its copy of what it last sent: the fp8 bytes
+    and scales of its share), ``staging`` (kept in host memory: ``STAGING_LAYERS`` of its largest
+    layer of it on the GPU; 0 on the GPU), ``scratch`` (``quantize_compare``'s, for its largest
+    entry) and ``converted`` (its seconds of conversion over the update, at ``per_byte`` s a
+    kernel-format byte and at least ``per_layer`` s a layer it converts any of)."""
+
+    kept: int
+    staging: int
+    scratch: int
+    converted: float
+
+
+def sender_share(
+    layer_plans: Sequence[LayerPlan], delta: Delta, per_byte: float, per_layer: float
+) -> SenderShare:
+    """``SenderShare`` of a sender that converts ``layer_plans`` (its part of each layer)."""
+    kept = [kept_bytes(p, delta) for p in layer_plans]
+    staging = STAGING_LAYERS * max(kept, default=0) if delta.kept == "host" else 0
+    scratch = COMPARE_SCRATCH_PER_BLOCK * max((largest_blocks(p.entries) for p in layer_plans), default=0)
+    converted = sum(max(per_byte * p.nbytes, per_layer) for p in layer_plans if p.nbytes)
+    return SenderShare(sum(kept), staging, scratch, converted)
+
+
+__all__ = [
+    "APPLY_SCRATCH_PER_BLOCK",
+    "COMPARE_SCRATCH_PER_BLOCK",
+    "HOST_COPY_BYTES_PER_S",
+    "KEPT",
+    "STAGING_LAYERS",
+    "Delta",
+    "DeltaTraffic",
+    "SenderShare",
+    "as_delta",
+    "blocks",
+    "entry_bytes",
+    "kept_bytes",
+    "piece_bytes",
+    "plan_bytes",
+    "receiver_bytes",
+    "sender_share",
+    "traffic",
+]
