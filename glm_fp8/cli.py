@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict
 
 from glm_fp8.cli_args import SERVER_SYNTAX, int_at_least, int_in, positive_float, positive_int, server_spec
-from glm_fp8.cli_plan import _load_config, _plan, _plan_request, add_delta_arguments  # noqa: F401 - their old home
+from glm_fp8.cli_plan import _load_config, _plan, _plan_request, add_delta_arguments  # noqa: F401 - old home of _load_config, _plan_request
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -145,10 +145,11 @@ class FleetMembership:
             self.state, self.broken = "broken", f"the fleet change to {self.server_names} failed ({exc})"
             raise
 
-    def _broke(self, exc: BaseException, step: int, session: str) -> None:
-        """After a transfer failed: if the link itself failed (a peer gone), it cannot carry another
-        update; ``send()`` refuses until a membership change rebuilds it."""
-        if link_broke(exc):
+    def _broke(self, exc: BaseException, step: int, session: str, broken: bool | None = None) -> None:
+        """After a transfer failed: if the link itself failed (a peer gone; ``broken``, else decided
+        from ``exc``), it cannot carry another update; ``send()`` refuses until a membership change
+        rebuilds it."""
+        if link_broke(exc) if broken is None else broken:
             self.state = "broken"
             self.broken = f"update {step} ({session} session) broke the link: {type(exc).__name__}"
             if hasattr(exc, "add_note"):
@@ -175,12 +176,7 @@ class FleetMembership:
         if why is None:
             return
         exc = UpdateAborted(f"update {step} ({session} session) failed on the link: trainer rank 0: {why}")
-        if broken:
-            self.state, self.broken = "broken", f"update {step} ({session} session) broke the link"
-            exc.add_note(
-                "the link is broken: send_weights() refuses until engine.remove_server(name), "
-                "replace_server(...) or set_fleet(...) rebuilds it (on every trainer rank)"
-            )
+        self._broke(exc, step, session, broken)
         raise exc
 
     def _prune_gates(self) -> None:
