@@ -190,9 +190,95 @@ def convert_layer_ref(layer: Mapping[str, torch.Tensor], layer_idx: int, plan: L
     return out
 
 
+# -- Delta encoding (docs/delta.md): the changes between two quantizations of one entry. --------------
+# Blocks are taken in (expert, row block, column block) order. A block with n changed bytes out
+# of v valid positions is sparse when 3 n <= v (an int16 in-block offset r * 128 + c and a uint8
+# value per change, offsets ascending) and dense otherwise (all its v bytes, row-major over its
+# valid rows and columns, no offsets). Scales travel as (int32 flat block index, float32) pairs.
+
+
+def delta_block_sizes(shape: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Valid positions of every 128x128 block of a [(E,) R, C] entry, int64, flat block order."""
+    e, r, c = (1, *shape) if len(shape) == 2 else tuple(shape)
+    rows = (r - torch.arange(ceil_blocks(r), device=device) * BLOCK).clamp(max=BLOCK)
+    cols = (c - torch.arange(ceil_blocks(c), device=device) * BLOCK).clamp(max=BLOCK)
+    return (rows[:, None] * cols[None, :]).flatten().repeat(e)
+
+
+def _blocked_u8(q: torch.Tensor) -> torch.Tensor:
+    """fp8 bytes as uint8 [blocks, 128 * 128], zero padded, flat block order."""
+    q3 = (q if q.dim() == 3 else q.unsqueeze(0)).view(torch.uint8)
+    e, r, c = q3.shape
+    nr, nc = ceil_blocks(r), ceil_blocks(c)
+    padded = torch.zeros(e, nr * BLOCK, nc * BLOCK, dtype=torch.uint8, device=q.device)
+    padded[:, :r, :c] = q3
+    return padded.view(e, nr, BLOCK, nc, BLOCK).permute(0, 1, 3, 2, 4).reshape(e * nr * nc, BLOCK * BLOCK)
+
+
+def _valid_mask(shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    e, r, c = (1, *shape) if len(shape) == 2 else tuple(shape)
+    ones = torch.ones(e, r, c, dtype=torch.float8_e4m3fn, device=device)
+    return _blocked_u8(ones) != 0
+
+
+def delta_encode_ref(
+    prev_q: torch.Tensor, prev_s: torch.Tensor, new_q: torch.Tensor, new_s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The changes from ``(prev_q, prev_s)`` to ``(new_q, new_s)`` (same shapes):
+    ``(counts int32 [blocks], positions int16 [P], values uint8 [V], scale_index int32 [S],
+    scale_values float32 [S])``. ``counts`` is every block's number of changed bytes (dense
+    blocks too); ``positions`` holds the sparse blocks' offsets, ``values`` every block's bytes
+    in block order."""
+    old, new = _blocked_u8(prev_q), _blocked_u8(new_q)
+    changed = old != new  # padding is zero in both, so never "changed"
+    counts = changed.sum(dim=1)
+    dense = 3 * counts > delta_block_sizes(new_q.shape, new_q.device)
+    positions = (changed & ~dense[:, None]).nonzero()[:, 1].to(torch.int16)
+    send = torch.where(dense[:, None], _valid_mask(new_q.shape, new_q.device), changed)
+    values = new[send]  # boolean indexing keeps row-major (block, offset) order
+    sch = (prev_s.view(torch.int32) != new_s.view(torch.int32)).flatten()
+    scale_index = sch.nonzero()[:, 0].to(torch.int32)
+    return counts.to(torch.int32), positions, values, scale_index, new_s.flatten()[scale_index.long()]
+
+
+def delta_apply_ref(
+    prev_q: torch.Tensor,
+    prev_s: torch.Tensor,
+    counts: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    scale_index: torch.Tensor,
+    scale_values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New contiguous ``(q, s)``: ``prev_q`` / ``prev_s`` with the changes of
+    ``delta_encode_ref`` written in. Inputs are not modified; the encoding is trusted."""
+    shape = prev_q.shape
+    sizes = delta_block_sizes(shape, prev_q.device)
+    counts = counts.long()
+    dense = 3 * counts > sizes
+    blocks = _blocked_u8(prev_q)
+    send = torch.zeros_like(blocks, dtype=torch.bool)
+    sparse_ids = torch.arange(len(counts), device=counts.device).repeat_interleave(
+        torch.where(dense, 0, counts)
+    )
+    send.view(-1)[sparse_ids * BLOCK * BLOCK + positions.long()] = True
+    send = torch.where(dense[:, None], _valid_mask(shape, prev_q.device), send)
+    blocks[send] = values
+    e, r, c = (1, *shape) if len(shape) == 2 else tuple(shape)
+    nr, nc = ceil_blocks(r), ceil_blocks(c)
+    q = blocks.view(e, nr, nc, BLOCK, BLOCK).permute(0, 1, 3, 2, 4).reshape(e, nr * BLOCK, nc * BLOCK)
+    q = q[:, :r, :c].contiguous().view(torch.float8_e4m3fn).reshape(shape)
+    s = prev_s.contiguous().clone()
+    s.view(-1)[scale_index.long()] = scale_values
+    return q, s
+
+
 __all__ = [
     "block_scales_ref",
     "convert_layer_ref",
+    "delta_apply_ref",
+    "delta_block_sizes",
+    "delta_encode_ref",
     "dequantize_blockwise_ref",
     "pack_ue8m0_sm100_ref",
     "quantize_blockwise_ref",

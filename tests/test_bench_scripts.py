@@ -4,6 +4,7 @@ first layer against the reference, the engine rank's every parameter. Nothing he
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -51,3 +52,19 @@ def test_engine_rank_script_lands_every_parameter():
     rows = re.findall(r"\b(\d+)/(\d+)\s*$", out, flags=re.M)
     assert len(rows) == 2, out  # TP and EP
     assert all(int(a) == int(b) > 0 for a, b in rows), out
+
+
+def test_delta_fraction_script_measures_real_adamw_steps(tmp_path):
+    """The #33 measurement on tiny shapes, through the delta kernel (checked against the reference
+    at every step): an AdamW step changes a few percent of the bytes at most, most fp32 scales of
+    fp32 masters, no ue8m0 scale, and the block encoding beats the naive one."""
+    out = _run("delta_fraction.py", "--steps", "2", "--masters", "fp32", "--lrs", "1e-5", "--quantizer",
+               "kernel", "--json", str(tmp_path / "delta.json"))  # fmt: skip
+    runs = {r["scale_fmt"]: r["steps"] for r in json.loads((tmp_path / "delta.json").read_text())["results"]}
+    assert sorted(runs) == ["fp32", "ue8m0"] and all(len(s) == 2 for s in runs.values()), out
+    for fmt, steps in runs.items():
+        for s in steps:
+            assert 0 < s["bytes_changed"] < 0.05, out
+            assert s["scales_changed"] > 0.5 if fmt == "fp32" else s["scales_changed"] == 0.0, out
+            assert s["wire_block"] < s["wire_naive"], out
+    assert re.search(r"^\|\s*fp32\s*\|\s*1e-05\s*\|\s*ue8m0\s*\|", out, flags=re.M), out

@@ -1,0 +1,279 @@
+"""The delta kernels (docs/delta.md) and their launchers, one 128x128 block per program.
+
+- ``delta_compare_kernel``: quantizes a block of the row-concatenated sources exactly as
+  ``quantize_blockwise_kernel`` does (docs/numerics.md), compares its bytes and scale with the
+  kept copy of what the engine holds, writes the changed bytes and the new scale into the kept
+  copy, and emits the block's changed count, a scale-changed flag and a bitmap of the changed
+  positions (16-bit words, 2 KiB per block). The only pass over the new weights.
+- ``delta_pack_kernel``: turns the bitmap into the wire's sorted int16 offsets and the uint8
+  values (read back from the updated kept copy) at offsets given by a prefix sum of the counts;
+  a dense block copies all its bytes. Reads the bitmap and the kept copy of changed blocks only.
+- ``delta_apply_kernel``: the engine's side, writes the values at their positions (or a dense
+  block whole) into an fp8 parameter of any strides.
+
+Block order is (expert, row block, column block); offsets within a block are r * 128 + c.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from glm_fp8.kernels import interpreting
+from glm_fp8.kernels.triton_quantize import (
+    _INV_FP8_MAX_BITS,
+    _NO_ALIGN_KW,
+    _SCALE_FLOOR_BITS,
+    _SOURCE_POINTERS,
+    _e4m3_code_soft,
+    _load_source_rows,
+    _max_propagate_nan,
+)
+from glm_fp8.numerics import BLOCK, MAX_SOURCES, ceil_blocks
+
+WORD = 16  # bits per bitmap word: int16 words, so no sum of shifted bits ever overflows
+BITMAP_WORDS = BLOCK * BLOCK // WORD  # per block
+APPLY_CHUNK = 256  # sparse positions one step of the apply loop writes
+
+
+def _delta_compare(
+    p_kq, p_ks, p_bits, p_cnt, p_sch, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+    s_ke, s_kr, s_kc, s_se, s_sr, s_sc, n_rb, n_cb,
+    NUM_SRC: tl.constexpr, UE8M0: tl.constexpr, SOFT_FP8: tl.constexpr, NAN_MAX: tl.constexpr,
+    FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0).to(tl.int64)
+    i_e = i_b // (n_rb * n_cb)
+    i_rb = (i_b // n_cb) % n_rb
+    i_cb = i_b % n_cb
+    o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)
+    o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)
+    m_c = o_c < C
+    m_t = (o_r < R)[:, None] & m_c[None, :]
+    b_x = tl.zeros([BR, BC], dtype=tl.float32)
+    b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
+    if NUM_SRC > 1:
+        b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
+    if NUM_SRC > 2:
+        b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
+    if NUM_SRC > 3:
+        b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
+
+    # The scale and the bytes, as quantize_blockwise_kernel computes them (its comments say why).
+    b_a = tl.abs(b_x)
+    if NAN_MAX:
+        b_amax = tl.reduce(tl.reduce(b_a, 1, _max_propagate_nan), 0, _max_propagate_nan)
+    else:
+        b_amax = tl.max(b_a) + tl.sum(b_x * 0.0)
+    inv_max = tl.full([], _INV_FP8_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+    floor = tl.full([], _SCALE_FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
+    b_s = tl.maximum(b_amax * inv_max, floor, propagate_nan=tl.PropagateNan.ALL)
+    if UE8M0:
+        b_sb = b_s.to(tl.int32, bitcast=True)
+        b_up = ((b_sb & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+        b_s = tl.where(((b_sb & 0x007FFFFF) != 0) & (b_s < float("inf")), b_up, b_s)
+    b_ok = (b_s == b_s) & (b_s < float("inf"))
+    if FLAG:
+        tl.store(p_flag, 1, mask=b_ok.to(tl.int32) == 0)
+    b_r = tl.math.div_rn(1.0, b_s)
+    b_y = b_x * b_r
+    b_y = tl.fma(tl.fma(-b_y, b_s, b_x), b_r, b_y)
+    b_y = tl.fma(tl.fma(-b_y, b_s, b_x), b_r, b_y)
+    if SOFT_FP8:
+        b_code = _e4m3_code_soft(tl.minimum(tl.abs(b_y), 448.0, propagate_nan=tl.PropagateNan.ALL))
+    else:
+        # One element per cvt (rn, satfinite): the paired form was miscompiled (triton_quantize.py).
+        b_code = tl.inline_asm_elementwise(
+            "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
+            "=r,r", [b_y], dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    b_q = b_code | ((b_x.to(tl.int32, bitcast=True) >> 24) & 0x80)
+
+    p_kt = p_kq + i_e * s_ke + o_r[:, None] * s_kr + o_c[None, :] * s_kc
+    b_old = tl.load(p_kt, mask=m_t, other=0).to(tl.int32)
+    b_chg = (b_q != b_old) & m_t
+    p_st = p_ks + i_e * s_se + i_rb * s_sr + i_cb * s_sc
+    b_sch = tl.load(p_st).to(tl.int32, bitcast=True) != b_s.to(tl.int32, bitcast=True)
+    if FLAG:
+        # A non-finite block leaves the kept copy alone; the call then raises.
+        tl.store(p_kt, b_q.to(tl.uint8), mask=(b_chg.to(tl.int32) * b_ok.to(tl.int32)) != 0)
+        tl.store(p_st, b_s, mask=b_ok)
+    else:
+        tl.store(p_kt, b_q.to(tl.uint8), mask=b_chg)
+        tl.store(p_st, b_s)
+    tl.store(p_cnt + i_b, tl.sum(b_chg.to(tl.int32)))
+    tl.store(p_sch + i_b, b_sch.to(tl.int8))
+    b_bit = tl.reshape(b_chg.to(tl.int32), [BR, BC // WBITS, WBITS]) << tl.arange(0, WBITS)[None, None, :]
+    b_w = tl.sum(b_bit, axis=2)  # [BR, BC // WBITS]: distinct bits, so the sum is the OR
+    o_w = tl.arange(0, BR)[:, None] * (BC // WBITS) + tl.arange(0, BC // WBITS)[None, :]
+    tl.store(p_bits + i_b * (BR * BC // WBITS) + o_w, b_w.to(tl.int16))
+
+
+delta_compare_kernel = triton.jit(_delta_compare)
+# Without assuming 16-byte-aligned sources, for a kept copy whose rows cannot take vector stores:
+# on the H200 vectorized source loads with unaligned byte stores wrote wrong bytes in the
+# quantize kernel (triton_quantize.py), so this kernel takes the same precaution.
+delta_compare_kernel_unaligned_out = triton.jit(**{_NO_ALIGN_KW: _SOURCE_POINTERS})(_delta_compare)
+
+
+@triton.jit
+def _block_extent(i_b, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr):
+    """Expert, first row and column, valid rows and columns of block ``i_b``."""
+    i_e = i_b // (n_rb * n_cb)
+    r0 = ((i_b // n_cb) % n_rb) * BR
+    c0 = (i_b % n_cb) * BC
+    return i_e, r0, c0, tl.minimum(R - r0, BR), tl.minimum(C - c0, BC)
+
+
+@triton.jit
+def delta_pack_kernel(
+    p_kq, p_bits, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_ke, s_kr, s_kc, n_rb, n_cb,
+    BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0).to(tl.int64)
+    n = tl.load(p_cnt + i_b)
+    if n > 0:
+        i_e, r0, c0, nr, nc = _block_extent(i_b, R, C, n_rb, n_cb, BR, BC)
+        o_r = tl.arange(0, BR).to(tl.int64)
+        o_c = tl.arange(0, BC).to(tl.int64)
+        m_t = (o_r < nr)[:, None] & (o_c < nc)[None, :]
+        p_kt = p_kq + i_e * s_ke + (r0 + o_r)[:, None] * s_kr + (c0 + o_c)[None, :] * s_kc
+        b_v = tl.load(p_kt, mask=m_t, other=0)
+        v0 = tl.load(p_voff + i_b)
+        if 3 * n > nr * nc:  # dense: every valid byte, row-major over the valid columns
+            tl.store(p_val + v0 + o_r[:, None] * nc + o_c[None, :], b_v, mask=m_t)
+        else:
+            p_w = p_bits + i_b * (BR * BC // WBITS) + o_r[:, None] * (BC // WBITS) + o_c[None, :] // WBITS
+            b_w = tl.load(p_w).to(tl.int32)
+            b_m = ((b_w >> (o_c[None, :] % WBITS).to(tl.int32)) & 1).to(tl.int32)
+            b_m = tl.reshape(b_m, [BR * BC])
+            b_rank = tl.cumsum(b_m, axis=0) - 1  # row-major rank: offsets come out ascending
+            o_p = tl.arange(0, BR * BC)
+            m_p = b_m != 0
+            p0 = tl.load(p_poff + i_b)
+            tl.store(p_pos + p0 + b_rank, o_p.to(tl.int16), mask=m_p)
+            tl.store(p_val + v0 + b_rank, tl.reshape(b_v, [BR * BC]), mask=m_p)
+
+
+@triton.jit
+def delta_apply_kernel(
+    p_q, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_qe, s_qr, s_qc, n_rb, n_cb,
+    BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0).to(tl.int64)
+    n = tl.load(p_cnt + i_b)
+    if n > 0:
+        i_e, r0, c0, nr, nc = _block_extent(i_b, R, C, n_rb, n_cb, BR, BC)
+        v0 = tl.load(p_voff + i_b)
+        p_qb = p_q + i_e * s_qe + r0 * s_qr + c0 * s_qc
+        if 3 * n > nr * nc:
+            o_r = tl.arange(0, BR).to(tl.int64)
+            o_c = tl.arange(0, BC).to(tl.int64)
+            m_t = (o_r < nr)[:, None] & (o_c < nc)[None, :]
+            b_v = tl.load(p_val + v0 + o_r[:, None] * nc + o_c[None, :], mask=m_t)
+            tl.store(p_qb + o_r[:, None] * s_qr + o_c[None, :] * s_qc, b_v, mask=m_t)
+        else:
+            p0 = tl.load(p_poff + i_b)
+            for start in range(0, n, CHUNK):
+                o_k = start + tl.arange(0, CHUNK)
+                m_k = o_k < n
+                b_p = tl.load(p_pos + p0 + o_k, mask=m_k, other=0).to(tl.int64)
+                b_v = tl.load(p_val + v0 + o_k, mask=m_k)
+                tl.store(p_qb + (b_p // BC) * s_qr + (b_p % BC) * s_qc, b_v, mask=m_k)
+
+
+def _grid_dims(q3: torch.Tensor) -> tuple[int, int, int]:
+    e, r, c = q3.shape
+    return e, ceil_blocks(r), ceil_blocks(c)
+
+
+def launch_compare(
+    sources: Sequence[torch.Tensor],
+    kept_q: torch.Tensor,
+    kept_s: torch.Tensor,
+    bits: torch.Tensor,
+    counts: torch.Tensor,
+    scale_changed: torch.Tensor,
+    ue8m0: bool,
+    nonfinite: torch.Tensor | None,
+) -> None:
+    """Checked 3-D views: sources [E, R_k, C], kept_q fp8 [E, R, C], kept_s [E, Rb, Cb]; outputs
+    bits int16 [blocks * BITMAP_WORDS], counts int32 [blocks], scale_changed int8 [blocks]."""
+    e, n_rb, n_cb = _grid_dims(kept_q)
+    if e * n_rb * n_cb == 0:
+        return
+    _, r, c = kept_q.shape
+    padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
+    bounds, row = [], 0
+    for src in sources[:-1]:
+        row += src.shape[1]
+        bounds.append(row)
+    bounds += [r] * (MAX_SOURCES - len(sources))
+    interpret = interpreting()
+    q = kept_q
+    aligned = q.stride(2) == 1 and q.data_ptr() % 16 == 0 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0
+    kernel = delta_compare_kernel if aligned else delta_compare_kernel_unaligned_out
+    with _on_device(kept_q):
+        kernel[(e * n_rb * n_cb,)](
+            kept_q.view(torch.uint8), kept_s, bits, counts, scale_changed,
+            kept_s if nonfinite is None else nonfinite, *padded, *bounds[:3], r, c,
+            *(st for src in padded for st in src.stride()), *kept_q.stride(), *kept_s.stride(), n_rb, n_cb,
+            NUM_SRC=len(sources), UE8M0=ue8m0, SOFT_FP8=interpret, NAN_MAX=not interpret,
+            FLAG=nonfinite is not None, BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
+            enable_fp_fusion=False,  # no contraction may change a rounding docs/numerics.md fixes
+        )  # fmt: skip
+
+
+def launch_pack(
+    kept_q: torch.Tensor,
+    bits: torch.Tensor,
+    counts: torch.Tensor,
+    pos_offsets: torch.Tensor,
+    val_offsets: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """kept_q fp8 [E, R, C] (already updated); offsets int64 [blocks]; positions int16, values uint8."""
+    e, n_rb, n_cb = _grid_dims(kept_q)
+    if e * n_rb * n_cb == 0:
+        return
+    with _on_device(kept_q):
+        delta_pack_kernel[(e * n_rb * n_cb,)](
+            kept_q.view(torch.uint8), bits, counts, pos_offsets, val_offsets, positions, values,
+            kept_q.shape[1], kept_q.shape[2], *kept_q.stride(), n_rb, n_cb,
+            BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
+        )  # fmt: skip
+
+
+def launch_apply(
+    q: torch.Tensor,
+    counts: torch.Tensor,
+    pos_offsets: torch.Tensor,
+    val_offsets: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Write checked changes into the fp8 parameter view q [E, R, C] (any strides)."""
+    e, n_rb, n_cb = _grid_dims(q)
+    if e * n_rb * n_cb == 0:
+        return
+    with _on_device(q):
+        delta_apply_kernel[(e * n_rb * n_cb,)](
+            q.view(torch.uint8), counts, pos_offsets, val_offsets, positions, values,
+            q.shape[1], q.shape[2], *q.stride(), n_rb, n_cb, BR=BLOCK, BC=BLOCK, CHUNK=APPLY_CHUNK,
+            num_warps=4,
+        )  # fmt: skip
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Compiled kernels and streams belong to one device: launch on the tensor's."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+__all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "delta_apply_kernel", "delta_compare_kernel",
+           "delta_pack_kernel", "launch_apply", "launch_compare", "launch_pack"]  # fmt: skip

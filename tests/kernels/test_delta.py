@@ -1,0 +1,238 @@
+"""FP8 delta updates (glm_fp8.delta) against the reference, bit for bit, on every backend here.
+
+Invariant: for kept bytes and scales ``(kq, ks)`` and new sources ``x``,
+``d = quantize_compare(x, kq, ks)`` equals ``delta_encode_ref((kq, ks), quantize_concat_ref(x))``
+in every tensor (counts, sorted positions, values, changed scales), leaves ``(kq, ks)`` holding
+exactly ``quantize_concat_ref(x)``, and ``apply_delta(d, q, s)`` on an engine holding the old
+``(kq, ks)`` makes it hold exactly the same, touching no byte outside its parameter view. The
+kernels' buffers come poisoned (0xFF bytes), so an unwritten element cannot pass.
+"""
+
+import pytest
+import torch
+from conftest import BACKENDS, poisoned_f32, poisoned_fp8
+
+import glm_fp8.delta as delta_mod
+from glm_fp8 import NonFiniteError
+from glm_fp8.delta import BlockDelta, apply_delta, compare_bytes, quantize_compare
+from glm_fp8.reference import delta_apply_ref, delta_encode_ref, quantize_concat_ref
+
+DELTA_BACKENDS = ["triton", "torch"] if "triton" in BACKENDS else ["torch"]
+
+
+@pytest.fixture(params=DELTA_BACKENDS)
+def dbackend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    def poisoned(*shape, dtype, device):
+        return torch.full(shape, -1, dtype=dtype, device=device)
+
+    monkeypatch.setattr(delta_mod, "_empty", poisoned)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.cpu()
+    return (
+        t.view(torch.int32)
+        if t.dtype == torch.float32
+        else t.view(torch.uint8)
+        if t.element_size() == 1
+        else t
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
+    diff = (_bits(a) != _bits(b)).nonzero()
+    assert len(diff) == 0, f"{what}: {len(diff)} elements differ, first at {diff[0].tolist()}"
+
+
+def _views(q: torch.Tensor, s: torch.Tensor):
+    """q and s copied into row-and-column slices of larger poisoned buffers (how an engine's
+    parameter views, or a sender's kept copy inside one buffer, look), and a snapshot of the buffers."""
+    big_q = poisoned_fp8((*q.shape[:-2], q.shape[-2] + 7, q.shape[-1] + 3), q.device)
+    big_s = poisoned_f32((*s.shape[:-2], s.shape[-2] + 2, s.shape[-1] + 1), s.device)
+    vq, vs = (
+        big_q[..., 3 : 3 + q.shape[-2], 1 : 1 + q.shape[-1]],
+        big_s[..., 1 : 1 + s.shape[-2], : s.shape[-1]],
+    )
+    vq.copy_(q)
+    vs.copy_(s)
+    return (vq, vs), (big_q, big_s, big_q.clone(), big_s.clone())
+
+
+def _untouched_outside(views, buffers, what: str) -> None:
+    vq, vs = views
+    big_q, big_s, before_q, before_s = buffers
+    vq.copy_(before_q[..., 3 : 3 + vq.shape[-2], 1 : 1 + vq.shape[-1]])
+    vs.copy_(before_s[..., 1 : 1 + vs.shape[-2], : vs.shape[-1]])
+    _same(big_q, before_q, f"{what}: bytes outside the view")
+    _same(big_s, before_s, f"{what}: scales outside the view")
+
+
+def _check(sources, prev_q, prev_s, scale_fmt="fp32", backend=None) -> BlockDelta:
+    sources = sources if isinstance(sources, (list, tuple)) else [sources]
+    q_new, s_new = quantize_concat_ref(sources, scale_fmt)
+    ref = delta_encode_ref(prev_q, prev_s, q_new, s_new)
+    kept, kept_buffers = _views(prev_q, prev_s)
+    d = quantize_compare(sources, *kept, scale_fmt=scale_fmt, backend=backend)
+    for name, got, want in zip(
+        ("counts", "positions", "values", "scale_index", "scale_values"), d.tensors(), ref
+    ):
+        _same(got, want, name)
+    _same(kept[0], q_new, "kept")
+    _same(kept[1], s_new, "kept_scale")
+    _untouched_outside(kept, kept_buffers, "kept")
+    engine, engine_buffers = _views(prev_q, prev_s)
+    apply_delta(d, *engine, backend=backend)
+    _same(engine[0], q_new, "engine q")
+    _same(engine[1], s_new, "engine scale")
+    _untouched_outside(engine, engine_buffers, "engine")
+    rq, rs = delta_apply_ref(prev_q, prev_s, *ref)
+    _same(rq, q_new, "delta_apply_ref q")
+    _same(rs, s_new, "delta_apply_ref scale")
+    return d
+
+
+@pytest.mark.parametrize(
+    "dtype, scale_fmt, magnitude",
+    [
+        (torch.bfloat16, "fp32", 1e-3),
+        (torch.float32, "ue8m0", 1.0),
+        (torch.bfloat16, "ue8m0", 1e3),
+        (torch.float32, "fp32", 1e3),
+    ],
+)
+def test_adamw_like_step_two_sources(device, dtype, scale_fmt, magnitude, dbackend):
+    # rows 100 + 90: row block 0 straddles the sources; 260 columns end in a partial block.
+    a = torch.randn(2, 100, 260, device=device) * magnitude
+    b = torch.randn(2, 90, 260, device=device) * magnitude * 3
+    prev_q, prev_s = quantize_concat_ref([a.to(dtype), b.to(dtype)], scale_fmt)
+    # An AdamW step moves each weight by about lr; relative 3e-5 changes a few of these 99k bytes,
+    # relative 1e-6 (lr 1e-6 on weights near 1) almost none. A bf16 master moves by whole ulps.
+    for step in (1e-6, 3e-5) if dtype == torch.float32 else (2e-3,):
+        new = [(t * (1 + step * torch.randn_like(t))).to(dtype) for t in (a, b)]
+        d = _check(new, prev_q, prev_s, scale_fmt, dbackend)
+        assert d.changed < 0.05 * prev_q.numel()
+    assert d.changed > 0
+
+
+def test_unrelated_weights_dense_and_sparse_blocks(device, dbackend):
+    x = torch.randn(3, 140, 300, device=device)
+    prev_q, prev_s = quantize_concat_ref([torch.randn_like(x)])
+    x[1, :128, :128] = 0.0  # a zero block
+    x[2, 128:, 256:] = -0.0  # a partial block of negative zeros
+    d = _check(x, prev_q, prev_s, backend=dbackend)
+    assert (3 * d.counts.long() > 128 * 128 // 2).any()  # dense blocks are in it
+
+
+def test_every_byte_of_a_block_changes(device, dbackend):
+    x = torch.randn(256, 200, device=device, dtype=torch.bfloat16)
+    prev_q, prev_s = quantize_concat_ref([x])
+    y = x.clone()
+    y[128:, :128] = -y[128:, :128]  # every sign bit flips; the scale stays
+    y[:128, 128:] += 1e-2 * torch.randn(128, 72, device=device, dtype=torch.bfloat16)
+    d = _check(y, prev_q, prev_s, backend=dbackend)
+    assert d.counts.tolist()[2] == 128 * 128 and d.scale_index.numel() <= 1
+
+
+def test_unchanged_empty_and_single_expert(device, dbackend):
+    x = torch.randn(1, 130, 129, device=device)
+    prev_q, prev_s = quantize_concat_ref([x])
+    d = _check(x, prev_q, prev_s, backend=dbackend)
+    assert d.changed == 0 and d.positions.numel() == d.values.numel() == d.scale_index.numel() == 0
+    assert d.nbytes == 4 * 4 and d.dense_nbytes == 130 * 129 + 4 * 4
+    e0 = torch.randn(0, 200, 64, device=device)
+    q0, s0 = quantize_concat_ref([e0])
+    d = _check(e0, q0, s0, backend=dbackend)
+    assert d.counts.numel() == 0
+
+
+def test_repeated_updates_keep_sender_and_engine_equal(device, dbackend):
+    """Six steps of deltas: the kept copy and the engine stay the dense update's bytes."""
+    w = torch.randn(2, 150, 140, device=device)
+    kq, ks = quantize_concat_ref([w], "ue8m0")
+    eq, es = kq.clone(), ks.clone()
+    for k in range(6):
+        w = w + (1e-3 if k % 3 else 1e-1) * torch.randn_like(w)
+        d = quantize_compare(w, kq, ks, scale_fmt="ue8m0", backend=dbackend)
+        apply_delta(d, eq, es, backend=dbackend)
+    q, s = quantize_concat_ref([w], "ue8m0")
+    for got in (kq, eq):
+        _same(got, q, "bytes after 6 updates")
+    for got in (ks, es):
+        _same(got, s, "scales after 6 updates")
+
+
+def test_non_finite_source_is_named(device, dbackend):
+    x = torch.randn(2, 130, 140, device=device)
+    kq, ks = quantize_concat_ref([x])
+    x[1, 129, 3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"sources\[1\]") as err:
+        quantize_compare([x[:, :100], x[:, 100:]], kq.clone(), ks.clone(), backend=dbackend)
+    assert err.value.source == "sources[1]"
+    if dbackend == "torch":  # transactional: nothing written
+        k2, s2 = kq.clone(), ks.clone()
+        with pytest.raises(NonFiniteError):
+            quantize_compare(x, k2, s2, backend=dbackend)
+        _same(k2, kq, "kept after a refused call")
+
+
+def test_arguments_checked_before_any_write(device, dbackend):
+    x = torch.randn(130, 140, device=device)
+    kq, ks = quantize_concat_ref([x])
+    with pytest.raises(ValueError, match="kept: expected shape"):
+        quantize_compare(x, kq[:, :100], ks, backend=dbackend)
+    with pytest.raises(TypeError, match="kept: expected dtype"):
+        quantize_compare(x, kq.view(torch.uint8), ks, backend=dbackend)
+    with pytest.raises(ValueError, match="kept_scale: expected shape"):
+        quantize_compare(x, kq, ks[:1], backend=dbackend)
+    d = quantize_compare(x * (1 + 1e-2 * torch.randn_like(x)), kq.clone(), ks.clone(), backend=dbackend)
+    assert d.positions.numel() and d.scale_index.numel()
+    eq, es = kq.clone(), ks.clone()
+    bad = [
+        (
+            BlockDelta(d.shape, d.counts, d.positions[:-1], d.values, d.scale_index, d.scale_values),
+            "call for",
+        ),
+        (
+            BlockDelta(d.shape, d.counts, d.positions, d.values, d.scale_index + 100, d.scale_values),
+            "scale_index",
+        ),
+        (
+            BlockDelta(d.shape, d.counts.long(), d.positions, d.values, d.scale_index, d.scale_values),
+            "counts",
+        ),
+        (
+            BlockDelta(
+                d.shape, d.counts, d.positions.clone().fill_(16383), d.values, d.scale_index, d.scale_values
+            ),
+            "positions",
+        ),  # fmt: skip
+    ]
+    for wrong, match in bad:
+        with pytest.raises(ValueError, match=match):
+            apply_delta(wrong, eq, es, backend=dbackend)
+    with pytest.raises(ValueError, match="q: expected shape"):
+        apply_delta(d, eq[:129], es, backend=dbackend)
+    with pytest.raises(ValueError, match="scale: expected shape"):
+        apply_delta(d, eq, es[:1], backend=dbackend)
+    _same(eq, kq, "engine after refused deltas")
+    _same(es, ks, "engine scales after refused deltas")
+
+
+def test_passthrough_bytes(device, dbackend):
+    new = torch.randn(3, 70, device=device, dtype=torch.bfloat16)
+    kept = new.clone()
+    kept[1, 5] += 1.0
+    engine = kept.clone()
+    d = compare_bytes(new, kept)
+    assert torch.equal(kept, new) and 1 <= d.changed <= 2 and d.scale_index.numel() == 0
+    rows = engine.view(torch.uint8).view(torch.float8_e4m3fn)
+    apply_delta(d, rows, None, backend=dbackend)
+    assert torch.equal(engine, new)
