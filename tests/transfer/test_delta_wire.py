@@ -1,0 +1,121 @@
+"""A delta segment on the wire (glm_fp8.transfer.delta_wire): what the sender packs, the receiver
+unpacks into deltas that, applied to the engine's old bytes, give exactly the new quantization;
+lengths come from the checked counts only, and never exceed the bound a receiver sizes from the plan."""
+
+import pytest
+import torch
+
+from glm_fp8.delta import apply_delta, compare_bytes, quantize_compare
+from glm_fp8.quantize import quantize_blockwise
+from glm_fp8.reference import delta_block_sizes
+from glm_fp8.transfer.delta_wire import (
+    DeltaPiece,
+    counts_numel,
+    pack_delta,
+    payload_bound,
+    payload_layout,
+    unpack_delta,
+)
+
+
+def _step(shape, fraction, seed, scale=1.0):
+    """Old and new fp32 weights at magnitude ``scale``: ``fraction`` of the elements moved by ~2 %
+    (a fraction of 1: by ~30 %, so that most bytes change and blocks go dense)."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(shape, generator=g) * scale
+    moved = torch.rand(shape, generator=g) < fraction
+    rel = 0.3 if fraction == 1 else 0.02
+    new = torch.where(moved, old * (1 + rel * torch.randn(shape, generator=g)), old)
+    return old, new
+
+
+def _segment(specs, seed=0):
+    """Per piece: the engine's old (q, s), the sender's delta, the new reference (q, s)."""
+    out = []
+    for k, (shape, fraction, scale) in enumerate(specs):
+        old, new = _step(shape, fraction, seed + k, scale)
+        kept_q, kept_s = quantize_blockwise(old)
+        engine = (kept_q.clone(), kept_s.clone())
+        d = quantize_compare(new, kept_q, kept_s, backend="torch")
+        out.append((engine, d, quantize_blockwise(new)))
+    return out
+
+
+SPECS = [
+    ((3, 256, 384), 0.002, 1.0),  # an expert stack, a few changes a block
+    ((200, 130), 1.0, 1e-3),  # partial edge blocks, every weight moved: dense blocks
+    ((1, 128, 128), 0.0, 1e2),  # no change
+    ((0, 256, 128), 0.1, 1.0),  # E = 0
+]
+
+
+def test_a_packed_segment_applied_gives_the_new_quantization():
+    """pack -> unpack -> apply on the engine's old bytes == quantize_blockwise(new), bit for bit,
+    for every piece; the payload fits the plan's bound; counts are a plan-sized message."""
+    seg = _segment(SPECS)
+    pieces = [DeltaPiece(tuple(shape)) for shape, _, _ in SPECS]
+    counts = torch.full((counts_numel(pieces),), -7, dtype=torch.int32)
+    payload = torch.full((payload_bound(pieces),), 0xFF, dtype=torch.uint8)
+    n = pack_delta([d for _, d, _ in seg], pieces, counts, payload)
+    assert n <= payload_bound(pieces) and n < sum(p.dense_nbytes for p in pieces)
+    for (engine, _, (want_q, want_s)), got in zip(seg, unpack_delta(counts, payload[:n].clone(), pieces)):
+        apply_delta(got, engine[0], engine[1], backend="torch")
+        assert torch.equal(engine[0].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(engine[1].view(torch.int32), want_s.view(torch.int32))
+
+
+def test_a_passthrough_piece_round_trips():
+    """Bytes of a bf16 passthrough piece (no scales) travel the same way."""
+    old = torch.randn(64, 96).to(torch.bfloat16)
+    new = old.clone()
+    new[3, 5:9] += 1
+    kept = old.clone()
+    d = compare_bytes(new, kept)
+    piece = DeltaPiece(tuple(d.shape), scaled=False)
+    counts = torch.empty(counts_numel([piece]), dtype=torch.int32)
+    payload = torch.empty(payload_bound([piece]), dtype=torch.uint8)
+    n = pack_delta([d], [piece], counts, payload)
+    (got,) = unpack_delta(counts, payload[:n], [piece])
+    engine = old.clone()
+    apply_delta(got, engine.view(torch.uint8).view(torch.float8_e4m3fn).view(d.shape), None, backend="torch")
+    assert torch.equal(engine.view(torch.uint8), new.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(300, 260), (2, 128, 256), (5, 7)])
+def test_the_bound_holds_for_the_largest_counts(shape):
+    """Every block at the largest sparse count (v // 3) or dense, every scale changed: the layout
+    stays within payload_bound."""
+    piece = DeltaPiece(shape)
+    v = delta_block_sizes(shape)
+    for per_block in (v // 3, v):
+        counts = torch.cat([per_block, torch.tensor([piece.blocks])]).to(torch.int32)
+        _, total = payload_layout(counts, [piece])
+        assert total <= payload_bound([piece])
+
+
+def test_counts_that_do_not_belong_are_refused_before_any_read():
+    pieces = [DeltaPiece((256, 256)), DeltaPiece((130, 64))]
+    good = torch.zeros(counts_numel(pieces), dtype=torch.int32)
+    payload_layout(good, pieces)
+    too_many = good.clone()
+    too_many[5] = 128 * 64 + 1
+    with pytest.raises(ValueError, match="piece 1 .* changes in block 0"):
+        payload_layout(too_many, pieces)
+    negative = good.clone()
+    negative[0] = -1
+    with pytest.raises(ValueError, match="piece 0"):
+        payload_layout(negative, pieces)
+    scales = good.clone()
+    scales[4] = 5  # piece 0 has 4 blocks
+    with pytest.raises(ValueError, match="piece 0 .* 5 changed scales"):
+        payload_layout(scales, pieces)
+    with pytest.raises(ValueError, match=r"expected int32 \[8\]"):
+        payload_layout(good[:-1], pieces)
+    with pytest.raises(ValueError, match="at least"):
+        one_change = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
+        unpack_delta(one_change, torch.zeros(2, dtype=torch.uint8), pieces)
+
+
+def test_an_empty_segment():
+    assert counts_numel([]) == 0 == payload_bound([])
+    assert unpack_delta(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.uint8), []) == []
