@@ -36,6 +36,17 @@ def check_scale_fmt(scale_fmt: str) -> None:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
 
 
+def named_sources(sources: object) -> list[tuple[str, torch.Tensor]]:
+    """The ``sources`` argument of the quantizers (one tensor or a list/tuple of them) as
+    ``(name, tensor)`` pairs, named as errors call them: "sources" or "sources[k]". The tensors
+    themselves are checked later (``glm_fp8.jobs.plan_job``)."""
+    if isinstance(sources, torch.Tensor):
+        return [("sources", sources)]
+    if isinstance(sources, (list, tuple)):
+        return [(f"sources[{k}]", t) for k, t in enumerate(sources)]
+    raise TypeError(f"sources: expected a tensor or a sequence of tensors, got {type(sources).__name__}")
+
+
 _STRIDED = torch.strided
 
 

@@ -15,6 +15,7 @@ where it runs. Both give the same bits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from glm_fp8 import _checks
 from glm_fp8.errors import NonFiniteError
 from glm_fp8.jobs import check_finite_tensors, nonfinite_flag, plan_job
 from glm_fp8.kernels import interpreting, triton_delta
-from glm_fp8.numerics import BLOCK, blocks_shape
+from glm_fp8.numerics import BLOCK, blocks_shape, ceil_blocks
 from glm_fp8.reference import delta_apply_ref, delta_block_sizes, delta_encode_ref, quantize_concat_ref
 
 DELTA_BACKENDS = ("auto", "triton", "torch")
@@ -125,12 +126,7 @@ def quantize_compare(
     Arguments are checked before anything is written.
     """
     _checks.check_scale_fmt(scale_fmt)
-    if isinstance(sources, torch.Tensor):
-        named = [("sources", sources)]
-    elif isinstance(sources, (list, tuple)):
-        named = [(f"sources[{k}]", t) for k, t in enumerate(sources)]
-    else:
-        raise TypeError(f"sources: expected a tensor or a sequence of tensors, got {type(sources).__name__}")
+    named = _checks.named_sources(sources)
     if not isinstance(kept, torch.Tensor) or not isinstance(kept_scale, torch.Tensor):
         bad = "kept" if not isinstance(kept, torch.Tensor) else "kept_scale"
         raise TypeError(f"{bad}: expected a torch.Tensor (the kept copy of the engine's entry)")
@@ -170,7 +166,7 @@ def quantize_compare(
                              block=None)  # fmt: skip  # pragma: no cover
     positions = _empty(host[0], dtype=torch.int16, device=device)
     values = _empty(host[1], dtype=torch.uint8, device=device)
-    triton_delta.launch_pack(q3, bits, counts, pos_off, val_off, positions, values)
+    triton_delta.launch_pack(q3, bits, triton_delta.Wire(counts, pos_off, val_off, positions, values))
     scale_index = torch.nonzero_static(scale_changed, size=host[2])[:, 0].to(torch.int32)
     scale_values = s3.reshape(-1)[scale_index.long()]
     return BlockDelta(tuple(kept.shape), counts, positions, values, scale_index, scale_values)
@@ -263,12 +259,105 @@ def apply_delta(
         if scale is not None:
             scale.copy_(new_s.view(scale.shape))
         return
-    triton_delta.launch_apply(_as3d(q), delta.counts, pos_off, val_off, delta.positions, delta.values)
+    wire = triton_delta.Wire(delta.counts, pos_off, val_off, delta.positions, delta.values)
+    triton_delta.launch_apply(_as3d(q), wire)
     if delta.scale_index.numel():
         s3 = _as3d(scale)
         idx = delta.scale_index.long()
         nrb, ncb = s3.shape[1], s3.shape[2]
         s3[idx // (nrb * ncb), idx // ncb % nrb, idx % ncb] = delta.scale_values
+
+
+def _cut_range(name: str, cut: object, n: int, unit: str, align: int) -> tuple[int, int]:
+    """``cut`` (start, stop) checked: ints, 0 <= start <= stop <= n; start a multiple of ``align``,
+    stop too or ``n``. None: (0, n)."""
+    if cut is None:
+        return 0, n
+    if not isinstance(cut, (tuple, list)) or len(cut) != 2:
+        raise ValueError(f"{name}: expected None or (start, stop), got {cut!r}")
+    start = _checks.check_int(f"{name}[0]", cut[0], 0, n, f" (the entry has {n} {unit})")
+    stop = _checks.check_int(f"{name}[1]", cut[1], start, n, f" (the entry has {n} {unit})")
+    if start % align or (stop % align and stop != n):
+        raise ValueError(
+            f"{name}: expected whole {align}x{align} blocks (start a multiple of {align}, stop a multiple "
+            f"of {align} or {n}, the entry's end), got ({start}, {stop})"
+        )
+    return start, stop
+
+
+def cut_delta(
+    delta: BlockDelta,
+    *,
+    experts: tuple[int, int] | None = None,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> BlockDelta:
+    """The delta of a block-aligned cut of ``delta``'s entry: applied to the engine's view of the
+    cut, ``q[e0:e1, r0:r1, c0:c1]`` (2-D: ``q[r0:r1, c0:c1]``) with its scales ``s[e0:e1,
+    r0 // 128 : ceil(r1 / 128), c0 // 128 : ceil(c1 / 128)]``, it writes exactly what ``delta``
+    writes there; it equals, tensor for tensor, the delta of the two states' cut views.
+
+    Args:
+        experts: (e0, e1), a range of experts of a 3-D entry; None: all (the only choice for 2-D).
+        rows, cols: (start, stop) in elements: start a multiple of 128, stop a multiple of 128 or
+            the entry's end; None: all. The cut's blocks are whole blocks of the entry (its edge
+            block too), so each keeps its count, its dense or sparse form and its offsets. A cut
+            may be empty.
+
+    Torch ops on the delta's device (the counts' prefix sums index the runs kept; no loop over
+    blocks), one host read. Raises ValueError naming the argument for a cut out of range or not
+    block-aligned, and for a delta whose tensors do not fit its shape.
+    """
+    if not isinstance(delta, BlockDelta):
+        raise TypeError(f"delta: expected a BlockDelta, got {type(delta).__name__}")
+    shape = tuple(delta.shape)
+    if len(shape) == 2 and experts is not None:
+        raise ValueError(f"experts: expected None for a 2-D entry {list(shape)}, got {experts!r}")
+    e, r, c = shape if len(shape) == 3 else (1, *shape)
+    e0, e1 = _cut_range("experts", experts, e, "experts", 1)
+    r0, r1 = _cut_range("rows", rows, r, "rows", BLOCK)
+    c0, c1 = _cut_range("cols", cols, c, "columns", BLOCK)
+    n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
+    sizes = delta_block_sizes(shape, delta.counts.device)
+    if delta.counts.shape != sizes.shape:
+        raise ValueError(f"delta.counts: expected {tuple(sizes.shape)}, one per block of {list(shape)}, "
+                         f"got {tuple(delta.counts.shape)}")  # fmt: skip
+    arange = functools.partial(torch.arange, device=sizes.device)
+    b_r, b_c = (r0 // BLOCK, ceil_blocks(r1)), (c0 // BLOCK, ceil_blocks(c1))  # the cut's block ranges
+    ids = ((arange(e0, e1)[:, None, None] * n_rb + arange(*b_r)[:, None]) * n_cb + arange(*b_c)).flatten()
+    n = delta.counts.long()
+    pos_off, val_off, totals = _offsets(n, sizes)
+    dense = 3 * n > sizes
+    n_pos, n_val = torch.where(dense, 0, n)[ids], torch.where(dense, sizes, n)[ids]
+    idx = delta.scale_index.long()
+    ie, irb, icb = idx // max(1, n_rb * n_cb), idx // max(1, n_cb) % max(1, n_rb), idx % max(1, n_cb)
+    keep = (ie >= e0) & (ie < e1) & (irb >= b_r[0]) & (irb < b_r[1]) & (icb >= b_c[0]) & (icb < b_c[1])
+    bad = (n < 0).any() | (idx < 0).any() | (idx >= len(sizes)).any() | (len(idx) != len(delta.scale_values))
+    host = torch.stack([n_pos.sum(), n_val.sum(), keep.sum(), *totals, bad.long()]).tolist()  # the host read
+    if host[3:] != [delta.positions.numel(), delta.values.numel(), 0]:
+        raise ValueError(
+            f"delta: not a delta of a {list(shape)} entry (counts >= 0 calling for {host[3]} positions and "
+            f"{host[4]} values, scale indices in [0, {len(sizes)}) one per scale value), got "
+            f"{delta.positions.numel()} positions, {delta.values.numel()} values, {len(idx)} scale indices "
+            f"and {len(delta.scale_values)} scale values"
+        )
+    kept = torch.nonzero_static(keep, size=host[2])[:, 0]
+    nrb, ncb = b_r[1] - b_r[0], b_c[1] - b_c[0]
+    index = ((ie[kept] - e0) * nrb + irb[kept] - b_r[0]) * ncb + icb[kept] - b_c[0]
+    return BlockDelta(
+        (r1 - r0, c1 - c0) if len(shape) == 2 else (e1 - e0, r1 - r0, c1 - c0),
+        delta.counts[ids],
+        delta.positions[_runs(pos_off[ids], n_pos, host[0])],
+        delta.values[_runs(val_off[ids], n_val, host[1])],
+        index.to(torch.int32),
+        delta.scale_values[kept],
+    )
+
+
+def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Indices of the runs [starts[k], starts[k] + lengths[k]), in order; ``total``: their sum."""
+    shift = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
+    return torch.arange(total, device=starts.device) + shift
 
 
 def compare_bytes(new: torch.Tensor, kept: torch.Tensor) -> BlockDelta:
@@ -291,4 +380,12 @@ def compare_bytes(new: torch.Tensor, kept: torch.Tensor) -> BlockDelta:
     return BlockDelta(tuple(nb.shape), counts, positions, values, empty, empty.float())
 
 
-__all__ = ["DELTA_BACKENDS", "BlockDelta", "apply_delta", "check_delta", "compare_bytes", "quantize_compare"]
+__all__ = [
+    "DELTA_BACKENDS",
+    "BlockDelta",
+    "apply_delta",
+    "check_delta",
+    "compare_bytes",
+    "cut_delta",
+    "quantize_compare",
+]

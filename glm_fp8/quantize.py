@@ -58,12 +58,7 @@ def quantize_blockwise(
     the input dtype. Every config gives the same bits.
     """
     _checks.check_scale_fmt(scale_fmt)
-    if isinstance(sources, torch.Tensor):
-        named = [("sources", sources)]
-    elif isinstance(sources, (list, tuple)):
-        named = [(f"sources[{k}]", t) for k, t in enumerate(sources)]
-    else:
-        raise TypeError(f"sources: expected a tensor or a sequence of tensors, got {type(sources).__name__}")
+    named = _checks.named_sources(sources)
     check_config(config)
     job = plan_job(named, out, scale_out, "out", "scale_out")
     _checks.check_no_overlap([("out", job.q), ("scale_out", job.s)], named)

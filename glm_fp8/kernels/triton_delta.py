@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,13 +26,10 @@ import triton.language as tl
 
 from glm_fp8.kernels import interpreting
 from glm_fp8.kernels.triton_quantize import (
-    _INV_FP8_MAX_BITS,
     _NO_ALIGN_KW,
-    _SCALE_FLOOR_BITS,
     _SOURCE_POINTERS,
-    _e4m3_code_soft,
-    _load_source_rows,
-    _max_propagate_nan,
+    _block_scale_code,
+    _load_concat,
 )
 from glm_fp8.numerics import BLOCK, MAX_SOURCES, ceil_blocks
 
@@ -55,44 +53,17 @@ def _delta_compare(
     o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)
     m_c = o_c < C
     m_t = (o_r < R)[:, None] & m_c[None, :]
-    b_x = tl.zeros([BR, BC], dtype=tl.float32)
-    b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
-    if NUM_SRC > 1:
-        b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
-    if NUM_SRC > 2:
-        b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
-    if NUM_SRC > 3:
-        b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
+    b_x = _load_concat(
+        i_e, o_r, o_c, m_c, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R,
+        s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c, NUM_SRC, BR, BC,
+    )  # fmt: skip
 
-    # The scale and the bytes, as quantize_blockwise_kernel computes them (its comments say why).
-    b_a = tl.abs(b_x)
-    if NAN_MAX:
-        b_amax = tl.reduce(tl.reduce(b_a, 1, _max_propagate_nan), 0, _max_propagate_nan)
-    else:
-        b_amax = tl.max(b_a) + tl.sum(b_x * 0.0)
-    inv_max = tl.full([], _INV_FP8_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-    floor = tl.full([], _SCALE_FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
-    b_s = tl.maximum(b_amax * inv_max, floor, propagate_nan=tl.PropagateNan.ALL)
-    if UE8M0:
-        b_sb = b_s.to(tl.int32, bitcast=True)
-        b_up = ((b_sb & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
-        b_s = tl.where(((b_sb & 0x007FFFFF) != 0) & (b_s < float("inf")), b_up, b_s)
+    # The scale and the bytes from quantize_blockwise_kernel's own code, with its default config's
+    # division (fma_div, signed_quotient); one element per cvt (PAIRED_CVT off): the kept copy may
+    # be a view of any strides, where the paired cvt was miscompiled (triton_quantize.py says how).
+    b_s, b_q = _block_scale_code(b_x, p_flag, UE8M0, SOFT_FP8, FMA_DIV=True, NAN_MAX=NAN_MAX, FLAG=FLAG,
+                                 SIGNED_Y=True, PAIRED_CVT=False)  # fmt: skip
     b_ok = (b_s == b_s) & (b_s < float("inf"))
-    if FLAG:
-        tl.store(p_flag, 1, mask=b_ok.to(tl.int32) == 0)
-    b_r = tl.math.div_rn(1.0, b_s)
-    b_y = b_x * b_r
-    b_y = tl.fma(tl.fma(-b_y, b_s, b_x), b_r, b_y)
-    b_y = tl.fma(tl.fma(-b_y, b_s, b_x), b_r, b_y)
-    if SOFT_FP8:
-        b_code = _e4m3_code_soft(tl.minimum(tl.abs(b_y), 448.0, propagate_nan=tl.PropagateNan.ALL))
-    else:
-        # One element per cvt (rn, satfinite): the paired form was miscompiled (triton_quantize.py).
-        b_code = tl.inline_asm_elementwise(
-            "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
-            "=r,r", [b_y], dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
-    b_q = b_code | ((b_x.to(tl.int32, bitcast=True) >> 24) & 0x80)
 
     p_kt = p_kq + i_e * s_ke + o_r[:, None] * s_kr + o_c[None, :] * s_kc
     b_old = tl.load(p_kt, mask=m_t, other=0).to(tl.int32)
@@ -122,12 +93,19 @@ delta_compare_kernel_unaligned_out = triton.jit(**{_NO_ALIGN_KW: _SOURCE_POINTER
 
 
 @triton.jit
-def _block_extent(i_b, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr):
-    """Expert, first row and column, valid rows and columns of block ``i_b``."""
+def _program_block(p_cnt, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's block: its index and count of changed bytes, its expert, first row and
+    column, valid rows and columns, and in-block row and column offsets with the valid mask."""
+    i_b = tl.program_id(0).to(tl.int64)
     i_e = i_b // (n_rb * n_cb)
     r0 = ((i_b // n_cb) % n_rb) * BR
     c0 = (i_b % n_cb) * BC
-    return i_e, r0, c0, tl.minimum(R - r0, BR), tl.minimum(C - c0, BC)
+    nr = tl.minimum(R - r0, BR)
+    nc = tl.minimum(C - c0, BC)
+    o_r = tl.arange(0, BR).to(tl.int64)
+    o_c = tl.arange(0, BC).to(tl.int64)
+    m_t = (o_r < nr)[:, None] & (o_c < nc)[None, :]
+    return i_b, tl.load(p_cnt + i_b), i_e, r0, c0, nr, nc, o_r, o_c, m_t
 
 
 @triton.jit
@@ -135,13 +113,8 @@ def delta_pack_kernel(
     p_kq, p_bits, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_ke, s_kr, s_kc, n_rb, n_cb,
     BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
 ):  # fmt: skip
-    i_b = tl.program_id(0).to(tl.int64)
-    n = tl.load(p_cnt + i_b)
+    i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
     if n > 0:
-        i_e, r0, c0, nr, nc = _block_extent(i_b, R, C, n_rb, n_cb, BR, BC)
-        o_r = tl.arange(0, BR).to(tl.int64)
-        o_c = tl.arange(0, BC).to(tl.int64)
-        m_t = (o_r < nr)[:, None] & (o_c < nc)[None, :]
         p_kt = p_kq + i_e * s_ke + (r0 + o_r)[:, None] * s_kr + (c0 + o_c)[None, :] * s_kc
         b_v = tl.load(p_kt, mask=m_t, other=0)
         v0 = tl.load(p_voff + i_b)
@@ -165,16 +138,11 @@ def delta_apply_kernel(
     p_q, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_qe, s_qr, s_qc, n_rb, n_cb,
     BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    i_b = tl.program_id(0).to(tl.int64)
-    n = tl.load(p_cnt + i_b)
+    i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
     if n > 0:
-        i_e, r0, c0, nr, nc = _block_extent(i_b, R, C, n_rb, n_cb, BR, BC)
         v0 = tl.load(p_voff + i_b)
         p_qb = p_q + i_e * s_qe + r0 * s_qr + c0 * s_qc
         if 3 * n > nr * nc:
-            o_r = tl.arange(0, BR).to(tl.int64)
-            o_c = tl.arange(0, BC).to(tl.int64)
-            m_t = (o_r < nr)[:, None] & (o_c < nc)[None, :]
             b_v = tl.load(p_val + v0 + o_r[:, None] * nc + o_c[None, :], mask=m_t)
             tl.store(p_qb + o_r[:, None] * s_qr + o_c[None, :] * s_qc, b_v, mask=m_t)
         else:
@@ -229,44 +197,36 @@ def launch_compare(
         )  # fmt: skip
 
 
-def launch_pack(
-    kept_q: torch.Tensor,
-    bits: torch.Tensor,
-    counts: torch.Tensor,
-    pos_offsets: torch.Tensor,
-    val_offsets: torch.Tensor,
-    positions: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
-    """kept_q fp8 [E, R, C] (already updated); offsets int64 [blocks]; positions int16, values uint8."""
-    e, n_rb, n_cb = _grid_dims(kept_q)
-    if e * n_rb * n_cb == 0:
-        return
-    with _on_device(kept_q):
-        delta_pack_kernel[(e * n_rb * n_cb,)](
-            kept_q.view(torch.uint8), bits, counts, pos_offsets, val_offsets, positions, values,
-            kept_q.shape[1], kept_q.shape[2], *kept_q.stride(), n_rb, n_cb,
-            BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
-        )  # fmt: skip
+class Wire(NamedTuple):
+    """A delta's tensors as the pack kernel fills them and the apply kernel reads them."""
+
+    counts: torch.Tensor  # int32 [blocks]
+    pos_offsets: torch.Tensor  # int64 [blocks]: exclusive prefix sums of the positions per block
+    val_offsets: torch.Tensor  # int64 [blocks]: the same for the values
+    positions: torch.Tensor  # int16 [P]
+    values: torch.Tensor  # uint8 [V]
 
 
-def launch_apply(
-    q: torch.Tensor,
-    counts: torch.Tensor,
-    pos_offsets: torch.Tensor,
-    val_offsets: torch.Tensor,
-    positions: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
+def launch_pack(kept_q: torch.Tensor, bits: torch.Tensor, wire: Wire) -> None:
+    """kept_q fp8 [E, R, C] (already updated) and launch_compare's bits: fill wire's positions and values."""
+    _launch_per_block(delta_pack_kernel, kept_q, (bits, *wire), WBITS=WORD, num_warps=8)
+
+
+def launch_apply(q: torch.Tensor, wire: Wire) -> None:
     """Write checked changes into the fp8 parameter view q [E, R, C] (any strides)."""
+    _launch_per_block(delta_apply_kernel, q, wire, CHUNK=APPLY_CHUNK, num_warps=4)
+
+
+def _launch_per_block(kernel, q: torch.Tensor, tensors: Sequence[torch.Tensor], **meta) -> None:
+    """A program per 128x128 block of q [E, R, C]: kernel(q's bytes, *tensors, R, C, q's strides,
+    row blocks, column blocks, BR, BC, **meta)."""
     e, n_rb, n_cb = _grid_dims(q)
     if e * n_rb * n_cb == 0:
         return
     with _on_device(q):
-        delta_apply_kernel[(e * n_rb * n_cb,)](
-            q.view(torch.uint8), counts, pos_offsets, val_offsets, positions, values,
-            q.shape[1], q.shape[2], *q.stride(), n_rb, n_cb, BR=BLOCK, BC=BLOCK, CHUNK=APPLY_CHUNK,
-            num_warps=4,
+        kernel[(e * n_rb * n_cb,)](
+            q.view(torch.uint8), *tensors, q.shape[1], q.shape[2], *q.stride(), n_rb, n_cb,
+            BR=BLOCK, BC=BLOCK, **meta,
         )  # fmt: skip
 
 
@@ -275,5 +235,5 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-__all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "delta_apply_kernel", "delta_compare_kernel",
+__all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "Wire", "delta_apply_kernel", "delta_compare_kernel",
            "delta_pack_kernel", "launch_apply", "launch_compare", "launch_pack"]  # fmt: skip

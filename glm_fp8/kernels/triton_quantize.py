@@ -37,6 +37,25 @@ def _load_source_rows(x, p_src, i_e, r_lo, r_hi, o_r, o_c, m_c, s_e, s_r, s_c):
 
 
 @triton.jit
+def _load_concat(
+    i_e, o_r, o_c, m_c, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R,
+    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+    NUM_SRC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Rows ``o_r``, columns ``o_c`` of the sources' row concatenation as a float32 tile (0.0 where
+    masked), a load from each source: any strides, each source its own."""
+    b_x = tl.zeros([BR, BC], dtype=tl.float32)
+    b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
+    if NUM_SRC > 1:
+        b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
+    if NUM_SRC > 2:
+        b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
+    if NUM_SRC > 3:
+        b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
+    return b_x
+
+
+@triton.jit
 def _e4m3_code_soft(y):
     """e4m3fn code (7 bits, no sign) of float32 ``y`` in [0, 448] or NaN, RNE in integer math.
 
@@ -55,41 +74,15 @@ def _e4m3_code_soft(y):
 
 
 @triton.jit
-def _quantize_tile(
-    i_e, i_rb, i_cb,  # int64: expert, row block, column block
-    p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
-    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
-    s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
-    NUM_SRC: tl.constexpr, ROW_GATHER: tl.constexpr, UE8M0: tl.constexpr,
-    SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr, FLAG: tl.constexpr,
-    SIGNED_Y: tl.constexpr, PAIRED_CVT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+def _block_scale_code(
+    b_x, p_flag,
+    UE8M0: tl.constexpr, SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr,
+    FLAG: tl.constexpr, SIGNED_Y: tl.constexpr, PAIRED_CVT: tl.constexpr,
 ):  # fmt: skip
-    """Quantize one 128x128 tile of the row-concatenated sources into q and its scale."""
-    o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)  # [BR]
-    o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)  # [BC]
-    m_r = o_r < R
-    m_c = o_c < C
-    if ROW_GATHER:
-        # One base pointer per row, taken from the source that holds it: a single load per tile.
-        p_row = p_x0 + i_e * s_x0e + o_r * s_x0r  # [BR]
-        if NUM_SRC > 1:
-            p_row = tl.where(o_r >= r1, p_x1 + i_e * s_x1e + (o_r - r1) * s_x1r, p_row)
-        if NUM_SRC > 2:
-            p_row = tl.where(o_r >= r2, p_x2 + i_e * s_x2e + (o_r - r2) * s_x2r, p_row)
-        if NUM_SRC > 3:
-            p_row = tl.where(o_r >= r3, p_x3 + i_e * s_x3e + (o_r - r3) * s_x3r, p_row)
-        p_x = p_row[:, None] + o_c[None, :] * s_x0c  # [BR, BC]
-        b_x = tl.load(p_x, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-    else:
-        b_x = tl.zeros([BR, BC], dtype=tl.float32)
-        b_x = _load_source_rows(b_x, p_x0, i_e, 0, r1, o_r, o_c, m_c, s_x0e, s_x0r, s_x0c)
-        if NUM_SRC > 1:
-            b_x = _load_source_rows(b_x, p_x1, i_e, r1, r2, o_r, o_c, m_c, s_x1e, s_x1r, s_x1c)
-        if NUM_SRC > 2:
-            b_x = _load_source_rows(b_x, p_x2, i_e, r2, r3, o_r, o_c, m_c, s_x2e, s_x2r, s_x2c)
-        if NUM_SRC > 3:
-            b_x = _load_source_rows(b_x, p_x3, i_e, r3, R, o_r, o_c, m_c, s_x3e, s_x3r, s_x3c)
-
+    """The scale of one tile ``b_x`` (float32 [BR, BC], 0.0 outside the entry) and its e4m3fn
+    bytes as int32 (code | sign), docs/numerics.md bit for bit. The quantize kernel and the delta
+    compare kernel (triton_delta.py) both take them from here, so a sender's compared bytes are
+    the quantizer's own. Sets ``p_flag`` for a NaN/Inf scale (FLAG)."""
     # The amax reads magnitudes; the quotient below is taken from x itself (every step is
     # sign-symmetric under round-to-nearest-even), so that |x| is not kept beside x.
     b_a = tl.abs(b_x)  # [BR, BC]
@@ -145,7 +138,46 @@ def _quantize_tile(
         )
     # The sign bit of x goes on the byte whatever the quotient's zero sign: -0.0 gives 0x80.
     b_sign = (b_x.to(tl.int32, bitcast=True) >> 24) & 0x80
-    b_q = (b_code | b_sign).to(tl.uint8)
+    return b_s, b_code | b_sign
+
+
+@triton.jit
+def _quantize_tile(
+    i_e, i_rb, i_cb,  # int64: expert, row block, column block
+    p_q, p_s, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
+    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+    s_qe, s_qr, s_qc, s_se, s_sr, s_sc,
+    NUM_SRC: tl.constexpr, ROW_GATHER: tl.constexpr, UE8M0: tl.constexpr,
+    SOFT_FP8: tl.constexpr, FMA_DIV: tl.constexpr, NAN_MAX: tl.constexpr, FLAG: tl.constexpr,
+    SIGNED_Y: tl.constexpr, PAIRED_CVT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Quantize one 128x128 tile of the row-concatenated sources into q and its scale."""
+    o_r = i_rb * BR + tl.arange(0, BR).to(tl.int64)  # [BR]
+    o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)  # [BC]
+    m_r = o_r < R
+    m_c = o_c < C
+    if ROW_GATHER:
+        # One base pointer per row, taken from the source that holds it: a single load per tile.
+        p_row = p_x0 + i_e * s_x0e + o_r * s_x0r  # [BR]
+        if NUM_SRC > 1:
+            p_row = tl.where(o_r >= r1, p_x1 + i_e * s_x1e + (o_r - r1) * s_x1r, p_row)
+        if NUM_SRC > 2:
+            p_row = tl.where(o_r >= r2, p_x2 + i_e * s_x2e + (o_r - r2) * s_x2r, p_row)
+        if NUM_SRC > 3:
+            p_row = tl.where(o_r >= r3, p_x3 + i_e * s_x3e + (o_r - r3) * s_x3r, p_row)
+        p_x = p_row[:, None] + o_c[None, :] * s_x0c  # [BR, BC]
+        b_x = tl.load(p_x, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+    else:
+        b_x = _load_concat(
+            i_e, o_r, o_c, m_c, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R,
+            s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
+            NUM_SRC, BR, BC,
+        )  # fmt: skip
+
+    b_s, b_byte = _block_scale_code(
+        b_x, p_flag, UE8M0, SOFT_FP8, FMA_DIV, NAN_MAX, FLAG, SIGNED_Y, PAIRED_CVT
+    )
+    b_q = b_byte.to(tl.uint8)
 
     p_qt = p_q + i_e * s_qe + o_r[:, None] * s_qr + o_c[None, :] * s_qc
     tl.store(p_qt, b_q, mask=m_r[:, None] & m_c[None, :])

@@ -14,8 +14,8 @@ from conftest import BACKENDS, poisoned_f32, poisoned_fp8
 
 import glm_fp8.delta as delta_mod
 from glm_fp8 import NonFiniteError
-from glm_fp8.delta import BlockDelta, apply_delta, compare_bytes, quantize_compare
-from glm_fp8.reference import delta_apply_ref, delta_encode_ref, quantize_concat_ref
+from glm_fp8.delta import BlockDelta, apply_delta, compare_bytes, cut_delta, quantize_compare
+from glm_fp8.reference import delta_apply_ref, delta_block_sizes, delta_encode_ref, quantize_concat_ref
 
 DELTA_BACKENDS = ["triton", "torch"] if "triton" in BACKENDS else ["torch"]
 
@@ -236,3 +236,90 @@ def test_passthrough_bytes(device, dbackend):
     rows = engine.view(torch.uint8).view(torch.float8_e4m3fn)
     apply_delta(d, rows, None, backend=dbackend)
     assert torch.equal(engine, new)
+
+
+def _random_cut(gen: torch.Generator, n: int, block: int = 128) -> tuple[int, int]:
+    """A random (start, stop) of whole blocks of n rows, columns (or experts, block=1), not empty
+    unless n is 0; it may end in the partial edge block."""
+    nb = -(-n // block)
+    lo = int(torch.randint(0, max(nb, 1), (), generator=gen))
+    hi = int(torch.randint(min(lo + 1, nb), nb + 1, (), generator=gen))
+    return lo * block, min(hi * block, n)
+
+
+@pytest.mark.parametrize(
+    "shape, change",
+    [((2, 300, 260), "step"), ((1, 130, 129), "unrelated"), ((0, 200, 64), "step"), ((256, 200), "step")],
+)
+def test_cut_delta_is_the_delta_of_the_cut(device, shape, change, dbackend):
+    """The cut of an entry's delta is the delta of the two states' cut views, bit for bit, and applied
+    to the engine's view of the cut it writes there what the whole delta writes, nothing elsewhere."""
+    x = torch.randn(shape, device=device)
+    prev_q, prev_s = quantize_concat_ref([x])
+    y = torch.randn_like(x)  # "unrelated": every block dense
+    if change == "step":
+        y = x * (1 + 1e-2 * torch.randn_like(x))  # sparse blocks; every float32 scale changes
+        y[..., :128, 128:256] = torch.randn_like(y[..., :128, 128:256])  # dense blocks
+        y[..., 128:, :128] = x[..., 128:, :128]  # blocks without a change
+    new_q, new_s = quantize_concat_ref([y])
+    whole = BlockDelta(tuple(shape), *delta_encode_ref(prev_q, prev_s, new_q, new_s))
+    dense = 3 * whole.counts.long().cpu() > delta_block_sizes(shape)
+    assert dense.all() if change == "unrelated" else (dense.any() and not dense.all()) or not len(dense)
+    full_q, full_s = prev_q.clone(), prev_s.clone()
+    apply_delta(whole, full_q, full_s, backend=dbackend)
+    e, r, c = shape if len(shape) == 3 else (1, *shape)
+    gen = torch.Generator().manual_seed(r * c)
+    # All; the blocks without a change; empty cuts (no experts, no rows); then random cuts.
+    cuts = [((0, e), (0, r), (0, c)), ((0, e), (128, r), (0, min(c, 128)))]
+    cuts += [((e, e), (0, r), (0, c)), ((0, e), (128, 128), (0, c))]
+    cuts += [(_random_cut(gen, e, 1), _random_cut(gen, r), _random_cut(gen, c)) for _ in range(6)]
+    for k, ((e0, e1), (r0, r1), (c0, c1)) in enumerate(cuts):
+        sl = (slice(e0, e1), slice(r0, r1), slice(c0, c1))[3 - len(shape) :]
+        sl_s = (slice(e0, e1), slice(r0 // 128, -(-r1 // 128)), slice(c0 // 128, -(-c1 // 128)))
+        sl_s = sl_s[3 - len(shape) :]
+        what = f"cut {k} {sl}"
+        d = cut_delta(whole, experts=(e0, e1) if len(shape) == 3 else None, rows=(r0, r1), cols=(c0, c1))
+        assert d.shape == tuple(prev_q[sl].shape), what
+        want = delta_encode_ref(prev_q[sl], prev_s[sl_s], new_q[sl], new_s[sl_s])
+        for name, got, ref in zip(("counts", "positions", "values", "scale_index", "scale_values"),
+                                  d.tensors(), want):  # fmt: skip
+            _same(got, ref, f"{what}: {name}")
+        if k == 1 and change == "step":
+            assert d.counts.numel() == e * (-(-r // 128) - 1), what
+            assert d.changed == 0 and d.scale_index.numel() == 0, what
+        engine_q, engine_s = prev_q.clone(), prev_s.clone()
+        apply_delta(d, engine_q[sl], engine_s[sl_s], backend=dbackend)
+        want_q, want_s = prev_q.clone(), prev_s.clone()
+        want_q[sl], want_s[sl_s] = full_q[sl], full_s[sl_s]
+        _same(engine_q, want_q, f"{what}: engine bytes")
+        _same(engine_s, want_s, f"{what}: engine scales")
+
+
+def test_cut_delta_refuses_a_cut_off_the_blocks(device):
+    """A cut out of range, not of whole blocks, or of a delta that does not fit its shape: a ValueError
+    naming the argument."""
+    x = torch.randn(2, 300, 260, device=device)
+    q, s = quantize_concat_ref([x])
+    new_q, new_s = quantize_concat_ref([x * (1 + 1e-2 * torch.randn_like(x))])
+    d = BlockDelta((2, 300, 260), *delta_encode_ref(q, s, new_q, new_s))
+    assert d.positions.numel() and d.scale_index.numel()
+    wrong = [
+        (dict(rows=(100, 256)), r"^rows: expected whole 128x128 blocks \(start a multiple of 128"),
+        (dict(rows=(0, 200)), r"^rows: expected whole 128x128 blocks .* got \(0, 200\)"),
+        (dict(cols=(0, 384)), r"^cols\[1\]: expected an integer in \[0, 260\] \(the entry has 260 columns\)"),
+        (dict(experts=(1, 3)), r"^experts\[1\]: expected an integer in \[1, 2\]"),
+        (dict(experts=(2, 1)), r"^experts\[1\]: expected an integer in \[2, 2\]"),
+        (dict(rows=(128,)), r"^rows: expected None or \(start, stop\)"),
+        (dict(cols=(0.0, 128)), r"^cols\[0\]: expected an integer"),
+    ]
+    for kwargs, match in wrong:
+        with pytest.raises(ValueError, match=match):
+            cut_delta(d, **kwargs)
+    flat = BlockDelta((300, 260), *delta_encode_ref(q[0], s[0], q[1], s[1]))
+    with pytest.raises(ValueError, match=r"^experts: expected None for a 2-D entry"):
+        cut_delta(flat, experts=(0, 1))
+    with pytest.raises(ValueError, match=r"^delta.counts: expected \(12,\)"):
+        cut_delta(BlockDelta((2, 300, 256), *d.tensors()), experts=(0, 1))
+    short = BlockDelta(d.shape, d.counts, d.positions[:-1], d.values, d.scale_index, d.scale_values)
+    with pytest.raises(ValueError, match=r"^delta: not a delta of a \[2, 300, 260\] entry"):
+        cut_delta(short, rows=(0, 128))
