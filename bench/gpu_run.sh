@@ -2,7 +2,7 @@
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
-# GATHER=1 PIPELINE=1 FLEET=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 FLEET=0 DELTA=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
@@ -28,20 +28,20 @@ fi
 python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
 if [ "${FUZZ:-1}" = 1 ]; then
   GLM_FP8_FUZZ_CASES=${FUZZ_CASES:-400} GLM_FP8_FUZZ_SEED=${FUZZ_SEED:-} GLM_FP8_FUZZ_BUDGET_S=${FUZZ_BUDGET_S:-} \
-    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/kernels/test_fuzz.py 2>&1 \
-    | tee "$LOG/fuzz.txt" | grep -E '^fuzz: |^(FAILED|ERROR|SKIPPED) |^- seed=|=> |replay: | (passed|failed)' | sed -n 1,60p
+    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/kernels/test_fuzz.py tests/kernels/test_delta_fuzz.py 2>&1 \
+    | tee "$LOG/fuzz.txt" | grep -E '^(delta )?fuzz: |^(FAILED|ERROR|SKIPPED) |^- seed=|=> |replay: | (passed|failed)' | sed -n 1,60p
 fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
 if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   TEST_PATHS="tests/kernels/test_backends.py tests/transfer/test_broadcast.py tests/test_convert.py tests/kernels/test_errors.py
     tests/kernels/test_quantize.py tests/test_cli.py tests/kernels/test_checksum.py tests/test_trainer_layouts.py
-    tests/transfer/test_one_pass.py"
+    tests/transfer/test_one_pass.py tests/kernels/test_delta.py tests/transfer/test_delta_wire.py"
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   # tests/kernels/test_fuzz.py ran in FUZZ above, if on.
   timeout -s INT "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfE ${TEST_PATHS:-tests} ${TEST_ARGS:-} \
-    $([ "${FUZZ:-1}" = 1 ] && echo --ignore=tests/kernels/test_fuzz.py) 2>&1 \
+    $([ "${FUZZ:-1}" = 1 ] && echo --ignore=tests/kernels/test_fuzz.py --ignore=tests/kernels/test_delta_fuzz.py) 2>&1 \
     | tee "$LOG/tests.txt" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
@@ -72,6 +72,12 @@ if [ "${FLEET:-0}" = 1 ]; then
     # 8 senders into 4 x EP 8: the senders' NICs would bound it, so group broadcasts (topology.py).
     python3 bench/scripts/pipeline.py --mode senders --layers $L --senders 8 --servers 4xEP8 \
       --sender 0 --master bf16 --repeats 2; } 2>&1 | tee "$LOG/fleet.txt" | grep -v '^---'
+fi
+if [ "${DELTA:-0}" = 1 ]; then
+  # #33: the changed fraction from real AdamW steps at GLM-5's expert shape, the kernel checked
+  # against the reference at every step.
+  python3 bench/scripts/delta_fraction.py --device cuda --steps ${DELTA_STEPS:-20} --quantizer kernel \
+    --json "$LOG/delta_fraction.json" 2>&1 | tee "$LOG/delta_fraction.txt" | tail -20
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
   python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} 2>&1 | tee "$LOG/engine_rank.txt"
