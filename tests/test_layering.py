@@ -34,13 +34,20 @@ LAYERS = [
     ["engine.specs"],
     ["engine.postload"],
     ["transfer.wire", "transfer.link", "transfer.delta_versions"],
-    ["transfer.pack", "transfer.land", "transfer.votes", "transfer.trainer_input", "transfer.topology",
-     "transfer.delta_wire"],  # fmt: skip
+    [
+        "transfer.pack",
+        "transfer.land",
+        "transfer.votes",
+        "transfer.trainer_input",
+        "transfer.topology",
+        "transfer.delta_wire",
+    ],
     ["transfer.owners"],
     ["transfer.routes"],
-    ["transfer.endpoint", "update_delta"],
+    ["transfer.endpoint", "update_delta", "transfer.delta_plan"],
     ["transfer.gather"],
     ["transfer.share"],
+    ["transfer.delta_send", "transfer.delta_receive"],
     ["transfer.sender", "transfer.receiver", "integrations.vllm.gate"],
     [
         "transfer",

@@ -2,6 +2,7 @@
 every rank shares (``endpoint``), the sending trainer ranks (``sender``), the receiving engine ranks
 (``receiver``, landing in ``land``) and the collection of sharded trainer weights (``gather``)."""
 
+from glm_fp8.transfer.delta_send import DeltaOptions
 from glm_fp8.transfer.gather import contribute_shards
 from glm_fp8.transfer.link import HostSinkComm, Link, ObjectLink, StoreLink, TorchLink, as_link
 from glm_fp8.transfer.receiver import Receiver
@@ -15,6 +16,7 @@ from glm_fp8.transfer.wire import (
 
 __all__ = [
     "Broadcaster",
+    "DeltaOptions",
     "HostSinkComm",
     "LayerOrderError",
     "Link",

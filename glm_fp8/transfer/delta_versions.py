@@ -1,4 +1,4 @@
-"""Which engine ranks may take a layer as a delta (docs/delta.md#in-the-transfer-design-not-built-yet).
+"""Which engine ranks may take a layer as a delta (docs/delta.md#in-the-transfer).
 
 A delta is exact only on the bytes it was computed against. Every update has a number; the sender
 records per layer the update its kept copy is at (``KeptVersions``), each engine rank per layer

@@ -1,4 +1,4 @@
-"""A delta segment on the wire (docs/delta.md#in-the-transfer-design-not-built-yet): the changes of
+"""A delta segment on the wire (docs/delta.md#in-the-transfer): the changes of
 a segment's pieces as two messages, so that a receiver knows every length before it reads a byte.
 
 1. The **counts**, int32, a size both ends know from the plan: per piece, one count per 128x128

@@ -251,6 +251,8 @@ class Endpoint:
     def manifest(self) -> dict:
         m = manifest_of(self.plans, self.layer_ids, self.wire, self.checksum)
         m["plan"] = self.routes.manifest()
+        if getattr(self, "delta", None) is not None:  # a delta update (Sender / Receiver delta=)
+            m["delta"] = True
         return m
 
     def payload(self) -> bytes:

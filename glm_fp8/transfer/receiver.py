@@ -12,6 +12,7 @@ from glm_fp8._checks import check_int
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.plan import LayerPlan, layer_prefix
+from glm_fp8.transfer.delta_receive import ReceiverDelta
 from glm_fp8.transfer.endpoint import (
     MAX_RING,
     Endpoint,
@@ -67,6 +68,9 @@ class Receiver(Endpoint):
             length is refused before anything is allocated from it.
         device: where the ring lives and parameters are expected (default: the current CUDA
             device, else the CPU).
+        delta: take the layers a ``Sender(delta=DeltaOptions())`` sends as changes: each is rebuilt
+            from the parameters, changed, checked and landed (``load_into`` only; landing must be a
+            plain copy: kernel-format parameters, or this rank's layout in engines; docs/delta.md).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Receiver(Endpoint):
         device: torch.device | str | None = None,
         checksum: bool = True,
         mode: str | None = None,
+        delta: bool = False,
     ):
         with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
             wire = wire_arg(wire, mode)
@@ -139,6 +144,7 @@ class Receiver(Endpoint):
             self._flags: list[tuple] = [(None, None), (None, None)]
             self._params_error: Exception | None = None
             self._sums = True
+            self.delta = ReceiverDelta.of(self, delta)
 
     def _targets(self, layout: EngineLayout) -> dict[str, EngineParam]:
         targets = {p.kernel_name: p for p in engine_params(self.config, layout).values()}
@@ -159,6 +165,10 @@ class Receiver(Endpoint):
                 else torch.empty(0, dtype=torch.uint8)
             )
             compare_manifest(manifest, self.manifest(), self.layer_ids, require_checksum=self.checksum)
+            want, got = self.delta is not None, manifest.get("delta", False)
+            if got != want:
+                raise ManifestMismatch(f"manifest: expected delta={want} (this Receiver's), got {got!r} "
+                                       "(the Sender's delta=); both ends need the same")  # fmt: skip
         except ManifestMismatch as exc:
             return exc, REFUSED_MANIFEST
         self._sums = bool(manifest["checksum"])
@@ -177,10 +187,10 @@ class Receiver(Endpoint):
         (scatter). A view stays valid until the next item is asked for. If the consumer raises
         while handling a layer, or stops early, this rank refuses at the next vote, so every rank
         stops there. Not with many senders, where an entry arrives in pieces: use ``load_into``."""
-        if len(self.senders) > 1:
+        if len(self.senders) > 1 or self.delta is not None:
             raise TypeError(
-                "receive_layers: with several senders an entry arrives in pieces from several "
-                "trainer ranks; use load_into(params), which lands each piece"
+                "receive_layers: with several senders an entry arrives in pieces from several trainer "
+                "ranks, and a delta update rebuilds each layer from the parameters; use load_into(params)"
             )
         return self._whole_layers()
 
@@ -201,6 +211,8 @@ class Receiver(Endpoint):
         meanwhile. A consumer's failure is this rank's vote at the next step it queues; COMPLETE is
         voted after the last layer was handed out."""
         self.agree(self._check, self.max_manifest_bytes)
+        if self.delta is not None:
+            self.delta.begin()
         n = len(self.plans)
         failure: BaseException | None = None
         for pos in range(n + 1):
@@ -251,6 +263,8 @@ class Receiver(Endpoint):
         segments = self._mine[pos]
         buf, slot = self.ring.slot(pos)
         self.ring.wait_free(slot, self.link_stream)  # the consumer's copies out of its last layer
+        if self.delta is not None and self.delta.is_delta[pos]:
+            return self.delta.receive(pos, buf)
         recvs = []
         for s in segments:
             data = buf[s.recv_offset : s.recv_offset + s.nbytes]
@@ -287,9 +301,10 @@ class Receiver(Endpoint):
                 f"{show(got[k])}; its segments were refused, every rank was stopped"
             )
         if mine == refusal_reason(verdict) == BAD_CHECKSUM:
+            why = self.delta.why_bad(pos) if self.delta is not None else "a short, long or corrupted message"
             raise UpdateAborted(
-                f"{where}: the checksum of a segment received differs from its sender's (a "
-                "short, long or corrupted message); every rank was stopped"
+                f"{where}: the checksum of a segment received differs from its sender's ({why}); every rank "
+                "was stopped"
             )
         raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
 
@@ -324,6 +339,8 @@ class Receiver(Endpoint):
         layers and must not be served as the new weights)."""
         aliases = dict(aliases or {})
         self._params_error = self._check_params(params, aliases) if self._layout_error is None else None
+        if self.delta is not None:
+            self.delta.params, self.delta.aliases = params, aliases
         stats = UpdateStats()
         t0 = time.perf_counter()
         layers = self._steps()
@@ -336,6 +353,7 @@ class Receiver(Endpoint):
                 except BaseException as exc:
                     layers.throw(exc)  # refuses at the next vote, then re-raises exc
                 got = sum(s.nbytes for s in self._mine[pos])  # what arrived, without the buffer's padding
+                got = self.delta.received_nbytes(pos) if self.delta is not None else got
                 seconds = time.perf_counter() - t
                 stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes))
         finally:
@@ -359,6 +377,8 @@ class Receiver(Endpoint):
 
     def _land(self, pos: int, views, params: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
         fmt = self.plans[pos].scale_fmt if self.wire == "bf16" else None
+        if self.delta is not None:
+            self.delta.writing(pos)
         land_layer(views, params, self.targets, aliases, full=self.full, quantize_fmt=fmt)
         if len(self.senders) > 1 and self.targets is not None:
             # A padded parameter's rows past V, which no sender sends (a rank may hold nothing but
@@ -368,3 +388,5 @@ class Receiver(Endpoint):
                 target = self.targets[prefix + e.name]
                 if target.shard.pad and target.name not in aliases:
                     zero_padding(params[target.name], target)
+        if self.delta is not None:
+            self.delta.landed(pos)

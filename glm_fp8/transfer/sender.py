@@ -15,6 +15,7 @@ from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.jobs import NonFiniteError
 from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, layer_prefix, strip_layer
+from glm_fp8.transfer.delta_send import DeltaOptions, SenderDelta
 from glm_fp8.transfer.endpoint import (
     Endpoint,
     LayerStats,
@@ -79,15 +80,16 @@ class Sender(Endpoint):
             "quantize_then_gather" (``glm_fp8.transfer.gather.collect_layer``); the trainer ranks
             that do not send run ``contribute_shards`` with the same arguments.
         chunk_experts: experts per chunk for "chunked".
-        gather_dtype: None (default): every tensor is gathered and quantized in the dtype the
-            trainer holds it in, so fp32 masters give the checkpoint's bytes in every mode (and
-            their gathers move and buffer twice a bf16 gather's bytes). ``torch.bfloat16``: an
-            opt-in that casts the sources of quantized entries that travel to be gathered first;
-            for fp32 masters those entries' bytes then differ from the checkpoint's
-            (docs/trainers.md#gathers-of-float32-masters).
+        gather_dtype: None (default): every tensor is gathered and quantized in the trainer's dtype,
+            so fp32 masters give the checkpoint's bytes in every mode (their gathers move twice a
+            bf16 gather's bytes). ``torch.bfloat16``: an opt-in that casts the sources of quantized
+            entries to be gathered first; for fp32 masters those entries' bytes then differ from the
+            checkpoint's (docs/trainers.md#gathers-of-float32-masters).
         checksum: every segment carries a checksum its receivers verify; receivers that require it
             refuse an update without.
         device: where conversion runs (default: the current CUDA device, else the CPU).
+        delta: ``DeltaOptions``: send what changed since the update the engine ranks hold (one sender,
+            wire 'fp8', checksums; ``Receiver(delta=True)``; docs/delta.md#in-the-transfer).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class Sender(Endpoint):
         senders: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         mode: str | None = None,
+        delta: DeltaOptions | None = None,
     ):
         with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
             wire = wire_arg(wire, mode)
@@ -140,6 +143,7 @@ class Sender(Endpoint):
             # per step parity: (layer, the plan converted, its entries' norms, NaN/Inf flag on the device)
             self._checks: list[tuple | None] = [None, None]
             self._ready: torch.cuda.Event | None = None
+            self.delta = SenderDelta.of(self, delta)
 
     def send_model(
         self,
@@ -161,6 +165,8 @@ class Sender(Endpoint):
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         self.agree(self._check_manifest, MAX_MANIFEST_BYTES)
+        if self.delta is not None:
+            self.delta.begin()
         self._steps(layers, rest, stats)
         self._sync()
         stats.seconds = time.perf_counter() - t0
@@ -223,7 +229,7 @@ class Sender(Endpoint):
             self._post_step(pos, failed)
             if pos:
                 self._settle_step(pos - 1, failed)
-            sent = self.routes.layers[pos].sent_nbytes(self.me)
+            sent = self.delta.sent_nbytes(pos) if self.delta else self.routes.layers[pos].sent_nbytes(self.me)
             seconds = time.perf_counter() - t_layer
             stats.layers.append(LayerStats(self.layer_ids[pos], sent, seconds, self.plans[pos].nbytes))
         self._settle_step(n - 1, failed)
@@ -297,24 +303,19 @@ class Sender(Endpoint):
             bad = None if norms[1] is None else ~torch.isfinite(norms[1]).all()
             self._checks[pos % 2] = (layer_idx, local, norms, bad)
             mine = lay.of_sender(self.me)
-            for s in mine:
-                if s.direct and self.checksum:
-                    s.checksum_word(buf[: s.nbytes]).copy_(
-                        message_checksum(buf[: s.data_nbytes], self.scratch)
-                    )
-            packed = [s for s in mine if not s.direct]
+            packed, out = [s for s in mine if not s.direct], None
             if packed:
                 out, pi = self.send_ring.slot(pos)
                 self.send_ring.wait_free(pi, self.convert_stream)
-                pack_segments(
-                    packed,
-                    [s.send_offset for s in packed],
-                    views,
-                    out,
-                    self.scratch,
-                    lay.starts(self.me),
-                    self.checksum,
-                )
+            if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
+                self.delta.zero_gaps(pos, buf, out)
+            for s in (s for s in mine if s.direct and self.checksum):
+                s.checksum_word(buf[: s.nbytes]).copy_(message_checksum(buf[: s.data_nbytes], self.scratch))
+            if packed:
+                pack_segments(packed, [s.send_offset for s in packed], views, out, self.scratch,
+                              lay.starts(self.me), self.checksum)  # fmt: skip
+            if self.delta is not None:
+                self.delta.compare(pos, buf, out)
             if self.convert_stream is not None:
                 self._ready = torch.cuda.Event()
                 self._ready.record(self.convert_stream)
@@ -343,13 +344,17 @@ class Sender(Endpoint):
         conv, ci = self.conv_ring.slot(pos)
         out, pi = self.send_ring.slot(pos) if self.send_ring is not None else (None, 0)
         sends = []
-        for s in lay.of_sender(self.me):
+        delta = self.delta is not None and self.delta.is_delta[pos]
+        for s in () if delta else lay.of_sender(self.me):
             data = conv[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes]
             if s.group is not None:  # in class order, before the exchange: routes' order, on every rank
                 self.link.group_broadcast(data, self.rank, s.group)
             else:
                 sends += [(data, r) for r in lay.classes[s.cls]]
-        self.link.exchange(sends, [])
+        if delta:
+            self.delta.send(pos)
+        else:
+            self.link.exchange(sends, [])
         self.conv_ring.release(ci, self.link_stream)
         if self.send_ring is not None:
             self.send_ring.release(pi, self.link_stream)
@@ -366,9 +371,10 @@ class Sender(Endpoint):
         checks = self._checks[pos % 2]
         if checks is not None and checks[3] is not None and bool(checks[3]):
             self._raise_non_finite(*checks[:3])
+        where = step_name(pos, self.layer_ids)
         if refusal_reason(verdict) == SENDER_FAILED:
-            raise UpdateAborted(f"{describe_refusal(verdict)} ({self._where(pos)}); every rank was stopped")
-        raise ReceiverRefused(f"{describe_refusal(verdict)} ({self._where(pos)}); the update was stopped")
+            raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); every rank was stopped")
+        raise ReceiverRefused(f"{describe_refusal(verdict)} ({where}); the update was stopped")
 
     def _raise_non_finite(self, layer_idx: int, local: LayerPlan, norms) -> None:
         """``NonFiniteError`` naming the first entry of this sender's share with NaN/Inf and the
@@ -383,9 +389,6 @@ class Sender(Endpoint):
         )
         raise NonFiniteError(f"{prefix}{bad}: NaN or Inf in its sources ({sources}); every rank was stopped",
                              source=prefix + entry.sources[0], expert=None, block=None)  # fmt: skip
-
-    def _where(self, pos: int) -> str:
-        return step_name(pos, self.layer_ids)
 
     def _sync(self) -> None:
         for stream in (self.convert_stream, self.link_stream):

@@ -1,0 +1,116 @@
+"""What both ends of a delta update derive alike (docs/delta.md#in-the-transfer): a segment's data
+bytes as delta pieces, the layout of its counts message, and which layers go as deltas.
+
+**Segment coordinates.** A delta is taken of a segment's data bytes, exactly what the dense
+segment carries without its checksum word (a direct segment: the conversion buffer's first
+``data_nbytes``), seen as uint8 ``[n // 128, 128]`` (a 128x128 block is 16 KiB of consecutive
+bytes), plus ``[1, n % 128]`` for a tail (none today: segments end at multiples of 256 bytes).
+The bytes between a segment's pieces are zero on both ends in a delta update (``zero_gaps``), so
+that the receiver can rebuild the old segment from its parameters byte for byte.
+
+**Counts message** of a segment (uint8, its size from the plan): the pieces' counts (int32,
+``glm_fp8.transfer.delta_wire``), padded to 8 bytes, then two int64 words: the payload's bytes
+as the sender computed them (a receiver whose counts fail their check still takes a payload of
+that length when it is within the plan's bound, so the link stays in step and the vote refuses
+the layer) and the new segment's checksum word (the dense segment's).
+
+**Versions table.** Before the first layer every rank of the link contributes one row of an
+int64 ``[link size, layers + 1]`` all-reduce MAX, ``NONE`` elsewhere: the sender its kept
+versions (``NONE`` for every layer at a resync) and, in the last column, this update's number;
+each engine rank its held versions. A layer goes as a delta, to every engine rank, only when the
+sender has a kept copy and every engine rank holds that version; every rank computes the same
+answer from the same table (``delta_layers``), so every rank knows which messages to post.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.transfer.delta_versions import NONE
+from glm_fp8.transfer.delta_wire import DeltaPiece, counts_numel, payload_bound
+from glm_fp8.transfer.pack import ShardPack
+
+ROW = 128  # bytes per row of a segment seen as fp8: a 128x128 block is 16 KiB of consecutive bytes
+
+
+def segment_rows(nbytes: int) -> list[tuple[int, tuple[int, int]]]:
+    """``(offset, (rows, row bytes))`` of each delta piece of ``nbytes`` data bytes."""
+    whole = nbytes // ROW * ROW
+    out = [(0, (whole // ROW, ROW))] if whole else []
+    return out + ([(whole, (1, nbytes - whole))] if nbytes > whole else [])
+
+
+@dataclass(frozen=True)
+class SegmentDelta:
+    """One segment's delta messages: its pieces, where each lies in its data bytes, the counts
+    message's size and the payload's bound (a size from the plan, never from a received one)."""
+
+    data_nbytes: int
+    pieces: tuple[DeltaPiece, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, seg: ShardPack) -> SegmentDelta:
+        rows = segment_rows(seg.data_nbytes)
+        pieces = tuple(DeltaPiece(shape, scaled=False) for _, shape in rows)
+        return cls(seg.data_nbytes, pieces, tuple(o for o, _ in rows))
+
+    @property
+    def counts_words(self) -> int:
+        return counts_numel(self.pieces)
+
+    @property
+    def message_nbytes(self) -> int:
+        """The counts message: counts padded to 8 bytes, payload length, checksum word."""
+        return -(-4 * self.counts_words // 8) * 8 + 16
+
+    @property
+    def bound(self) -> int:
+        return payload_bound(self.pieces)
+
+    def counts(self, msg: torch.Tensor) -> torch.Tensor:
+        return msg[: 4 * self.counts_words].view(torch.int32)
+
+    def words(self, msg: torch.Tensor) -> torch.Tensor:
+        """int64 [2]: the payload's bytes, the segment's checksum word."""
+        return msg[self.message_nbytes - 16 : self.message_nbytes].view(torch.int64)
+
+    def views(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of ``data`` (uint8, the segment's data bytes), each [rows, row bytes]."""
+        return [data[o : o + p.shape[0] * p.shape[1]].view(p.shape)
+                for o, p in zip(self.offsets, self.pieces)]  # fmt: skip
+
+
+def zero_gaps(region: torch.Tensor, seg: ShardPack) -> None:
+    """Zero the bytes of ``region[:seg.data_nbytes]`` that no piece of ``seg`` covers (alignment
+    padding, which a dense update sends as whatever the buffer held)."""
+    at = 0
+    for p in sorted(seg.pieces, key=lambda p: p.offset):
+        if p.offset > at:
+            region[at : p.offset].zero_()
+        at = max(at, p.offset + p.nbytes)
+    if seg.data_nbytes > at:
+        region[at : seg.data_nbytes].zero_()
+
+
+def versions_row(size: int, rank: int, row: Sequence[int], device: torch.device) -> torch.Tensor:
+    """This rank's contribution to the versions table: ``row`` at ``rank``, ``NONE`` elsewhere."""
+    table = torch.full((size, len(row)), NONE, dtype=torch.int64)
+    table[rank] = torch.tensor(list(row), dtype=torch.int64)
+    return table.to(device)
+
+
+def delta_layers(table: torch.Tensor, sender: int, receivers: Sequence[int]) -> tuple[int, list[bool]]:
+    """From the all-reduced versions table (host int64 [link size, layers + 1]): this update's
+    number and, per layer, whether it goes as a delta (the sender has a kept copy, at version
+    ``k``, and every engine rank in ``receivers`` holds ``k``)."""
+    kept = table[sender, :-1]
+    held = table[list(receivers), :-1]
+    ok = (kept != NONE) & (held == kept).all(dim=0)
+    return int(table[sender, -1]), [bool(x) for x in ok]
+
+
+__all__ = ["ROW", "SegmentDelta", "delta_layers", "segment_rows", "versions_row", "zero_gaps"]

@@ -1,0 +1,210 @@
+"""An engine rank's side of a delta update (docs/delta.md#in-the-transfer): the versions it holds,
+and per delta layer its segments rebuilt from its parameters (the inverse of landing), the
+sender's changes applied, the sender's checksum word written, so that the checksum check of a
+dense segment proves the result exact before anything lands (``glm_fp8.transfer.delta_plan``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from glm_fp8.delta import apply_delta
+from glm_fp8.plan import layer_prefix
+from glm_fp8.transfer.delta_plan import SegmentDelta, delta_layers, versions_row, zero_gaps
+from glm_fp8.transfer.delta_versions import NONE, HeldVersions
+from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
+from glm_fp8.transfer.endpoint import on_stream
+from glm_fp8.transfer.wire import UpdateAborted
+
+
+def check_receiver_delta(receiver) -> None:
+    """Delta is built where landing is a plain byte copy of what arrives, so that the old segment
+    can be rebuilt from the parameters: kernel-format parameters, or an engine layout that receives
+    its own cut pieces (scatter). Raises ValueError naming what converts, otherwise."""
+    r = receiver
+    if len(r.senders) > 1:
+        raise ValueError(f"delta: one sender only so far (got senders {list(r.senders)}); many are dense")
+    if r.wire != "fp8":
+        raise ValueError(f"delta: needs wire='fp8' (got {r.wire!r}); with 'bf16' this rank quantizes on "
+                         "receive, so its parameters are not the bytes that arrived")  # fmt: skip
+    if not r.checksum:
+        raise ValueError("delta: needs checksum=True: the checksum is what proves each rebuilt segment exact")
+    if r.full and r.layout is not None:
+        raise ValueError(
+            f"delta: engines[{r.rank}] is 'full' with a layout: landing cuts this rank's shard from whole "
+            "entries, so its parameters do not hold the bytes that arrived; give this rank's EngineLayout "
+            "in engines (it then receives only its shard) or use layout=None"
+        )
+    for layer_idx, plan in zip(r.layer_ids, r.plans):
+        for e in plan.entries if r.targets is not None else ():
+            p = r.targets[layer_prefix(layer_idx) + e.name]
+            if p.dtype != e.dtype:
+                raise ValueError(
+                    f"delta: {p.name} lands widened ({e.dtype} on the wire, {p.dtype} in the engine), so "
+                    "its parameter does not hold the bytes that arrived; send it in the engine's dtype"
+                )
+
+
+class ReceiverDelta:
+    """An engine rank's delta state across updates: the versions it holds (``held``: none for a
+    new Receiver, so a restarted rank gets every layer dense), this update's number and steps."""
+
+    def __init__(self, receiver):
+        self.r = receiver
+        self.held = HeldVersions(len(receiver.plans))
+        self.update, self.is_delta = NONE, [False] * len(receiver.plans)
+        self.segs = [[SegmentDelta.of(s) for s in mine] for mine in receiver._mine]
+        self.msg_nbytes = max((sum(d.message_nbytes for d in segs) for segs in self.segs), default=0)
+        self.payload_nbytes = max((sum(d.bound for d in segs) for segs in self.segs), default=0)
+        self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.params: Mapping[str, torch.Tensor] | None = None
+        self.aliases: Mapping[str, str] = {}
+        self.got: dict[int, int] = {}
+        # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
+        self.backend = "torch" if receiver.device.type == "cpu" else None
+
+    @classmethod
+    def of(cls, receiver, delta: object) -> ReceiverDelta | None:
+        if not isinstance(delta, bool):
+            raise ValueError(f"delta: expected True or False, got {delta!r}")
+        if not delta:
+            return None
+        check_receiver_delta(receiver)
+        return cls(receiver)
+
+    def begin(self) -> None:
+        """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
+        r = self.r
+        receivers = [k for k, e in enumerate(r.routes.engines) if e is not None]
+        try:
+            with on_stream(r.link_stream):
+                table = versions_row(r.link.size, r.rank, [*self.row(), NONE], r.device)
+                r.link.all_reduce_max(table)
+                table = table.cpu()
+        except Exception as exc:
+            raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
+        self.update, self.is_delta = delta_layers(table, r.senders[0], receivers)
+        self.got.clear()
+
+    def row(self) -> list[int]:
+        """The held versions as this rank votes them: ``NONE`` for a layer with an aliased parameter
+        (``load_into``'s ``aliases``; landing skips it, so it holds another parameter's bytes and
+        cannot be rebuilt as sent), which therefore always goes dense."""
+        r, row = self.r, list(self.held.held)
+        for pos, mine in enumerate(r._mine):
+            names = {p.name for s in mine for p in s.pieces}
+            if r.targets is not None:
+                names = {r.targets[n].name for n in names}
+            if names & set(self.aliases):
+                row[pos] = NONE
+        return row
+
+    def writing(self, pos: int) -> None:
+        self.held.writing(pos)
+
+    def landed(self, pos: int) -> None:
+        """Layer ``pos`` landed after its vote passed: this rank holds this update of it."""
+        self.held.holds(pos, self.update)
+
+    def why_bad(self, pos: int) -> str:
+        """Why a segment of ``pos`` may have failed its checksum, for the error."""
+        if not self.is_delta[pos]:
+            return "a short, long or corrupted message"
+        return ("a delta layer, rebuilt from this rank's parameters and changed: parameters written since "
+                "they landed, or a corrupted message; it goes dense next update")  # fmt: skip
+
+    def received_nbytes(self, pos: int) -> int:
+        return self.got[pos] if pos in self.got else sum(s.nbytes for s in self.r._mine[pos])
+
+    def receive(self, pos: int, buf: torch.Tensor) -> torch.Tensor | None:
+        """Receive a delta layer into ``buf`` (this rank's ring slot): rebuild its segments from the
+        parameters, then per segment its counts message and payload, in the order the sender posts
+        them; apply them, write the sender's checksum words and check them as a dense layer's. A
+        device boolean: some segment's checksum differs, or its counts failed their check (its
+        payload was taken, within the plan's bound, and dropped); None: nothing to check."""
+        r = self.r
+        segs, sds = r._mine[pos], self.segs[pos]
+        if self.bufs is None:
+            self.bufs = (torch.empty(self.msg_nbytes, dtype=torch.uint8, device=r.device),
+                         torch.empty(self.payload_nbytes, dtype=torch.uint8, device=r.device))  # fmt: skip
+        msgs, pays, a, b = [], [], 0, 0
+        for sd in sds:
+            msgs.append(self.bufs[0][a : a + sd.message_nbytes])
+            pays.append(self.bufs[1][b : b + sd.bound])
+            a, b = a + sd.message_nbytes, b + sd.bound
+        self._rebuild(pos, buf)
+        bad, got = [], 0
+        items = list(zip(segs, sds, msgs, pays))
+        for seg, sd, msg, pay in items:
+            if seg.group is not None:
+                src = r.senders[seg.sender]
+                r.link.group_broadcast(msg, src, seg.group)
+                n, ok = self._length(sd, msg)
+                if n:
+                    r.link.group_broadcast(pay[:n], src, seg.group)
+                bad.append(self._apply(seg, sd, buf, msg, pay[:n], ok))
+                got += msg.numel() + n
+        p2p = [it for it in items if it[0].group is None]
+        r.link.exchange([], [(msg, r.senders[seg.sender]) for seg, _, msg, _ in p2p])
+        lengths = [self._length(sd, msg) for _, sd, msg, _ in p2p]
+        sizes = zip(p2p, lengths)
+        r.link.exchange([], [(pay[:n], r.senders[seg.sender]) for (seg, _, _, pay), (n, _) in sizes if n])
+        for (seg, sd, msg, pay), (n, ok) in zip(p2p, lengths):
+            bad.append(self._apply(seg, sd, buf, msg, pay[:n], ok))
+            got += msg.numel() + n
+        self.got[pos] = got
+        sums = r.segment_checksums_bad(buf, segs, r.scratch)
+        bad += [sums] if sums is not None else []
+        return torch.stack(bad).any() if bad else None
+
+    def _length(self, sd: SegmentDelta, msg: torch.Tensor) -> tuple[int, bool]:
+        """The payload's bytes from the checked counts, and whether they passed. Counts that fail, or
+        disagree with the length the sender wrote: that length when within the plan's bound (taken
+        and dropped; the vote refuses the layer), else the link cannot stay in step: raise."""
+        announced = int(sd.words(msg)[0])
+        try:
+            total = payload_layout(sd.counts(msg), sd.pieces)[1]
+        except ValueError:
+            total = None
+        if total == announced:
+            return total, True
+        if 0 <= announced <= sd.bound:
+            return announced, False
+        raise UpdateAborted(
+            f"a delta segment's counts are invalid and announce {announced} payload bytes, expected 0 to "
+            f"{sd.bound} (the plan's bound): a corrupted message; the link is out of step"
+        )
+
+    def _apply(self, seg, sd: SegmentDelta, buf: torch.Tensor, msg: torch.Tensor, payload: torch.Tensor,
+               ok: bool) -> torch.Tensor:  # fmt: skip
+        region = buf[seg.recv_offset : seg.recv_offset + seg.nbytes]
+        if ok:
+            deltas = unpack_delta(sd.counts(msg), payload, sd.pieces)
+            for d, view in zip(deltas, sd.views(region[: seg.data_nbytes])):
+                apply_delta(d, view.view(torch.float8_e4m3fn), None, backend=self.backend)
+        seg.checksum_word(region).copy_(sd.words(msg)[1])
+        return torch.tensor(not ok, device=buf.device)
+
+    def _rebuild(self, pos: int, buf: torch.Tensor) -> None:
+        """The segments of ``pos`` as the sender last sent them, from this rank's parameters: each
+        piece view <- its parameter region (``glm_fp8.transfer.land``'s copies, the other way), the
+        bytes between pieces zero."""
+        r, params = self.r, self.params
+        if params is None:
+            raise UpdateAborted("delta: a delta layer arrived outside load_into (it needs the parameters)")
+        for seg in r._mine[pos]:
+            zero_gaps(buf[seg.recv_offset :], seg)
+        views, _ = r._views(pos)
+        for name, view, rows in views:
+            if r.targets is None:
+                src = params[name] if rows is None else params[name].narrow(0, rows[0], rows[1] - rows[0])
+            else:
+                target = r.targets[name]
+                src, shard = params[target.name], target.shard
+                if shard.kind != "replicated":
+                    src = src.narrow(shard.dim, 0, shard.length - shard.pad)
+            view.copy_(src)
+
+
+__all__ = ["ReceiverDelta", "check_receiver_delta"]

@@ -1,0 +1,172 @@
+"""The sender's side of a delta update (docs/delta.md#in-the-transfer): its kept copy of every
+segment it last sent, the versions exchange, and per layer either today's dense segments or, for
+each segment, its counts message and payload (``glm_fp8.transfer.delta_plan``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.delta import compare_bytes
+from glm_fp8.transfer.delta_plan import SegmentDelta, delta_layers, versions_row, zero_gaps
+from glm_fp8.transfer.delta_versions import NONE, KeptVersions
+from glm_fp8.transfer.delta_wire import pack_delta
+from glm_fp8.transfer.endpoint import on_stream
+from glm_fp8.transfer.wire import UpdateAborted
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """``Sender(delta=DeltaOptions(...))``: send each layer as the changes of its segments' bytes
+    since the update the engine ranks hold (docs/delta.md#in-the-transfer). ``resync_every``: every
+    N-th update of this sender (its first included) is dense for every layer; None: only where the
+    versions call for it."""
+
+    resync_every: int | None = None
+
+    def __post_init__(self):
+        r = self.resync_every
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ValueError(f"delta: resync_every expected None or an integer >= 1, got {r!r}")
+
+
+def check_sender_delta(delta: object, senders, wire: str, checksum: bool) -> DeltaOptions | None:
+    """``Sender``'s ``delta=`` checked: a ``DeltaOptions`` or None, in a mode built so far."""
+    if delta is None:
+        return None
+    if not isinstance(delta, DeltaOptions):
+        raise TypeError(f"delta: expected a DeltaOptions or None, got {type(delta).__name__}")
+    if len(senders) > 1:
+        raise ValueError(
+            f"delta: one sender only so far (got senders {list(senders)}); many senders are dense"
+        )
+    if wire != "fp8":
+        raise ValueError(
+            f"delta: needs wire='fp8' (got {wire!r}); with 'bf16' the engine quantizes on receive"
+        )
+    if not checksum:
+        raise ValueError("delta: needs checksum=True: the checksum is what proves each rebuilt segment exact")
+    return delta
+
+
+class SenderDelta:
+    """A sender's delta state across updates: per (layer position, its segment) the bytes it last
+    sent (``kept``, persistent: the sender's whole share), their versions, the update counter."""
+
+    def __init__(self, sender, options: DeltaOptions):
+        self.s, self.options = sender, options
+        n = len(sender.plans)
+        self.versions = KeptVersions(n)
+        # Update numbers start at the clock, so that a rebuilt Sender never reuses one an engine
+        # rank may still hold from its predecessor.
+        self.base, self.count, self.update = time.time_ns(), 0, NONE
+        self.segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender.me)] for lay in sender.routes.layers]
+        self.kept: list[list[torch.Tensor] | None] = [None] * n
+        self.is_delta = [False] * n
+        per_layer = [sum(d.message_nbytes + d.bound for d in segs) for segs in self.segs]
+        self.buf_nbytes = max(per_layer, default=0)
+        self.bufs: list[torch.Tensor | None] = [None] * sender.conv_ring.size
+        self.ready: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.sent: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, sender, delta: object) -> SenderDelta | None:
+        """The sender's delta state for ``Sender(delta=...)`` (None: dense updates), checked."""
+        options = check_sender_delta(delta, sender.senders, sender.wire, sender.checksum)
+        return None if options is None else cls(sender, options)
+
+    def begin(self) -> None:
+        """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
+        s = self.s
+        self.update, self.count = self.base + self.count, self.count + 1
+        resync = self.options.resync_every is not None and (self.count - 1) % self.options.resync_every == 0
+        row = [NONE if resync else k for k in self.versions.kept] + [self.update]
+        receivers = [r for r, e in enumerate(s.routes.engines) if e is not None]
+        try:
+            with on_stream(s.link_stream):
+                table = versions_row(s.link.size, s.rank, row, s.device)
+                s.link.all_reduce_max(table)
+                table = table.cpu()
+        except Exception as exc:
+            raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
+        _, self.is_delta = delta_layers(table, s.rank, receivers)
+        self.ready.clear()
+        self.sent.clear()
+
+    def zero_gaps(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Zero the bytes between pieces of this sender's segments of ``pos``, before their
+        checksums are taken (both ends then hold zeros there)."""
+        for seg in self.s.routes.layers[pos].of_sender(self.s.me):
+            zero_gaps(conv if seg.direct else out[seg.send_offset :], seg)
+
+    def compare(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+        """After the layer was converted and packed (checksum words written): a delta step packs
+        each segment's changes against the kept copy (which ``compare_bytes`` moves to the new
+        bytes); a dense step copies the new bytes into the kept copy."""
+        segs = self.s.routes.layers[pos].of_sender(self.s.me)
+        datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
+        if self.kept[pos] is None:
+            self.kept[pos] = [torch.empty(seg.data_nbytes, dtype=torch.uint8, device=self.s.device)
+                              for seg in segs]  # fmt: skip
+        kept = self.kept[pos]
+        self.versions.kept[pos] = NONE  # until the copy below is whole
+        if not self.is_delta[pos]:
+            for k, data in zip(kept, datas):
+                k.copy_(data[: k.numel()])
+            self.versions.compared(pos, self.update)
+            return
+        buf = self._buf(pos)
+        at, msgs = 0, []
+        for seg, sd, data, k in zip(segs, self.segs[pos], datas, kept):
+            msg = buf[at : at + sd.message_nbytes]
+            payload = buf[at + sd.message_nbytes : at + sd.message_nbytes + sd.bound]
+            at += sd.message_nbytes + sd.bound
+            deltas = [compare_bytes(new, old) for new, old in zip(sd.views(data), sd.views(k))]
+            n = pack_delta(deltas, sd.pieces, sd.counts(msg), payload)
+            sd.words(msg)[0] = n
+            sd.words(msg)[1].copy_(seg.checksum_word(data))
+            msgs.append((msg, payload[:n]))
+        self.versions.compared(pos, self.update)
+        self.ready[pos] = msgs
+
+    def _buf(self, pos: int) -> torch.Tensor:
+        i = pos % len(self.bufs)
+        if self.bufs[i] is None:
+            self.bufs[i] = torch.empty(self.buf_nbytes, dtype=torch.uint8, device=self.s.device)
+        return self.bufs[i]
+
+    def send(self, pos: int) -> None:
+        """Post a delta step's messages (link stream): per segment its counts message, then its
+        payload (none when empty), as the dense segment travels: the group broadcasts in class
+        order, then one exchange of the counts messages and one of the payloads. A step that did
+        not convert sends no change and its stale checksum word: its vote refuses it."""
+        s = self.s
+        lay = s.routes.layers[pos]
+        msgs = self.ready.pop(pos, None)
+        if msgs is None:
+            msgs = []
+            for sd in self.segs[pos]:
+                msg = torch.zeros(sd.message_nbytes, dtype=torch.uint8, device=s.device)
+                msgs.append((msg, msg[:0]))
+        counts, payloads, sent = [], [], 0
+        for seg, (msg, payload) in zip(lay.of_sender(s.me), msgs):
+            if seg.group is not None:
+                s.link.group_broadcast(msg, s.rank, seg.group)
+                if payload.numel():
+                    s.link.group_broadcast(payload, s.rank, seg.group)
+            else:
+                counts += [(msg, r) for r in lay.classes[seg.cls]]
+                payloads += [(payload, r) for r in lay.classes[seg.cls]] if payload.numel() else []
+            sent += (msg.numel() + payload.numel()) * lay.messages(seg)
+        s.link.exchange(counts, [])
+        s.link.exchange(payloads, [])
+        self.sent[pos] = sent
+
+    def sent_nbytes(self, pos: int) -> int:
+        """What this sender put on the link for ``pos``: its delta messages, or the dense segments."""
+        return self.sent[pos] if pos in self.sent else self.s.routes.layers[pos].sent_nbytes(self.s.me)
+
+
+__all__ = ["DeltaOptions", "SenderDelta", "check_sender_delta"]

@@ -1,0 +1,267 @@
+"""Delta updates through Sender / Receiver (docs/delta.md#in-the-transfer), one sender over gloo:
+a sequence of updates whose weights change a little each time, with a restarted engine rank, a
+manifest refused, an update that fails midway (NaN weights), an engine parameter written behind the
+update's back (the rebuilt segment's checksum refuses it) and a resync; after every update that
+passed, every engine byte equals the reference conversion of the current weights, and delta steps
+put a small fraction of a dense step's bytes on the link. Plus the pieces both ends derive alike
+(glm_fp8.transfer.delta_plan) and the refusals at construction."""
+
+import functools
+
+import pytest
+import torch
+
+from glm_fp8.engine import EngineLayout
+from glm_fp8.models import TINY_GLM5
+from glm_fp8.testing import launch, synthetic_layer
+from glm_fp8.transfer.delta_plan import SegmentDelta, delta_layers, segment_rows, versions_row, zero_gaps
+from glm_fp8.transfer.delta_versions import NONE
+from glm_fp8.transfer.pack import ShardPack, ShardPiece
+
+CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
+IDS = list(range(CONFIG["num_hidden_layers"]))  # two dense MLP layers, two MoE layers
+NAN_LAYER = 2
+# (what happens at each update); the sender's update index is the position in this list
+SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", "tamper", "after tamper",
+          "last"]  # fmt: skip
+RESYNC = {"full": None, "scatter": 8}  # scatter: the 9th update that runs (the last) is dense
+
+
+@functools.cache
+def _base(layer_idx: int) -> dict[str, torch.Tensor]:
+    return synthetic_layer(CONFIG, layer_idx)
+
+
+def _weights(step: int, layer_idx: int, nan: bool = False) -> dict[str, torch.Tensor]:
+    """The trainer's layer at update ``step``: the synthetic layer with 0.2 % of each tensor's
+    elements (a set drawn per step) scaled by 0.7, which changes their fp8 bytes and rarely a
+    block's scale; ``nan``: one NaN in layer ``NAN_LAYER``."""
+    sd = {k: t.clone() for k, t in _base(layer_idx).items()}
+    g = torch.Generator().manual_seed(1000 * step + layer_idx)
+    for t in sd.values():
+        flat = t.view(-1)
+        idx = torch.randint(flat.numel(), (max(1, flat.numel() // 500),), generator=g)
+        flat[idx] = flat[idx] * 0.7
+    if nan and layer_idx == NAN_LAYER:
+        sd[f"model.layers.{layer_idx}.self_attn.o_proj.weight"][3, 5] = float("nan")
+    return sd
+
+
+def _reference(step: int, layout: EngineLayout | None) -> dict[str, torch.Tensor]:
+    """What an engine rank holds after update ``step``: the reference conversion, whole under the
+    kernel-format names (layout None), or cut by the rank's shards under vLLM's names."""
+    from glm_fp8.engine import engine_params, take_shard
+    from glm_fp8.plan import plan_from_config, strip_layer
+    from glm_fp8.reference import convert_layer_ref
+
+    full = {}
+    for i in IDS:
+        full.update(convert_layer_ref(strip_layer(_weights(step, i), i), i, plan_from_config(CONFIG, i)))
+    if layout is None:
+        return full
+    targets = {p.kernel_name: p for p in engine_params(CONFIG, layout).values()}
+    return {targets[k].name: take_shard(v, targets[k].shard).to(targets[k].dtype) for k, v in full.items()}
+
+
+def _poisoned(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    params = {n: torch.empty(w.shape, dtype=w.dtype) for n, w in want.items()}
+    for p in params.values():
+        p.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype
+    return params
+
+
+def _rank(rank, world, mode):
+    from glm_fp8.backends import set_default_backend
+    from glm_fp8.transfer import Receiver, Sender
+    from glm_fp8.transfer.delta_send import DeltaOptions
+
+    set_default_backend("torch")  # the transfer is under test, not the kernels (tests/kernels)
+    torch.set_num_threads(1)  # three processes on two cores
+    engines = None if mode == "full" else [None, *EngineLayout.all_ranks(2)]
+    kw = dict(config=CONFIG, layer_ids=IDS, engines=engines, device="cpu")
+    out = []
+    if rank == 0:
+        sender = Sender(None, 0, delta=DeltaOptions(resync_every=RESYNC[mode]), **kw)
+        for step, what in enumerate(SCRIPT):
+            layers = ((i, _weights(step, i, nan=what == "nan")) for i in IDS)
+            try:
+                out.append(("ok", [s.nbytes for s in sender.send_model(layers).layers]))
+            except Exception as exc:  # noqa: BLE001 - compared by the test
+                out.append((type(exc).__name__, str(exc)))
+        return out
+    layout = None if engines is None else engines[rank]
+    want = _reference(0, layout)
+    recv, params = Receiver(None, 0, layout=layout, delta=True, **kw), _poisoned(want)
+    for step, what in enumerate(SCRIPT):
+        if what == "restart" and rank == 2:  # a new engine process: nothing held, poisoned parameters
+            recv, params = Receiver(None, 0, layout=layout, delta=True, **kw), _poisoned(want)
+        this = recv
+        if what == "tamper" and rank == 1:  # a layer-0 byte written outside an update: its delta can't pass
+            name = next(n for n in params if ".layers.0." in n)
+            params[name].view(torch.uint8).view(-1)[0] ^= 1
+        if what == "mismatch" and rank == 1:
+            this = Receiver(None, 0, layout=layout, **kw)  # no delta=: refuses the manifest
+        try:
+            stats = this.load_into(params)
+        except Exception as exc:  # noqa: BLE001 - compared by the test
+            out.append((type(exc).__name__, str(exc)))
+            continue
+        want = _reference(step, layout)
+        same = {n: torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in want.items()}
+        differ = [n for n, ok in same.items() if not ok]
+        out.append(("ok", differ, [s.nbytes for s in stats.layers]))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["full", "scatter"])
+def test_delta_updates_land_exactly_the_dense_bytes(mode):
+    results = launch(3, _rank, (mode,), timeout_s=120)
+    assert all(status == "ok" for status, _ in results.values()), results
+    sender = results[0][1]
+    engines = [results[r][1] for r in (1, 2)]
+    assert sender[0][0] == "ManifestMismatch" and "refused the manifest" in sender[0][1]
+    assert engines[0][0][0] == "ManifestMismatch" and "delta" in engines[0][0][1]
+    assert engines[1][0][0] == "UpdateAborted"
+    nan, tamper = SCRIPT.index("nan"), SCRIPT.index("tamper")
+    assert sender[nan][0] == "NonFiniteError" and "o_proj" in sender[nan][1], sender[nan]
+    for got in engines:
+        assert got[nan][0] == "UpdateAborted" and f"layer {NAN_LAYER}" in got[nan][1], got[nan]
+    assert sender[tamper][0] == "ReceiverRefused" and "rank 1 received a segment whose" in sender[tamper][1]
+    assert engines[0][tamper][0] == "UpdateAborted" and "rebuilt from this rank's" in engines[0][tamper][1]
+    assert engines[1][tamper][0] == "UpdateAborted" and "(layer 0)" in engines[1][tamper][1]
+    for step in range(1, len(SCRIPT)):
+        if step in (nan, tamper):
+            continue
+        for r, got in enumerate(engines, 1):
+            assert got[step][0] == "ok" and got[step][1] == [], (mode, step, r, got[step])
+    dense = sender[1][1]  # the first update: every layer dense (no kept copy)
+    assert all(n > 0 for n in dense)
+    resync = RESYNC[mode] is not None and len(SCRIPT) - 1
+    for step, what in enumerate(SCRIPT):
+        if step in (0, nan, tamper):
+            continue
+        got = sender[step][1]
+        if what in ("first", "restart") or step == resync:  # restart: rank 2 holds nothing
+            want = [True] * len(IDS)
+        elif what == "after nan":  # layers from NAN_LAYER on were compared, not landed: dense
+            want = [i >= NAN_LAYER for i in IDS]
+        elif what == "after tamper":  # layer 0 refused, layer 1 compared meanwhile (the pipeline): dense
+            want = [i <= 1 for i in IDS]
+        else:
+            want = [False] * len(IDS)
+        assert [n == d for n, d in zip(got, dense)] == want, (mode, step, got, dense)
+        assert all(n * 10 < d for n, d, w in zip(got, dense, want) if not w), (mode, step, got, dense)
+        for got_r in engines:  # what each engine rank took off the link: a small fraction too
+            received, first = got_r[step][2], got_r[1][2]
+            assert all((n == d) == w and (w or n * 10 < d) for n, d, w in zip(received, first, want))
+
+
+def test_segment_rows_and_a_partial_last_row():
+    assert segment_rows(256 * 3) == [(0, (6, 128))]
+    assert segment_rows(300) == [(0, (2, 128)), (256, (1, 44))]
+    assert segment_rows(40) == [(0, (1, 40))]
+    pieces = (ShardPiece("a", torch.uint8, (100,), 0, None), ShardPiece("b", torch.uint8, (50,), 256, None))
+    seg = SegmentDelta.of(ShardPack(pieces, 512 + 8))
+    data = torch.arange(512, dtype=torch.int64).to(torch.uint8)
+    views = seg.views(data)
+    assert [tuple(v.shape) for v in views] == [(4, 128)] and views[0].data_ptr() == data.data_ptr()
+    assert seg.message_nbytes % 8 == 0 and seg.message_nbytes >= 4 * seg.counts_words + 16
+
+
+def test_a_tail_segment_round_trips_through_its_messages():
+    """A segment whose data bytes end mid-row: the changes of both pieces, packed into the counts
+    message and payload, applied to the old bytes, give the new ones."""
+    from glm_fp8.delta import apply_delta, compare_bytes
+    from glm_fp8.transfer.delta_wire import pack_delta, unpack_delta
+
+    seg = SegmentDelta.of(ShardPack((ShardPiece("a", torch.uint8, (300,), 0, None),), 300 + 8))
+    old = torch.randint(0, 120, (300,), dtype=torch.uint8)
+    new = old.clone()
+    new[[3, 200, 299]] += 1
+    kept, engine = old.clone(), old.clone()
+    deltas = [compare_bytes(n, k) for n, k in zip(seg.views(new), seg.views(kept))]
+    msg = torch.zeros(seg.message_nbytes, dtype=torch.uint8)
+    payload = torch.empty(seg.bound, dtype=torch.uint8)
+    n = pack_delta(deltas, seg.pieces, seg.counts(msg), payload)
+    assert torch.equal(kept, new) and n < 300
+    for d, v in zip(unpack_delta(seg.counts(msg), payload[:n], seg.pieces), seg.views(engine)):
+        apply_delta(d, v.view(torch.float8_e4m3fn), None, backend="torch")
+    assert torch.equal(engine, new)
+
+
+def test_zero_gaps_zeroes_only_what_no_piece_covers():
+    pieces = (ShardPiece("a", torch.uint8, (100,), 0, None), ShardPiece("b", torch.uint8, (50,), 256, None))
+    region = torch.full((512 + 8,), 7, dtype=torch.uint8)
+    zero_gaps(region, ShardPack(pieces, 512 + 8))
+    assert region[:100].eq(7).all() and region[100:256].eq(0).all()
+    assert region[256:306].eq(7).all() and region[306:512].eq(0).all() and region[512:].eq(7).all()
+
+
+def test_every_rank_decides_each_layer_from_the_versions_table():
+    """Rank 0 sends (kept versions, update number last); ranks 1 and 2 hold. A layer is a delta
+    only where the sender has a kept copy and every engine rank holds its version."""
+    rows = [versions_row(3, 0, [5, 5, NONE, 5, 9], "cpu"), versions_row(3, 1, [5, 5, 5, 4, NONE], "cpu"),
+            versions_row(3, 2, [5, NONE, 5, 5, NONE], "cpu")]  # fmt: skip
+    table = torch.stack(rows).amax(dim=0)
+    assert delta_layers(table, 0, [1, 2]) == (9, [True, False, False, False])
+    assert delta_layers(table, 0, [1]) == (9, [True, True, False, False])
+
+
+def test_delta_is_refused_where_it_is_not_built():
+    from glm_fp8.transfer import HostSinkComm, Sender
+    from glm_fp8.transfer.delta_send import DeltaOptions
+
+    with pytest.raises(ValueError, match="resync_every"):
+        DeltaOptions(resync_every=0)
+    with pytest.raises(ValueError, match="wire='fp8'"):
+        Sender(HostSinkComm(), 0, config=CONFIG, wire="bf16", device="cpu", delta=DeltaOptions())
+    with pytest.raises(ValueError, match="checksum=True"):
+        Sender(HostSinkComm(), 0, config=CONFIG, checksum=False, device="cpu", delta=DeltaOptions())
+    with pytest.raises(TypeError, match="DeltaOptions"):
+        Sender(HostSinkComm(), 0, config=CONFIG, device="cpu", delta=True)
+    engines = [None, None, *EngineLayout.all_ranks(2)]
+    with pytest.raises(ValueError, match="one sender only"):
+        Sender(HostSinkComm(rank=1, size=4), 1, config=CONFIG, engines=engines, senders=[0, 1], device="cpu",
+               delta=DeltaOptions())  # fmt: skip
+
+
+def test_an_engine_rank_whose_landing_converts_refuses_delta():
+    """Delta rebuilds the old segment from the parameters, so landing must be a plain byte copy:
+    a 'full' rank with a layout (landing cuts whole entries), a widening dtype pair and the bf16
+    wire (landing quantizes) are refused at construction, naming why."""
+    from types import SimpleNamespace
+
+    from glm_fp8.engine import engine_params
+    from glm_fp8.plan import layer_prefix, plan_from_config
+    from glm_fp8.transfer import HostSinkComm, Receiver
+    from glm_fp8.transfer.delta_receive import check_receiver_delta
+
+    layout = EngineLayout.all_ranks(2)[0]
+    with pytest.raises(ValueError, match="'full' with a layout: landing cuts"):
+        Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, layout=layout, engines=[None, "full"],
+                 device="cpu", delta=True)  # fmt: skip
+    with pytest.raises(ValueError, match="wire='fp8'"):
+        Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, wire="bf16", device="cpu", delta=True)
+    with pytest.raises(ValueError, match="delta: expected True or False"):
+        Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, device="cpu", delta="yes")
+    plan = plan_from_config(CONFIG, 3)
+    targets = {p.kernel_name: p for p in engine_params(CONFIG, layout).values()}
+    bias = next(e for e in plan.entries if e.name.endswith("e_score_correction_bias"))
+    name = layer_prefix(3) + bias.name
+    targets[name] = SimpleNamespace(name=targets[name].name, dtype=torch.float64)  # a widening landing
+    fake = SimpleNamespace(senders=(0,), wire="fp8", checksum=True, full=False, layout=layout, rank=1,
+                           layer_ids=[3], plans=[plan], targets=targets)  # fmt: skip
+    with pytest.raises(ValueError, match="lands widened"):
+        check_receiver_delta(fake)
+
+
+def test_a_layer_with_an_aliased_parameter_is_voted_dense():
+    """Landing skips an alias (it holds another parameter's bytes), so its layer cannot be rebuilt
+    as the sender sent it: the rank votes that layer as held by no update, and it goes dense."""
+    from glm_fp8.transfer import HostSinkComm, Receiver
+
+    recv = Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, device="cpu", delta=True)
+    recv.delta.held.held = [5] * len(IDS)
+    assert recv.delta.row() == [5] * len(IDS)
+    recv.delta.aliases = {"model.layers.1.self_attn.o_proj.weight": "model.layers.0.self_attn.o_proj.weight"}
+    assert recv.delta.row() == [5, NONE, 5, 5]
