@@ -132,6 +132,51 @@ def _expected(config, layout, ids, dtype, gathered):
     return want
 
 
+def _moved(config, layer_idx, dtype, step: int) -> dict:
+    """The trainer's layer at ``step``: the synthetic layer with 0.2 % of each tensor's elements (a
+    set drawn per step) scaled by 0.7, which changes their fp8 bytes (as tests/transfer's delta test)."""
+    sd = synthetic_layer(config, layer_idx, dtype)
+    g = torch.Generator().manual_seed(1000 * step + (layer_idx if layer_idx != REST else 999))
+    for t in sd.values():
+        flat = t.view(-1)
+        idx = torch.randint(flat.numel(), (max(1, flat.numel() // 500),), generator=g)
+        flat[idx] = flat[idx] * 0.7
+    return sd
+
+
+def _moved_reference(config, layout, ids, dtype, step: int) -> dict:
+    """What an engine rank (Triton MoE backend: no rewrite) holds after an update of ``_moved`` at
+    ``step``: the reference conversion cut by its shards, under vLLM's names."""
+    from glm_fp8.engine import engine_params, take_shard
+    from glm_fp8.plan import plan_from_config, strip_layer
+    from glm_fp8.reference import convert_layer_ref
+
+    targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
+    out = {}
+    for i in ids:
+        plan = plan_from_config(config, i)
+        layer = {k: t for k, t in strip_layer(_moved(config, i, dtype, step), i).items() if k in plan.inputs}
+        for kernel_name, full in convert_layer_ref(layer, i, plan).items():
+            t = targets[kernel_name]
+            out[t.name] = take_shard(full, t.shard).to(t.dtype)
+    return out
+
+
+def _delta_outcome(config, layout, ids, snapshots, aliases, log) -> dict:
+    """Per update this worker landed: its session, the bytes it took off the link, and the
+    parameters of that session's layers that differ from the reference of the trainer's step."""
+    same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
+    per_update, step, checked = [], -1, 0
+    for session, nbytes, params in snapshots:
+        step += session != "draft"  # a draft session follows its step's target session
+        mine = [MTP] if session == "draft" else [i for i in ids if i != MTP]
+        want = _moved_reference(config, layout, mine, torch.bfloat16, step)
+        bad = [n for n, w in want.items() if n not in aliases and not same(params[n], w)]
+        checked += len(want)
+        per_update.append((session, nbytes, bad))
+    return {"updates": per_update, "checked": checked, "log": log}
+
+
 # --- a vLLM WeightSource stand-in (vllm/distributed/weight_transfer/base.py's ModuleSource) -------
 
 
@@ -248,6 +293,16 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     layout_name = opts.get("layout", "prime_rl")
     module = source_kind in ("module", "module_state")
     mesh_params = _module_params(config, trainers, layout_name, dtype) if module else None
+    delta = opts.get("delta", False)
+    if delta:  # the transfer is under test, not the kernels (tests/kernels): the torch backend, faster
+        from glm_fp8.backends import set_default_backend
+
+        set_default_backend("torch")
+    at = [0]  # the trainer's step: its layers change with it when delta is on
+
+    def layer(i):
+        return _moved(config, i, dtype, at[0]) if delta else synthetic_layer(config, i, dtype)
+
     if rank < trainers:
         if source_kind == "module":
             source = StandInModuleSource(mesh_params)
@@ -256,20 +311,21 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
 
             source = ModuleStateSource(_hf_like_module(mesh_params))
         else:
-            source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, dtype)) for i in ids),
-                                 rest=lambda: synthetic_layer(config, REST, dtype), mtp=bool(opts.get("mtp")),
-                                 experts_whole=True)  # fmt: skip
+            source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST),
+                                 mtp=bool(opts.get("mtp")), experts_whole=True)  # fmt: skip
         client = None
         if rank == 0:
             draft = opts.get("draft") != "stream"
             client = SkippingClient(boxes) if opts.get("skip") else QueueClient(boxes, draft=draft)
         options = TrainerOptions("127.0.0.1", port, engine_ranks=world - trainers, config=config,
                                  mode=opts.get("mode", "auto"), draft=opts.get("draft", "auto"), rank=rank,
-                                 trainer_ranks=trainers, timeout_s=60)  # fmt: skip
+                                 trainer_ranks=trainers, timeout_s=60, delta=delta,
+                                 delta_resync_every=opts.get("resync"))  # fmt: skip
         try:
             side = TrainerSide(options, client, source, torch.device("cpu")).connect()
             results = []
-            for _step in range(steps):
+            for step in range(steps):
+                at[0] = step
                 t0 = time.monotonic()
                 try:
                     out = side.send()
@@ -284,7 +340,7 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
                     inbox.put(("stop", ()))
     r = rank - trainers
     layout = _layouts(case)[r]
-    target, drafter = _engine(layout)
+    target, drafter = _engine(layout, opts.get("backend", "FLASHINFER_CUTLASS"))
     if not opts.get("mtp"):
         drafter = None
     log: list[str] = []
@@ -315,10 +371,23 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
             return real(info)
 
         side.receive = refuse_once
+    snapshots = []  # delta: every parameter after each update, checked against that step's reference
+    if delta:
+        real_receive = side.receive
+
+        def receive_and_keep(info):
+            out = real_receive(info)
+            params = {n: p.clone() for n, p in side.updater.engine.params.items()}
+            snapshots.append((side.session, out["bytes"], params))
+            return out
+
+        side.receive = receive_and_keep
     _serve(side, drafter, *boxes[r], log)
     if side.updater is None:
         return log
     ids = [*range(config["num_hidden_layers"]), *([MTP] if opts.get("mtp") else []), REST]
+    if delta:
+        return _delta_outcome(config, layout, ids, snapshots, side.updater.engine.aliases, log)
     # No cast before quantizing in any mode (gather_dtype=None): the reference reads the trainer's
     # own dtype, as a checkpoint quantized from the fp32 masters holds them.
     want = _expected(config, layout, ids, dtype, None)
@@ -360,6 +429,31 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
     _landed(results, trainers)
     for t in range(trainers):
         assert [s[0] for s in results[t][1]] == ["ok", "ok"] and results[t][1][0][2] == mode, results[t]
+
+
+def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed():
+    """delta=True (one sender, scatter into EP 2, the Triton MoE backend), three steps whose weights
+    change a little each, the MTP layer in the draft session: after every update each engine
+    parameter equals the reference of that step's weights, bit for bit. The target session's steps
+    2 and 3 send (and each worker takes) under a tenth of step 1's bytes: the worker kept its
+    receivers (what they hold) across updates. The MTP layer goes dense every time: vLLM's drafter
+    aliases the target's lm_head as its shared_head.head, which a delta cannot rebuild
+    (docs/delta.md)."""
+    results = _run(1, "ep2", delta=True, backend="TRITON", mtp=True, steps=3)
+    assert all(status == "ok" for status, _ in results.values()), results
+    trainer = results[0][1]
+    assert [t[0] for t in trainer] == ["ok"] * 3 and trainer[0][2] == "scatter", trainer
+    sent = [dict(t[1]) for t in trainer]  # per step: {session: bytes}
+    target, draft = [s["target"] for s in sent], [s["draft"] for s in sent]
+    assert target[0] > 0 and all(b * 10 < target[0] for b in target[1:]), target
+    assert len(set(draft)) == 1, draft
+    for r in (1, 2):
+        out = results[r][1]
+        assert out["log"] == [] and out["checked"] > 50, out
+        assert [u[0] for u in out["updates"]] == ["target", "draft"] * 3, out["updates"]
+        assert all(u[2] == [] for u in out["updates"]), out["updates"]
+        took = [u[1] for u in out["updates"] if u[0] == "target"]
+        assert took[0] > 0 and all(b * 10 < took[0] for b in took[1:]), took
 
 
 def test_fp32_masters_of_a_transformers_like_module_land_unrounded_with_many_senders():
@@ -602,6 +696,10 @@ def test_send_refuses_before_connect_and_after_shutdown():
         ("ring", 10**12, r"init_info\.ring: expected an integer in \[2, 16\]"),
         ("checksum", 1, r"init_info\.checksum: expected True or False"),
         ("master_address", None, r"init_info\.master_address: expected a host name"),
+        ("delta", 1, r"init_info\.delta: expected True or False"),
+        ("delta_resync_every", 0, r"init_info\.delta_resync_every: expected an integer >= 1"),
+        ("delta_resync_every", 2.0, r"init_info\.delta_resync_every: expected an integer"),
+        ("delta_resync_every", 2, r"init_info\.delta_resync_every: 2 without delta=True"),
     ],
 )
 def test_trainer_init_info_numbers_are_refused_naming_the_field(field, value, match):
@@ -623,6 +721,37 @@ def test_layer_source_layer_ids_are_integers_of_the_model(layer_ids, match):
         _trainer_side(LayerSource(layers=lambda ids: iter(()), layer_ids=layer_ids))
 
 
+def test_delta_is_refused_at_init_where_it_is_not_built():
+    """Before the link opens: many senders (asked for, or what "auto" picks), the full broadcast,
+    no checksums; a worker whose MoE backend rewrites the experts after loading (FlashInfer
+    CUTLASS), which the worker tells every rank at its init. A Triton worker takes delta."""
+    from dataclasses import replace
+
+    from test_vllm_worker import _updater
+
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.integrations.vllm import LayerSource
+    from glm_fp8.integrations.vllm.trainer_options import delta_options
+
+    src = LayerSource(layers=lambda ids: iter(()), experts_whole=True)
+    for kw, match in [
+        (dict(mode="senders"), r"init_info\.mode: delta=True with many senders \('senders'\) is not built"),
+        (dict(trainer_ranks=2), r"init_info\.mode: delta=True with many senders"),  # "auto" picks them
+        (dict(mode="broadcast"), r"init_info\.mode: delta=True needs each engine rank to receive its own"),
+        (dict(mode="scatter", checksum=False), r"init_info\.checksum: delta=True needs checksum=True"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _trainer_side(src, delta=True, **kw)
+    side = _trainer_side(src, delta=True, delta_resync_every=4)
+    assert side.init.delta and side.mode == "scatter"  # built; nothing opened yet
+    assert delta_options(side.opts).resync_every == 4
+    assert delta_options(replace(side.opts, delta=False, delta_resync_every=None)) is None
+    layout = EngineLayout.all_ranks(2, 1, True)[0]
+    err = _updater(layout).delta_refusal()
+    assert "FLASHINFER_CUTLASS MoE backend" in str(err) and "--moe-backend triton" in str(err), err
+    assert _updater(layout, "TRITON").delta_refusal() is None
+
+
 def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
     """What a worker is sent (a dict, or JSON text from the dev server's routes): every field's
     type and range, a ValueError naming it, before the worker joins anything."""
@@ -640,9 +769,13 @@ def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
         ("timeout_s", float("inf"), r"init_info\.timeout_s: expected seconds"),
         ("senders", 3, r"init_info\.senders: expected an integer in \[1, 2\]"),
         ("version", 1, r"init_info\.version: expected 2"),
+        ("delta", 1, r"init_info\.delta: expected a bool"),
     ]:
         with pytest.raises(ValueError, match=match):
             SyncInit.from_dict({**good, key: value})
+    with pytest.raises(ValueError, match=r"init_info\.mode: delta=True with many senders"):
+        SyncInit.from_dict({**good, "delta": True, "mode": "senders", "senders": 2})
+    assert SyncInit.from_dict({**good, "delta": True}).delta
     with pytest.raises(ValueError, match=r"init_info: not valid JSON"):
         SyncInit.from_dict('{"master_address": ')
     with pytest.raises(ValueError, match=r"init_info: expected a mapping"):

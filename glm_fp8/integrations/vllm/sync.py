@@ -83,6 +83,23 @@ def auto_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
     )
 
 
+def check_delta_mode(mode: str, what: str) -> None:
+    """A ValueError naming ``what`` for a mode delta updates do not run in yet: many senders (each
+    would keep its own share: not built) and the full broadcast (a vLLM worker lands through its
+    layout, which cuts its shard out of whole entries, so its parameters are not what arrived)."""
+    if mode == "senders":
+        raise ValueError(
+            f"{what}: delta=True with many senders ('senders') is not built yet; pass mode='scatter' (one "
+            "sender, each engine rank its shard) or delta=False"
+        )
+    if mode == "broadcast":
+        raise ValueError(
+            f"{what}: delta=True needs each engine rank to receive its own shard; with 'broadcast' a worker "
+            "cuts its shard out of whole entries, so its parameters are not the bytes that arrived; pass "
+            "mode='scatter' or delta=False"
+        )
+
+
 @dataclass(frozen=True)
 class SyncInit:
     """What every engine worker gets at init: the link (``master_address:master_port``, a TCP
@@ -96,7 +113,9 @@ class SyncInit:
     first link rank, workers]`` in link order (None: one server, its workers from ``senders``);
     ``rank_offset`` is the first link rank of the server this init is sent to (None: ``senders``);
     ``generation`` counts the link's rebuilds (a change of membership): its keys in the store
-    live under it, so a rebuilt link never reads an old one's."""
+    live under it, so a rebuilt link never reads an old one's. ``delta``: updates carry only the
+    bytes that changed (docs/delta.md): each worker keeps its receivers, and what they hold,
+    across the updates of this link; mode "scatter" only."""
 
     master_address: str
     master_port: int
@@ -114,6 +133,7 @@ class SyncInit:
     rank_offset: int | None = None
     servers: list | None = None
     generation: int = 0
+    delta: bool = False
     version: int = HANDSHAKE_VERSION
 
     @classmethod
@@ -144,6 +164,7 @@ class SyncInit:
             rank_offset=_field(d, "rank_offset", (int, type(None)), "the server's first link rank", None),
             servers=_field(d, "servers", (list, type(None)), "[[name, first link rank, workers], ...]", None),
             generation=_field(d, "generation", int, "the link's generation (an int >= 0)", 0),
+            delta=_field(d, "delta", bool, "a bool", False),
         )
         out.check()
         return out
@@ -169,7 +190,7 @@ class SyncInit:
             raise ValueError(f"init_info.layer_ids: expected a list of layer indices, got {self.layer_ids!r}")
         for k, i in enumerate(self.layer_ids):
             check_int(f"init_info.layer_ids[{k}]", i, 0, None, " (a decoder layer's index)")
-        for key in ("rest", "checksum"):
+        for key in ("rest", "checksum", "delta"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"init_info.{key}: expected True or False, got {getattr(self, key)!r}")
         check_int("init_info.ring", self.ring, 2, MAX_RING, " (layer buffers per rank; 2 overlap every step)")
@@ -177,6 +198,10 @@ class SyncInit:
             raise ValueError(f"init_info.senders: mode {self.mode!r} has one sender, got {self.senders}")
         check_seconds("init_info.timeout_s", self.timeout_s)
         check_int("init_info.generation", self.generation, 0, None, " (the link's rebuilds)")
+        if self.delta:
+            check_delta_mode(self.mode, "init_info.mode")
+            if not self.checksum:
+                raise ValueError("init_info.checksum: delta needs checksum=True (it proves each layer)")
         self._check_servers()
 
     def _check_servers(self) -> None:
@@ -351,6 +376,7 @@ __all__ = [
     "SESSIONS",
     "SyncInit",
     "SyncUpdate",
+    "check_delta_mode",
     "clear_gate",
     "fleet_layouts",
     "fleet_mtp",

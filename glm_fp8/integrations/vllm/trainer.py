@@ -49,7 +49,7 @@ from glm_fp8.integrations.vllm.sync import (
     wait_gate,
 )
 from glm_fp8.integrations.vllm.trainer_fleet import FleetMembership, draft_decision
-from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions
+from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions, delta_options
 from glm_fp8.integrations.vllm.trainer_source import contribute, trainer_source
 from glm_fp8.models import mtp_layer_index
 from glm_fp8.transfer.link import StoreLink
@@ -125,6 +125,7 @@ class TrainerSide(FleetMembership):
             timeout_s=float(self.opts.timeout_s),
             servers=servers if self.named else None,
             generation=generation,
+            delta=self.opts.delta,  # "auto" that picked many senders is refused here: not built
         )
         init.check()
         return init
@@ -253,6 +254,7 @@ class TrainerSide(FleetMembership):
                 engines=self.engines,
                 senders=list(range(self.senders)),
                 device=self.device,
+                delta=delta_options(self.opts),  # kept with this Sender: per session, per link
             )
         return self._senders_cache[session]
 

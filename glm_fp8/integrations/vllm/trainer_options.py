@@ -11,7 +11,15 @@ import torch
 
 from glm_fp8._checks import check_int, check_seconds
 from glm_fp8.integrations.vllm.clients import VllmServer
-from glm_fp8.integrations.vllm.sync import DRAFTS, LINK_BACKENDS, MAX_LINK_RANKS, MAX_RING, MODES
+from glm_fp8.integrations.vllm.sync import (
+    DRAFTS,
+    LINK_BACKENDS,
+    MAX_LINK_RANKS,
+    MAX_RING,
+    MODES,
+    check_delta_mode,
+)
+from glm_fp8.transfer.delta_send import DeltaOptions
 from glm_fp8.transfer.gather import GATHERS
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
@@ -43,6 +51,10 @@ class TrainerOptions:
       halves a gather's bytes for fp32 masters, and then the FP8 bytes of the gathered tensors
       differ from the checkpoint's quantization of the fp32 masters.
     - ``timeout_s``: the link's and the rendezvous' timeout.
+    - ``delta``: send each update as the bytes that changed since the update the engine ranks hold
+      (exact: docs/delta.md#in-the-transfer); one sender into engine layouts only, so mode "scatter"
+      (or "auto" when it picks scatter). ``delta_resync_every``: every N-th update of a session (its
+      first included) is dense; None: only where an engine rank holds nothing of it.
     """
 
     master_address: str
@@ -60,6 +72,8 @@ class TrainerOptions:
     gather_dtype: str | None = None
     timeout_s: float = 600.0
     server_names: Sequence[str] | None = None
+    delta: bool = False
+    delta_resync_every: int | None = None
     rank: int = field(kw_only=True)
 
     def check(self) -> None:
@@ -93,6 +107,27 @@ class TrainerOptions:
         check_int("init_info.ring", self.ring, 2, MAX_RING,
                   " (layer buffers per rank: 2 overlap each layer with the wire)")  # fmt: skip
         check_seconds("init_info.timeout_s", self.timeout_s)
+        self._check_delta()
+
+    def _check_delta(self) -> None:
+        """Delta where it is built: one sender, each engine rank given its layout (scatter)."""
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"init_info.delta: expected True or False, got {self.delta!r}")
+        if self.delta_resync_every is not None:
+            check_int("init_info.delta_resync_every", self.delta_resync_every, 1, None,
+                      " (every N-th update dense) or None")  # fmt: skip
+            if not self.delta:
+                raise ValueError(
+                    f"init_info.delta_resync_every: {self.delta_resync_every!r} without delta=True; "
+                    "pass delta=True, or leave it None"
+                )
+        if self.delta:
+            check_delta_mode(self.mode, "init_info.mode")
+            if not self.checksum:
+                raise ValueError(
+                    "init_info.checksum: delta=True needs checksum=True (the checksum proves each "
+                    "rebuilt layer exact)"
+                )
 
     def servers(self, client: object) -> list[VllmServer]:
         """The fleet: one ``VllmServer`` per entry of ``engine_ranks`` (an int: one server, ``client``
@@ -137,4 +172,12 @@ class TrainerOptions:
         return servers
 
 
-__all__ = ["TrainerOptions"]
+def delta_options(opts: TrainerOptions) -> DeltaOptions | None:
+    """The ``Sender``'s ``delta=`` for these options (None: dense updates)."""
+    if not opts.delta:
+        return None
+    every = opts.delta_resync_every  # checked integral: numpy / torch ints too
+    return DeltaOptions(resync_every=None if every is None else int(every))
+
+
+__all__ = ["TrainerOptions", "delta_options"]

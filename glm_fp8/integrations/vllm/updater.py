@@ -11,15 +11,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.postload import PostLoadPlan, apply_postload_
-from glm_fp8.engine.specs import engine_param_specs, mtp_layer_index
+from glm_fp8.engine.specs import engine_param_specs, engine_params, mtp_layer_index
 from glm_fp8.errors import EngineNotSupported
 from glm_fp8.models import REST, model_layer_ids
+from glm_fp8.plan import plans_for_model
+from glm_fp8.transfer.delta_receive import check_receiver_delta
 from glm_fp8.transfer.receiver import Receiver
 
 # --- the parameters -------------------------------------------------------------------------------
@@ -191,7 +194,38 @@ class EngineUpdater:
             "drafter": self.mtp_index in layer_ids,
         }
 
-    def _refusal(self, layer_ids: list[int], rest: bool, scale_fmt: str) -> Exception | None:
+    def delta_refusal(self, scale_fmt: str | None = None) -> EngineNotSupported | None:
+        """Why this worker cannot take delta updates (docs/delta.md), or None. A delta layer is rebuilt
+        from the parameters, so they must hold exactly the bytes that arrived: no post-load rewrite
+        of the landed tensors (FlashInfer CUTLASS swaps the w13 halves and clamps the expert scales
+        in place: ``PostLoadPlan.swap_w13`` / ``clamp_min``), and a landing that is a plain copy
+        (the Receiver's own ``check_receiver_delta``, on this worker's layout and plans). MLA's
+        ``W_UK_T`` / ``W_UV`` are not updated tensors: vLLM's hook rebuilds them from ``kv_b_proj``."""
+        if self.plan.swap_w13 or self.plan.clamp_min is not None:
+            return EngineNotSupported(
+                f"delta: this engine's routed experts run on vLLM's {self.plan.moe_backend} MoE backend, "
+                "which rewrites them in place after loading (w13 halves swapped, scales clamped), so a "
+                "delta cannot be applied to what they hold; start the engine with --moe-backend triton, or "
+                "use delta=False"
+            )
+        ids = [*self.full_layer_ids, REST]
+        fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
+        landing = SimpleNamespace(
+            senders=[0], wire="fp8", checksum=True, full=False, layout=self.layout, rank=None, layer_ids=ids,
+            plans=plans_for_model(self.config, "fp8", layer_ids=ids, scale_fmt=fmt),
+            targets={p.kernel_name: p for p in engine_params(self.config, self.layout).values()},
+        )  # fmt: skip
+        try:
+            check_receiver_delta(landing)
+        except ValueError as exc:
+            return EngineNotSupported(str(exc))
+        return None
+
+    def _refusal(
+        self, layer_ids: list[int], rest: bool, scale_fmt: str, delta: bool = False
+    ) -> Exception | None:
+        if delta and (err := self.delta_refusal(scale_fmt)) is not None:  # a drafter's backend, known now
+            return err
         if self.plan.scale_fmt == "ue8m0" and scale_fmt != "ue8m0":
             return EngineNotSupported(
                 f"scale_fmt={scale_fmt!r}: this engine serves DeepGEMM-requantized weights (MoE backend "
@@ -225,6 +259,7 @@ class EngineUpdater:
         engines: Sequence[EngineLayout | str | None] | None = None,
         senders: Sequence[int] | None = None,
         checksum: bool = True,
+        delta: bool = False,
     ) -> dict[str, object]:
         """Receive one update from ``src`` over ``comm`` into the engine's parameters (``engines`` and
         ``senders`` as ``Receiver`` takes them: the same lists as the trainer's), then redo the
@@ -233,8 +268,9 @@ class EngineUpdater:
         (a scale format the engine cannot serve, a partial update after a failed one, the MTP layer
         without a drafter) are voted at the manifest, so every rank stops there. Raises what
         ``Receiver.load_into`` raises; after a failure the parameters must not be served until a
-        whole update succeeds. The receiver (plans, groups) is kept for the next update with the
-        same arguments; its ring is given back after each."""
+        whole update succeeds. The receiver (plans, groups; with ``delta`` the versions it holds) is
+        kept for the next update with the same arguments, so a session's delta state lives as long
+        as this worker's link; its ring is given back after each."""
         ids = list(self.full_layer_ids if layer_ids is None else (int(i) for i in layer_ids))
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         if device is None:
@@ -250,6 +286,7 @@ class EngineUpdater:
             checksum,
             None if engines is None else tuple(engines),
             None if senders is None else tuple(senders),
+            delta,
         )
         receiver = self._receivers.get(key)
         if receiver is None:
@@ -266,8 +303,9 @@ class EngineUpdater:
                 engines=engines,
                 senders=senders,
                 checksum=checksum,
+                delta=delta,
             )
-        refusal = self._refusal(ids, rest, fmt)
+        refusal = self._refusal(ids, rest, fmt, delta)
         parts = self._parts(ids, rest)
         params: Mapping[str, torch.Tensor] = self.engine.params if refusal is None else _Refusing(refusal)
         t0 = time.perf_counter()

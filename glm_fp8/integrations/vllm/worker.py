@@ -5,7 +5,9 @@
 ``init`` joins the link the trainer opened and tells every rank this worker's layout and needs
 (or why it cannot take part: every rank raises naming it); ``start``, ``receive`` and ``finish``
 are one session of vLLM's four-phase handshake: ``receive`` lands one update
-(``EngineUpdater.update``) and ``finish`` gives its buffers back.
+(``EngineUpdater.update``) and ``finish`` gives its buffers back. The updater keeps one receiver
+per session (target, draft) for the link's life: with delta updates, what it holds; a new init (a
+rebuilt link) or a restarted worker holds nothing, so its first update is dense.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class WorkerSide:
         try:
             if self.updater is None:
                 self.updater = self.make_updater()
+            if info.delta and (err := self.updater.delta_refusal(info.scale_fmt)) is not None:
+                raise err  # at init, told to every rank: nothing has moved
             desc.update(self.updater.describe())
             desc["mtp"] = self.updater.mtp_index if self.has_drafter else None
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here too
@@ -157,6 +161,7 @@ class WorkerSide:
             senders=list(range(self.init_info.senders)),
             checksum=self.init_info.checksum,
             device=self.device,
+            delta=self.init_info.delta,
         )
         self.results.append(result)
         return result
