@@ -15,11 +15,12 @@ that length when it is within the plan's bound, so the link stays in step and th
 the layer) and the new segment's checksum word (the dense segment's).
 
 **Versions table.** Before the first layer every rank of the link contributes one row of an
-int64 ``[link size, layers + 1]`` all-reduce MAX, ``NONE`` elsewhere: the sender its kept
-versions (``NONE`` for every layer at a resync) and, in the last column, this update's number;
-each engine rank its held versions. A layer goes as a delta, to every engine rank, only when the
-sender has a kept copy and every engine rank holds that version; every rank computes the same
-answer from the same table (``delta_layers``), so every rank knows which messages to post.
+int64 ``[link size, layers + 1]`` all-reduce MAX, ``NONE`` elsewhere: each sender its kept
+versions (``NONE`` for every layer at a resync) and, in the last column, the update number it
+proposes (the largest wins); each engine rank its held versions. A layer goes as a delta, to every
+engine rank, only when every sender has a kept copy of it at one version and every engine rank
+holds that version; every rank computes the same answer from the same table (``delta_layers``), so
+every rank knows which messages to post.
 """
 
 from __future__ import annotations
@@ -103,14 +104,21 @@ def versions_row(size: int, rank: int, row: Sequence[int], device: torch.device)
     return table.to(device)
 
 
-def delta_layers(table: torch.Tensor, sender: int, receivers: Sequence[int]) -> tuple[int, list[bool]]:
+def delta_layers(
+    table: torch.Tensor, senders: Sequence[int], receivers: Sequence[int]
+) -> tuple[int, list[bool]]:
     """From the all-reduced versions table (host int64 [link size, layers + 1]): this update's
-    number and, per layer, whether it goes as a delta (the sender has a kept copy, at version
-    ``k``, and every engine rank in ``receivers`` holds ``k``)."""
-    kept = table[sender, :-1]
+    number (the largest any sender proposed, so that every rank agrees on it) and, per layer,
+    whether it goes as a delta: every sender in ``senders`` has a kept copy at the same version
+    ``k`` and every engine rank in ``receivers`` holds ``k``. One sender out of step (rebuilt, or
+    behind after a failed update) makes the layer dense for all: each engine rank checks a layer's
+    segments together, so they move or stay together."""
+    senders = list(senders)
+    kept = table[senders, :-1]
     held = table[list(receivers), :-1]
-    ok = (kept != NONE) & (held == kept).all(dim=0)
-    return int(table[sender, -1]), [bool(x) for x in ok]
+    first = kept[0]
+    ok = (first != NONE) & (kept == first).all(dim=0) & (held == first).all(dim=0)
+    return int(table[senders, -1].max()), [bool(x) for x in ok]
 
 
 __all__ = ["ROW", "SegmentDelta", "delta_layers", "segment_rows", "versions_row", "zero_gaps"]

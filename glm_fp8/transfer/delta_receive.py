@@ -23,8 +23,6 @@ def check_receiver_delta(receiver) -> None:
     can be rebuilt from the parameters: kernel-format parameters, or an engine layout that receives
     its own cut pieces (scatter). Raises ValueError naming what converts, otherwise."""
     r = receiver
-    if len(r.senders) > 1:
-        raise ValueError(f"delta: one sender only so far (got senders {list(r.senders)}); many are dense")
     if r.wire != "fp8":
         raise ValueError(f"delta: needs wire='fp8' (got {r.wire!r}); with 'bf16' this rank quantizes on "
                          "receive, so its parameters are not the bytes that arrived")  # fmt: skip
@@ -84,7 +82,7 @@ class ReceiverDelta:
                 table = table.cpu()
         except Exception as exc:
             raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
-        self.update, self.is_delta = delta_layers(table, r.senders[0], receivers)
+        self.update, self.is_delta = delta_layers(table, r.senders, receivers)
         self.got.clear()
 
     def row(self) -> list[int]:

@@ -32,16 +32,12 @@ class DeltaOptions:
             raise ValueError(f"delta: resync_every expected None or an integer >= 1, got {r!r}")
 
 
-def check_sender_delta(delta: object, senders, wire: str, checksum: bool) -> DeltaOptions | None:
-    """``Sender``'s ``delta=`` checked: a ``DeltaOptions`` or None, in a mode built so far."""
+def check_sender_delta(delta: object, wire: str, checksum: bool) -> DeltaOptions | None:
+    """``Sender``'s ``delta=`` checked: a ``DeltaOptions`` or None, with what a delta needs."""
     if delta is None:
         return None
     if not isinstance(delta, DeltaOptions):
         raise TypeError(f"delta: expected a DeltaOptions or None, got {type(delta).__name__}")
-    if len(senders) > 1:
-        raise ValueError(
-            f"delta: one sender only so far (got senders {list(senders)}); many senders are dense"
-        )
     if wire != "fp8":
         raise ValueError(
             f"delta: needs wire='fp8' (got {wire!r}); with 'bf16' the engine quantizes on receive"
@@ -60,8 +56,8 @@ class SenderDelta:
         n = len(sender.plans)
         self.versions = KeptVersions(n)
         # Update numbers start at the clock, so that a rebuilt Sender never reuses one an engine
-        # rank may still hold from its predecessor.
-        self.base, self.count, self.update = time.time_ns(), 0, NONE
+        # rank may still hold from its predecessor; the senders agree on the largest proposed.
+        self.proposal, self.count, self.update = time.time_ns(), 0, NONE
         self.segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender.me)] for lay in sender.routes.layers]
         self.kept: list[list[torch.Tensor] | None] = [None] * n
         self.is_delta = [False] * n
@@ -74,15 +70,15 @@ class SenderDelta:
     @classmethod
     def of(cls, sender, delta: object) -> SenderDelta | None:
         """The sender's delta state for ``Sender(delta=...)`` (None: dense updates), checked."""
-        options = check_sender_delta(delta, sender.senders, sender.wire, sender.checksum)
+        options = check_sender_delta(delta, sender.wire, sender.checksum)
         return None if options is None else cls(sender, options)
 
     def begin(self) -> None:
         """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
         s = self.s
-        self.update, self.count = self.base + self.count, self.count + 1
+        self.count += 1
         resync = self.options.resync_every is not None and (self.count - 1) % self.options.resync_every == 0
-        row = [NONE if resync else k for k in self.versions.kept] + [self.update]
+        row = [NONE if resync else k for k in self.versions.kept] + [self.proposal]
         receivers = [r for r, e in enumerate(s.routes.engines) if e is not None]
         try:
             with on_stream(s.link_stream):
@@ -91,7 +87,8 @@ class SenderDelta:
                 table = table.cpu()
         except Exception as exc:
             raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
-        _, self.is_delta = delta_layers(table, s.rank, receivers)
+        self.update, self.is_delta = delta_layers(table, s.senders, receivers)
+        self.proposal = max(self.proposal, self.update + 1)
         self.ready.clear()
         self.sent.clear()
 

@@ -88,8 +88,8 @@ class Sender(Endpoint):
         checksum: every segment carries a checksum its receivers verify; receivers that require it
             refuse an update without.
         device: where conversion runs (default: the current CUDA device, else the CPU).
-        delta: ``DeltaOptions``: send what changed since the update the engine ranks hold (one sender,
-            wire 'fp8', checksums; ``Receiver(delta=True)``; docs/delta.md#in-the-transfer).
+        delta: ``DeltaOptions``: send what changed since the update the engine ranks hold (wire
+            'fp8', checksums; ``Receiver(delta=True)``; docs/delta.md#in-the-transfer).
     """
 
     def __init__(

@@ -431,23 +431,26 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
         assert [s[0] for s in results[t][1]] == ["ok", "ok"] and results[t][1][0][2] == mode, results[t]
 
 
-def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed():
-    """delta=True (one sender, scatter into EP 2, the Triton MoE backend), three steps whose weights
-    change a little each, the MTP layer in the draft session: after every update each engine
+@pytest.mark.parametrize("trainers, mode", [(1, "scatter"), (2, "senders")])
+def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed(trainers, mode):
+    """delta=True (one sender scattering, or two senders, into EP 2; the Triton MoE backend), three
+    steps whose weights change a little each, the MTP layer in the draft session: after every
+    update each engine
     parameter equals the reference of that step's weights, bit for bit. The target session's steps
     2 and 3 send (and each worker takes) under a tenth of step 1's bytes: the worker kept its
     receivers (what they hold) across updates. The MTP layer goes dense every time: vLLM's drafter
     aliases the target's lm_head as its shared_head.head, which a delta cannot rebuild
     (docs/delta.md)."""
-    results = _run(1, "ep2", delta=True, backend="TRITON", mtp=True, steps=3)
+    results = _run(trainers, "ep2", delta=True, backend="TRITON", mtp=True, steps=3, mode=mode)
     assert all(status == "ok" for status, _ in results.values()), results
-    trainer = results[0][1]
-    assert [t[0] for t in trainer] == ["ok"] * 3 and trainer[0][2] == "scatter", trainer
-    sent = [dict(t[1]) for t in trainer]  # per step: {session: bytes}
-    target, draft = [s["target"] for s in sent], [s["draft"] for s in sent]
-    assert target[0] > 0 and all(b * 10 < target[0] for b in target[1:]), target
-    assert len(set(draft)) == 1, draft
-    for r in (1, 2):
+    for t in range(trainers):  # each sender: its own share, a small fraction of it after step 1
+        trainer = results[t][1]
+        assert [s[0] for s in trainer] == ["ok"] * 3 and trainer[0][2] == mode, trainer
+        sent = [dict(s[1]) for s in trainer]  # per step: {session: bytes}
+        target, draft = [s["target"] for s in sent], [s["draft"] for s in sent]
+        assert target[0] > 0 and all(b * 10 < target[0] for b in target[1:]), target
+        assert len(set(draft)) == 1, draft
+    for r in (trainers, trainers + 1):
         out = results[r][1]
         assert out["log"] == [] and out["checked"] > 50, out
         assert [u[0] for u in out["updates"]] == ["target", "draft"] * 3, out["updates"]
@@ -722,9 +725,9 @@ def test_layer_source_layer_ids_are_integers_of_the_model(layer_ids, match):
 
 
 def test_delta_is_refused_at_init_where_it_is_not_built():
-    """Before the link opens: many senders (asked for, or what "auto" picks), the full broadcast,
-    no checksums; a worker whose MoE backend rewrites the experts after loading (FlashInfer
-    CUTLASS), which the worker tells every rank at its init. A Triton worker takes delta."""
+    """Before the link opens: the full broadcast, no checksums; a worker whose MoE backend rewrites
+    the experts after loading (FlashInfer CUTLASS), which the worker tells every rank at its init.
+    A Triton worker takes delta."""
     from dataclasses import replace
 
     from test_vllm_worker import _updater
@@ -735,8 +738,6 @@ def test_delta_is_refused_at_init_where_it_is_not_built():
 
     src = LayerSource(layers=lambda ids: iter(()), experts_whole=True)
     for kw, match in [
-        (dict(mode="senders"), r"init_info\.mode: delta=True with many senders \('senders'\) is not built"),
-        (dict(trainer_ranks=2), r"init_info\.mode: delta=True with many senders"),  # "auto" picks them
         (dict(mode="broadcast"), r"init_info\.mode: delta=True needs each engine rank to receive its own"),
         (dict(mode="scatter", checksum=False), r"init_info\.checksum: delta=True needs checksum=True"),
     ]:
@@ -773,8 +774,9 @@ def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
     ]:
         with pytest.raises(ValueError, match=match):
             SyncInit.from_dict({**good, key: value})
-    with pytest.raises(ValueError, match=r"init_info\.mode: delta=True with many senders"):
-        SyncInit.from_dict({**good, "delta": True, "mode": "senders", "senders": 2})
+    with pytest.raises(ValueError, match=r"init_info\.mode: delta=True needs each engine rank to receive"):
+        SyncInit.from_dict({**good, "delta": True, "mode": "broadcast"})
+    assert SyncInit.from_dict({**good, "delta": True, "mode": "senders", "senders": 2}).delta
     assert SyncInit.from_dict({**good, "delta": True}).delta
     with pytest.raises(ValueError, match=r"init_info: not valid JSON"):
         SyncInit.from_dict('{"master_address": ')

@@ -16,8 +16,8 @@ A fleet (several vLLM servers, one link): ``engine_ranks=[n0, n1, ...]``, ``serv
 ``client=[c0, c1, ...]``; between updates ``engine.add_server(VllmServer(...))``,
 ``engine.remove_server(name)``, ``engine.replace_server(name, VllmServer(...))`` or
 ``engine.set_fleet([...])`` on every trainer rank (docs/vllm.md#fleet). Exact delta updates (only
-the bytes that changed): ``delta=True`` (and ``delta_resync_every``) in the init info, one sender
-into engine layouts (docs/vllm.md#delta-updates).
+the bytes that changed): ``delta=True`` (and ``delta_resync_every``) in the init info, scatter or
+many senders into engine layouts (docs/vllm.md#delta-updates).
 """
 
 from __future__ import annotations

@@ -84,19 +84,14 @@ def auto_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
 
 
 def check_delta_mode(mode: str, what: str) -> None:
-    """A ValueError naming ``what`` for a mode delta updates do not run in yet: many senders (each
-    would keep its own share: not built) and the full broadcast (a vLLM worker lands through its
-    layout, which cuts its shard out of whole entries, so its parameters are not what arrived)."""
-    if mode == "senders":
-        raise ValueError(
-            f"{what}: delta=True with many senders ('senders') is not built yet; pass mode='scatter' (one "
-            "sender, each engine rank its shard) or delta=False"
-        )
+    """A ValueError naming ``what`` for the mode delta updates cannot run in: the full broadcast (a
+    vLLM worker lands through its layout, which cuts its shard out of whole entries, so its
+    parameters are not what arrived and the old segment cannot be rebuilt from them)."""
     if mode == "broadcast":
         raise ValueError(
             f"{what}: delta=True needs each engine rank to receive its own shard; with 'broadcast' a worker "
             "cuts its shard out of whole entries, so its parameters are not the bytes that arrived; pass "
-            "mode='scatter' or delta=False"
+            "mode='scatter' or 'senders', or delta=False"
         )
 
 

@@ -125,7 +125,7 @@ class TrainerSide(FleetMembership):
             timeout_s=float(self.opts.timeout_s),
             servers=servers if self.named else None,
             generation=generation,
-            delta=self.opts.delta,  # "auto" that picked many senders is refused here: not built
+            delta=self.opts.delta,  # "auto" that picked the full broadcast is refused here
         )
         init.check()
         return init
