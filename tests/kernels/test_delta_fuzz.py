@@ -27,9 +27,11 @@ import pytest
 import torch
 from conftest import ON_GPU
 from test_fuzz import (
+    CHUNK,
     CPU_PROFILE,
     DEFAULT_SEED,
     GPU_PROFILE,
+    PROFILES,
     _build,
     _diff,
     _env_int,
@@ -130,29 +132,61 @@ def run_case(seed: int, profile, backend: str, device: torch.device) -> list[str
     return [f"seed={seed}: {e}" for e in errors if e]
 
 
-def _fuzz(backend: str, device: str, profile, default_cases: int, budget_s: float) -> None:
-    base = _env_int("GLM_FP8_FUZZ_SEED", DEFAULT_SEED)
-    cases = _env_int("GLM_FP8_FUZZ_CASES", default_cases)
-    deadline = time.time() + budget_s if budget_s else 0.0
-    failures, done, t0 = [], 0, time.perf_counter()
-    for seed in range(base, base + cases):
+def _run_seeds(
+    seeds: list[int], profile: str, backend: str, device: str, deadline: float
+) -> tuple[int, list]:
+    """Run cases (in this process or a worker) started before ``deadline`` (time.time(), 0: none):
+    (cases run, failure lines)."""
+    done, failures = 0, []
+    for seed in seeds:
         if deadline and time.time() > deadline:
             break
         try:
-            failures += run_case(seed, profile, backend, torch.device(device))
+            failures += run_case(seed, PROFILES[profile], backend, torch.device(device))
         except Exception as exc:  # noqa: BLE001 - a raising case is a failing case, reported with it
             failures.append(f"seed={seed}: {type(exc).__name__}: {exc}")
         done += 1
+    return done, failures
+
+
+def _fuzz(backend: str, device: str, profile, default_cases: int, budget_s: float, workers: int = 1) -> None:
+    """With ``workers`` > 1 the seeds go to spawned processes in chunks (test_fuzz.py's reason: a
+    cold Triton compiles the delta kernels' specializations of each case, seconds per case, and
+    the processes compile in parallel)."""
+    base = _env_int("GLM_FP8_FUZZ_SEED", DEFAULT_SEED)
+    cases = _env_int("GLM_FP8_FUZZ_CASES", default_cases)
+    deadline = time.time() + budget_s if budget_s else 0.0
+    seeds = list(range(base, base + cases))
+    chunks = [seeds[i : i + CHUNK] for i in range(0, len(seeds), CHUNK)]
+    failures, done, t0 = [], 0, time.perf_counter()
+    if workers <= 1:
+        results = [_run_seeds(c, profile.name, backend, device, deadline) for c in chunks]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_run_seeds, c, profile.name, backend, device, deadline) for c in chunks]
+            results = []
+            for chunk, fut in zip(chunks, futures):
+                try:
+                    results.append(fut.result())
+                except Exception as exc:  # noqa: BLE001 - a crashed worker fails its seeds
+                    results.append((len(chunk), [f"seeds {chunk}: worker died: {type(exc).__name__}: {exc}"]))
+    for n, errs in results:
+        done, failures = done + n, failures + errs
     print(f"\ndelta fuzz: backend={backend} device={device} cases={done}/{cases} failures={len(failures)} "
-          f"seconds={time.perf_counter() - t0:.1f} seeds={base}..{base + cases - 1}", flush=True)  # fmt: skip
+          f"seconds={time.perf_counter() - t0:.1f} workers={workers} seeds={base}..{base + cases - 1}",
+          flush=True)  # fmt: skip
     assert not failures, "\n".join(failures[:20])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU delta fuzz needs CUDA; test_delta_fuzz_cpu runs small cases")
 def test_delta_fuzz_gpu(capsys):
     budget = float(os.environ.get("GLM_FP8_FUZZ_BUDGET_S", "") or 120)
+    workers = _env_int("GLM_FP8_FUZZ_WORKERS", min(8, max(1, (os.cpu_count() or 2) // 2)))
     with capsys.disabled():
-        _fuzz("triton", "cuda", GPU_PROFILE, GPU_CASES, budget)
+        _fuzz("triton", "cuda", GPU_PROFILE, GPU_CASES, budget, workers)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU, test_delta_fuzz_gpu runs the full-size generator")
