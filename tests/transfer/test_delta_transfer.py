@@ -24,6 +24,9 @@ NAN_LAYER = 2
 # (what happens at each update); the sender's update index is the position in this list
 SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", "tamper", "after tamper",
           "last"]  # fmt: skip
+# On a GPU machine every rank works on the one GPU (the H200 run: bench/gpu_run.sh's GPU_TESTS),
+# with the Triton kernels; else on the CPU with the torch path.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESYNC = {"full": None, "scatter": 8, "senders": 8}  # 8: the 9th update that runs (the last) is dense
 SENDERS = {"full": 1, "scatter": 1, "senders": 2}  # "senders": two trainer ranks, each its own experts
 
@@ -65,18 +68,21 @@ def _reference(step: int, layout: EngineLayout | None) -> dict[str, torch.Tensor
 
 
 def _poisoned(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    params = {n: torch.empty(w.shape, dtype=w.dtype) for n, w in want.items()}
+    params = {n: torch.empty(w.shape, dtype=w.dtype, device=DEV) for n, w in want.items()}
     for p in params.values():
         p.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype
     return params
 
 
-def _senders_layer(step: int, layer_idx: int, mesh, nan: bool) -> dict[str, torch.Tensor]:
-    """``_weights`` as FSDP2 holds it over the senders' ``mesh`` (each sender whole experts)."""
+def _trainer_layer(step: int, layer_idx: int, mesh, nan: bool) -> dict[str, torch.Tensor]:
+    """``_weights`` on ``DEV``; with a ``mesh`` (many senders) as FSDP2 holds it over the senders
+    (every tensor of two or more dims ``Shard(0)``: each sender whole experts)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    return {k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()])
-            for k, t in _weights(step, layer_idx, nan).items()}  # fmt: skip
+    sd = {k: t.to(DEV) for k, t in _weights(step, layer_idx, nan).items()}
+    if mesh is None:
+        return sd
+    return {k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()]) for k, t in sd.items()}
 
 
 def _rank(rank, world, mode):
@@ -84,11 +90,14 @@ def _rank(rank, world, mode):
     from glm_fp8.transfer import Receiver, Sender
     from glm_fp8.transfer.delta_send import DeltaOptions
 
-    set_default_backend("torch")  # the transfer is under test, not the kernels (tests/kernels)
+    if DEV == "cpu":  # the transfer is under test, not the kernels (tests/kernels): the torch path
+        set_default_backend("torch")
+    else:  # every rank on the one GPU (gloo stages point-to-point messages through the host)
+        torch.cuda.set_device(0)
     torch.set_num_threads(1)  # three or four processes on two cores
     n = SENDERS[mode]
     engines = [None] * n + ([] if mode == "full" else _layouts(mode))
-    kw = dict(config=CONFIG, layer_ids=IDS, engines=None if mode == "full" else engines, device="cpu")
+    kw = dict(config=CONFIG, layer_ids=IDS, engines=None if mode == "full" else engines, device=DEV)
     if n > 1:
         kw["senders"] = list(range(n))
     out = []
@@ -97,12 +106,11 @@ def _rank(rank, world, mode):
         if n > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh("cpu", torch.arange(n))
+            mesh = DeviceMesh(DEV, torch.arange(n))
         sender = Sender(None, 0, delta=DeltaOptions(resync_every=RESYNC[mode]), **kw)
         for step, what in enumerate(SCRIPT):
             nan = what == "nan"
-            layers = ((i, _weights(step, i, nan) if mesh is None else _senders_layer(step, i, mesh, nan))
-                      for i in IDS)  # fmt: skip
+            layers = ((i, _trainer_layer(step, i, mesh, nan)) for i in IDS)
             try:
                 out.append(("ok", [s.nbytes for s in sender.send_model(layers).layers]))
             except Exception as exc:  # noqa: BLE001 - compared by the test
@@ -126,7 +134,9 @@ def _rank(rank, world, mode):
             out.append((type(exc).__name__, str(exc)))
             continue
         want = _reference(step, layout)
-        same = {n: torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in want.items()}
+        same = {
+            n: torch.equal(params[n].cpu().view(torch.uint8), w.view(torch.uint8)) for n, w in want.items()
+        }
         differ = [n for n, ok in same.items() if not ok]
         out.append(("ok", differ, [s.nbytes for s in stats.layers]))
     return out
