@@ -45,7 +45,7 @@ DELTA_COUNTS = {
     "kept": "a sender's copy of what it last sent: the fp8 bytes and scales of its share (and the "
     "passthrough entries' bytes when they go as deltas), resident between updates where it is kept",
     "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + quantize_compare's "
-    "scratch for its largest entry + 2 layers of the kept copy staged on the GPU when kept in host memory",
+    "scratch for its largest entry + one layer of the kept copy staged on the GPU when kept in host memory",
     "engine_extra": "a ring of 2 of its largest layer's delta buffers, apply_delta's offsets for its "
     "largest entry, the checksum scratch (of the full post-update layer) and step headers; a rank "
     "that gets a layer dense (stale, failed checksum) needs the dense figure for it",

@@ -29,9 +29,9 @@ import torch
 
 from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix
+from glm_fp8.transfer.delta_send import KEPT
 from glm_fp8.transfer.routes import TransferPlan
 
-KEPT = ("gpu", "host")
 COUNT_BYTES = 4  # int32 per block
 CHANGE_BYTES = 3  # int16 offset + uint8 value per change of a sparse block
 SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
@@ -40,7 +40,7 @@ SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
 # int64 offsets per block.
 COMPARE_SCRATCH_PER_BLOCK = 2048 + 4 + 1 + 16
 APPLY_SCRATCH_PER_BLOCK = 16
-STAGING_LAYERS = 2  # kept in host memory: this many layers of it staged on the GPU at once
+STAGING_LAYERS = 1  # kept in host memory: one staging buffer of a layer's (DeltaOptions(kept="host"))
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
 # (the one-GPU stand-in link's) at 55.3 GB/s; the kept copy in host memory is streamed in and
 # written back at that rate, one direction each.

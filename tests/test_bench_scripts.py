@@ -29,7 +29,8 @@ def _run(script: str, *args: str) -> str:
     "args",
     [
         ("--mode", "broadcast"),
-        ("--mode", "scatter", "--tp", "2"),
+        # with delta updates after the dense row (#33): its own rows and its kept copy's check
+        ("--mode", "scatter", "--tp", "2", "--delta-lr", "1e-5", "--delta-steps", "2"),
         ("--mode", "senders", "--tp", "2", "--ep", "--senders", "2", "--master", "bf16", "fp32"),
         # a fleet: servers of different layouts in one link (#32)
         ("--mode", "scatter", "--servers", "2xTP2", "EP2", "TP2xDP2"),
@@ -45,6 +46,13 @@ def test_pipeline_script_checks_its_bytes(args):
         # The link carried the model's wire bytes plus the protocol's own words (prelude, votes).
         ratios = [float(r) for r in re.findall(r"\s(\d+\.\d{5})\s+\d+/\d+\s", out)]
         assert ratios and all(1 <= r < 1.05 for r in ratios), out
+    if "--delta-lr" in args:
+        # every layer went as a delta, on fewer bytes than the dense update; the kept copy of layer
+        # 0 was checked against the reference of the final masters (above: N/0) beside the dense one
+        rows = [ln for ln in out.split("delta updates", 1)[1].splitlines() if ln.startswith("scatter")]
+        assert len(rows) == 1 and " 2 of 2 " in rows[0] and len(checks) == 2, out
+        median, most = map(float, re.search(r"\s(\d+\.\d{3}) \((\d+\.\d{3})\)\s", rows[0]).groups())
+        assert 0 < median <= most < 100, out
 
 
 def test_engine_rank_script_lands_every_parameter():

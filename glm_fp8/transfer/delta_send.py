@@ -16,20 +16,27 @@ from glm_fp8.transfer.delta_wire import pack_delta
 from glm_fp8.transfer.endpoint import on_stream
 from glm_fp8.transfer.wire import UpdateAborted
 
+KEPT = ("gpu", "host")
+
 
 @dataclass(frozen=True)
 class DeltaOptions:
     """``Sender(delta=DeltaOptions(...))``: send each layer as the changes of its segments' bytes
     since the update the engine ranks hold (docs/delta.md#in-the-transfer). ``resync_every``: every
     N-th update of this sender (its first included) is dense for every layer; None: only where the
-    versions call for it."""
+    versions call for it. ``kept``: where the sender keeps what it last sent (its whole share):
+    "gpu", or "host" (pinned host memory; each layer's copy is staged through one GPU buffer of the
+    largest layer's, in and out, on the conversion stream)."""
 
     resync_every: int | None = None
+    kept: str = "gpu"
 
     def __post_init__(self):
         r = self.resync_every
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise ValueError(f"delta: resync_every expected None or an integer >= 1, got {r!r}")
+        if self.kept not in KEPT:
+            raise ValueError(f"delta: kept expected 'gpu' or 'host', got {self.kept!r}")
 
 
 def check_sender_delta(delta: object, wire: str, checksum: bool) -> DeltaOptions | None:
@@ -60,6 +67,10 @@ class SenderDelta:
         self.proposal, self.count, self.update = time.time_ns(), 0, NONE
         self.segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender.me)] for lay in sender.routes.layers]
         self.kept: list[list[torch.Tensor] | None] = [None] * n
+        self.host = options.kept == "host"
+        kept_nbytes = [sum(d.data_nbytes for d in segs) for segs in self.segs]
+        self.stage_nbytes = max(kept_nbytes, default=0) if self.host else 0
+        self.stage: torch.Tensor | None = None
         self.is_delta = [False] * n
         per_layer = [sum(d.message_nbytes + d.bound for d in segs) for segs in self.segs]
         self.buf_nbytes = max(per_layer, default=0)
@@ -105,18 +116,18 @@ class SenderDelta:
         segs = self.s.routes.layers[pos].of_sender(self.s.me)
         datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
         if self.kept[pos] is None:
-            self.kept[pos] = [torch.empty(seg.data_nbytes, dtype=torch.uint8, device=self.s.device)
-                              for seg in segs]  # fmt: skip
+            self.kept[pos] = [self._new_kept(seg.data_nbytes) for seg in segs]
         kept = self.kept[pos]
         self.versions.kept[pos] = NONE  # until the copy below is whole
         if not self.is_delta[pos]:
             for k, data in zip(kept, datas):
-                k.copy_(data[: k.numel()])
+                k.copy_(data[: k.numel()], non_blocking=True)
             self.versions.compared(pos, self.update)
             return
+        staged = self._stage_in(kept) if self.host else kept
         buf = self._buf(pos)
         at, msgs = 0, []
-        for seg, sd, data, k in zip(segs, self.segs[pos], datas, kept):
+        for seg, sd, data, k in zip(segs, self.segs[pos], datas, staged):
             msg = buf[at : at + sd.message_nbytes]
             payload = buf[at + sd.message_nbytes : at + sd.message_nbytes + sd.bound]
             at += sd.message_nbytes + sd.bound
@@ -125,8 +136,30 @@ class SenderDelta:
             sd.words(msg)[0] = n
             sd.words(msg)[1].copy_(seg.checksum_word(data))
             msgs.append((msg, payload[:n]))
+        if self.host:  # the staged copy now holds the new bytes: back to the host, stream-ordered
+            for k, st in zip(kept, staged):
+                k.copy_(st, non_blocking=True)
         self.versions.compared(pos, self.update)
         self.ready[pos] = msgs
+
+    def _new_kept(self, nbytes: int) -> torch.Tensor:
+        if not self.host:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.s.device)
+        # Pinned, so that the copies in and out are asynchronous (pinning needs CUDA).
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def _stage_in(self, kept: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A layer's host-kept copy in the GPU staging buffer (one, reused layer after layer: the
+        copies and the comparison are ordered on the conversion stream)."""
+        if self.stage is None:
+            self.stage = torch.empty(self.stage_nbytes, dtype=torch.uint8, device=self.s.device)
+        out, at = [], 0
+        for k in kept:
+            st = self.stage[at : at + k.numel()]
+            st.copy_(k, non_blocking=True)
+            out.append(st)
+            at += k.numel()
+        return out
 
     def _buf(self, pos: int) -> torch.Tensor:
         i = pos % len(self.bufs)

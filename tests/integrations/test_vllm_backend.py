@@ -735,6 +735,7 @@ def test_delta_is_refused_at_init_where_it_is_not_built():
     from glm_fp8.engine import EngineLayout
     from glm_fp8.integrations.vllm import LayerSource
     from glm_fp8.integrations.vllm.trainer_options import delta_options
+    from glm_fp8.transfer import DeltaOptions
 
     src = LayerSource(layers=lambda ids: iter(()), experts_whole=True)
     for kw, match in [
@@ -743,9 +744,15 @@ def test_delta_is_refused_at_init_where_it_is_not_built():
     ]:
         with pytest.raises(ValueError, match=match):
             _trainer_side(src, delta=True, **kw)
-    side = _trainer_side(src, delta=True, delta_resync_every=4)
+    for kw, match in [
+        (dict(delta_kept="disk"), r"init_info\.delta_kept: expected one of \('gpu', 'host'\)"),
+        (dict(delta=False, delta_kept="host"), r"init_info\.delta_kept: 'host' without delta=True"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _trainer_side(src, **{"delta": True, **kw})
+    side = _trainer_side(src, delta=True, delta_resync_every=4, delta_kept="host")
     assert side.init.delta and side.mode == "scatter"  # built; nothing opened yet
-    assert delta_options(side.opts).resync_every == 4
+    assert delta_options(side.opts) == DeltaOptions(resync_every=4, kept="host")
     assert delta_options(replace(side.opts, delta=False, delta_resync_every=None)) is None
     layout = EngineLayout.all_ranks(2, 1, True)[0]
     err = _updater(layout).delta_refusal()

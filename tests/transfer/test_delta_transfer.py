@@ -28,6 +28,7 @@ SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", 
 # with the Triton kernels; else on the CPU with the torch path.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESYNC = {"full": None, "scatter": 8, "senders": 8}  # 8: the 9th update that runs (the last) is dense
+KEPT = {"full": "host", "scatter": "gpu", "senders": "gpu"}  # DeltaOptions.kept: where the sender keeps it
 SENDERS = {"full": 1, "scatter": 1, "senders": 2}  # "senders": two trainer ranks, each its own experts
 
 
@@ -107,7 +108,7 @@ def _rank(rank, world, mode):
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh(DEV, torch.arange(n))
-        sender = Sender(None, 0, delta=DeltaOptions(resync_every=RESYNC[mode]), **kw)
+        sender = Sender(None, 0, delta=DeltaOptions(resync_every=RESYNC[mode], kept=KEPT[mode]), **kw)
         for step, what in enumerate(SCRIPT):
             nan = what == "nan"
             layers = ((i, _trainer_layer(step, i, mesh, nan)) for i in IDS)

@@ -19,7 +19,7 @@ from glm_fp8.integrations.vllm.sync import (
     MODES,
     check_delta_mode,
 )
-from glm_fp8.transfer.delta_send import DeltaOptions
+from glm_fp8.transfer.delta_send import KEPT, DeltaOptions
 from glm_fp8.transfer.gather import GATHERS
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
@@ -52,9 +52,11 @@ class TrainerOptions:
       differ from the checkpoint's quantization of the fp32 masters.
     - ``timeout_s``: the link's and the rendezvous' timeout.
     - ``delta``: send each update as the bytes that changed since the update the engine ranks hold
-      (exact: docs/delta.md#in-the-transfer); one sender into engine layouts only, so mode "scatter"
-      (or "auto" when it picks scatter). ``delta_resync_every``: every N-th update of a session (its
+      (exact: docs/delta.md#in-the-transfer); into engine layouts, so mode "scatter" or "senders"
+      (or "auto"), not "broadcast". ``delta_resync_every``: every N-th update of a session (its
       first included) is dense; None: only where an engine rank holds nothing of it.
+      ``delta_kept``: where each sender keeps what it last sent, "gpu" (default) or "host" (pinned
+      host memory, staged through the GPU a layer at a time; ``DeltaOptions.kept``).
     """
 
     master_address: str
@@ -74,6 +76,7 @@ class TrainerOptions:
     server_names: Sequence[str] | None = None
     delta: bool = False
     delta_resync_every: int | None = None
+    delta_kept: str = "gpu"
     rank: int = field(kw_only=True)
 
     def check(self) -> None:
@@ -110,7 +113,7 @@ class TrainerOptions:
         self._check_delta()
 
     def _check_delta(self) -> None:
-        """Delta where it is built: one sender, each engine rank given its layout (scatter)."""
+        """Delta where it is built: each engine rank given its layout (scatter, many senders)."""
         if not isinstance(self.delta, bool):
             raise ValueError(f"init_info.delta: expected True or False, got {self.delta!r}")
         if self.delta_resync_every is not None:
@@ -121,6 +124,10 @@ class TrainerOptions:
                     f"init_info.delta_resync_every: {self.delta_resync_every!r} without delta=True; "
                     "pass delta=True, or leave it None"
                 )
+        if self.delta_kept not in KEPT:
+            raise ValueError(f"init_info.delta_kept: expected one of {KEPT}, got {self.delta_kept!r}")
+        if self.delta_kept != "gpu" and not self.delta:
+            raise ValueError(f"init_info.delta_kept: {self.delta_kept!r} without delta=True; pass delta=True")
         if self.delta:
             check_delta_mode(self.mode, "init_info.mode")
             if not self.checksum:
@@ -177,7 +184,7 @@ def delta_options(opts: TrainerOptions) -> DeltaOptions | None:
     if not opts.delta:
         return None
     every = opts.delta_resync_every  # checked integral: numpy / torch ints too
-    return DeltaOptions(resync_every=None if every is None else int(every))
+    return DeltaOptions(resync_every=None if every is None else int(every), kept=opts.delta_kept)
 
 
 __all__ = ["TrainerOptions", "delta_options"]
