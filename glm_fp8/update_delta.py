@@ -29,7 +29,7 @@ import torch
 
 from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix
-from glm_fp8.transfer.delta_send import KEPT
+from glm_fp8.transfer.delta_versions import KEPT
 from glm_fp8.transfer.routes import TransferPlan
 
 COUNT_BYTES = 4  # int32 per block

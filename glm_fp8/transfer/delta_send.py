@@ -11,12 +11,10 @@ import torch
 
 from glm_fp8.delta import compare_bytes
 from glm_fp8.transfer.delta_plan import SegmentDelta, delta_layers, versions_row, zero_gaps
-from glm_fp8.transfer.delta_versions import NONE, KeptVersions
+from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
 from glm_fp8.transfer.delta_wire import pack_delta
 from glm_fp8.transfer.endpoint import on_stream
 from glm_fp8.transfer.wire import UpdateAborted
-
-KEPT = ("gpu", "host")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 NONE = -1
+KEPT = ("gpu", "host")  # where a sender may keep what it last sent (DeltaOptions.kept)
 
 
 def _check_update(update: int) -> int:
@@ -77,4 +78,4 @@ class HeldVersions:
         self.held[pos] = _check_update(update)
 
 
-__all__ = ["NONE", "HeldVersions", "KeptVersions"]
+__all__ = ["KEPT", "NONE", "HeldVersions", "KeptVersions"]

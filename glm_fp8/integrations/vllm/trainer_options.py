@@ -19,7 +19,8 @@ from glm_fp8.integrations.vllm.sync import (
     MODES,
     check_delta_mode,
 )
-from glm_fp8.transfer.delta_send import KEPT, DeltaOptions
+from glm_fp8.transfer.delta_send import DeltaOptions
+from glm_fp8.transfer.delta_versions import KEPT
 from glm_fp8.transfer.gather import GATHERS
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
