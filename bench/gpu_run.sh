@@ -2,12 +2,13 @@
 # One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=0
-# GATHER=1 PIPELINE=1 FLEET=0 DELTA=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 FLEET=0 DELTA=0 DELTA_PIPELINE=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
 # with FUZZ_CASES (default 400) cases per GPU backend from seed FUZZ_SEED, FUZZ_BUDGET_S seconds
-# at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s. GPU_TESTS=1 sets
+# at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s, and the delta fuzz
+# (tests/kernels/test_delta_fuzz.py) alike; FUZZ_FILES picks the fuzz files (default both). GPU_TESTS=1 sets
 # TEST_PATHS to the test files that run on the GPU (the rest are CPU gloo tests that CI runs;
 # the whole suite no longer finishes in one call's 10 minutes beside the fuzz).
 set -uo pipefail
@@ -28,7 +29,7 @@ fi
 python3 -c 'from glm_fp8 import available_backends as a; print("backends:", a("cuda"))' | tee -a "$LOG/env.txt"
 if [ "${FUZZ:-1}" = 1 ]; then
   GLM_FP8_FUZZ_CASES=${FUZZ_CASES:-400} GLM_FP8_FUZZ_SEED=${FUZZ_SEED:-} GLM_FP8_FUZZ_BUDGET_S=${FUZZ_BUDGET_S:-} \
-    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA tests/kernels/test_fuzz.py tests/kernels/test_delta_fuzz.py 2>&1 \
+    timeout -s INT "${FUZZ_TIMEOUT:-300}" python3 -m pytest -q -rA ${FUZZ_FILES:-tests/kernels/test_fuzz.py tests/kernels/test_delta_fuzz.py} 2>&1 \
     | tee "$LOG/fuzz.txt" | grep -E '^(delta )?fuzz: |^(FAILED|ERROR|SKIPPED) |^- seed=|=> |replay: | (passed|failed)' | sed -n 1,60p
 fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
@@ -79,6 +80,14 @@ if [ "${DELTA:-0}" = 1 ]; then
   # against the reference at every step.
   python3 bench/scripts/delta_fraction.py --device cuda --steps ${DELTA_STEPS:-20} --quantizer kernel \
     --json "$LOG/delta_fraction.json" 2>&1 | tee "$LOG/delta_fraction.txt" | tail -20
+fi
+if [ "${DELTA_PIPELINE:-0}" = 1 ]; then
+  # #33: delta updates of 80 GLM-5 layers by one of 32 senders into 4 x EP 8 (its kept copy is its
+  # share, ~24 GiB), after stand-in trainer steps at two learning rates, against the dense update;
+  # the kept copy on the GPU and in pinned host memory.
+  python3 bench/scripts/pipeline.py --mode senders --layers ${DELTA_LAYERS:-80} --tp 8 --ep --engines 4 \
+    --senders 32 --sender 0 --master bf16 fp32 --repeats 2 --delta-lr 1e-6 1e-5 --delta-steps 3 \
+    --delta-kept gpu host 2>&1 | tee "$LOG/delta_pipeline.txt" | grep -v '^---'
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
   python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} 2>&1 | tee "$LOG/engine_rank.txt"

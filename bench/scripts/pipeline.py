@@ -5,7 +5,7 @@ bytes against the reference.
 
     python3 bench/scripts/pipeline.py --mode broadcast|scatter|senders [--layers 80] [--tp 8] [--ep]
         [--engines 1] [--servers 2xEP8 2xTP8] [--senders 32] [--sender 0 1] [--master bf16 fp32]
-        [--repeats 3] [--ring 2]
+        [--repeats 3] [--ring 2] [--delta-lr 1e-6 1e-5] [--delta-steps 3]
 
 GLM-5 sparse layers (Gaussian x 0.02 in the master dtype); one layer's tensors are reused for every
 layer (each layer is still converted and sent). The stand-in link (``HostSinkComm``) copies every
@@ -19,6 +19,20 @@ layouts in one link, each ``[Nx]TP<t>`` or ``[Nx]EP<t>`` (TP t with expert paral
 update-time model predicts for the sender (``glm_fp8.transfer.pack.update_regions``, scatter; the
 transfer plan, many senders): one group broadcast per set of ranks that hold the same region.
 ``--device cpu --model tiny`` runs a small model on the CPU (a check of the script, no figures).
+
+``--delta-lr`` (issue #33): after the dense row, the same sender (``Sender(delta=DeltaOptions())``)
+sends delta updates: one dense update with the delta state attached fills its kept copy, then for
+each learning rate ``--delta-steps`` updates, each after a stand-in trainer step on the layer's
+masters. The step is ``w32 -= lr * sign(randn)`` on an fp32 shadow of the masters (a bf16
+master's fp32 copy, kept across steps so that small steps accumulate as a mixed-precision
+trainer's fp32 master does; an fp32 master is its own shadow), the masters then copied from it;
+chunk by chunk along dim 0 (a seeded generator; no full-size temporary). It moves every weight by
+``lr``, as Adam's normalized step does at most, but it is a stand-in for an optimizer step, not
+one: the changed fractions of real AdamW steps are measured by ``bench/scripts/delta_fraction.py``.
+Each delta update is timed beside its messages replayed alone, its wire bytes (every message the
+link carried) against the dense update's, and the memory of the kept copy and the delta message
+buffers (measured on CUDA) against their sizes from the routes. The stand-in link has no peers:
+its versions exchange returns this sender's row for every rank (see ``Recorder``).
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import re
+import statistics
 import time
 
 import torch
@@ -36,24 +51,68 @@ from glm_fp8.models import PRESETS, TINY_GLM5
 from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
 from glm_fp8.reference import convert_layer_ref
 from glm_fp8.testing import sent_layer_mismatches
-from glm_fp8.transfer import HostSinkComm, Sender
+from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
+from glm_fp8.transfer.delta_plan import SegmentDelta
+from glm_fp8.transfer.delta_send import SenderDelta
+from glm_fp8.transfer.delta_versions import KEPT
 from glm_fp8.transfer.gather import trainer_view
 from glm_fp8.transfer.pack import update_regions
+from glm_fp8.update_delta import Delta, sender_share
+
+GiB = 2**30
+STEP_CHUNK = 2**26  # elements of one chunk of the stand-in trainer step (its randn: 256 MiB fp32)
 
 
 class Recorder(HostSinkComm):
     """The stand-in link, which also remembers every message of the current update (for the
-    link-alone replay) and keeps host copies of the first ``keep_first`` (for the byte check)."""
+    link-alone replay) and keeps host copies of the first ``keep_first`` (for the byte check).
+    ``in_step`` (delta updates): see ``all_reduce_max``; ``pool``: a pinned buffer that takes every
+    message of a size not seen before (a delta's payloads vary in size from layer to layer and step
+    to step: a pinned buffer allocated for each would be timed as part of the update)."""
 
     def __init__(self, rank: int, size: int, keep_first: int = 0):
         super().__init__(rank=rank, size=size)
         self.keep_first, self.log, self.kept = keep_first, [], []
+        self.in_step, self.pool = False, None
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.log.append(tensor)
         if len(self.kept) < self.keep_first:
             self.kept.append(tensor.to("cpu", copy=True))
-        super().broadcast(tensor, src)
+        self.sink(tensor, src)
+
+    def sink(self, tensor: torch.Tensor, src: int) -> None:
+        """The message's copy to host memory (the link's work; the replay calls it alone)."""
+        if self.pool is None or tensor.nbytes in self._pinned or tensor.nbytes > self.pool.numel():
+            super().broadcast(tensor, src)
+        else:
+            self.pool[: tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        # The delta versions table (int64 [link size, layers + 1], each rank's row: SenderDelta.begin)
+        # is the only 2-D tensor all-reduced (votes are 1-D). The stand-in has no peers, so it
+        # assumes they are in step: every row becomes this sender's, as if every engine rank held
+        # what this sender last sent and every other sender kept the same versions. A rank out of
+        # step would take that layer dense for every rank (tests/transfer/test_delta_transfer.py
+        # checks that on gloo); this measures the steady state, every layer a delta.
+        if self.in_step and tensor.dim() == 2 and tensor.shape[0] == self.size:
+            tensor.copy_(tensor[self.rank].clone().expand_as(tensor))  # no self-overlapping copy
+
+
+def trainer_step(shadow: dict, masters: dict, lr: float, gen: torch.Generator) -> None:
+    """The stand-in trainer step (module docstring): ``w32 -= lr * sign(randn)`` on each fp32
+    shadow, ``STEP_CHUNK`` elements at a time along dim 0, the master copied from it (cast to its
+    dtype) unless it is its own shadow."""
+    for name, w32 in shadow.items():
+        master = masters[name]
+        whole = w32.dim() == 0
+        w, m = (w32.view(1), master.view(1)) if whole else (w32, master)
+        rows = max(1, STEP_CHUNK // max(1, w[0].numel()))
+        for a in range(0, w.shape[0], rows):
+            part = w[a : a + rows]
+            part.sub_(torch.randn(part.shape, generator=gen, device=part.device).sign_(), alpha=lr)
+            if master is not w32:
+                m[a : a + rows].copy_(part)
 
 
 def _sync(device: torch.device) -> None:
@@ -69,14 +128,26 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _check_first_layer(sender: Sender, kept: list, layer: dict) -> tuple[int, int]:
-    """Layer 0's messages (after the prelude, the manifest and its header) against the reference
-    conversion cut by each piece's shard and rows: (bytes checked, bytes that differ)."""
+def _check_first_layer(sender: Sender, msgs: list, layer: dict) -> tuple[int, int]:
+    """Layer 0's segments as sent (``msgs``: after the prelude, the manifest and its header)
+    against the reference conversion of ``layer``, the current masters, cut by each piece's shard
+    and rows: (bytes checked, bytes that differ)."""
     lay, plan = sender.routes.layers[0], sender.plans[0]
     # The reference on the layer's device (bit-exact there as on the CPU, and far faster).
     ref = convert_layer_ref({k.removeprefix(layer_prefix(0)): t for k, t in layer.items()}, 0, plan)
-    checked, differ, _ = sent_layer_mismatches(lay, sender.me, iter(kept[3:]), ref, plan, 0)
+    checked, differ, _ = sent_layer_mismatches(lay, sender.me, iter(msgs), ref, plan, 0)
     return checked, differ
+
+
+def _kept_messages(sender: Sender) -> list:
+    """The delta state's kept copy of layer 0 as a dense update's messages would carry it (each
+    segment's data bytes, once per message, in the order the sender posts them), for
+    ``_check_first_layer``: what every engine rank holds of it after the delta updates."""
+    lay = sender.routes.layers[0]
+    segs = lay.of_sender(sender.me)
+    kept = dict(zip(map(id, segs), sender.delta.kept[0]))
+    order = [s for s in segs if s.group is not None] + [s for s in segs if s.group is None]
+    return [kept[id(s)].to(sender.device) for s in order for _ in range(lay.messages(s))]
 
 
 def parse_server(text: str) -> tuple[int, int, int, bool]:
@@ -113,7 +184,79 @@ def predicted_wire(sender: Sender, config: dict, layouts: list, mode: str) -> in
     return routes
 
 
-def measure(args, master: torch.dtype, t: int) -> list:
+def _timed_update(sender: Sender, link: Recorder, stream, src: int) -> tuple:
+    """One update and the same messages sent alone, interleaved (the same clocks): (its stats,
+    the link-alone seconds, the bytes the link carried)."""
+    link.log = []
+    stats = sender.send_model(stream())
+    msgs, link.log = link.log, []
+    t_link = _seconds(lambda: [link.sink(m, src) for m in msgs], sender.device)
+    return stats, t_link, sum(m.nbytes for m in msgs)
+
+
+def _median(xs: list) -> float:
+    return statistics.median_low(xs)
+
+
+def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: dict, layer: dict,
+                  dense: tuple, head: list, last: bool) -> list:  # fmt: skip
+    """The delta rows of one (master, sender) (module docstring), after its dense row: ``state``,
+    the sender's ``SenderDelta`` (nothing kept yet), attached; one update fills the kept copy
+    (every layer dense: nothing was kept), then per learning rate ``--delta-steps`` delta updates,
+    each after a stand-in trainer step of ``shadow`` into ``layer``. ``dense``: the dense row's
+    (total seconds, link bytes), its median run. ``last``: the last kept variant of this row, which
+    frees the shadow and checks layer 0's kept bytes against the reference of the final masters."""
+    device, src = sender.device, link.rank
+    cuda = device.type == "cuda"
+    alloc = lambda: torch.cuda.memory_allocated(device) if cuda else 0  # noqa: E731
+    lays = sender.routes.layers
+    # Predicted GPU memory: the kept copy (every segment's data bytes; in host memory, its one
+    # staging buffer instead) and the delta message buffers.
+    kept = sum(SegmentDelta.of(seg).data_nbytes for lay in lays for seg in lay.of_sender(sender.me))
+    kept = state.stage_nbytes if state.host else kept
+    predicted = kept + state.buf_nbytes * min(len(state.bufs), len(lays))
+    # The update-time model's figure: fp8 bytes and scales only (passthrough entries go dense there).
+    model = sender_share([lay.local_plans[sender.me] for lay in lays], Delta(0.0), 0.0, 0.0).kept
+    before = alloc()
+    sender.delta, link.in_step = state, True
+    link.pool = torch.empty(max(state.buf_nbytes, 1), dtype=torch.uint8, pin_memory=cuda)
+    _timed_update(sender, link, stream, src)  # dense for every layer: fills the kept copy
+    gen = torch.Generator(device=device).manual_seed(1)
+    dense_s, dense_bytes = dense
+    measured, rows = None, []
+    for lr in args.delta_lr:
+        runs = []
+        for _ in range(args.delta_steps):
+            trainer_step(shadow, layer, lr, gen)
+            at = alloc()
+            stats, t_link, nbytes = _timed_update(sender, link, stream, src)
+            measured = alloc() - before if measured is None else measured  # kept + buffers, allocated
+            # the update's transient: its peak less what it allocated and kept (the first: buffers)
+            transient = None if stats.peak_bytes is None else stats.peak_bytes - (alloc() - at)
+            runs.append((stats, t_link, nbytes, sum(state.is_delta), transient))
+        secs = [r[0].seconds for r in runs]
+        wires = [r[2] / dense_bytes for r in runs]
+        stats, t_link, nbytes = sorted(runs, key=lambda r: r[0].seconds)[(len(runs) - 1) // 2][:3]
+        steps = sorted(x.seconds for x in stats.layers)
+        peaks = [r[4] for r in runs if r[4] is not None]
+        rows.append([*head, state.options.kept, f"{lr:g}",
+                     f"{_median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})",
+                     f"{dense_s:.3f}", f"{_median(secs) / dense_s:.4f}", f"{nbytes / 2**20:.2f}",
+                     f"{100 * _median(wires):.3f} ({100 * max(wires):.3f})", f"{t_link:.3f}",
+                     f"{stats.seconds / t_link:.3f}", f"{1e3 * steps[len(steps) // 2]:.1f}",
+                     f"{1e3 * steps[-1]:.1f}", f"{min(r[3] for r in runs)} of {len(lays)}",
+                     f"{measured / GiB:.3f}" if cuda else "-",
+                     f"{predicted / GiB:.3f} ({kept / GiB:.3f} + {(predicted - kept) / GiB:.3f})",
+                     f"{model / GiB:.3f}", f"{max(peaks) / GiB:.3f}" if peaks else "-", "-"])  # fmt: skip
+    if last and shadow is not layer:
+        shadow.clear()  # the reference below needs the room (a GLM-5 layer's is ~50 GiB)
+    if last and args.check and rows:
+        checked, differ = _check_first_layer(sender, _kept_messages(sender), layer)
+        rows[-1][-1] = f"{checked}/{differ}"
+    return rows
+
+
+def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     device = torch.device(args.device)
     gc.collect()  # what an earlier row left must not count in this one's memory
     n = args.layers
@@ -134,23 +277,26 @@ def measure(args, master: torch.dtype, t: int) -> list:
     else:
         kw["engines"] = [None] * args.senders + layouts
         kw["senders"], size, src = list(range(args.senders)), args.senders + len(layouts), t
+    shadow = None
+    if args.delta_lr:
+        kw["delta"] = DeltaOptions(kept=args.delta_kept[0])
+        # the trainer's fp32 masters: a bf16 master's fp32 copy (an input, like the masters)
+        shadow = layer if master == torch.float32 else {k: x.float() for k, x in layer.items()}
     if device.type == "cuda":
         torch.cuda.empty_cache()
     inputs = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     link = Recorder(src, size)
     sender = Sender(link, src, **kw)
+    # The dense row is today's dense update: the delta state (nothing allocated until its first
+    # update) is attached after it; the manifest, built once, is the delta sender's.
+    sender.payload()
+    state, sender.delta = sender.delta, None
     lay0 = sender.routes.layers[0]  # keep the prelude, the manifest, layer 0's header and messages
     link.keep_first = 3 + sum(lay0.messages(s) for s in lay0.of_sender(sender.me))
     sender.send_model(stream())  # warm-up (compiles); keeps layer 0's messages for the check
-    checked, differ = _check_first_layer(sender, link.kept, layer) if args.check else (0, 0)
+    checked, differ = _check_first_layer(sender, link.kept[3:], layer) if args.check else (0, 0)
     link.kept, link.keep_first = [], 0
-    runs = []
-    for _ in range(args.repeats):  # the update and the link alone, interleaved: the same clocks
-        link.log = []
-        stats = sender.send_model(stream())
-        msgs = list(link.log)
-        t_link = _seconds(lambda: [HostSinkComm.broadcast(link, m, src) for m in msgs], device)
-        runs.append((stats, t_link, sum(m.nbytes for m in msgs)))
+    runs = [_timed_update(sender, link, stream, src) for _ in range(args.repeats)]
     wire = predicted_wire(sender, config, layouts, args.mode) if args.mode != "broadcast" else 0
 
     def convert_only():
@@ -166,14 +312,27 @@ def measure(args, master: torch.dtype, t: int) -> list:
     held = torch.cuda.memory_allocated(device) - inputs if device.type == "cuda" else 0
     peak = held + (stats.peak_bytes or 0)
     steps = sorted(s.seconds for s in stats.layers)
-    sender.conv_ring = sender.send_ring = None  # free the rings before the next row
-    return [args.mode, str(master).removeprefix("torch."), t, f"{nbytes / n / 2**30:.3f}",
+    head = [args.mode, str(master).removeprefix("torch."), t]
+    deltas = []
+    for k, where in enumerate(args.delta_kept if state is not None else []):
+        if k:  # the next variant: the previous one's kept copy freed first
+            sender.delta = state = None
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            state = SenderDelta(sender, DeltaOptions(kept=where))
+        last = k == len(args.delta_kept) - 1
+        deltas += measure_delta(args, sender, link, stream, state, shadow, layer, (stats.seconds, nbytes),
+                                head, last)  # fmt: skip
+    # free the kept copy, its buffers and the rings before the next row
+    sender.delta = state = shadow = link.pool = None
+    sender.conv_ring = sender.send_ring = None
+    return [*head, f"{nbytes / n / 2**30:.3f}",
             f"{stats.seconds:.3f}", f"{t_link:.3f}", f"{t_convert:.3f}",
             f"{stats.seconds / t_link:.4f} ({ratios[0]:.4f}-{ratios[-1]:.4f})",
             f"{nbytes / t_link / 1e9:.1f}", f"{peak / 2**30:.3f}", f"{predicted / 2**30:.3f}",
             f"{peak / predicted:.3f}", f"{wire / 2**30:.3f}" if wire else "-",
             f"{nbytes / wire:.5f}" if wire else "-", f"{checked}/{differ}",
-            f"{1e3 * steps[len(steps) // 2]:.1f}", f"{1e3 * steps[-1]:.1f}"]  # fmt: skip
+            f"{1e3 * steps[len(steps) // 2]:.1f}", f"{1e3 * steps[-1]:.1f}"], deltas  # fmt: skip
 
 
 def main() -> None:
@@ -198,12 +357,25 @@ def main() -> None:
         action="store_false",
         help="skip layer 0's byte check (its reference needs ~50 GiB for a whole GLM-5 layer)",
     )
+    p.add_argument("--delta-lr", type=float, nargs="+", default=None, metavar="LR",
+                   help="after the dense row, delta updates after stand-in trainer steps at each of "
+                   "these learning rates (module docstring)")  # fmt: skip
+    p.add_argument("--delta-steps", type=int, default=3, help="delta updates per --delta-lr (default 3)")
+    p.add_argument("--delta-kept", nargs="+", default=["gpu"], choices=KEPT,
+                   help="where the sender keeps what it last sent, each a variant (default gpu)")  # fmt: skip
     p.add_argument("--device", default="cuda", help="default cuda; cpu checks the script")
     p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
     args = p.parse_args()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     senders = args.sender if args.mode == "senders" else [0]
-    rows = [measure(args, dtypes[m], t) for m in args.master for t in senders]
+    if args.delta_steps < 1:
+        p.error(f"--delta-steps: expected at least 1, got {args.delta_steps}")
+    rows, deltas = [], []
+    for m in args.master:
+        for t in senders:
+            row, d = measure(args, dtypes[m], t)
+            rows.append(row)
+            deltas += d
     engines = fleet_name(args)
     what = {"broadcast": "one sender, one full receiver", "scatter": f"one sender into {engines}",
             "senders": f"{args.senders} senders into {engines}"}[args.mode]  # fmt: skip
@@ -214,6 +386,17 @@ def main() -> None:
                           "predicted GiB", "peak / predicted", "wire GiB predicted",
                           "wire measured / predicted", "layer-0 bytes checked/differ",
                           "step ms (median)", "step ms (max)"]))  # fmt: skip
+    if deltas:
+        print(f"\ndelta updates ({args.delta_steps} per lr, each after a stand-in trainer step w32 -= lr * "
+              "sign(randn)); versions: every engine rank and sender in step (stand-in link)")  # fmt: skip
+        print(tabulate(deltas, ["mode", "master", "sender", "kept", "lr", "delta s (median, range)",
+                                "dense s", "delta / dense time", "delta wire MiB",
+                                "wire delta / dense % (median, max)",
+                                "link alone s", "delta total / link", "step ms (median)", "step ms (max)",
+                                "layers as delta (min)", "GPU kept+bufs GiB measured",
+                                "GPU kept+bufs GiB predicted (kept or staging + bufs)",
+                                "model kept GiB (fp8+scales)",
+                                "delta transient GiB (max)", "kept layer-0 checked/differ"]))  # fmt: skip
 
 
 if __name__ == "__main__":
