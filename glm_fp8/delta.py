@@ -16,6 +16,7 @@ where it runs. Both give the same bits.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -360,23 +361,44 @@ def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tens
     return torch.arange(total, device=starts.device) + shift
 
 
-def compare_bytes(new: torch.Tensor, kept: torch.Tensor) -> BlockDelta:
-    """Passthrough entries: the bytes of ``new`` against ``kept`` (same shape and dtype, any
-    dtype), as a BlockDelta over their uint8 bytes [rows, row bytes] (no scales); ``kept`` is
-    updated. The torch path: an entry of this kind is a small share of a layer."""
+def compare_bytes(new: torch.Tensor, kept: torch.Tensor, *, backend: str | None = None) -> BlockDelta:
+    """Bytes already converted (a segment of the transfer, a passthrough entry): ``new`` against
+    ``kept`` (same shape and dtype, any dtype), as a BlockDelta over their uint8 bytes [rows, row
+    bytes] (no scales); ``kept`` is moved to ``new``.
+
+    Allocates (triton): a 2 KiB bitmap, an int32 and two int64 offsets per block, then the delta's
+    tensors at their exact sizes; one host read (the sizes). The torch path (the reference, and
+    any layout the kernel does not take: a row of bytes not contiguous) allocates several copies."""
     for name, t in (("new", new), ("kept", kept)):
         _checks.check_tensor(name, t)
     if new.shape != kept.shape or new.dtype != kept.dtype or new.device != kept.device:
         raise ValueError(f"kept: expected {tuple(new.shape)} {new.dtype} on {new.device} (as new), got "
                          f"{tuple(kept.shape)} {kept.dtype} on {kept.device}")  # fmt: skip
     rows = new.shape[0] if new.dim() > 1 else 1
-    nb = new.contiguous().view(torch.uint8).reshape(rows, -1)
-    kb = kept.contiguous().view(torch.uint8).reshape(rows, -1)
+    cols = math.prod(new.shape[1:] if new.dim() > 1 else new.shape) * new.element_size()  # bytes a row
+    device = new.device
+    rowwise = lambda t: t.dim() <= 2 and t.is_contiguous()  # noqa: E731 - [rows, row bytes] views
+    if _backend(backend, device) == "triton" and rowwise(new) and rowwise(kept):
+        nb, kb = new.view(torch.uint8).reshape(1, rows, cols), kept.view(torch.uint8).reshape(1, rows, cols)
+        n = ceil_blocks(nb.shape[1]) * ceil_blocks(nb.shape[2])
+        bits = _empty(n * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=device)
+        counts = _empty(n, dtype=torch.int32, device=device)
+        triton_delta.launch_compare_bytes(nb, kb, bits, counts)
+        pos_off, val_off, totals = _offsets(counts, delta_block_sizes(nb.shape[1:], device))
+        host = totals.tolist()  # the one host read
+        positions = _empty(host[0], dtype=torch.int16, device=device)
+        values = _empty(host[1], dtype=torch.uint8, device=device)
+        fp8 = kb.view(torch.float8_e4m3fn)
+        triton_delta.launch_pack(fp8, bits, triton_delta.Wire(counts, pos_off, val_off, positions, values))
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return BlockDelta(tuple(nb.shape[1:]), counts, positions, values, empty, empty.float())
+    nb = new.contiguous().view(torch.uint8).reshape(rows, cols)
+    kb = kept.contiguous().view(torch.uint8).reshape(rows, cols)
     as_fp8 = (nb.view(torch.float8_e4m3fn), kb.view(torch.float8_e4m3fn))
-    no_scale = torch.zeros(blocks_shape(*nb.shape), device=new.device)
+    no_scale = torch.zeros(blocks_shape(*nb.shape), device=device)
     counts, positions, values, _, _ = delta_encode_ref(as_fp8[1], no_scale, as_fp8[0], no_scale)
     kept.copy_(new)
-    empty = torch.empty(0, dtype=torch.int32, device=new.device)
+    empty = torch.empty(0, dtype=torch.int32, device=device)
     return BlockDelta(tuple(nb.shape), counts, positions, values, empty, empty.float())
 
 

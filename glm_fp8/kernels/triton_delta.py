@@ -5,6 +5,9 @@
   kept copy of what the engine holds, writes the changed bytes and the new scale into the kept
   copy, and emits the block's changed count, a scale-changed flag and a bitmap of the changed
   positions (16-bit words, 2 KiB per block). The only pass over the new weights.
+- ``delta_bytes_kernel``: the same comparison of bytes already converted (a segment of the
+  transfer, any entry's bytes seen as uint8 rows): new against kept, the kept copy moved to the new
+  bytes, the count and the bitmap; no quantization.
 - ``delta_pack_kernel``: turns the bitmap into the wire's sorted int16 offsets and the uint8
   values (read back from the updated kept copy) at offsets given by a prefix sum of the counts;
   a dense block copies all its bytes. Reads the bitmap and the kept copy of changed blocks only.
@@ -90,6 +93,28 @@ delta_compare_kernel = triton.jit(_delta_compare)
 # on the H200 vectorized source loads with unaligned byte stores wrote wrong bytes in the
 # quantize kernel (triton_quantize.py), so this kernel takes the same precaution.
 delta_compare_kernel_unaligned_out = triton.jit(**{_NO_ALIGN_KW: _SOURCE_POINTERS})(_delta_compare)
+
+
+@triton.jit
+def delta_bytes_kernel(
+    p_new, p_kq, p_bits, p_cnt, R, C, s_ne, s_nr, s_nc, s_ke, s_kr, s_kc, n_rb, n_cb,
+    BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0).to(tl.int64)
+    i_e = i_b // (n_rb * n_cb)
+    o_r = ((i_b // n_cb) % n_rb) * BR + tl.arange(0, BR).to(tl.int64)
+    o_c = (i_b % n_cb) * BC + tl.arange(0, BC).to(tl.int64)
+    m_t = (o_r < R)[:, None] & (o_c < C)[None, :]
+    b_new = tl.load(p_new + i_e * s_ne + o_r[:, None] * s_nr + o_c[None, :] * s_nc, mask=m_t, other=0)
+    p_kt = p_kq + i_e * s_ke + o_r[:, None] * s_kr + o_c[None, :] * s_kc
+    b_old = tl.load(p_kt, mask=m_t, other=0)
+    b_chg = (b_new != b_old) & m_t
+    tl.store(p_kt, b_new, mask=b_chg)
+    tl.store(p_cnt + i_b, tl.sum(b_chg.to(tl.int32)))
+    b_bit = tl.reshape(b_chg.to(tl.int32), [BR, BC // WBITS, WBITS]) << tl.arange(0, WBITS)[None, None, :]
+    b_w = tl.sum(b_bit, axis=2)  # distinct bits: the sum is the OR
+    o_w = tl.arange(0, BR)[:, None] * (BC // WBITS) + tl.arange(0, BC // WBITS)[None, :]
+    tl.store(p_bits + i_b * (BR * BC // WBITS) + o_w, b_w.to(tl.int16))
 
 
 @triton.jit
@@ -197,6 +222,20 @@ def launch_compare(
         )  # fmt: skip
 
 
+def launch_compare_bytes(
+    new: torch.Tensor, kept: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Checked uint8 [E, R, C] views of the same shape: ``kept`` moved to ``new``; outputs bits
+    int16 [blocks * BITMAP_WORDS], counts int32 [blocks]."""
+    with _on_device(kept):
+        e, n_rb, n_cb = _grid_dims(kept)
+        if e * n_rb * n_cb:
+            delta_bytes_kernel[(e * n_rb * n_cb,)](
+                new, kept, bits, counts, kept.shape[1], kept.shape[2], *new.stride(), *kept.stride(), n_rb,
+                n_cb, BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
+            )  # fmt: skip
+
+
 class Wire(NamedTuple):
     """A delta's tensors as the pack kernel fills them and the apply kernel reads them."""
 
@@ -235,5 +274,6 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-__all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "Wire", "delta_apply_kernel", "delta_compare_kernel",
-           "delta_pack_kernel", "launch_apply", "launch_compare", "launch_pack"]  # fmt: skip
+__all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "Wire", "delta_apply_kernel", "delta_bytes_kernel",
+           "delta_compare_kernel", "delta_pack_kernel", "launch_apply", "launch_compare",
+           "launch_compare_bytes", "launch_pack"]  # fmt: skip

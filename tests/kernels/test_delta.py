@@ -238,6 +238,49 @@ def test_passthrough_bytes(device, dbackend):
     assert torch.equal(engine, new)
 
 
+@pytest.mark.parametrize(
+    "shape, dtype, moved",
+    [
+        ((300, 256), torch.uint8, 1e-3),  # whole 128-byte rows, partial row blocks
+        ((3, 70), torch.bfloat16, 0.05),  # a passthrough entry: one partial block
+        ((257, 384), torch.uint8, 0.5),  # dense blocks beside sparse ones
+        ((5000,), torch.uint8, 0.01),  # one row of bytes: a tail segment piece
+        ((129, 128), torch.uint8, 0.0),  # nothing changed
+        ((0, 128), torch.uint8, 0.1),  # empty
+    ],
+)
+def test_compare_bytes_equals_the_reference(device, dbackend, shape, dtype, moved):
+    """compare_bytes on converted bytes (a transfer segment's rows, a passthrough entry): every
+    field equal to delta_encode_ref of the two byte views, kept moved to new and nothing beside it
+    written, new untouched; apply_delta of it rebuilds new from the old bytes."""
+    gen = torch.Generator(device=device).manual_seed(sum(shape) + int(moved * 1e4))
+    raw = (*shape[:-1], shape[-1] * dtype.itemsize)  # the bytes of a tensor of this shape and dtype
+    old = torch.randint(0, 256, raw, dtype=torch.uint8, device=device, generator=gen)
+    flip = torch.rand(raw, device=device, generator=gen) < moved
+    xor = torch.randint(1, 256, raw, dtype=torch.uint8, device=device, generator=gen)
+    old, new = old.view(dtype), torch.where(flip, old ^ xor, old).view(dtype)
+    buf = torch.full((old.nbytes + 64,), 0xA5, dtype=torch.uint8, device=device)
+    kept = buf[32 : 32 + old.nbytes].view(dtype).view(shape)
+    kept.copy_(old)
+    before, new_before = buf.clone(), new.clone()
+    d = compare_bytes(new, kept, backend=dbackend)
+    rows, cols = (shape[0], raw[-1]) if len(shape) > 1 else (1, raw[0])
+    as_rows = lambda t: t.view(torch.uint8).reshape(rows, cols).view(torch.float8_e4m3fn)  # noqa: E731
+    no_scale = torch.zeros(((rows + 127) // 128, (as_rows(new).shape[1] + 127) // 128), device=device)
+    want = delta_encode_ref(as_rows(old), no_scale, as_rows(new), no_scale)
+    for field, w in zip(("counts", "positions", "values"), want[:3]):
+        _same(getattr(d, field), w, f"compare_bytes {field}")
+    assert d.scale_index.numel() == 0 and d.shape == tuple(as_rows(new).shape)
+    u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - random bytes: bf16 NaNs among them
+    _same(u8(kept), u8(new), "kept after compare_bytes")
+    _same(u8(new), u8(new_before), "new (read only)")
+    _same(buf[:32], before[:32], "bytes before kept")
+    _same(buf[32 + kept.nbytes :], before[32 + kept.nbytes :], "bytes after kept")
+    engine = old.clone()
+    apply_delta(d, as_rows(engine), None, backend=dbackend)
+    _same(u8(engine), u8(new), "engine after apply_delta")
+
+
 def _random_cut(gen: torch.Generator, n: int, block: int = 128) -> tuple[int, int]:
     """A random (start, stop) of whole blocks of n rows, columns (or experts, block=1), not empty
     unless n is 0; it may end in the partial edge block."""
