@@ -86,7 +86,7 @@ if [ "${DELTA_PIPELINE:-0}" = 1 ]; then
   # share, ~24 GiB), after stand-in trainer steps at two learning rates, against the dense update;
   # the kept copy on the GPU and in pinned host memory.
   python3 bench/scripts/pipeline.py --mode senders --layers ${DELTA_LAYERS:-80} --tp 8 --ep --engines 4 \
-    --senders 32 --sender 0 --master bf16 fp32 --repeats 2 --delta-lr 1e-6 1e-5 --delta-steps 3 \
+    --senders 32 --sender 0 --master ${DELTA_MASTERS:-bf16 fp32} --repeats 2 --delta-lr 1e-6 1e-5 --delta-steps 3 \
     --delta-kept gpu host 2>&1 | tee "$LOG/delta_pipeline.txt" | grep -v '^---'
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
