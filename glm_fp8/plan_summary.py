@@ -42,13 +42,13 @@ ENGINE_EXTRA_COUNTS = (
     "checksum scratch and step headers; above its parameters"
 )
 DELTA_COUNTS = {
-    "kept": "a sender's copy of what it last sent: the fp8 bytes and scales of its share (and the "
-    "passthrough entries' bytes when they go as deltas), resident between updates where it is kept",
-    "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + quantize_compare's "
-    "scratch for its largest entry + one layer of the kept copy staged on the GPU when kept in host memory",
-    "engine_extra": "a ring of 2 of its largest layer's delta buffers, apply_delta's offsets for its "
-    "largest entry, the checksum scratch (of the full post-update layer) and step headers; a rank "
-    "that gets a layer dense (stale, failed checksum) needs the dense figure for it",
+    "kept": "a sender's copy of what it last sent: every byte of its segments (fp8 bytes, scales and "
+    "passthrough entries), resident between updates where it is kept",
+    "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + compare_bytes' scratch "
+    "for its largest piece + a counts message and payload bound per segment of its largest layer, per "
+    "conversion ring slot + one layer of the kept copy staged on the GPU when kept in host memory",
+    "engine_extra": "the dense receiver (a delta layer is rebuilt and checked in a dense ring slot) + its "
+    "largest layer's counts messages and payload bounds + apply_delta's offsets for its largest piece",
 }
 
 

@@ -29,16 +29,16 @@ import torch
 
 from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix
+from glm_fp8.transfer.delta_plan import SegmentDelta
 from glm_fp8.transfer.delta_versions import KEPT
 from glm_fp8.transfer.routes import TransferPlan
 
 COUNT_BYTES = 4  # int32 per block
 CHANGE_BYTES = 3  # int16 offset + uint8 value per change of a sparse block
 SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
-# quantize_compare's scratch per block of the entry it compares (docs/delta.md, "Kernels"): a 2 KiB
-# bitmap, an int32 count, an int8 flag and two int64 offsets, freed on return; apply_delta's: two
-# int64 offsets per block.
-COMPARE_SCRATCH_PER_BLOCK = 2048 + 4 + 1 + 16
+# compare_bytes' scratch per block of the piece it compares (glm_fp8.delta): a 2 KiB bitmap, an
+# int32 count and two int64 offsets, freed on return; apply_delta's: two int64 offsets per block.
+COMPARE_SCRATCH_PER_BLOCK = 2048 + 4 + 16
 APPLY_SCRATCH_PER_BLOCK = 16
 STAGING_LAYERS = 1  # kept in host memory: one staging buffer of a layer's (DeltaOptions(kept="host"))
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
@@ -102,10 +102,6 @@ def _byte_blocks(shape: Sequence[int], itemsize: int) -> int:
     return -(-rows // BLOCK) * -(-(shape[-1] * itemsize if shape else itemsize) // BLOCK)
 
 
-def _is_kept(op: str, dtype: torch.dtype, delta: Delta) -> bool:
-    return dtype == torch.float8_e4m3fn or op == "scale" or delta.passthrough is not None
-
-
 def piece_bytes(op: str, dtype: torch.dtype, shape: Sequence[int], nbytes: int, delta: Delta) -> float:
     """Expected delta bytes of one entry (or an engine rank's piece of one) of plan op ``op``: its
     e4m3 bytes' changes; for a scale entry its blocks' counts and changed scales; a passthrough
@@ -128,9 +124,11 @@ def plan_bytes(plan: LayerPlan, delta: Delta) -> float:
 
 
 def kept_bytes(plan: LayerPlan, delta: Delta) -> int:
-    """What a sender keeps of ``plan`` (its part of a layer): the fp8 bytes and scales (and the
-    passthrough entries when they are sent as deltas)."""
-    return sum(e.nbytes for e in plan.entries if _is_kept(e.op, e.dtype, delta))
+    """What a sender keeps of ``plan`` (its part of a layer): every byte it sends of it, fp8 bytes,
+    scales and passthrough entries alike (the transfer compares whole segments' bytes:
+    docs/delta.md#in-the-transfer), less the alignment between pieces (a few hundred bytes a
+    segment). ``delta`` is unused: the kept copy does not depend on what changes."""
+    return sum(e.nbytes for e in plan.entries)
 
 
 def largest_blocks(entries: Iterable) -> int:
@@ -187,38 +185,60 @@ def traffic(tp: TransferPlan, plans: Sequence[LayerPlan], delta: Delta) -> Delta
     return DeltaTraffic(tuple(round(n) for n in sent), rnd(received), rnd(slot), apply)
 
 
+def _segments(lay, rank: int) -> list[SegmentDelta]:
+    """The delta pieces of every segment engine (link) rank ``rank`` receives of ``lay``."""
+    return [SegmentDelta.of(s) for s in lay.segments if rank in lay.classes[s.cls]]
+
+
+def _piece_blocks(segs: Iterable[SegmentDelta]) -> int:
+    """The most 128x128 blocks of one delta piece (a segment's bytes as uint8 [rows, 128])."""
+    return max((-(-p.shape[0] // BLOCK) * -(-p.shape[1] // BLOCK) for d in segs for p in d.pieces), default=0)
+
+
 def receiver_bytes(tp: TransferPlan, t: DeltaTraffic, rank: int, ring: int = 2) -> int:
-    """Engine rank ``rank``'s receiver in a delta update: ``TransferPlan.receiver_bytes`` with its
-    ring of ``ring`` slots holding its largest layer's delta instead of the dense layer (the
-    checksum scratch still covers the dense bytes: the checksum is of the full post-update layer),
-    plus ``apply_delta``'s offsets for its largest piece."""
-    dense = tp.receiver_bytes(rank, ring) - ring * tp.receive_slot(rank)
-    return dense + ring * t.slot.get(rank, 0) + APPLY_SCRATCH_PER_BLOCK * t.apply_blocks.get(rank, 0)
+    """Engine rank ``rank``'s receiver in a delta update (``glm_fp8.transfer.delta_receive``): the
+    dense receiver (``TransferPlan.receiver_bytes``: a delta layer is rebuilt in a dense ring slot
+    and checked there), plus its largest layer's counts messages and payload bounds (one buffer
+    each, kept) and ``apply_delta``'s offsets for its largest piece. ``t`` is unused: the buffers
+    are sized from the plan, never from what changes."""
+    layers = [_segments(lay, rank) for lay in tp.layers]
+    messages = max((sum(d.message_nbytes for d in segs) for segs in layers), default=0)
+    bounds = max((sum(d.bound for d in segs) for segs in layers), default=0)
+    apply = APPLY_SCRATCH_PER_BLOCK * max((_piece_blocks(segs) for segs in layers), default=0)
+    return tp.receiver_bytes(rank, ring) + messages + bounds + apply
 
 
 @dataclass(frozen=True)
 class SenderShare:
-    """One sender's side of a delta update: ``kept`` (its copy of what it last sent: the fp8 bytes
-    and scales of its share), ``staging`` (kept in host memory: ``STAGING_LAYERS`` of its largest
-    layer of it on the GPU; 0 on the GPU), ``scratch`` (``quantize_compare``'s, for its largest
-    entry) and ``converted`` (its seconds of conversion over the update, at ``per_byte`` s a
-    kernel-format byte and at least ``per_layer`` s a layer it converts any of)."""
+    """One sender's side of a delta update (``glm_fp8.transfer.delta_send``): ``kept`` (its copy of
+    what it last sent: every data byte of its segments), ``staging`` (kept in host memory:
+    ``STAGING_LAYERS`` of its largest layer of it on the GPU; 0 on the GPU), ``scratch``
+    (``compare_bytes``' for its largest piece), ``buffers`` (a counts message and payload bound
+    per segment of its largest layer, one per conversion ring slot) and ``converted`` (its
+    seconds of conversion over the update, at ``per_byte`` s a kernel-format byte and at least
+    ``per_layer`` s a layer it converts any of)."""
 
     kept: int
     staging: int
     scratch: int
+    buffers: int
     converted: float
 
 
 def sender_share(
-    layer_plans: Sequence[LayerPlan], delta: Delta, per_byte: float, per_layer: float
-) -> SenderShare:
-    """``SenderShare`` of a sender that converts ``layer_plans`` (its part of each layer)."""
-    kept = [kept_bytes(p, delta) for p in layer_plans]
+    tp: TransferPlan, sender: int, layer_plans: Sequence[LayerPlan], delta: Delta, per_byte: float,
+    per_layer: float, ring: int = 2,
+) -> SenderShare:  # fmt: skip
+    """``SenderShare`` of sender ``sender`` (its index in ``tp.senders``), which converts
+    ``layer_plans`` (its part of each layer), with a conversion ring of ``ring`` slots."""
+    segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender)] for lay in tp.layers]
+    kept = [sum(d.data_nbytes for d in layer) for layer in segs]
     staging = STAGING_LAYERS * max(kept, default=0) if delta.kept == "host" else 0
-    scratch = COMPARE_SCRATCH_PER_BLOCK * max((largest_blocks(p.entries) for p in layer_plans), default=0)
+    scratch = COMPARE_SCRATCH_PER_BLOCK * max((_piece_blocks(layer) for layer in segs), default=0)
+    per_slot = max((sum(d.message_nbytes + d.bound for d in layer) for layer in segs), default=0)
+    buffers = min(ring, len(segs)) * per_slot
     converted = sum(max(per_byte * p.nbytes, per_layer) for p in layer_plans if p.nbytes)
-    return SenderShare(sum(kept), staging, scratch, converted)
+    return SenderShare(sum(kept), staging, scratch, buffers, converted)
 
 
 __all__ = [

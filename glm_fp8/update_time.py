@@ -118,9 +118,9 @@ class DeltaPrediction:
     seconds and their arithmetic; ``wire_fraction``: every sender's NIC bytes over the dense
     update's; the largest sender's ``kept`` copy, its GPU ``staging`` (kept in host memory) and its
     transient ``sender_peak``: the dense one (a layer sent dense still needs it) plus
-    ``quantize_compare``'s scratch and the staging, the kept copy not included; each server's
-    busiest rank (its delta bytes and its receiver's extra memory: a ring of delta buffers);
-    each trainer rank's NIC bytes."""
+    ``compare_bytes``' scratch, the delta message buffers and the staging, the kept copy not
+    included; each server's busiest rank (its delta bytes and its receiver's extra memory: the
+    dense receiver's and its delta buffers); each trainer rank's NIC bytes."""
 
     delta: Delta
     sent: int
@@ -202,7 +202,8 @@ def _delta(
     text = f"{PIPELINE_FACTOR} x {text} + fill {fill_s * 1e3:.1f} ms = {t:.3f} s"
     return DeltaPrediction(
         spec, max(each), max(x.received for x in loads), gathered, t, text, sum(each) / sum(dense_each),
-        share.kept, share.staging, dense_peak + share.scratch + share.staging, tuple(loads), tuple(each),
+        share.kept, share.staging, dense_peak + share.scratch + share.buffers + share.staging,
+        tuple(loads), tuple(each),
     )  # fmt: skip
 
 
@@ -226,7 +227,8 @@ def predict(
     ``glm_fp8.config.as_config`` takes."""
     config = as_config(config)
     spec = as_delta(delta)
-    shares = lambda parts: sender_share(parts, spec, CONVERT_SECONDS_PER_BYTE, CONVERT_SECONDS_PER_LAYER)
+    per_byte, per_layer = CONVERT_SECONDS_PER_BYTE, CONVERT_SECONDS_PER_LAYER
+    shares = lambda tp, t, parts: sender_share(tp, t, parts, spec, per_byte, per_layer)  # noqa: E731
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
     ids = [*model_layer_ids(config), REST]
@@ -255,8 +257,8 @@ def predict(
             whole = round(sum(plan_bytes(p, spec) for p in plans))
             tr = traffic(full, plans, spec)
             dloads = [ServerLoad(x.name, whole, delta_receiver_bytes(full, tr, 1)) for x in loads]
-            dp = _delta(fleet, spec, one_sender(whole), dloads, gathered, biggest.nbytes, shares(plans), peak,
-                        one_sender(total))  # fmt: skip
+            dp = _delta(fleet, spec, one_sender(whole), dloads, gathered, biggest.nbytes,
+                        shares(full, 0, plans), peak, one_sender(total))  # fmt: skip
         one = (total, total, gathered, t, peak, text, tuple(loads), one_sender(total), dp)
         out.append(Prediction(strategy, 1, *one))
 
@@ -280,7 +282,7 @@ def predict(
         tr = traffic(scatter, plans, spec)
         dloads = _delta_loads(fleet, scatter, tr, fleet.distinct_ranges(), 1)
         dp = _delta(fleet, spec, one_sender(tr.sent[0]), dloads, gathered, plans[biggest].nbytes,
-                    shares(plans), peak, one_sender(sent))  # fmt: skip
+                    shares(scatter, 0, plans), peak, one_sender(sent))  # fmt: skip
     one = (sent, received, gathered, t, peak, text, tuple(loads), one_sender(sent), dp)
     out.append(Prediction("fp8 scatter", 1, *one))
 
@@ -304,7 +306,7 @@ def predict(
         if spec is not None:
             tr = traffic(tp, plans, spec)
             dloads = _delta_loads(fleet, tp, tr, fleet.engine_ranges(), t_gpus)
-            per = [shares([lay.local_plans[s] for lay in tp.layers]) for s in range(t_gpus)]
+            per = [shares(tp, s, [lay.local_plans[s] for lay in tp.layers]) for s in range(t_gpus)]
             share = SenderShare(*(max(getattr(x, f) for x in per) for f in SenderShare.__dataclass_fields__))
             dp = _delta(fleet, spec, tr.sent, dloads, gathered, fill, share, peak, tuple(each))
         out.append(

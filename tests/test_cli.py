@@ -620,13 +620,13 @@ def test_plan_delta_summary_detail_and_json(capsys):
         "entries dense): 0.075 s against 1.98 s dense (fp8 many senders), 1.73 % of the dense bytes" in flat
     )
     kept = (
-        r"a sender keeps what it last sent: 21\.97 GiB on the GPU; on its GPU [\d.]+ GiB with the "
+        r"a sender keeps what it last sent: 22\.77 GiB on the GPU; on its GPU [\d.]+ GiB with the "
         r"transient peak, \+ 86\.4 GiB of master shards = [\d.]+ GiB: fits 139 GiB"
     )
     assert re.search(kept, flat), flat
-    assert "server ranks' receiver in a delta update: server 0 0.89 GiB (dense 3.07)" in flat
+    assert "server ranks' receiver in a delta update: server 0 4.61 GiB (dense 3.07)" in flat
     detail = _plan_text(capsys, [*argv, "--detail"])
-    row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.075\s+1\.98\s+21\.97\s+[\d.]+$"
+    row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.075\s+1\.98\s+22\.77\s+[\d.]+$"
     assert re.search(row, detail, re.M), detail
     assert "fp8 many senders: 1.01 x conversion 74.1 ms + fill 0.6 ms = 0.075 s" in detail
     assert main([*argv, "--json"]) == 0

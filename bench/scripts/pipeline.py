@@ -30,9 +30,10 @@ chunk by chunk along dim 0 (a seeded generator; no full-size temporary). It move
 ``lr``, as Adam's normalized step does at most, but it is a stand-in for an optimizer step, not
 one: the changed fractions of real AdamW steps are measured by ``bench/scripts/delta_fraction.py``.
 Each delta update is timed beside its messages replayed alone, its wire bytes (every message the
-link carried) against the dense update's, and the memory of the kept copy and the delta message
-buffers (measured on CUDA) against their sizes from the routes. The stand-in link has no peers:
-its versions exchange returns this sender's row for every rank (see ``Recorder``).
+link carried) against the dense update's, and the GPU memory of the kept copy (or its staging
+buffer) and the delta message buffers (measured on CUDA) against the update-time model's
+(``glm_fp8.update_delta.sender_share``). The stand-in link has no peers: its versions exchange
+returns this sender's row for every rank (see ``Recorder``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
 from glm_fp8.reference import convert_layer_ref
 from glm_fp8.testing import sent_layer_mismatches
 from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
-from glm_fp8.transfer.delta_plan import SegmentDelta
 from glm_fp8.transfer.delta_send import SenderDelta
 from glm_fp8.transfer.delta_versions import KEPT
 from glm_fp8.transfer.gather import trainer_view
@@ -210,13 +210,13 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
     cuda = device.type == "cuda"
     alloc = lambda: torch.cuda.memory_allocated(device) if cuda else 0  # noqa: E731
     lays = sender.routes.layers
-    # Predicted GPU memory: the kept copy (every segment's data bytes; in host memory, its one
-    # staging buffer instead) and the delta message buffers.
-    kept = sum(SegmentDelta.of(seg).data_nbytes for lay in lays for seg in lay.of_sender(sender.me))
-    kept = state.stage_nbytes if state.host else kept
-    predicted = kept + state.buf_nbytes * min(len(state.bufs), len(lays))
-    # The update-time model's figure: fp8 bytes and scales only (passthrough entries go dense there).
-    model = sender_share([lay.local_plans[sender.me] for lay in lays], Delta(0.0), 0.0, 0.0).kept
+    # Predicted GPU memory (the update-time model, glm_fp8.update_delta.sender_share): the kept copy
+    # (in host memory: its one staging buffer instead) and the delta message buffers.
+    share = sender_share(sender.routes, sender.me, [lay.local_plans[sender.me] for lay in lays],
+                         Delta(0.0, kept=state.options.kept), 0.0, 0.0, ring=args.ring)  # fmt: skip
+    kept = share.staging if state.host else share.kept
+    predicted = kept + share.buffers
+    model = share.scratch  # compare_bytes' scratch for the largest piece: part of the transient
     before = alloc()
     sender.delta, link.in_step = state, True
     link.pool = torch.empty(max(state.buf_nbytes, 1), dtype=torch.uint8, pin_memory=cuda)
@@ -247,7 +247,7 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
                      f"{1e3 * steps[-1]:.1f}", f"{min(r[3] for r in runs)} of {len(lays)}",
                      f"{measured / GiB:.3f}" if cuda else "-",
                      f"{predicted / GiB:.3f} ({kept / GiB:.3f} + {(predicted - kept) / GiB:.3f})",
-                     f"{model / GiB:.3f}", f"{max(peaks) / GiB:.3f}" if peaks else "-", "-"])  # fmt: skip
+                     f"{model / GiB:.4f}", f"{max(peaks) / GiB:.3f}" if peaks else "-", "-"])  # fmt: skip
     if last and shadow is not layer:
         shadow.clear()  # the reference below needs the room (a GLM-5 layer's is ~50 GiB)
     if last and args.check and rows:
@@ -277,11 +277,8 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     else:
         kw["engines"] = [None] * args.senders + layouts
         kw["senders"], size, src = list(range(args.senders)), args.senders + len(layouts), t
-    shadow = None
     if args.delta_lr:
         kw["delta"] = DeltaOptions(kept=args.delta_kept[0])
-        # the trainer's fp32 masters: a bf16 master's fp32 copy (an input, like the masters)
-        shadow = layer if master == torch.float32 else {k: x.float() for k, x in layer.items()}
     if device.type == "cuda":
         torch.cuda.empty_cache()
     inputs = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -313,7 +310,11 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     peak = held + (stats.peak_bytes or 0)
     steps = sorted(s.seconds for s in stats.layers)
     head = [args.mode, str(master).removeprefix("torch."), t]
-    deltas = []
+    deltas, shadow = [], None
+    if state is not None:
+        # The trainer's fp32 masters (a bf16 master's fp32 copy), made after the dense row's
+        # measurements and its layer-0 check (whose reference of a whole GLM-5 layer needs the room).
+        shadow = layer if master == torch.float32 else {k: x.float() for k, x in layer.items()}
     for k, where in enumerate(args.delta_kept if state is not None else []):
         if k:  # the next variant: the previous one's kept copy freed first
             sender.delta = state = None
@@ -395,7 +396,7 @@ def main() -> None:
                                 "link alone s", "delta total / link", "step ms (median)", "step ms (max)",
                                 "layers as delta (min)", "GPU kept+bufs GiB measured",
                                 "GPU kept+bufs GiB predicted (kept or staging + bufs)",
-                                "model kept GiB (fp8+scales)",
+                                "compare scratch GiB (model)",
                                 "delta transient GiB (max)", "kept layer-0 checked/differ"]))  # fmt: skip
 
 

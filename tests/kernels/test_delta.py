@@ -14,7 +14,8 @@ from conftest import BACKENDS, poisoned_f32, poisoned_fp8
 
 import glm_fp8.delta as delta_mod
 from glm_fp8 import NonFiniteError
-from glm_fp8.delta import BlockDelta, apply_delta, compare_bytes, cut_delta, quantize_compare
+from glm_fp8.delta import BlockDelta, apply_delta, compare_bytes, quantize_compare
+from glm_fp8.delta_cut import cut_delta
 from glm_fp8.reference import delta_apply_ref, delta_block_sizes, delta_encode_ref, quantize_concat_ref
 
 DELTA_BACKENDS = ["triton", "torch"] if "triton" in BACKENDS else ["torch"]

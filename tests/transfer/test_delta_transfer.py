@@ -26,7 +26,8 @@ SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", 
           "last"]  # fmt: skip
 # On a GPU machine every rank works on the one GPU (the H200 run: bench/gpu_run.sh's GPU_TESTS),
 # with the Triton kernels; else on the CPU with the torch path.
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = GPU  # this process's mode's device (set by _rank): the senders' mode runs on the CPU
 RESYNC = {"full": None, "scatter": 8, "senders": 8}  # 8: the 9th update that runs (the last) is dense
 KEPT = {"full": "host", "scatter": "gpu", "senders": "gpu"}  # DeltaOptions.kept: where the sender keeps it
 SENDERS = {"full": 1, "scatter": 1, "senders": 2}  # "senders": two trainer ranks, each its own experts
@@ -91,6 +92,11 @@ def _rank(rank, world, mode):
     from glm_fp8.transfer import Receiver, Sender
     from glm_fp8.transfer.delta_send import DeltaOptions
 
+    global DEV
+    # Two senders on one GPU would run their own collectives over gloo on CUDA tensors, which
+    # failed on the H200 ("writev: Bad address"); bench/scripts/pipeline.py runs a sender of many
+    # on the GPU.
+    DEV = "cpu" if mode == "senders" else GPU
     if DEV == "cpu":  # the transfer is under test, not the kernels (tests/kernels): the torch path
         set_default_backend("torch")
     else:  # every rank on the one GPU (gloo stages point-to-point messages through the host)
