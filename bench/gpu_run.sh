@@ -90,6 +90,7 @@ if [ "${DELTA_PIPELINE:-0}" = 1 ]; then
     --delta-kept gpu host 2>&1 | tee "$LOG/delta_pipeline.txt" | grep -v '^---'
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
-  python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} 2>&1 | tee "$LOG/engine_rank.txt"
+  # ENGINE_ARGS="--delta": also the rank's delta landing against its dense one (#33)
+  python3 bench/scripts/engine_rank.py --layers ${ENGINE_LAYERS:-16} ${ENGINE_ARGS:-} 2>&1 | tee "$LOG/engine_rank.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then python3 -m glm_fp8.cli bench --markdown ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.md"; fi

@@ -56,10 +56,17 @@ def test_pipeline_script_checks_its_bytes(args):
 
 
 def test_engine_rank_script_lands_every_parameter():
-    out = _run("engine_rank.py", "--layers", "2", "--tp", "2")
+    # with delta updates after the dense ones (#33), in the same run: its own table
+    out = _run("engine_rank.py", "--layers", "2", "--tp", "2", "--repeats", "1", "--delta")
     rows = re.findall(r"\b(\d+)/(\d+)\s*$", out, flags=re.M)
-    assert len(rows) == 2, out  # TP and EP
+    # TP and EP, dense (every parameter equal to W0's reference) then delta (to W1's)
+    assert len(rows) == 4, out
     assert all(int(a) == int(b) > 0 for a, b in rows), out
+    # every layer went as a delta, W1 differs from W0, and the rank received under a tenth of the dense bytes
+    deltas = re.findall(r"^(?:TP|EP)2 rank 0\s+2 of 2\s+(\d+\.\d+)\s+\d+\.\d+\s+(\d+\.\d+)\s",
+                        out.split("delta updates", 1)[1], flags=re.M)  # fmt: skip
+    assert len(deltas) == 2, out
+    assert all(float(changed) > 0 and float(ratio) < 0.1 for changed, ratio in deltas), out
 
 
 def test_delta_fraction_script_measures_real_adamw_steps(tmp_path):

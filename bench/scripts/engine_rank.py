@@ -4,6 +4,7 @@ same bytes, and the extra GPU memory the update takes on the rank against the tr
 prediction (what ``glm-fp8 plan`` reports).
 
     python3 bench/scripts/engine_rank.py [--layers 16] [--tp 8] [--ep] [--rank 0] [--ring 2]
+        [--delta] [--delta-lr 1e-5]
 
 GLM-5 sparse layers (Gaussian x 0.02, bf16); a single sender scatters each layer (the rank
 receives only its shard: its segments of each layer, one per class of ranks it belongs to). The
@@ -12,6 +13,19 @@ so the replay link hands the rank those segments from pinned host memory for eve
 leader's prelude, manifest and headers as an agreeing leader sends them. The rank's parameters are
 vLLM's (``engine_params``), checked against the reference after the update. ``--device cpu
 --model tiny`` checks the script.
+
+``--delta`` (issue #33): a second table, the rank's delta updates. The sender
+(``Sender(delta=DeltaOptions())``) sends two updates of the layer, recorded alike: the first dense
+(weights W0), the second a delta after a stand-in trainer step (W1: ``w32 -= lr * sign(randn)``
+on an fp32 copy of W0, seeded, cast back to bf16; ``--delta-lr``). The stand-in link has no peers:
+its versions exchange answers as if every engine rank held what the sender last sent. The rank
+(``Receiver(delta=True)``) lands the dense updates of the first table, then delta updates: the
+replay link answers the versions exchange as a sender in step with this rank (every layer a delta:
+its kept versions are the ones this rank holds) and hands it the recorded counts messages and
+payloads for every layer (each layer holds W0, so each becomes W1). Each delta update is timed
+against the link alone (the same delta messages copied host-to-device) and the dense update; its
+extra GPU memory against the update-time model's (``glm_fp8.update_delta.receiver_bytes``); every
+parameter is checked against the reference conversion of W1.
 """
 
 from __future__ import annotations
@@ -27,13 +41,19 @@ from glm_fp8.engine import EngineLayout, engine_params, take_shard
 from glm_fp8.models import PRESETS, TINY_GLM5
 from glm_fp8.plan import layer_prefix, plan_from_config
 from glm_fp8.reference import convert_layer_ref
-from glm_fp8.transfer import HostSinkComm, Receiver, Sender
+from glm_fp8.transfer import DeltaOptions, HostSinkComm, Receiver, Sender
+from glm_fp8.transfer.delta_versions import NONE
 from glm_fp8.transfer.link import Link
 from glm_fp8.transfer.wire import MAGIC, PROTOCOL_VERSION
+from glm_fp8.update_delta import receiver_bytes as delta_receiver_bytes
+
+GiB = 2**30
+STEP_CHUNK = 2**26  # elements of one chunk of the stand-in trainer step (its randn: 256 MiB fp32)
 
 
 class SegmentRecorder(HostSinkComm):
-    """The sender's stand-in link, keeping a host copy of what it sends link rank ``peer``."""
+    """The sender's stand-in link, keeping a host copy of what it sends link rank ``peer``, in the
+    order it sends it."""
 
     def __init__(self, size: int, peer: int):
         super().__init__(rank=0, size=size)
@@ -48,12 +68,22 @@ class SegmentRecorder(HostSinkComm):
             self.kept.append(tensor.to("cpu", copy=True))
         super().group_broadcast(tensor, src, ranks)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        # The delta versions table (int64 [link size, layers + 1], each rank's row:
+        # SenderDelta.begin) is the only 2-D tensor all-reduced (votes are 1-D, left as they are).
+        # The stand-in has no peers: every row becomes this sender's, as if every engine rank held
+        # what it last sent (pipeline.py's Recorder). Its first update kept nothing, so it goes
+        # dense; the next one goes as a delta.
+        if tensor.dim() == 2 and tensor.shape[0] == self.size:
+            tensor.copy_(tensor[self.rank].clone().expand_as(tensor))  # no self-overlapping copy
+
 
 class Replay(Link):
     """The engine rank's stand-in link: the leader's prelude, manifest and headers as an agreeing
     leader sends them (the receiver's own), and ``segments`` (pinned host memory: the one layer's
-    segments for this rank, in the order the sender sent them) for every layer, copied to the
-    device on the current stream."""
+    messages for this rank, in the order the sender sent them: a dense update's segments, or a
+    delta update's counts messages and payloads) for every layer, copied to the device on the
+    current stream. ``delta``: how the versions exchange is answered (``all_reduce_max``)."""
 
     groups_supported = True
 
@@ -62,6 +92,7 @@ class Replay(Link):
         self.receiver: Receiver | None = None
         self.calls = 0
         self.copies: list[torch.Tensor] = []  # the destinations of the segments, for the link-alone replay
+        self.delta = False
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         r, payload = self.receiver, self.receiver.payload()
@@ -74,6 +105,8 @@ class Replay(Link):
         self.calls += 1
 
     def _segment(self, tensor: torch.Tensor) -> None:
+        # In the receiver's order, which is the sender's: each message lands in a destination of its
+        # size (a delta payload's is sized from the counts message before it).
         tensor.copy_(self.segments[len(self.copies) % len(self.segments)], non_blocking=True)
         self.copies.append(tensor)
 
@@ -85,7 +118,19 @@ class Replay(Link):
             self._segment(t)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        return None
+        if tensor.dim() != 2:
+            return None  # a vote: this rank's own
+        # The versions table (ReceiverDelta.begin: this rank's held versions in its row, NONE
+        # elsewhere). Every engine rank holds what this one does (its row in each); the sender keeps
+        # those versions (``delta``: every layer a delta, glm_fp8.transfer.delta_plan.delta_layers)
+        # or none (every layer dense), and proposes the next update number.
+        mine = tensor[self.rank].cpu()
+        held = mine[:-1]
+        table = mine.expand(self.size, -1).clone()
+        for s in self.receiver.senders:
+            table[s, :-1] = held if self.delta else NONE
+            table[s, -1] = int(held.max()) + 1
+        tensor.copy_(table.to(tensor.device))
 
     def make_groups(self, groups) -> None:
         return None
@@ -101,8 +146,57 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def measure(args, ep: bool) -> list:
+def trainer_step(layer: dict, lr: float, device: torch.device) -> dict:
+    """W1 from W0 (``layer``): ``w32 -= lr * sign(randn)`` on an fp32 copy of each tensor, cast
+    back to its dtype; ``STEP_CHUNK`` elements at a time along dim 0 (a seeded generator; no
+    full-size fp32 temporary)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    out = {}
+    for name, w in layer.items():
+        new = torch.empty_like(w)
+        src, dst = (w.view(1), new.view(1)) if w.dim() == 0 else (w, new)
+        rows = max(1, STEP_CHUNK // max(1, src[0].numel()))
+        for a in range(0, src.shape[0], rows):
+            part = src[a : a + rows].float()
+            part.sub_(torch.randn(part.shape, generator=gen, device=device).sign_(), alpha=lr)
+            dst[a : a + rows].copy_(part)
+        out[name] = new
+    return out
+
+
+def _reference(layer: dict, plan, targets: dict) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter of the layer converted by the reference (on the
+    layer's device: the same bits, far faster), owned: the full conversion is freed on return."""
+    full = convert_layer_ref(layer, 0, plan)
+    return {
+        targets[k].name: take_shard(x, targets[k].shard).to(targets[k].dtype).clone() for k, x in full.items()
+    }
+
+
+def _same(params: dict, ref: dict, n: int) -> int:
+    """The parameters of every layer whose bytes equal the reference's (each layer got the same)."""
+    return sum(torch.equal(params[k.replace(layer_prefix(0), layer_prefix(i), 1)].view(torch.uint8),
+                           want.view(torch.uint8)) for k, want in ref.items() for i in range(n))  # fmt: skip
+
+
+def _loads(link: Replay, receiver: Receiver, params: dict, device: torch.device, repeats: int) -> list:
+    """``repeats`` updates, each beside the link alone (the same messages copied to the same
+    destinations): (seconds, link seconds, stats) each."""
+    runs = []
+    for _ in range(repeats):
+        link.calls, link.copies = 0, []
+        stats = receiver.load_into(params)
+        dsts = list(link.copies)
+        srcs = [link.segments[k % len(link.segments)] for k in range(len(dsts))]
+        t_link = _seconds(lambda: [d.copy_(s, non_blocking=True) for d, s in zip(dsts, srcs)], device)
+        runs.append((stats.seconds, t_link, stats))
+    return runs
+
+
+def measure(args, ep: bool) -> tuple[list, list | None]:
+    """The dense row and, with ``--delta``, the delta row (None without)."""
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
     gc.collect()  # what an earlier row left must not count in this one's memory
     n = args.layers
     base = TINY_GLM5 if args.model == "tiny" else PRESETS["glm-5"]
@@ -114,55 +208,83 @@ def measure(args, ep: bool) -> list:
     plan = plan_from_config(config, 0)
     layer = {k: torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16).mul_(0.02)
              for k, (shape, _) in plan.inputs.items()}  # fmt: skip
+    pin = lambda msgs: [m.pin_memory() for m in msgs] if cuda else msgs  # noqa: E731
     rec = SegmentRecorder(len(engines), me)
-    sender = Sender(rec, 0, config=config, layer_ids=[0], engines=engines, device=device)
+    sender = Sender(rec, 0, config=config, layer_ids=[0], engines=engines, device=device,
+                    delta=DeltaOptions() if args.delta else None)  # fmt: skip
     sender.send_model([(0, layer)])
-    segments = [s.pin_memory() if device.type == "cuda" else s for s in rec.kept]
-    del rec, sender  # free the sender's rings before the reference's temporaries
-    if device.type == "cuda":
+    segments, rec.kept = pin(rec.kept), []
+    if args.delta:
+        layer1 = trainer_step(layer, args.delta_lr, device)
+        sender.send_model([(0, layer1)])
+        if not all(sender.delta.is_delta):
+            raise RuntimeError(f"the sender's second update went dense (is_delta {sender.delta.is_delta}), "
+                               "expected every layer a delta (SegmentRecorder.all_reduce_max)")  # fmt: skip
+        messages = pin(rec.kept)
+    del rec, sender  # free the sender's rings and kept copy before the reference's temporaries
+    if cuda:
         torch.cuda.empty_cache()
     targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
-    full = convert_layer_ref(layer, 0, plan)  # on the layer's device: the same bits, far faster
-    ref = {
-        targets[k].name: take_shard(x, targets[k].shard).to(targets[k].dtype).clone() for k, x in full.items()
-    }  # owned, so that the full reference is freed below
-    del layer, full
-    if device.type == "cuda":
+    ref = _reference(layer, plan, targets)
+    del layer
+    if args.delta:
+        ref1 = _reference(layer1, plan, targets)
+        del layer1
+    if cuda:
         torch.cuda.empty_cache()
     specs = {k: p for k, p in engine_params(config, layout).items() if k.startswith("model.layers.")}
     params = {k: torch.empty(p.shape, dtype=p.dtype, device=device) for k, p in specs.items()}
     for p in params.values():
         p.view(torch.uint8).fill_(0x5A)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    before = torch.cuda.memory_allocated(device) if cuda else 0
     link = Replay(me, len(engines), segments)
-    receiver = Receiver(link, 0, config=config, layout=layout, engines=engines, ring=args.ring, device=device)
+    receiver = Receiver(link, 0, config=config, layout=layout, engines=engines, ring=args.ring, device=device,
+                        delta=args.delta)  # fmt: skip
     link.receiver = receiver
     receiver.load_into(params)  # warm-up
-    runs = []
-    for _ in range(args.repeats):
-        link.calls, link.copies = 0, []
-        stats = receiver.load_into(params)
-        dsts = list(link.copies)
-        srcs = [segments[k % len(segments)] for k in range(len(dsts))]
-        t_link = _seconds(lambda: [d.copy_(s, non_blocking=True) for d, s in zip(dsts, srcs)], device)
-        runs.append((stats.seconds, t_link))
-    peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
+    runs = _loads(link, receiver, params, device, args.repeats)
+    peak = torch.cuda.max_memory_allocated(device) - before if cuda else 0
     predicted = receiver.routes.receiver_bytes(me, args.ring, device.type)
-    same = sum(torch.equal(params[k.replace(layer_prefix(0), layer_prefix(i), 1)].view(torch.uint8),
-                           want.view(torch.uint8)) for k, want in ref.items() for i in range(n))  # fmt: skip
-    total, t_link = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
+    same = _same(params, ref, n)
+    total, t_link, _ = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
     nbytes = sum(s.nbytes for s in segments)  # one layer's, for this rank
     slots = [torch.empty(s.nbytes, dtype=torch.uint8, device=device) for s in segments]
     firsts = link.copies[: len(segments)]
     t_copy = _seconds(lambda: [d.copy_(c) for _ in range(n) for d, c in zip(slots, firsts)], device)
-    return [f"{'EP' if ep else 'TP'}{args.tp} rank {args.rank}", f"{nbytes / 2**30:.3f}",
-            f"{1e3 * total / n:.2f}", f"{1e3 * t_link / n:.2f}", f"{total / t_link:.4f}",
-            f"{1e3 * t_copy / n:.3f}", f"{(total - t_link) / t_copy:.2f}", f"{peak / 2**30:.4f}",
-            f"{predicted / 2**30:.4f}", f"{peak / predicted if predicted else 0:.4f}",
-            f"{same}/{len(ref) * n}"]  # fmt: skip
+    name = f"{'EP' if ep else 'TP'}{args.tp} rank {args.rank}"
+    row = [name, f"{nbytes / GiB:.3f}",
+           f"{1e3 * total / n:.2f}", f"{1e3 * t_link / n:.2f}", f"{total / t_link:.4f}",
+           f"{1e3 * t_copy / n:.3f}", f"{(total - t_link) / t_copy:.2f}", f"{peak / GiB:.4f}",
+           f"{predicted / GiB:.4f}", f"{peak / predicted if predicted else 0:.4f}",
+           f"{same}/{len(ref) * n}"]  # fmt: skip
+    if not args.delta:
+        return row, None
+    slots.clear()  # the device-to-device copy's room, freed before the delta updates
+    # The delta updates: every layer rebuilt from the parameters (W0), changed to W1 and checked.
+    link.segments, link.delta = messages, True
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    link.calls, link.copies = 0, []
+    receiver.load_into(params)  # warm-up: allocates the delta buffers (counted: kept across updates)
+    druns = _loads(link, receiver, params, device, args.repeats)
+    dpeak = torch.cuda.max_memory_allocated(device) - before if cuda else 0
+    dpredicted = delta_receiver_bytes(receiver.routes, None, me, args.ring)
+    as_delta = sum(receiver.delta.is_delta)
+    dsame = _same(params, ref1, n)
+    dtotal, dt_link, dstats = sorted(druns, key=lambda r: r[0] / r[1])[len(druns) // 2]
+    dbytes = sum(x.nbytes for x in dstats.layers) / n  # what arrived per layer: counts messages and payloads
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    changed = sum(int((as_bytes(x) != as_bytes(ref1[k])).sum()) for k, x in ref.items())
+    drow = [name, f"{as_delta} of {n}", f"{100 * changed / sum(x.nbytes for x in ref.values()):.3f}",
+            f"{dbytes / 2**20:.4f}", f"{dbytes / nbytes:.5f}", f"{1e3 * dtotal / n:.2f}",
+            f"{1e3 * dt_link / n:.2f}", f"{dtotal / dt_link:.4f}", f"{1e3 * total / n:.2f}",
+            f"{dtotal / total:.4f}", f"{dpeak / GiB:.4f}", f"{dpredicted / GiB:.4f}",
+            f"{dpeak / dpredicted if dpredicted else 0:.4f}", f"{dsame}/{len(ref1) * n}"]  # fmt: skip
+    return row, drow
 
 
 def main() -> None:
@@ -173,10 +295,14 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0, help="the engine rank measured (default 0)")
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--delta", action="store_true", help="also delta updates: a second table (docstring)")
+    p.add_argument("--delta-lr", type=float, default=1e-5,
+                   help="--delta: the stand-in trainer step's learning rate (default 1e-5)")  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
     args = p.parse_args()
-    rows = [measure(args, ep == "on") for ep in args.ep]
+    measured = [measure(args, ep == "on") for ep in args.ep]
+    rows = [row for row, _ in measured]
     print(f"{args.layers} {args.model} sparse layers scattered by one sender; stand-in link: host-to-device "
           "copies from pinned memory")  # fmt: skip
     print(
@@ -197,6 +323,16 @@ def main() -> None:
             ],
         )
     )
+    if args.delta:
+        print(f"\ndelta updates after a stand-in trainer step (w32 -= {args.delta_lr:g} * sign(randn), bf16 "
+              "weights); versions: the sender in step with this rank (stand-in link)")  # fmt: skip
+        print(tabulate([d for _, d in measured], ["engine rank", "layers as delta",
+                                                   "bytes changed % (W0 -> W1, this rank's)",
+                                                   "received MiB/layer", "received delta / dense",
+                                                   "ms/layer", "link alone ms/layer", "total / link",
+                                                   "dense ms/layer", "delta / dense time", "extra GiB",
+                                                   "predicted GiB", "extra / predicted",
+                                                   "params equal to W1's reference"]))  # fmt: skip
 
 
 if __name__ == "__main__":
