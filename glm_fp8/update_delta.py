@@ -123,38 +123,20 @@ def plan_bytes(plan: LayerPlan, delta: Delta) -> float:
     return plan.nbytes + extra
 
 
-def kept_bytes(plan: LayerPlan, delta: Delta) -> int:
-    """What a sender keeps of ``plan`` (its part of a layer): every byte it sends of it, fp8 bytes,
-    scales and passthrough entries alike (the transfer compares whole segments' bytes:
-    docs/delta.md#in-the-transfer), less the alignment between pieces (a few hundred bytes a
-    segment). ``delta`` is unused: the kept copy does not depend on what changes."""
-    return sum(e.nbytes for e in plan.entries)
-
-
-def largest_blocks(entries: Iterable) -> int:
-    """The most 128x128 blocks of one quantized entry (or piece) among ``entries``."""
-    return max((blocks(e.shape) for e in entries if e.dtype == torch.float8_e4m3fn), default=0)
-
-
 @dataclass(frozen=True)
 class DeltaTraffic:
     """A transfer plan's delta bytes: each sender's NIC bytes (a point-to-point segment once per
-    rank of its class, a group broadcast once), each engine (link) rank's received bytes (its
-    segments as sent), its largest layer buffer (a ring slot: the segments side by side, aligned)
-    and the most blocks of one piece it applies."""
+    rank of its class, a group broadcast once) and each engine (link) rank's received bytes (its
+    segments as sent)."""
 
     sent: tuple[int, ...]
     received: dict[int, int]
-    slot: dict[int, int]
-    apply_blocks: dict[int, int]
 
 
 def traffic(tp: TransferPlan, plans: Sequence[LayerPlan], delta: Delta) -> DeltaTraffic:
     """``DeltaTraffic`` of ``tp`` (``plans``: the update's layer plans, in ``tp.layers``' order)."""
     sent = [0.0] * len(tp.senders)
     received: dict[int, float] = {}
-    slot: dict[int, float] = {}
-    apply: dict[int, int] = {}
     ops_cache: dict[tuple, dict] = {}
     for lay, plan in zip(tp.layers, plans):
         key = (id(plan), lay.layer_idx)
@@ -163,26 +145,16 @@ def traffic(tp: TransferPlan, plans: Sequence[LayerPlan], delta: Delta) -> Delta
             ops_cache[key] = {prefix + e.name: e.op for e in plan.entries}
         ops = ops_cache[key]
         wire = [0.0] * len(lay.classes)  # a class's segments as sent
-        buffer = [float(n) for n in lay.recv_nbytes]  # and side by side in its buffer, aligned
-        most = [0] * len(lay.classes)
         for s in lay.segments:
-            less = sum(piece_bytes(ops[p.name], p.dtype, p.shape, p.nbytes, delta) - p.nbytes
-                       for p in s.pieces)  # fmt: skip
-            n = s.nbytes + less
+            n = s.nbytes + sum(piece_bytes(ops[p.name], p.dtype, p.shape, p.nbytes, delta) - p.nbytes
+                               for p in s.pieces)  # fmt: skip
             wire[s.cls] += n
-            buffer[s.cls] += less
-            most[s.cls] = max(most[s.cls], largest_blocks(s.pieces))
             sent[s.sender] += n * lay.messages(s)
-        layer: dict[int, float] = {}
         for k, ranks in enumerate(lay.classes):
             for r in ranks:
                 received[r] = received.get(r, 0.0) + wire[k]
-                layer[r] = layer.get(r, 0.0) + buffer[k]
-                apply[r] = max(apply.get(r, 0), most[k])
-        for r, n in layer.items():
-            slot[r] = max(slot.get(r, 0.0), n)
-    rnd = lambda d: {r: round(n) for r, n in d.items()}  # noqa: E731 - expected bytes, to whole bytes
-    return DeltaTraffic(tuple(round(n) for n in sent), rnd(received), rnd(slot), apply)
+    # expected bytes, to whole bytes
+    return DeltaTraffic(tuple(round(n) for n in sent), {r: round(n) for r, n in received.items()})
 
 
 def _segments(lay, rank: int) -> list[SegmentDelta]:
@@ -195,12 +167,12 @@ def _piece_blocks(segs: Iterable[SegmentDelta]) -> int:
     return max((-(-p.shape[0] // BLOCK) * -(-p.shape[1] // BLOCK) for d in segs for p in d.pieces), default=0)
 
 
-def receiver_bytes(tp: TransferPlan, t: DeltaTraffic, rank: int, ring: int = 2) -> int:
+def receiver_bytes(tp: TransferPlan, rank: int, ring: int = 2) -> int:
     """Engine rank ``rank``'s receiver in a delta update (``glm_fp8.transfer.delta_receive``): the
     dense receiver (``TransferPlan.receiver_bytes``: a delta layer is rebuilt in a dense ring slot
     and checked there), plus its largest layer's counts messages and payload bounds (one buffer
-    each, kept) and ``apply_delta``'s offsets for its largest piece. ``t`` is unused: the buffers
-    are sized from the plan, never from what changes."""
+    each, kept: sized from the plan, never from what changes) and ``apply_delta``'s offsets for
+    its largest piece."""
     layers = [_segments(lay, rank) for lay in tp.layers]
     messages = max((sum(d.message_nbytes for d in segs) for segs in layers), default=0)
     bounds = max((sum(d.bound for d in segs) for segs in layers), default=0)
@@ -253,7 +225,6 @@ __all__ = [
     "as_delta",
     "blocks",
     "entry_bytes",
-    "kept_bytes",
     "piece_bytes",
     "plan_bytes",
     "receiver_bytes",

@@ -175,7 +175,7 @@ def _loads(fleet: Fleet, extra, ranges: list[range], offset: int, received) -> l
 
 def _delta_loads(fleet: Fleet, tp: TransferPlan, tr: DeltaTraffic, ranges: list[range], offset: int) -> list:
     """Each server's busiest rank in a delta update: its delta bytes and its receiver's memory."""
-    extra = lambda r: delta_receiver_bytes(tp, tr, r)
+    extra = lambda r: delta_receiver_bytes(tp, r)
     return _loads(fleet, extra, ranges, offset, lambda r: tr.received.get(r, 0))
 
 
@@ -256,7 +256,7 @@ def predict(
         if spec is not None and full is not None:
             whole = round(sum(plan_bytes(p, spec) for p in plans))
             tr = traffic(full, plans, spec)
-            dloads = [ServerLoad(x.name, whole, delta_receiver_bytes(full, tr, 1)) for x in loads]
+            dloads = [ServerLoad(x.name, whole, delta_receiver_bytes(full, 1)) for x in loads]
             dp = _delta(fleet, spec, one_sender(whole), dloads, gathered, biggest.nbytes,
                         shares(full, 0, plans), peak, one_sender(total))  # fmt: skip
         one = (total, total, gathered, t, peak, text, tuple(loads), one_sender(total), dp)

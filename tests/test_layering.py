@@ -44,9 +44,9 @@ LAYERS = [
     ],
     ["transfer.owners"],
     ["transfer.routes"],
-    ["transfer.endpoint", "transfer.delta_plan"],
-    ["transfer.gather", "update_delta"],
-    ["transfer.share"],
+    ["transfer.endpoint"],
+    ["transfer.gather", "transfer.delta_plan"],
+    ["transfer.share", "update_delta"],
     ["transfer.delta_send", "transfer.delta_receive"],
     ["transfer.sender", "transfer.receiver", "integrations.vllm.gate"],
     [

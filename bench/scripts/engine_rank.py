@@ -35,6 +35,7 @@ import gc
 import time
 
 import torch
+from standin import trainer_step, versions_in_step
 from tabulate import tabulate
 
 from glm_fp8.engine import EngineLayout, engine_params, take_shard
@@ -48,7 +49,6 @@ from glm_fp8.transfer.wire import MAGIC, PROTOCOL_VERSION
 from glm_fp8.update_delta import receiver_bytes as delta_receiver_bytes
 
 GiB = 2**30
-STEP_CHUNK = 2**26  # elements of one chunk of the stand-in trainer step (its randn: 256 MiB fp32)
 
 
 class SegmentRecorder(HostSinkComm):
@@ -69,13 +69,9 @@ class SegmentRecorder(HostSinkComm):
         super().group_broadcast(tensor, src, ranks)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        # The delta versions table (int64 [link size, layers + 1], each rank's row:
-        # SenderDelta.begin) is the only 2-D tensor all-reduced (votes are 1-D, left as they are).
-        # The stand-in has no peers: every row becomes this sender's, as if every engine rank held
-        # what it last sent (pipeline.py's Recorder). Its first update kept nothing, so it goes
-        # dense; the next one goes as a delta.
-        if tensor.dim() == 2 and tensor.shape[0] == self.size:
-            tensor.copy_(tensor[self.rank].clone().expand_as(tensor))  # no self-overlapping copy
+        # No peers: in step (standin.py). Its first update kept nothing, so it goes dense; the
+        # next one goes as a delta.
+        versions_in_step(tensor, self.rank, self.size)
 
 
 class Replay(Link):
@@ -146,24 +142,6 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def trainer_step(layer: dict, lr: float, device: torch.device) -> dict:
-    """W1 from W0 (``layer``): ``w32 -= lr * sign(randn)`` on an fp32 copy of each tensor, cast
-    back to its dtype; ``STEP_CHUNK`` elements at a time along dim 0 (a seeded generator; no
-    full-size fp32 temporary)."""
-    gen = torch.Generator(device=device).manual_seed(1)
-    out = {}
-    for name, w in layer.items():
-        new = torch.empty_like(w)
-        src, dst = (w.view(1), new.view(1)) if w.dim() == 0 else (w, new)
-        rows = max(1, STEP_CHUNK // max(1, src[0].numel()))
-        for a in range(0, src.shape[0], rows):
-            part = src[a : a + rows].float()
-            part.sub_(torch.randn(part.shape, generator=gen, device=device).sign_(), alpha=lr)
-            dst[a : a + rows].copy_(part)
-        out[name] = new
-    return out
-
-
 def _reference(layer: dict, plan, targets: dict) -> dict[str, torch.Tensor]:
     """This rank's shard of every parameter of the layer converted by the reference (on the
     layer's device: the same bits, far faster), owned: the full conversion is freed on return."""
@@ -215,7 +193,8 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
     sender.send_model([(0, layer)])
     segments, rec.kept = pin(rec.kept), []
     if args.delta:
-        layer1 = trainer_step(layer, args.delta_lr, device)
+        layer1 = {k: w.clone() for k, w in layer.items()}  # W1: bf16 masters, their own shadow
+        trainer_step(layer1, layer1, args.delta_lr, torch.Generator(device=device).manual_seed(1))
         sender.send_model([(0, layer1)])
         if not all(sender.delta.is_delta):
             raise RuntimeError(f"the sender's second update went dense (is_delta {sender.delta.is_delta}), "
@@ -272,7 +251,7 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
     receiver.load_into(params)  # warm-up: allocates the delta buffers (counted: kept across updates)
     druns = _loads(link, receiver, params, device, args.repeats)
     dpeak = torch.cuda.max_memory_allocated(device) - before if cuda else 0
-    dpredicted = delta_receiver_bytes(receiver.routes, None, me, args.ring)
+    dpredicted = delta_receiver_bytes(receiver.routes, me, args.ring)
     as_delta = sum(receiver.delta.is_delta)
     dsame = _same(params, ref1, n)
     dtotal, dt_link, dstats = sorted(druns, key=lambda r: r[0] / r[1])[len(druns) // 2]

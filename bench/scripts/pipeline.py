@@ -45,6 +45,7 @@ import statistics
 import time
 
 import torch
+from standin import trainer_step, versions_in_step
 from tabulate import tabulate
 
 from glm_fp8.engine import EngineLayout
@@ -60,7 +61,6 @@ from glm_fp8.transfer.pack import update_regions
 from glm_fp8.update_delta import Delta, sender_share
 
 GiB = 2**30
-STEP_CHUNK = 2**26  # elements of one chunk of the stand-in trainer step (its randn: 256 MiB fp32)
 
 
 class Recorder(HostSinkComm):
@@ -89,30 +89,8 @@ class Recorder(HostSinkComm):
             self.pool[: tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        # The delta versions table (int64 [link size, layers + 1], each rank's row: SenderDelta.begin)
-        # is the only 2-D tensor all-reduced (votes are 1-D). The stand-in has no peers, so it
-        # assumes they are in step: every row becomes this sender's, as if every engine rank held
-        # what this sender last sent and every other sender kept the same versions. A rank out of
-        # step would take that layer dense for every rank (tests/transfer/test_delta_transfer.py
-        # checks that on gloo); this measures the steady state, every layer a delta.
-        if self.in_step and tensor.dim() == 2 and tensor.shape[0] == self.size:
-            tensor.copy_(tensor[self.rank].clone().expand_as(tensor))  # no self-overlapping copy
-
-
-def trainer_step(shadow: dict, masters: dict, lr: float, gen: torch.Generator) -> None:
-    """The stand-in trainer step (module docstring): ``w32 -= lr * sign(randn)`` on each fp32
-    shadow, ``STEP_CHUNK`` elements at a time along dim 0, the master copied from it (cast to its
-    dtype) unless it is its own shadow."""
-    for name, w32 in shadow.items():
-        master = masters[name]
-        whole = w32.dim() == 0
-        w, m = (w32.view(1), master.view(1)) if whole else (w32, master)
-        rows = max(1, STEP_CHUNK // max(1, w[0].numel()))
-        for a in range(0, w.shape[0], rows):
-            part = w[a : a + rows]
-            part.sub_(torch.randn(part.shape, generator=gen, device=part.device).sign_(), alpha=lr)
-            if master is not w32:
-                m[a : a + rows].copy_(part)
+        if self.in_step:  # the stand-in has no peers: they are taken to be in step
+            versions_in_step(tensor, self.rank, self.size)
 
 
 def _sync(device: torch.device) -> None:

@@ -32,7 +32,9 @@ import torch
 
 from glm_fp8.transfer.delta_versions import NONE
 from glm_fp8.transfer.delta_wire import DeltaPiece, counts_numel, payload_bound
+from glm_fp8.transfer.endpoint import on_stream
 from glm_fp8.transfer.pack import ShardPack
+from glm_fp8.transfer.wire import UpdateAborted
 
 ROW = 128  # bytes per row of a segment seen as fp8: a 128x128 block is 16 KiB of consecutive bytes
 
@@ -121,4 +123,20 @@ def delta_layers(
     return int(table[senders, -1].max()), [bool(x) for x in ok]
 
 
-__all__ = ["ROW", "SegmentDelta", "delta_layers", "segment_rows", "versions_row", "zero_gaps"]
+def exchange_versions(end, row: Sequence[int]) -> tuple[int, list[bool]]:
+    """The versions exchange of endpoint ``end`` (a Sender or a Receiver: every rank of the link
+    takes part, before the first layer): its ``row`` all-reduced with every other rank's on the
+    link stream; this update's number and each layer's step (``delta_layers``)."""
+    receivers = [r for r, e in enumerate(end.routes.engines) if e is not None]
+    try:
+        with on_stream(end.link_stream):
+            table = versions_row(end.link.size, end.rank, row, end.device)
+            end.link.all_reduce_max(table)
+            table = table.cpu()
+    except Exception as exc:
+        raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
+    return delta_layers(table, end.senders, receivers)
+
+
+__all__ = ["ROW", "SegmentDelta", "delta_layers", "exchange_versions", "segment_rows", "versions_row",
+           "zero_gaps"]  # fmt: skip

@@ -11,10 +11,9 @@ import torch
 
 from glm_fp8.delta import apply_delta
 from glm_fp8.plan import layer_prefix
-from glm_fp8.transfer.delta_plan import SegmentDelta, delta_layers, versions_row, zero_gaps
+from glm_fp8.transfer.delta_plan import SegmentDelta, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import NONE, HeldVersions
 from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
-from glm_fp8.transfer.endpoint import on_stream
 from glm_fp8.transfer.wire import UpdateAborted
 
 
@@ -73,16 +72,7 @@ class ReceiverDelta:
 
     def begin(self) -> None:
         """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
-        r = self.r
-        receivers = [k for k, e in enumerate(r.routes.engines) if e is not None]
-        try:
-            with on_stream(r.link_stream):
-                table = versions_row(r.link.size, r.rank, [*self.row(), NONE], r.device)
-                r.link.all_reduce_max(table)
-                table = table.cpu()
-        except Exception as exc:
-            raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
-        self.update, self.is_delta = delta_layers(table, r.senders, receivers)
+        self.update, self.is_delta = exchange_versions(self.r, [*self.row(), NONE])
         self.got.clear()
 
     def row(self) -> list[int]:

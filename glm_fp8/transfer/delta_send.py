@@ -10,11 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.delta import compare_bytes
-from glm_fp8.transfer.delta_plan import SegmentDelta, delta_layers, versions_row, zero_gaps
+from glm_fp8.transfer.delta_plan import SegmentDelta, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
 from glm_fp8.transfer.delta_wire import pack_delta
-from glm_fp8.transfer.endpoint import on_stream
-from glm_fp8.transfer.wire import UpdateAborted
 
 
 @dataclass(frozen=True)
@@ -90,15 +88,7 @@ class SenderDelta:
         self.count += 1
         resync = self.options.resync_every is not None and (self.count - 1) % self.options.resync_every == 0
         row = [NONE if resync else k for k in self.versions.kept] + [self.proposal]
-        receivers = [r for r, e in enumerate(s.routes.engines) if e is not None]
-        try:
-            with on_stream(s.link_stream):
-                table = versions_row(s.link.size, s.rank, row, s.device)
-                s.link.all_reduce_max(table)
-                table = table.cpu()
-        except Exception as exc:
-            raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
-        self.update, self.is_delta = delta_layers(table, s.senders, receivers)
+        self.update, self.is_delta = exchange_versions(s, row)
         self.proposal = max(self.proposal, self.update + 1)
         self.ready.clear()
         self.sent.clear()
