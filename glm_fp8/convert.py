@@ -9,6 +9,7 @@ bytes the kernels wrote. Any trainer layout is read (docs/trainers.md#trainer-la
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 
@@ -356,16 +357,24 @@ def entry_norms(
     return [n for n, _ in floating], torch.stack(torch._foreach_norm([v for _, v in floating], float("inf")))
 
 
-def raise_if_non_finite(norms: tuple[list[str], torch.Tensor | None], layer_idx: int) -> None:
-    """The host half of ``check_finite_entries``: one read of ``entry_norms``' result."""
+def raise_if_non_finite(
+    norms: tuple[list[str], torch.Tensor | None],
+    layer_idx: int,
+    plan: LayerPlan | None = None,
+    outcome: str = "the update was aborted",
+) -> None:
+    """The host half of ``check_finite_entries``: one read of ``entry_norms``' result; a
+    ``NonFiniteError`` naming the first entry with NaN/Inf, and with ``plan`` (the one the norms
+    were taken of) the trainer tensors it was made from."""
     names, values = norms
     if values is None or bool(torch.isfinite(values).all()):
         return
-    bad = next(n for n, m in zip(names, values) if not torch.isfinite(m)).removesuffix("_scale_inv")
-    raise NonFiniteError(
-        f"{layer_prefix(layer_idx)}{bad}: NaN or Inf in its sources; the update was aborted",
-        source=layer_prefix(layer_idx) + bad, expert=None, block=(-1, -1),
-    )  # fmt: skip
+    bad = next(n for n, m in zip(names, values.tolist()) if not math.isfinite(m)).removesuffix("_scale_inv")
+    prefix, srcs = layer_prefix(layer_idx), (bad,) if plan is None else plan.entry(bad).sources
+    named = ", ".join(prefix + s for s in srcs[:4]) + (", ..." if len(srcs) > 4 else "")
+    sources = "" if plan is None else f" ({named})"
+    raise NonFiniteError(f"{prefix}{bad}: NaN or Inf in its sources{sources}; {outcome}",
+                         source=prefix + srcs[0], expert=None, block=None)  # fmt: skip
 
 
 __all__ = ["check_adapted_keys", "check_adapted_layer", "check_finite_entries", "check_layer",

@@ -58,6 +58,8 @@ class ReceiverDelta:
         self.params: Mapping[str, torch.Tensor] | None = None
         self.aliases: Mapping[str, str] = {}
         self.got: dict[int, int] = {}
+        self.resent: dict[int, int] = {}  # layer position -> the bytes its delta step took
+        self.alias_dense: set[int] = set()  # layers with an alias whose rebuild differed: dense from then on
         # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
         self.backend = "torch" if receiver.device.type == "cpu" else None
 
@@ -74,19 +76,39 @@ class ReceiverDelta:
         """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
         self.update, self.is_delta = exchange_versions(self.r, [*self.row(), NONE])
         self.got.clear()
+        self.resent.clear()
+
+    def resend(self, pos: int) -> None:
+        """Layer ``pos``'s vote was RESEND_DENSE: some engine rank's rebuilt and changed segment
+        differs from its sender's checksum; every rank takes the layer again, dense, before COMPLETE."""
+        self.resent[pos] = self.got.pop(pos, 0)
+        if self.aliased(pos):
+            self.alias_dense.add(pos)
+
+    def resends(self) -> list[int]:
+        """The layers to receive again, dense (in order): from now on their steps are dense ones."""
+        for pos in self.resent:
+            self.is_delta[pos] = False
+        return sorted(self.resent)
 
     def row(self) -> list[int]:
-        """The held versions as this rank votes them: ``NONE`` for a layer with an aliased parameter
-        (``load_into``'s ``aliases``; landing skips it, so it holds another parameter's bytes and
-        cannot be rebuilt as sent), which therefore always goes dense."""
-        r, row = self.r, list(self.held.held)
-        for pos, mine in enumerate(r._mine):
-            names = {p.name for s in mine for p in s.pieces}
-            if r.targets is not None:
-                names = {r.targets[n].name for n in names}
-            if names & set(self.aliases):
-                row[pos] = NONE
+        """The held versions as this rank votes them. A layer with an aliased parameter
+        (``load_into``'s ``aliases``: landing skips it, it holds another parameter's bytes, e.g. the
+        MTP drafter's ``shared_head.head``, the target's ``lm_head``) is rebuilt from that parameter,
+        which is exact where the trainer ties the two; once such a layer's rebuild differed (untied,
+        or the other parameter updated apart) it votes ``NONE`` for it: dense from then on."""
+        row = list(self.held.held)
+        for pos in self.alias_dense:
+            row[pos] = NONE
         return row
+
+    def aliased(self, pos: int) -> bool:
+        """Whether a parameter this rank lands layer ``pos`` into is an alias of another."""
+        r = self.r
+        names = {p.name for s in r._mine[pos] for p in s.pieces}
+        if r.targets is not None:
+            names = {r.targets[n].name for n in names}
+        return bool(names & set(self.aliases))
 
     def writing(self, pos: int) -> None:
         self.held.writing(pos)
@@ -97,13 +119,16 @@ class ReceiverDelta:
 
     def why_bad(self, pos: int) -> str:
         """Why a segment of ``pos`` may have failed its checksum, for the error."""
-        if not self.is_delta[pos]:
-            return "a short, long or corrupted message"
-        return ("a delta layer, rebuilt from this rank's parameters and changed: parameters written since "
-                "they landed, or a corrupted message; it goes dense next update")  # fmt: skip
+        if pos in self.resent:
+            return "a delta layer resent dense after its rebuilt bytes differed: a corrupted message"
+        return "a short, long or corrupted message"
 
     def received_nbytes(self, pos: int) -> int:
-        return self.got[pos] if pos in self.got else sum(s.nbytes for s in self.r._mine[pos])
+        """What this rank took off the link for ``pos``: its delta messages, or its dense segments
+        (and the delta messages before them, for a resent layer)."""
+        if pos in self.got:
+            return self.got[pos]
+        return sum(s.nbytes for s in self.r._mine[pos]) + self.resent.get(pos, 0)
 
     def receive(self, pos: int, buf: torch.Tensor) -> torch.Tensor | None:
         """Receive a delta layer into ``buf`` (this rank's ring slot): rebuild its segments from the

@@ -13,6 +13,8 @@ from glm_fp8.delta import compare_bytes
 from glm_fp8.transfer.delta_plan import SegmentDelta, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
 from glm_fp8.transfer.delta_wire import pack_delta
+from glm_fp8.transfer.endpoint import on_stream
+from glm_fp8.transfer.wire import message_checksum
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class SenderDelta:
         self.bufs: list[torch.Tensor | None] = [None] * sender.conv_ring.size
         self.ready: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.sent: dict[int, int] = {}
+        self.resent: set[int] = set()
 
     @classmethod
     def of(cls, sender, delta: object) -> SenderDelta | None:
@@ -92,6 +95,39 @@ class SenderDelta:
         self.proposal = max(self.proposal, self.update + 1)
         self.ready.clear()
         self.sent.clear()
+        self.resent.clear()
+
+    def resend(self, pos: int) -> None:
+        """Layer ``pos``'s vote was RESEND_DENSE: an engine rank's rebuilt and changed segment
+        differed from its checksum; the layer goes again, dense, after the last layer."""
+        self.resent.add(pos)
+
+    def resends(self) -> list[int]:
+        """The layers to send again, dense (in order): from now on their steps are dense ones."""
+        for pos in self.resent:
+            self.is_delta[pos] = False
+        return sorted(self.resent)
+
+    def restore(self, pos: int) -> torch.cuda.Event | None:
+        """Before resending ``pos`` dense: its segments' data bytes from the kept copy (which this
+        update's comparison moved to the new bytes: the dense segments' own) and their checksum
+        words, into the ring slots the dense send reads (conversion stream; its event, on CUDA)."""
+        s = self.s
+        conv, ci = s.conv_ring.slot(pos)
+        out, pi = s.send_ring.slot(pos) if s.send_ring is not None else (None, 0)
+        with on_stream(s.convert_stream):
+            s.conv_ring.wait_free(ci, s.convert_stream)
+            if out is not None:
+                s.send_ring.wait_free(pi, s.convert_stream)
+            for seg, kept in zip(s.routes.layers[pos].of_sender(s.me), self.kept[pos]):
+                region = (conv if seg.direct else out[seg.send_offset :])[: seg.nbytes]
+                region[: kept.numel()].copy_(kept, non_blocking=True)
+                seg.checksum_word(region).copy_(message_checksum(region[: seg.data_nbytes], s.scratch))
+            if s.convert_stream is None:
+                return None
+            ready = torch.cuda.Event()
+            ready.record(s.convert_stream)
+            return ready
 
     def zero_gaps(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
         """Zero the bytes between pieces of this sender's segments of ``pos``, before their

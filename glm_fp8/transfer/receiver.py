@@ -33,13 +33,14 @@ from glm_fp8.transfer.wire import (
     REFUSED_HEADER,
     REFUSED_MANIFEST,
     REFUSED_PARAMS,
-    STATUSES,
+    RESEND_DENSE,
     ManifestMismatch,
     UpdateAborted,
     checksum_scratch,
     compare_manifest,
     decode_manifest,
     describe_refusal,
+    header_error,
     refusal_code,
     refusal_reason,
     wire_arg,
@@ -208,28 +209,34 @@ class Receiver(Endpoint):
         queued with no host wait: the header, this rank's segments and every rank's vote (this
         rank's header and checksum checks, decided on the device). Then the previous layer's vote
         is read, and that layer handed out only if it passed: the next layer is on the link
-        meanwhile. A consumer's failure is this rank's vote at the next step it queues; COMPLETE is
-        voted after the last layer was handed out."""
+        meanwhile. A consumer's failure is this rank's vote at the next step it queues. Each layer
+        voted RESEND_DENSE (delta) is then received again, dense; COMPLETE is voted last."""
         self.agree(self._check, self.max_manifest_bytes)
         if self.delta is not None:
             self.delta.begin()
         n = len(self.plans)
         failure: BaseException | None = None
-        for pos in range(n + 1):
-            if pos < n:
-                self._post_step(pos, failure)
-            if not pos:
+        # (the step queued, the step whose vote is read and whose layer is handed out); a resent
+        # layer is both at once, added when the last layer's vote was read, by every rank (they
+        # read the same votes; this rank's failure, if any, is then voted at the first of them).
+        steps = [(pos, pos - 1) for pos in range(n)] + [(None, n - 1)]
+        for post, pos in steps:
+            if post is not None:
+                self._post_step(post, failure)
+            if pos < 0:
                 continue
-            self._settle_step(pos - 1, failure)
-            if failure is not None:
+            resend = self._settle_step(pos, failure)
+            if post is None and self.delta is not None:
+                steps += [(r, r) for r in self.delta.resends()]
+            if resend or failure is not None:
                 continue
             # No stream wait: reading this layer's vote waited for everything queued before it on
             # the link stream, its bytes included. The consumer's error (GeneratorExit too, when it
             # stops early) is caught here, not in a helper generator, so that the steps go on to
             # the vote that stops every rank.
-            views, slot = self._views(pos - 1)
+            views, slot = self._views(pos)
             try:
-                yield self.layer_ids[pos - 1], views
+                yield self.layer_ids[pos], views
             except BaseException as exc:  # noqa: BLE001 - voted on at the next step, then raised
                 failure = exc
             finally:
@@ -249,7 +256,10 @@ class Receiver(Endpoint):
                 sum_bad = self._receive_segments(pos) if pos < len(self.plans) else None
                 self._flags[i] = (header_bad, sum_bad)
                 flags = [(header_bad, refusal_code(REFUSED_HEADER, self.rank))]
-                flags += [(sum_bad, refusal_code(BAD_CHECKSUM, self.rank))] if sum_bad is not None else []
+                if sum_bad is not None:  # a delta layer that differs is resent dense, not refused
+                    delta = self.delta is not None and self.delta.is_delta[pos]
+                    why = RESEND_DENSE if delta else BAD_CHECKSUM
+                    flags.append((sum_bad, refusal_code(why, self.rank)))
                 code = refusal_code(CONSUMER_FAILED, self.rank) if failure is not None else 0
                 self.step_votes.post(self.link, pos, code, flags)
         except Exception as exc:
@@ -275,13 +285,17 @@ class Receiver(Endpoint):
         self.link.exchange([], recvs)
         return self.segment_checksums_bad(buf, segments, self.scratch) if self._sums else None
 
-    def _settle_step(self, pos: int, failure: BaseException | None) -> None:
-        """Read step ``pos``'s vote; when a rank refused, wait for the step queued after it (every
-        rank queued it), then raise: the consumer's error, else what this rank found, else an
-        ``UpdateAborted`` naming the rank that refused."""
+    def _settle_step(self, pos: int, failure: BaseException | None) -> bool:
+        """Read step ``pos``'s vote: True when its layer is to be resent dense (RESEND_DENSE);
+        when a rank refused, wait for the step queued after it (every rank queued it), then raise:
+        the consumer's error, else what this rank found, else an ``UpdateAborted`` naming the rank
+        that refused."""
         verdict = self.step_votes.read(pos)
         if not verdict:
-            return
+            return False
+        if refusal_reason(verdict) == RESEND_DENSE:
+            self.delta.resend(pos)
+            return True
         if self.link_stream is not None:
             self.link_stream.synchronize()
         if failure is not None:
@@ -292,14 +306,7 @@ class Receiver(Endpoint):
         # maximum may name another rank that found the same).
         mine = BAD_CHECKSUM if sum_bad else REFUSED_HEADER if header_bad else None
         if mine == refusal_reason(verdict) == REFUSED_HEADER:
-            got, want = self._header_bufs[pos % 2].tolist(), self._headers[pos].tolist()
-            names = ("magic", "status", "layer", "position", "nbytes")
-            k = next(j for j in range(5) if got[j] != want[j])
-            show = (lambda v: STATUSES.get(v, v)) if k == 1 else (lambda v: v)
-            raise UpdateAborted(
-                f"header ({where}): expected {names[k]} {show(want[k])} (the manifest's), got "
-                f"{show(got[k])}; its segments were refused, every rank was stopped"
-            )
+            raise header_error(self._header_bufs[pos % 2].tolist(), self._headers[pos].tolist(), where)
         if mine == refusal_reason(verdict) == BAD_CHECKSUM:
             why = self.delta.why_bad(pos) if self.delta is not None else "a short, long or corrupted message"
             raise UpdateAborted(
@@ -358,6 +365,7 @@ class Receiver(Endpoint):
                 stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes))
         finally:
             self._params_error = None
+        stats.layers.sort(key=lambda s: self.layer_ids.index(s.layer))  # a resent layer lands last
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.seconds = time.perf_counter() - t0

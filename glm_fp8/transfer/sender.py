@@ -3,18 +3,16 @@ the update's steps (protocol: ``glm_fp8.transfer.wire``; routes: ``glm_fp8.trans
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from glm_fp8._checks import check_int
-from glm_fp8.convert import entry_norms
+from glm_fp8.convert import entry_norms, raise_if_non_finite
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.jobs import NonFiniteError
 from glm_fp8.models import REST
-from glm_fp8.plan import LayerPlan, layer_prefix, strip_layer
+from glm_fp8.plan import LayerPlan, strip_layer
 from glm_fp8.transfer.delta_send import DeltaOptions, SenderDelta
 from glm_fp8.transfer.endpoint import (
     Endpoint,
@@ -34,6 +32,7 @@ from glm_fp8.transfer.wire import (
     HEADER_WORDS,
     MAX_MANIFEST_BYTES,
     REFUSED_MANIFEST,
+    RESEND_DENSE,
     SENDER_FAILED,
     LayerOrderError,
     ManifestMismatch,
@@ -193,7 +192,8 @@ class Sender(Endpoint):
         wait, the leader's header, the segments and every rank's vote on them; then read the
         previous step's vote. The link thus always holds the next layer while the host waits, and a
         failed vote is read one step late: every rank has queued that next step and raises once it
-        is done. COMPLETE is voted after the last layer's verdict was read."""
+        is done. Then each layer an engine rank voted RESEND_DENSE (delta) goes again, dense, from
+        the kept copy; COMPLETE is voted last."""
         n = len(self.plans)
         failed: BaseException | None = None
         stop = False  # set alike on every sender by their vote: from then on none pulls ``layers``
@@ -233,6 +233,14 @@ class Sender(Endpoint):
             seconds = time.perf_counter() - t_layer
             stats.layers.append(LayerStats(self.layer_ids[pos], sent, seconds, self.plans[pos].nbytes))
         self._settle_step(n - 1, failed)
+        for pos in self.delta.resends() if self.delta is not None else ():  # every rank read the votes
+            t_layer = time.perf_counter()
+            self._checks[pos % 2] = None
+            self._ready = self.delta.restore(pos)
+            self._post_step(pos, None)
+            self._settle_step(pos, None)
+            stats.layers[pos].nbytes += self.routes.layers[pos].sent_nbytes(self.me)
+            stats.layers[pos].seconds += time.perf_counter() - t_layer
         self._ready, self._checks[n % 2] = None, None
         if not stop:
             try:
@@ -365,30 +373,20 @@ class Sender(Endpoint):
         verdict = self.step_votes.read(pos)
         if not verdict:
             return
+        if refusal_reason(verdict) == RESEND_DENSE:  # sent again, dense, after the last layer
+            self.delta.resend(pos)
+            return
         self._sync()
         if failed is not None:
             raise failed
         checks = self._checks[pos % 2]
         if checks is not None and checks[3] is not None and bool(checks[3]):
-            self._raise_non_finite(*checks[:3])
+            layer_idx, local, norms = checks[:3]
+            raise_if_non_finite(norms, layer_idx, local, "every rank was stopped")
         where = step_name(pos, self.layer_ids)
         if refusal_reason(verdict) == SENDER_FAILED:
             raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); every rank was stopped")
         raise ReceiverRefused(f"{describe_refusal(verdict)} ({where}); the update was stopped")
-
-    def _raise_non_finite(self, layer_idx: int, local: LayerPlan, norms) -> None:
-        """``NonFiniteError`` naming the first entry of this sender's share with NaN/Inf and the
-        trainer tensors it was made from (the check ran on the device, on the converted bytes)."""
-        names, values = norms
-        bad = next(n for n, m in zip(names, values.tolist()) if not math.isfinite(m)).removesuffix(
-            "_scale_inv"
-        )
-        entry, prefix = local.entry(bad), layer_prefix(layer_idx)
-        sources = ", ".join(prefix + s for s in entry.sources[:4]) + (
-            ", ..." if len(entry.sources) > 4 else ""
-        )
-        raise NonFiniteError(f"{prefix}{bad}: NaN or Inf in its sources ({sources}); every rank was stopped",
-                             source=prefix + entry.sources[0], expert=None, block=None)  # fmt: skip
 
     def _sync(self) -> None:
         for stream in (self.convert_stream, self.link_stream):

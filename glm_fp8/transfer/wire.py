@@ -2,10 +2,10 @@
 refusal codes and the errors every rank raises (defined in ``glm_fp8.errors``, re-exported here;
 docs/layouts.md#the-protocol).
 
-Protocol version 4 (3 until scatter classes became per piece and the manifest named the wire format
-``wire``). One protocol for every mode: a transfer plan (``glm_fp8.transfer.routes``) says
-which sender sends which bytes of each layer to which engine ranks, one sender (the full
-broadcast, scatter) or many. Every rank of the link runs the same steps:
+Protocol version 5 (4 until a delta layer could be resent dense, 3 until scatter classes became per
+piece and the manifest named the wire format ``wire``). One protocol for every mode: a transfer
+plan (``glm_fp8.transfer.routes``) says which sender sends which bytes of each layer to which
+engine ranks, one sender (the full broadcast, scatter) or many. Every rank of the link runs the same steps:
 
 1. Prelude ``int64[4]`` = ``[MAGIC, VERSION, manifest bytes, refusing]`` from the leader ``src``
    (``refusing`` 1: the leader refused its own arguments, length 0, and votes why); vote.
@@ -23,6 +23,9 @@ broadcast, scatter) or many. Every rank of the link runs the same steps:
    and checksums, a sender's own failure or non-finite weights). Steps are queued with no host
    wait; a rank reads a step's vote only after it queued the next step, so a failed vote stops
    every rank one step later, and an engine rank hands a layer out only after its vote passed.
+   In a delta update (docs/delta.md) a layer whose vote is ``RESEND_DENSE`` is not handed out;
+   after the last layer's vote, before COMPLETE, each such layer is a step again, dense, with
+   the same header.
 
 A vote is an ``int64[1]`` all-reduce with MAX: every rank contributes 0 or a refusal code
 ``reason * 2**20 + rank`` (never negative), so no rank's value can hide another's refusal and
@@ -47,7 +50,7 @@ from glm_fp8.errors import LayerOrderError, ManifestMismatch, ReceiverRefused, U
 from glm_fp8.kernels.checksum import checksum_rows, checksum_torch, checksum_triton
 from glm_fp8.plan import LayerPlan
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = int.from_bytes(b"glm_fp8\x03", "little")  # first word of the prelude and of every header
 DATA, COMPLETE = 1, 2
 STATUSES = {DATA: "DATA", COMPLETE: "COMPLETE"}
@@ -55,8 +58,11 @@ MAX_MANIFEST_BYTES = 64 << 20  # default cap; a GLM-5 manifest is well under 1 M
 HEADER_WORDS = 8
 CHECKSUM_BYTES = 8
 
-# Refusal reasons, in increasing precedence (a vote's MAX reports the highest).
+# Refusal reasons, in increasing precedence (a vote's MAX reports the highest). RESEND_DENSE, the
+# lowest, is not a refusal: a delta layer an engine rank rebuilt and changed differs from its
+# sender's checksum, and every rank takes that layer again, dense, before COMPLETE.
 (
+    RESEND_DENSE,
     REFUSED_PRELUDE,
     REFUSED_MANIFEST,
     REFUSED_PARAMS,
@@ -65,8 +71,9 @@ CHECKSUM_BYTES = 8
     CONSUMER_FAILED,
     SENDER_FAILED,
     REFUSED_ARGUMENTS,
-) = range(1, 9)
+) = range(1, 10)
 REFUSAL_REASONS = {
+    RESEND_DENSE: "rebuilt a delta layer whose checksum differs from its sender's (resent dense)",
     REFUSED_PRELUDE: "refused the manifest's prelude (magic, version or length)",
     REFUSED_MANIFEST: "refused the manifest",
     REFUSED_PARAMS: "refused its parameters (name, shape, dtype, device, aliasing or requires_grad) or its "
@@ -94,6 +101,17 @@ def refusal_reason(code: int) -> int:
 
 def refusal_rank(code: int) -> int:
     return code & ((1 << _RANK_BITS) - 1)
+
+
+def header_error(got: Sequence[int], want: Sequence[int], where: str) -> UpdateAborted:
+    """The error of an engine rank that refused a step's header ``got`` (the manifest's: ``want``)."""
+    names = ("magic", "status", "layer", "position", "nbytes")
+    k = next(j for j in range(5) if got[j] != want[j])
+    show = (lambda v: STATUSES.get(v, v)) if k == 1 else (lambda v: v)
+    return UpdateAborted(
+        f"header ({where}): expected {names[k]} {show(want[k])} (the manifest's), got "
+        f"{show(got[k])}; its segments were refused, every rank was stopped"
+    )
 
 
 def describe_refusal(code: int) -> str:
@@ -240,6 +258,7 @@ __all__ = [
     "REFUSED_MANIFEST",
     "REFUSED_PARAMS",
     "REFUSED_PRELUDE",
+    "RESEND_DENSE",
     "SENDER_FAILED",
     "LayerOrderError",
     "ManifestMismatch",
@@ -249,6 +268,7 @@ __all__ = [
     "compare_manifest",
     "decode_manifest",
     "describe_refusal",
+    "header_error",
     "encode_manifest",
     "header_words",
     "manifest_of",

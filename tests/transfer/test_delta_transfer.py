@@ -2,11 +2,14 @@
 (one sender into "full" receivers, one sender into engine layouts, two senders into EP 2):
 a sequence of updates whose weights change a little each time, with a restarted engine rank, a
 manifest refused, an update that fails midway (NaN weights), an engine parameter written behind the
-update's back (the rebuilt segment's checksum refuses it) and a resync; after every update that
-passed, every engine byte equals the reference conversion of the current weights, and delta steps
-put a small fraction of a dense step's bytes on the link. Plus the pieces both ends derive alike
+update's back (the rebuilt segment's checksum differs, so every rank takes that layer again, dense,
+in the same update), a resync, and a layer to resend in an update where an engine rank fails
+while landing an earlier layer (every rank stops at the first resent step); after every update
+that passed, every engine byte equals the reference conversion of the current weights, and delta
+steps put a small fraction of a dense step's bytes on the link. Plus the pieces both ends derive alike
 (glm_fp8.transfer.delta_plan) and the refusals at construction."""
 
+import contextlib
 import functools
 
 import pytest
@@ -21,14 +24,15 @@ from glm_fp8.transfer.delta_versions import NONE
 CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
 IDS = list(range(CONFIG["num_hidden_layers"]))  # two dense MLP layers, two MoE layers
 NAN_LAYER = 2
+FAIL_LAYER = IDS[-2]  # an engine rank fails landing it while the last layer is to be resent
 # (what happens at each update); the sender's update index is the position in this list
 SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", "tamper", "after tamper",
-          "last"]  # fmt: skip
+          "resync", "fail", "after fail"]  # fmt: skip
 # On a GPU machine every rank works on the one GPU (the H200 run: bench/gpu_run.sh's GPU_TESTS),
 # with the Triton kernels; else on the CPU with the torch path.
 GPU = "cuda" if torch.cuda.is_available() else "cpu"
 DEV = GPU  # this process's mode's device (set by _rank): the senders' mode runs on the CPU
-RESYNC = {"full": None, "scatter": 8, "senders": 8}  # 8: the 9th update that runs (the last) is dense
+RESYNC = {"full": None, "scatter": 8, "senders": 8}  # 8: the 9th update that runs ("resync") is dense
 KEPT = {"full": "host", "scatter": "gpu", "senders": "gpu"}  # DeltaOptions.kept: where the sender keeps it
 SENDERS = {"full": 1, "scatter": 1, "senders": 2}  # "senders": two trainer ranks, each its own experts
 
@@ -130,13 +134,17 @@ def _rank(rank, world, mode):
         if what == "restart" and rank == n + 1:  # a new engine process: nothing held, poisoned parameters
             recv, params = Receiver(None, 0, layout=layout, delta=True, **kw), _poisoned(want)
         this = recv
-        if what == "tamper" and rank == n:  # a layer-0 byte written outside an update: its delta can't pass
+        if what == "tamper" and rank == n:  # a layer-0 byte written outside an update: resent dense
             name = next(n for n in params if ".layers.0." in n)
+            params[name].view(torch.uint8).view(-1)[0] ^= 1
+        if what == "fail" and rank == n:  # a byte of the last layer written outside an update: resent
+            name = next(n for n in params if f".layers.{IDS[-1]}." in n)
             params[name].view(torch.uint8).view(-1)[0] ^= 1
         if what == "mismatch" and rank == n:
             this = Receiver(None, 0, layout=layout, **kw)  # no delta=: refuses the manifest
         try:
-            stats = this.load_into(params)
+            with _failing_landing(FAIL_LAYER if what == "fail" and rank == n + 1 else None):
+                stats = this.load_into(params)
         except Exception as exc:  # noqa: BLE001 - compared by the test
             out.append((type(exc).__name__, str(exc)))
             continue
@@ -147,6 +155,25 @@ def _rank(rank, world, mode):
         differ = [n for n, ok in same.items() if not ok]
         out.append(("ok", differ, [s.nbytes for s in stats.layers]))
     return out
+
+
+@contextlib.contextmanager
+def _failing_landing(layer_idx: int | None):
+    """The receiver's landing raises at layer ``layer_idx`` (None: lands as usual)."""
+    from glm_fp8.transfer import receiver
+
+    land = receiver.land_layer
+
+    def failing(views, *args, **kw):
+        if layer_idx is not None and any(f".layers.{layer_idx}." in name for name, _, _ in views):
+            raise RuntimeError(f"landing layer {layer_idx} failed (injected)")
+        return land(views, *args, **kw)
+
+    receiver.land_layer = failing
+    try:
+        yield
+    finally:
+        receiver.land_layer = land
 
 
 def _layouts(mode: str) -> list[EngineLayout]:
@@ -165,19 +192,20 @@ def test_delta_updates_land_exactly_the_dense_bytes(mode):
     assert sender[0][0] == "ManifestMismatch" and "refused the manifest" in sender[0][1]
     assert engines[0][0][0] == "ManifestMismatch" and "delta" in engines[0][0][1]
     assert engines[1][0][0] == "UpdateAborted"
-    nan, tamper = SCRIPT.index("nan"), SCRIPT.index("tamper")
+    nan, fail = SCRIPT.index("nan"), SCRIPT.index("fail")
     assert sender[nan][0] == "NonFiniteError" and "o_proj" in sender[nan][1], sender[nan]
     for got in engines:
         assert got[nan][0] == "UpdateAborted" and f"layer {NAN_LAYER}" in got[nan][1], got[nan]
-    refused = f"rank {n} received a segment whose"
-    assert sender[tamper][0] == "ReceiverRefused" and refused in sender[tamper][1], sender[tamper]
-    assert engines[0][tamper][0] == "UpdateAborted" and "rebuilt from this rank's" in engines[0][tamper][1]
-    assert engines[1][tamper][0] == "UpdateAborted" and "(layer 0)" in engines[1][tamper][1]
+    # the failure is voted at the first resent step (the last layer), where every rank stops
+    refused = f"rank {n + 1} failed while landing a layer in its parameters (layer {IDS[-1]})"
+    assert sender[fail][0] == "ReceiverRefused" and refused in sender[fail][1], sender[fail]
+    assert engines[1][fail] == ("RuntimeError", f"landing layer {FAIL_LAYER} failed (injected)"), engines[1]
+    assert engines[0][fail][0] == "UpdateAborted" and refused in engines[0][fail][1], engines[0][fail]
     for other in range(1, n):  # every other sender stops at the same updates, and only there
         got = results[other][1]
         assert [status == "ok" for status, _ in got] == [status == "ok" for status, _ in sender], got
     for step in range(1, len(SCRIPT)):
-        if step in (nan, tamper):
+        if step in (nan, fail):
             continue
         for r, got in enumerate(engines, n):
             assert got[step][0] == "ok" and got[step][1] == [], (mode, step, r, got[step])
@@ -187,31 +215,32 @@ def test_delta_updates_land_exactly_the_dense_bytes(mode):
 
 def _check_bytes(mode: str, sender: list, engines: list) -> None:
     """Which layers a sender sent dense at each update, and that its delta layers were small."""
-    nan, tamper = SCRIPT.index("nan"), SCRIPT.index("tamper")
+    nan, fail = SCRIPT.index("nan"), SCRIPT.index("fail")
     dense = sender[1][1]  # the first update: every layer dense (no kept copy)
-    resync = RESYNC[mode] is not None and len(SCRIPT) - 1
+    resync = RESYNC[mode] is not None and SCRIPT.index("resync")
     for step, what in enumerate(SCRIPT):
-        if step in (0, nan, tamper):
+        if step in (0, nan, fail):
             continue
         got = sender[step][1]
         if what in ("first", "restart") or step == resync:  # restart: one engine rank holds nothing
-            want = [True] * len(IDS)
+            want = ["dense"] * len(IDS)
         elif what == "after nan":  # layers from NAN_LAYER on were compared, not landed: dense
-            want = [i >= NAN_LAYER for i in IDS]
-        elif what == "after tamper":  # layer 0 refused, layer 1 compared meanwhile (the pipeline): dense
-            want = [i <= 1 for i in IDS]
+            want = ["dense" if i >= NAN_LAYER else "delta" for i in IDS]
+        elif what == "tamper":  # layer 0's delta, then layer 0 again, dense, for every rank
+            want = ["both" if i == 0 else "delta" for i in IDS]
+        elif what == "after fail":  # one rank did not land FAIL_LAYER, no rank the last one: dense
+            want = ["dense" if i >= FAIL_LAYER else "delta" for i in IDS]
         else:
-            want = [False] * len(IDS)
+            want = ["delta"] * len(IDS)
+
+        def small(n, d, w):
+            return {"dense": n == d, "delta": 0 < n * 10 < d, "both": d < n < d * 11 // 10}[w]
+
         # (a sender may own nothing of a layer: 0 bytes either way)
-        assert all(n == d if w else n * 10 < d for n, d, w in zip(got, dense, want) if d), (
-            mode,
-            step,
-            got,
-            dense,
-        )
+        assert all(small(n, d, w) for n, d, w in zip(got, dense, want) if d), (mode, step, got, dense)
         for got_r in engines:  # what each engine rank took off the link: a small fraction too
             received, first = got_r[step][2], got_r[1][2]
-            assert all((n == d) == w and (w or n * 10 < d) for n, d, w in zip(received, first, want))
+            assert all(small(n, d, w) for n, d, w in zip(received, first, want)), (mode, step, received)
 
 
 def test_every_rank_decides_each_layer_from_the_versions_table():
@@ -279,13 +308,30 @@ def test_an_engine_rank_whose_landing_converts_refuses_delta():
         check_receiver_delta(fake)
 
 
-def test_a_layer_with_an_aliased_parameter_is_voted_dense():
-    """Landing skips an alias (it holds another parameter's bytes), so its layer cannot be rebuilt
-    as the sender sent it: the rank votes that layer as held by no update, and it goes dense."""
+def test_a_layer_with_an_aliased_parameter_goes_dense_once_its_rebuild_differed():
+    """Landing skips an alias (it holds another parameter's bytes), so its layer is rebuilt from
+    that parameter: exact where the trainer ties the two (the MTP head and lm_head). The rank votes
+    the layer as held until a rebuild of it differed (a resend), and as held by no update (dense)
+    from then on; a resent layer without an alias stays a delta."""
     from glm_fp8.transfer import HostSinkComm, Receiver
 
     recv = Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, device="cpu", delta=True)
     recv.delta.held.held = [5] * len(IDS)
-    assert recv.delta.row() == [5] * len(IDS)
     recv.delta.aliases = {"model.layers.1.self_attn.o_proj.weight": "model.layers.0.self_attn.o_proj.weight"}
+    assert recv.delta.row() == [5] * len(IDS)
+    recv.delta.resend(2)
+    recv.delta.resend(1)
+    assert recv.delta.resends() == [1, 2] and recv.delta.is_delta == [False] * len(IDS)
     assert recv.delta.row() == [5, NONE, 5, 5]
+
+
+def test_a_resend_vote_is_outranked_by_every_refusal():
+    """A vote is an all-reduce MAX: RESEND_DENSE (a delta layer to take again, dense) is the lowest
+    reason, so a refusal of any rank at the same step, whatever its rank number, is what every
+    rank reads."""
+    from glm_fp8.transfer.wire import REFUSAL_REASONS, RESEND_DENSE, refusal_code
+
+    assert RESEND_DENSE == min(REFUSAL_REASONS)
+    highest_rank = (1 << 20) - 1
+    assert all(refusal_code(RESEND_DENSE, highest_rank) < refusal_code(r, 0) for r in REFUSAL_REASONS
+               if r != RESEND_DENSE)  # fmt: skip
