@@ -281,8 +281,8 @@ def compare_bytes(new: torch.Tensor, kept: torch.Tensor, *, backend: str | None 
     """Bytes already converted (a transfer segment, a passthrough entry): ``new`` against ``kept``
     (same shape and dtype, any dtype), as a BlockDelta over their uint8 bytes [rows, row bytes]
     (no scales); ``kept`` is moved to ``new``. Allocates (triton) a 2 KiB bitmap, an int32 and two
-    int64 per block, then the delta; one host read. Layouts the kernel does not take (rows not
-    contiguous) take the torch reference, which allocates several copies."""
+    int64 per block, then the delta; one host read. Tensors that are not contiguous take the torch
+    reference, which allocates several copies."""
     for name, t in (("new", new), ("kept", kept)):
         _checks.check_tensor(name, t)
     if new.shape != kept.shape or new.dtype != kept.dtype or new.device != kept.device:
@@ -290,10 +290,15 @@ def compare_bytes(new: torch.Tensor, kept: torch.Tensor, *, backend: str | None 
                          f"{tuple(kept.shape)} {kept.dtype} on {kept.device}")  # fmt: skip
     rows = new.shape[0] if new.dim() > 1 else 1
     cols = math.prod(new.shape[1:] if new.dim() > 1 else new.shape) * new.element_size()  # bytes a row
+
+    def byte_rows(t: torch.Tensor) -> torch.Tensor:
+        # Flat first: torch calls a tensor with a size-1 last dim (or none) contiguous whatever its
+        # last stride, which a byte view refuses. A view of ``t`` itself when it is contiguous.
+        return t.contiguous().reshape(-1).view(torch.uint8).reshape(rows, cols)
+
     device = new.device
-    rowwise = lambda t: t.dim() <= 2 and t.is_contiguous()  # noqa: E731 - [rows, row bytes] views
-    if _backend(backend, device) == "triton" and rowwise(new) and rowwise(kept):
-        nb, kb = new.view(torch.uint8).reshape(1, rows, cols), kept.view(torch.uint8).reshape(1, rows, cols)
+    if _backend(backend, device) == "triton" and new.is_contiguous() and kept.is_contiguous():
+        nb, kb = byte_rows(new).unsqueeze(0), byte_rows(kept).unsqueeze(0)
         n = ceil_blocks(nb.shape[1]) * ceil_blocks(nb.shape[2])
         bits = _empty(n * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=device)
         counts = _empty(n, dtype=torch.int32, device=device)
@@ -304,8 +309,7 @@ def compare_bytes(new: torch.Tensor, kept: torch.Tensor, *, backend: str | None 
         )
         empty = torch.empty(0, dtype=torch.int32, device=device)
         return BlockDelta(tuple(nb.shape[1:]), counts, positions, values, empty, empty.float())
-    nb = new.contiguous().view(torch.uint8).reshape(rows, cols)
-    kb = kept.contiguous().view(torch.uint8).reshape(rows, cols)
+    nb, kb = byte_rows(new), byte_rows(kept)
     as_fp8 = (nb.view(torch.float8_e4m3fn), kb.view(torch.float8_e4m3fn))
     no_scale = torch.zeros(blocks_shape(*nb.shape), device=device)
     counts, positions, values, _, _ = delta_encode_ref(as_fp8[1], no_scale, as_fp8[0], no_scale)
