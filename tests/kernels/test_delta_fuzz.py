@@ -450,17 +450,21 @@ def test_compare_bytes_cases_cover_the_layouts():
     assert want <= tags, f"missing: {sorted(want - tags)}"
 
 
-def test_the_bytes_harness_reports_a_wrong_byte(monkeypatch):
-    """A compare_bytes that gets one byte of its delta wrong fails its case."""
-    real = compare_bytes
+def _off_by_one(real):
+    """``real`` (a delta maker) with the first value byte of every delta it returns flipped."""
 
-    def off_by_one(*args, **kw):
+    def wrong(*args, **kw):
         d = real(*args, **kw)
         if d.values.numel():
             d.values[0] ^= 1
         return d
 
-    monkeypatch.setattr(sys.modules[__name__], "compare_bytes", off_by_one)
+    return wrong
+
+
+def test_the_bytes_harness_reports_a_wrong_byte(monkeypatch):
+    """A compare_bytes that gets one byte of its delta wrong fails its case."""
+    monkeypatch.setattr(sys.modules[__name__], "compare_bytes", _off_by_one(compare_bytes))
     cpu = torch.device("cpu")
     changes = lambda c: not torch.equal(c.old_bytes, c.new_bytes)  # noqa: E731
     seed = next(
@@ -472,15 +476,7 @@ def test_the_bytes_harness_reports_a_wrong_byte(monkeypatch):
 
 def test_the_harness_reports_a_wrong_byte(monkeypatch):
     """A kernel that gets one changed byte wrong fails its case (the fuzz would catch it)."""
-    real = quantize_compare
-
-    def off_by_one(*args, **kw):
-        d = real(*args, **kw)
-        if d.values.numel():
-            d.values[0] ^= 1
-        return d
-
-    monkeypatch.setattr(sys.modules[__name__], "quantize_compare", off_by_one)
+    monkeypatch.setattr(sys.modules[__name__], "quantize_compare", _off_by_one(quantize_compare))
     seed = next(s for s in range(DEFAULT_SEED, DEFAULT_SEED + 50) if _changes(s))
     errors = run_case(seed, CPU_PROFILE, "torch", torch.device("cpu"))
     assert any("delta.values" in e for e in errors) and any("applied fp8" in e for e in errors), errors
