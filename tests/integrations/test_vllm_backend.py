@@ -132,11 +132,13 @@ def _expected(config, layout, ids, dtype, gathered):
     return want
 
 
-def _moved(config, layer_idx, dtype, step: int) -> dict:
-    """The trainer's layer at ``step``: the synthetic layer with 0.2 % of each tensor's elements (a
-    set drawn per step) scaled by 0.7, which changes their fp8 bytes (as tests/transfer's delta test).
-    The MTP layer's ``shared_head.head`` is that step's ``lm_head``, tied as trainers hold them."""
-    sd = synthetic_layer(config, layer_idx, dtype)
+def _moved(config, layer_idx, dtype, step: int, layout: str = "prime_rl") -> dict:
+    """The trainer's layer at ``step`` (``layout``: ``synthetic_layer``'s, e.g. "hf" for Hugging
+    Face's module names): the synthetic layer with 0.2 % of each tensor's elements (a set drawn per
+    step) scaled by 0.7, which changes their fp8 bytes (as tests/transfer's delta test). The MTP
+    layer's ``shared_head.head`` is that step's ``lm_head``, tied as trainers hold them (the
+    drafter's head is the target's ``lm_head``: docs/delta.md)."""
+    sd = synthetic_layer(config, layer_idx, dtype, layout)
     g = torch.Generator().manual_seed(1000 * step + (layer_idx if layer_idx != REST else 999))
     for t in sd.values():
         flat = t.view(-1)
@@ -144,7 +146,7 @@ def _moved(config, layer_idx, dtype, step: int) -> dict:
         flat[idx] = flat[idx] * 0.7
     head = f"model.layers.{layer_idx}.shared_head.head.weight"
     if head in sd:
-        sd[head] = _moved(config, REST, dtype, step)["lm_head.weight"]
+        sd[head] = _moved(config, REST, dtype, step, layout)["lm_head.weight"]
     return sd
 
 

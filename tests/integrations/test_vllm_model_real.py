@@ -17,6 +17,11 @@ path leaves unwritten shows as a difference unless both leave it (vLLM's vocabul
 glm_fp8's ``engine_param_specs`` for the rank's layout lists exactly the names, shapes and dtypes
 of the parameters vLLM built.
 
+Delta updates (docs/vllm.md#delta-updates; one sender scattering, or two senders, into EP 2 on
+vLLM's Triton MoE backend, with the MTP drafter): three updates of weights that move a little each
+step leave every parameter of both models with the bytes vLLM's ``load_weights`` of the last step's
+weights gives them, and each sender's second and third updates send under a tenth of its first's.
+
 A fleet (docs/vllm.md#fleet): servers at TP 2, EP 2 and TP 2 x DP 2, each its own vLLM world and
 client, behind one trainer engine of two ranks, get one update in each mode (broadcast, scatter,
 many senders; each with the draft session); the EP 2 server dies in the middle of the next update
@@ -69,16 +74,18 @@ _FP8_IN_CHECKPOINT = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj",
                       "gate_proj", "up_proj", "down_proj")  # fmt: skip
 
 
-def _checkpoint(config: dict, dtype: torch.dtype):
+def _checkpoint(config: dict, dtype: torch.dtype, weights=None):
     """The model as a block-FP8 checkpoint holds it: the same values glm_fp8's trainer source
-    sends (``synthetic_layer``, Hugging Face's per-expert names), each FP8 weight quantized alone
-    by glm_fp8's reference, its scales beside it as ``weight_scale_inv``; the MTP layer under
+    sends (``synthetic_layer``, or ``weights(layer_idx)`` in Hugging Face's module names: a trainer's
+    step), under Hugging Face's per-expert names, each FP8 weight quantized alone by glm_fp8's
+    reference, its scales beside it as ``weight_scale_inv``; the MTP layer under
     ``model.layers.{num_hidden_layers}``."""
     from glm_fp8.models import model_layer_ids
     from glm_fp8.reference import quantize_blockwise_ref
 
     for i in [*model_layer_ids(config), REST]:
-        for name, t in synthetic_layer(config, i, dtype, "hf_checkpoint").items():
+        layer = _per_expert(weights(i)) if weights else synthetic_layer(config, i, dtype, "hf_checkpoint")
+        for name, t in layer.items():
             short = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
             if short in _FP8_IN_CHECKPOINT and t.dim() == 2:
                 q, s = quantize_blockwise_ref(t)
@@ -88,11 +95,31 @@ def _checkpoint(config: dict, dtype: torch.dtype):
                 yield name, t
 
 
-def _vllm_config(tmp: str, config: dict, layout):
+def _per_expert(layer: dict) -> dict:
+    """A layer in Hugging Face's module names (stacked ``experts.gate_up_proj`` [E, 2I, H] and
+    ``experts.down_proj`` [E, H, I]) under a checkpoint's per-expert names, value for value as
+    ``synthetic_layer``'s "hf_checkpoint" layout splits them."""
+    out = {}
+    for name, t in layer.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            for j, w in enumerate(t):
+                at = name.removesuffix("gate_up_proj") + f"{j}."
+                out[at + "gate_proj.weight"], out[at + "up_proj.weight"] = w.chunk(2, dim=0)
+        elif name.endswith(".mlp.experts.down_proj"):
+            for j, w in enumerate(t):
+                out[name.removesuffix("down_proj") + f"{j}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
+
+
+def _vllm_config(tmp: str, config: dict, layout, moe_backend: str = "auto"):
     """A worker's ``VllmConfig``: the model read from ``tmp``/config.json, this worker's parallel
-    sizes, an MTP drafter (speculative decoding) when the config has the layer."""
+    sizes, an MTP drafter (speculative decoding) when the config has the layer, its fused-MoE
+    backend (``--moe-backend``; "auto": the one vLLM picks on the stand-in H200)."""
     from vllm.config import (
         DeviceConfig,
+        KernelConfig,
         LoadConfig,
         ModelConfig,
         ParallelConfig,
@@ -118,6 +145,7 @@ def _vllm_config(tmp: str, config: dict, layout):
         model_config=model, parallel_config=parallel, speculative_config=spec,
         load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig(device="cpu"),
         weight_transfer_config=WeightTransferConfig(backend="glm_fp8"),
+        kernel_config=KernelConfig(moe_backend=moe_backend),
     )  # fmt: skip
 
 
@@ -170,19 +198,31 @@ def _models(vllm_config, checkpoint: list | None):
     return target, drafter, unloaded
 
 
-def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, dtype, source):
+def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, dtype, source,
+          steps=1, delta=False, moe_backend="auto"):  # fmt: skip
+    """``steps`` > 1: the trainer sends that many updates, its weights ``_moved`` at each step, and
+    the reference is vLLM's own load of the last step's weights."""
     import vllm_standin
 
     vllm_standin.install()
     config = {**CONFIG, "num_nextn_predict_layers": int(mtp)}
+    if delta:  # the transfer is under test, not the kernels (tests/kernels): the torch backend, faster
+        from glm_fp8.backends import set_default_backend
+
+        set_default_backend("torch")
+    from test_vllm_backend import _moved
+
+    weights = None if steps == 1 else (lambda i: _moved(config, i, dtype, steps - 1, "hf"))
     mesh = None
     if source == "hf_module" and trainers > 1:  # every rank of the launcher's group makes the mesh
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh("cpu", torch.arange(trainers))
     if rank < trainers:
-        return _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source, mesh)
-    return _engine(rank - trainers, world - trainers, vllm_port, boxes, case, config, tmp, dtype)
+        return _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source, mesh, steps=steps,
+                        delta=delta)  # fmt: skip
+    return _engine(rank - trainers, world - trainers, vllm_port, boxes, case, config, tmp, dtype,
+                   moe_backend=moe_backend, weights=weights)  # fmt: skip
 
 
 def _hf_model(config: dict, dtype: torch.dtype, mesh) -> torch.nn.Module:
@@ -207,40 +247,51 @@ def _hf_model(config: dict, dtype: torch.dtype, mesh) -> torch.nn.Module:
     return model
 
 
-def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kind, mesh):
-    from test_vllm_backend import QueueClient
+def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kind, mesh, *, steps=1,
+             delta=False):  # fmt: skip
+    """``steps`` updates (more than one: the layers ``_moved`` at each step). Returns (the mode used,
+    the first update's sessions, per update {session: bytes this rank sent})."""
+    from test_vllm_backend import QueueClient, _moved
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from glm_fp8.integrations.vllm import LayerSource, ModuleStateSource
     from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
 
+    at = [0]  # the trainer's step, read by the source's callables
     if source_kind == "hf_module":
         # vLLM's own ModuleSource over it misses the bias buffer: refused before anything moves
         model = _hf_model(config, dtype, mesh)
         source = ModuleStateSource(ModuleSource(model))
     else:
-        source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, dtype, "hf")) for i in ids),
-                             rest=lambda: synthetic_layer(config, REST, dtype, "hf"),
+        if steps == 1:
+            layer = lambda i: synthetic_layer(config, i, dtype, "hf")  # noqa: E731
+        else:
+            layer = lambda i: _moved(config, i, dtype, at[0], "hf")  # noqa: E731
+        source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST),
                              mtp=bool(config["num_nextn_predict_layers"]), experts_whole=True)  # fmt: skip
     info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=world - trainers, config=config, mode=mode,
-                                 trainer_ranks=trainers, timeout_s=120, rank=rank)  # fmt: skip
+                                 trainer_ranks=trainers, timeout_s=120, rank=rank, delta=delta)  # fmt: skip
     try:
         client = QueueClient(boxes) if rank == 0 else None
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-        sent = engine.send_weights()
+        sent = []
+        for step in range(steps):
+            at[0] = step
+            sent.append(engine.send_weights())
         used = engine.side.mode
         engine.shutdown()
-        return used, [o["session"] for o in sent]
+        return used, [o["session"] for o in sent[0]], [{o["session"]: o["bytes"] for o in s} for s in sent]
     finally:
         if rank == 0:
             for inbox, _ in boxes:
                 inbox.put(("stop", ()))
 
 
-def _build(r, engines, vllm_port, layout, config, tmp, dtype):
+def _build(r, engines, vllm_port, layout, config, tmp, dtype, *, moe_backend="auto", weights=None):
     """Engine rank ``r`` of a server of ``engines`` workers as a vLLM worker builds it: vLLM's
     parallel groups (gloo, at ``vllm_port``), the model loaded by vLLM's own ``load_weights`` (the
-    reference), the poisoned model the update goes into, vLLM's ``Worker`` around it. Returns
+    reference; of ``weights``, a trainer step's layers, when given), the poisoned model the update
+    goes into, vLLM's ``Worker`` around it, each on the fused-MoE ``moe_backend``. Returns
     (worker, the reference's (target, drafter, unloaded), the updated models, the parameters whose
     name, shape or dtype differs from glm_fp8's ``engine_param_specs``)."""
     import torch.distributed as dist
@@ -255,7 +306,7 @@ def _build(r, engines, vllm_port, layout, config, tmp, dtype):
     dist.destroy_process_group()  # the launcher's group spans the trainer too; vLLM's spans its workers
     # Two engines, each with its own config: a config registers the attention layers of one model.
     os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(engines))  # what torchrun sets
-    configs = [_vllm_config(tmp, config, layout) for _ in range(2)]
+    configs = [_vllm_config(tmp, config, layout, moe_backend) for _ in range(2)]
     for c in configs:
         c.parallel_config.rank = r  # what vLLM's WorkerBase sets: the global RANK under torchrun
     with set_current_vllm_config(configs[0]):
@@ -263,7 +314,7 @@ def _build(r, engines, vllm_port, layout, config, tmp, dtype):
         parallel_state.initialize_model_parallel(layout.tp_size, 1)
     # vLLM's own loader, of a checkpoint quantized from the trainer's own values (fp32 masters: from
     # fp32, with no cast), independently of glm_fp8's transfer
-    theirs = _models(configs[0], list(_checkpoint(config, dtype)))
+    theirs = _models(configs[0], list(_checkpoint(config, dtype, weights)))
     target, drafter, _ = _models(configs[1], None)
     models = [m for m in (target, drafter) if m is not None]
     built = {n: (tuple(p.shape), p.dtype) for m in models for n, p in m.named_parameters()}
@@ -293,12 +344,12 @@ def _compare(ours, theirs) -> dict:
     }
 
 
-def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
+def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype, **build):
     from test_vllm_backend import _layouts
     from test_vllm_backend_real import _serve
 
     layout = _layouts(case)[r]
-    worker, theirs, ours, spec_mismatch = _build(r, engines, vllm_port, layout, config, tmp, dtype)
+    worker, theirs, ours, spec_mismatch = _build(r, engines, vllm_port, layout, config, tmp, dtype, **build)
     log: list[str] = []
     _serve(worker, *boxes[r], log)
     return {
@@ -308,6 +359,7 @@ def _engine(r, engines, vllm_port, boxes, case, config, tmp, dtype):
         "log": log,
         "updates": worker.updates,
         "updater_layout": worker.engine.side.updater.layout == layout,
+        "moe_backend": worker.engine.side.updater.plan.moe_backend,  # the one vLLM's experts run on
     }
 
 
@@ -347,7 +399,7 @@ def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(
         assert status == "ok", (r, status, out)
     sessions = ["target", "draft"] if mtp else ["target"]
     for t in range(trainers):
-        assert results[t][1] == (mode, sessions), results[t]
+        assert results[t][1][:2] == (mode, sessions), results[t]
     for r in range(trainers, trainers + engines):
         out = results[r][1]
         assert out["log"] == [] and out["updater_layout"], out
@@ -357,6 +409,50 @@ def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(
         # MLA's W_UK_T / W_UV (rebuilt by the hooks) compared too, the drafter's included
         assert out["absorbed"] == CONFIG["num_hidden_layers"] + mtp, out
         assert [into for _, into in out["updates"]] == (["target", "drafter"] if mtp else ["target"]), out
+
+
+# Delta updates need an engine whose experts hold the bytes that arrived: vLLM's Triton fused-MoE
+# backend (``--moe-backend triton``). "auto" picks it here too (FlashInfer is not installed), but on a
+# Hopper with FlashInfer it picks FlashInfer CUTLASS for EP (``fused_moe/oracle/fp8.py``), which
+# rewrites the experts in place and is refused for delta: the test asks for the one docs/vllm.md names.
+DELTA_MOE_BACKEND = "triton"
+
+
+@pytest.mark.parametrize("trainers, mode", [(1, "scatter"), (2, "senders")])
+def test_delta_updates_land_in_vllms_glm5_model_and_drafter_as_vllms_own_load_weights(
+    trainers, mode, tmp_path
+):
+    """delta=True (docs/vllm.md#delta-updates) into EP 2 of vLLM's own ``GlmMoeDsaForCausalLM`` and
+    its MTP drafter, on vLLM's Triton MoE backend: three updates of a trainer whose weights move a
+    little each step (its MTP head tied to its ``lm_head``), from one sender scattering or two
+    senders. After the third every parameter of both models holds the bytes vLLM's own
+    ``load_weights`` of the third step's weights gives them, and each sender's second and third
+    updates sent under a tenth of its first's bytes in each session (target, draft)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    engines, steps = 2, 3
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:  # read by every engine rank
+        json.dump({**CONFIG, "num_nextn_predict_layers": 1}, f)
+    args = (trainers, free_port(), free_port(), boxes, "ep2", mode, True, str(tmp_path), torch.bfloat16,
+            "layers", steps, True, DELTA_MOE_BACKEND)  # fmt: skip
+    results = launch(trainers + engines, _rank, args, timeout_s=240)
+    for r, (status, out) in results.items():
+        assert status == "ok", (r, status, out)
+    for t in range(trainers):
+        used, sessions, sent = results[t][1]
+        assert used == mode and sessions == ["target", "draft"] and len(sent) == steps, results[t]
+        for session in sessions:  # each sender: its own share, a small fraction of it after the first
+            took = [s[session] for s in sent]
+            assert took[0] > 0 and all(b * 10 < took[0] for b in took[1:]), (t, session, took)
+    for r in range(trainers, trainers + engines):
+        out = results[r][1]
+        assert out["log"] == [] and out["updater_layout"] and out["moe_backend"] == "TRITON", out
+        assert out["spec_mismatch"] == [] and out["unloaded"] == [] and out["poisoned"] == [], out
+        assert out["params"] > 120 and out["differ"] == [], out  # the drafter's included
+        assert out["absorbed"] == CONFIG["num_hidden_layers"] + 1, out  # MLA's W_UK_T / W_UV rebuilt
+        assert [into for _, into in out["updates"]] == ["target", "drafter"] * steps, out
 
 
 # --- a fleet: servers of different layouts behind one trainer engine (docs/vllm.md#fleet) ----------
