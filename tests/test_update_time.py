@@ -266,7 +266,8 @@ def test_prime_rl_glm52_fleet(capsys):
 
 # --- Delta updates (issue #33): only the changed fp8 bytes and scales travel -----------------------
 # Model predictions (docs/update_time.md#delta-updates); the changed fractions are the H200's
-# measured median steps (bench/RESULTS.md, fp32 masters, float32 scales). TINY_GLM5 for the arithmetic (milliseconds), GLM-5 for the target case.
+# measured median steps (bench/RESULTS.md, fp32 masters, float32 scales). TINY_GLM5 for the
+# arithmetic (milliseconds), GLM-5 for the target case.
 
 
 def _delta_fleet() -> Fleet:
@@ -369,11 +370,11 @@ def test_delta_kept_copy_is_the_senders_share():
 def test_glm5_delta_update_32_into_four_ep8():
     """Issue #33's target, model predictions: a whole GLM-5 delta update from 32 trainer GPUs into
     4 x EP 8 at 400 Gb/s (fp32 masters, every fp32 scale changed, passthrough entries dense, kept
-    on the GPU), at the measured median fractions 0.116 %, 0.314 %, 0.899 % (the H200's, bench/RESULTS.md): the dense update stays
-    1.98 s; the delta is bound by the sender's conversion of its share (74 ms at the measured
-    launch-bound rate per layer) up to 0.31 %, by its NIC at 0.90 %. Each sender keeps 22.77 GiB
-    (the issue's ~22 GiB); in host memory its copy in and out takes 0.45 s. An engine rank's
-    receiver holds its delta buffers beside the dense ones: 4.61 GiB against 3.07 GiB dense."""
+    on the GPU), at the H200's measured median fractions 0.116 %, 0.314 %, 0.899 % (bench/RESULTS.md):
+    the dense update stays 1.98 s; the delta is bound by the sender's conversion of its share (74 ms
+    at the measured launch-bound rate per layer) up to 0.314 %, by its NIC at 0.899 %. Each sender
+    keeps 22.77 GiB (the issue's ~22 GiB); in host memory its copy in and out takes 0.45 s. An engine
+    rank's receiver holds its delta buffers beside the dense ones: 4.61 GiB against 3.07 GiB dense."""
     from glm_fp8.update_delta import Delta
     from glm_fp8.update_time import many_senders_plan
 

@@ -31,7 +31,8 @@ def versions_in_step(tensor: torch.Tensor, rank: int, size: int) -> None:
     """A stand-in link's ``all_reduce_max`` of the delta versions table (int64 [link size,
     layers + 1], each rank's row: ``SenderDelta.begin``; votes are 1-D and left alone): every row
     becomes ``rank``'s, as if every engine rank held what this sender last sent and every other
-    sender kept the same versions. A rank out of step would take that layer dense for every rank
-    (tests/transfer/test_delta_transfer.py checks that on gloo); this measures the steady state."""
+    sender kept the same versions. A rank out of step would take that layer dense, with the ranks
+    that share a broadcast with it (tests/transfer/test_delta_transfer.py checks that on gloo);
+    this measures the steady state."""
     if tensor.dim() == 2 and tensor.shape[0] == size:
         tensor.copy_(tensor[rank].clone().expand_as(tensor))  # no self-overlapping copy

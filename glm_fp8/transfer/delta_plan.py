@@ -17,10 +17,11 @@ the layer) and the new segment's checksum word (the dense segment's).
 **Versions table.** Before the first layer every rank of the link contributes one row of an
 int64 ``[link size, layers + 1]`` all-reduce MAX, ``NONE`` elsewhere: each sender its kept
 versions (``NONE`` for every layer at a resync) and, in the last column, the update number it
-proposes (the largest wins); each engine rank its held versions. A layer goes as a delta, to every
-engine rank, only when every sender has a kept copy of it at one version and every engine rank
-holds that version; every rank computes the same answer from the same table (``delta_layers``), so
-every rank knows which messages to post.
+proposes (the largest wins); each engine rank its held versions. A layer can go as a delta only
+when every sender has a kept copy of it at one version ``k``; then each engine rank that holds
+``k`` takes it as a delta, the others dense, in the same update (``delta_to``: per segment and
+destination). Every rank computes the same answer from the same table (``delta_layers``), so every
+rank knows which messages to post.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from glm_fp8.transfer.delta_versions import NONE
 from glm_fp8.transfer.delta_wire import DeltaPiece, counts_numel, payload_bound
 from glm_fp8.transfer.endpoint import on_stream
 from glm_fp8.transfer.pack import ShardPack
+from glm_fp8.transfer.routes import LayerRoutes, Segment
 from glm_fp8.transfer.wire import UpdateAborted
 
 ROW = 128  # bytes per row of a segment seen as fp8: a 128x128 block is 16 KiB of consecutive bytes
@@ -108,25 +110,35 @@ def versions_row(size: int, rank: int, row: Sequence[int], device: torch.device)
 
 def delta_layers(
     table: torch.Tensor, senders: Sequence[int], receivers: Sequence[int]
-) -> tuple[int, list[bool]]:
+) -> tuple[int, list[frozenset[int]]]:
     """From the all-reduced versions table (host int64 [link size, layers + 1]): this update's
-    number (the largest any sender proposed, so that every rank agrees on it) and, per layer,
-    whether it goes as a delta: every sender in ``senders`` has a kept copy at the same version
-    ``k`` and every engine rank in ``receivers`` holds ``k``. One sender out of step (rebuilt, or
-    behind after a failed update) makes the layer dense for all: each engine rank checks a layer's
-    segments together, so they move or stay together."""
+    number (the largest any sender proposed, so that every rank agrees on it) and, per layer, the
+    engine ranks (of ``receivers``, link ranks) that take it as a delta: where every sender in
+    ``senders`` has a kept copy at the same version ``k``, each rank that holds ``k``. One sender
+    out of step (rebuilt, or behind after a failed update) makes the layer dense for all: each
+    engine rank checks a layer's segments together, so they move or stay together."""
     senders = list(senders)
     kept = table[senders, :-1]
-    held = table[list(receivers), :-1]
     first = kept[0]
-    ok = (first != NONE) & (kept == first).all(dim=0) & (held == first).all(dim=0)
-    return int(table[senders, -1].max()), [bool(x) for x in ok]
+    agree = ((first != NONE) & (kept == first).all(dim=0)).tolist()
+    fresh = [frozenset(r for r in receivers if ok and int(table[r, k]) == int(first[k]))
+             for k, ok in enumerate(agree)]  # fmt: skip
+    return int(table[senders, -1].max()), fresh
 
 
-def exchange_versions(end, row: Sequence[int]) -> tuple[int, list[bool]]:
+def delta_to(lay: LayerRoutes, seg: Segment, fresh: frozenset[int]) -> tuple[int, ...]:
+    """The ranks of ``seg``'s class that take it as a delta, the others dense: for a group
+    broadcast (one message for the class) all of them or none, else each rank in ``fresh``."""
+    ranks = lay.classes[seg.cls]
+    if seg.group is not None:
+        return tuple(ranks) if all(r in fresh for r in ranks) else ()
+    return tuple(r for r in ranks if r in fresh)
+
+
+def exchange_versions(end, row: Sequence[int]) -> tuple[int, list[frozenset[int]]]:
     """The versions exchange of endpoint ``end`` (a Sender or a Receiver: every rank of the link
     takes part, before the first layer): its ``row`` all-reduced with every other rank's on the
-    link stream; this update's number and each layer's step (``delta_layers``)."""
+    link stream; this update's number and each layer's delta ranks (``delta_layers``)."""
     receivers = [r for r, e in enumerate(end.routes.engines) if e is not None]
     try:
         with on_stream(end.link_stream):
@@ -138,5 +150,5 @@ def exchange_versions(end, row: Sequence[int]) -> tuple[int, list[bool]]:
     return delta_layers(table, end.senders, receivers)
 
 
-__all__ = ["ROW", "SegmentDelta", "delta_layers", "exchange_versions", "segment_rows", "versions_row",
-           "zero_gaps"]  # fmt: skip
+__all__ = ["ROW", "SegmentDelta", "delta_layers", "delta_to", "exchange_versions", "segment_rows",
+           "versions_row", "zero_gaps"]  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 
 from glm_fp8.delta import apply_delta
 from glm_fp8.plan import layer_prefix
-from glm_fp8.transfer.delta_plan import SegmentDelta, exchange_versions, zero_gaps
+from glm_fp8.transfer.delta_plan import SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import NONE, HeldVersions
 from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
 from glm_fp8.transfer.wire import UpdateAborted
@@ -50,7 +50,8 @@ class ReceiverDelta:
     def __init__(self, receiver):
         self.r = receiver
         self.held = HeldVersions(len(receiver.plans))
-        self.update, self.is_delta = NONE, [False] * len(receiver.plans)
+        self.update, self.is_delta = NONE, [False] * len(receiver.plans)  # this rank takes deltas of it
+        self.fresh: list[frozenset[int]] = [frozenset()] * len(receiver.plans)  # delta_plan.delta_layers
         self.segs = [[SegmentDelta.of(s) for s in mine] for mine in receiver._mine]
         self.msg_nbytes = max((sum(d.message_nbytes for d in segs) for segs in self.segs), default=0)
         self.payload_nbytes = max((sum(d.bound for d in segs) for segs in self.segs), default=0)
@@ -74,7 +75,8 @@ class ReceiverDelta:
 
     def begin(self) -> None:
         """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
-        self.update, self.is_delta = exchange_versions(self.r, [*self.row(), NONE])
+        self.update, self.fresh = exchange_versions(self.r, [*self.row(), NONE])
+        self.is_delta = [self.r.rank in f for f in self.fresh]
         self.got.clear()
         self.resent.clear()
 
@@ -88,7 +90,7 @@ class ReceiverDelta:
     def resends(self) -> list[int]:
         """The layers to receive again, dense (in order): from now on their steps are dense ones."""
         for pos in self.resent:
-            self.is_delta[pos] = False
+            self.is_delta[pos], self.fresh[pos] = False, frozenset()
         return sorted(self.resent)
 
     def row(self) -> list[int]:
@@ -131,41 +133,46 @@ class ReceiverDelta:
         return sum(s.nbytes for s in self.r._mine[pos]) + self.resent.get(pos, 0)
 
     def receive(self, pos: int, buf: torch.Tensor) -> torch.Tensor | None:
-        """Receive a delta layer into ``buf`` (this rank's ring slot): rebuild its segments from the
-        parameters, then per segment its counts message and payload, in the order the sender posts
-        them; apply them, write the sender's checksum words and check them as a dense layer's. A
-        device boolean: some segment's checksum differs, or its counts failed their check (its
-        payload was taken, within the plan's bound, and dropped); None: nothing to check."""
+        """Receive a layer this rank takes deltas of into ``buf`` (its ring slot): the segments it
+        takes as deltas (``delta_to``; the others arrive dense, as in a dense step) rebuilt from the
+        parameters; then, in the order the sender posts them, each delta segment's counts message
+        and payload; apply them, write the sender's checksum words and check every segment as a
+        dense layer's. A device boolean: some segment's checksum differs, or its counts failed
+        their check (its payload was taken, within the plan's bound, and dropped); None: nothing to
+        check."""
         r = self.r
-        segs, sds = r._mine[pos], self.segs[pos]
+        lay, segs, sds = r.routes.layers[pos], r._mine[pos], self.segs[pos]
         if self.bufs is None:
             self.bufs = (torch.empty(self.msg_nbytes, dtype=torch.uint8, device=r.device),
                          torch.empty(self.payload_nbytes, dtype=torch.uint8, device=r.device))  # fmt: skip
-        msgs, pays, a, b = [], [], 0, 0
-        for sd in sds:
-            msgs.append(self.bufs[0][a : a + sd.message_nbytes])
-            pays.append(self.bufs[1][b : b + sd.bound])
+        items, a, b = [], 0, 0
+        for seg, sd in zip(segs, sds):
+            delta = r.rank in delta_to(lay, seg, self.fresh[pos])
+            region = buf[seg.recv_offset : seg.recv_offset + seg.nbytes]
+            items.append((seg, sd, delta, region, self.bufs[0][a : a + sd.message_nbytes],
+                          self.bufs[1][b : b + sd.bound]))  # fmt: skip
             a, b = a + sd.message_nbytes, b + sd.bound
-        self._rebuild(pos, buf)
+        self._rebuild(pos, buf, [it[0] for it in items if it[2]])
         bad, got = [], 0
-        items = list(zip(segs, sds, msgs, pays))
-        for seg, sd, msg, pay in items:
-            if seg.group is not None:
-                src = r.senders[seg.sender]
-                r.link.group_broadcast(msg, src, seg.group)
+        for seg, sd, delta, region, msg, pay in (it for it in items if it[0].group is not None):
+            src = r.senders[seg.sender]
+            r.link.group_broadcast(msg if delta else region, src, seg.group)
+            if delta:
                 n, ok = self._length(sd, msg)
                 if n:
                     r.link.group_broadcast(pay[:n], src, seg.group)
-                bad.append(self._apply(seg, sd, buf, msg, pay[:n], ok))
-                got += msg.numel() + n
+                bad.append(self._apply(seg, sd, region, msg, pay[:n], ok))
+            got += msg.numel() + n if delta else seg.nbytes
         p2p = [it for it in items if it[0].group is None]
-        r.link.exchange([], [(msg, r.senders[seg.sender]) for seg, _, msg, _ in p2p])
-        lengths = [self._length(sd, msg) for _, sd, msg, _ in p2p]
+        r.link.exchange([], [(msg if delta else region, r.senders[seg.sender])
+                             for seg, _, delta, region, msg, _ in p2p])  # fmt: skip
+        lengths = [self._length(sd, msg) if delta else (0, True) for _, sd, delta, _, msg, _ in p2p]
         sizes = zip(p2p, lengths)
-        r.link.exchange([], [(pay[:n], r.senders[seg.sender]) for (seg, _, _, pay), (n, _) in sizes if n])
-        for (seg, sd, msg, pay), (n, ok) in zip(p2p, lengths):
-            bad.append(self._apply(seg, sd, buf, msg, pay[:n], ok))
-            got += msg.numel() + n
+        r.link.exchange([], [(it[5][:n], r.senders[it[0].sender]) for it, (n, _) in sizes if n])
+        for (seg, sd, delta, region, msg, pay), (n, ok) in zip(p2p, lengths):
+            if delta:
+                bad.append(self._apply(seg, sd, region, msg, pay[:n], ok))
+            got += msg.numel() + n if delta else seg.nbytes
         self.got[pos] = got
         sums = r.segment_checksums_bad(buf, segs, r.scratch)
         bad += [sums] if sums is not None else []
@@ -189,26 +196,25 @@ class ReceiverDelta:
             f"{sd.bound} (the plan's bound): a corrupted message; the link is out of step"
         )
 
-    def _apply(self, seg, sd: SegmentDelta, buf: torch.Tensor, msg: torch.Tensor, payload: torch.Tensor,
+    def _apply(self, seg, sd: SegmentDelta, region: torch.Tensor, msg: torch.Tensor, payload: torch.Tensor,
                ok: bool) -> torch.Tensor:  # fmt: skip
-        region = buf[seg.recv_offset : seg.recv_offset + seg.nbytes]
         if ok:
             deltas = unpack_delta(sd.counts(msg), payload, sd.pieces)
             for d, view in zip(deltas, sd.views(region[: seg.data_nbytes])):
                 apply_delta(d, view.view(torch.float8_e4m3fn), None, backend=self.backend)
         seg.checksum_word(region).copy_(sd.words(msg)[1])
-        return torch.tensor(not ok, device=buf.device)
+        return torch.tensor(not ok, device=region.device)
 
-    def _rebuild(self, pos: int, buf: torch.Tensor) -> None:
-        """The segments of ``pos`` as the sender last sent them, from this rank's parameters: each
-        piece view <- its parameter region (``glm_fp8.transfer.land``'s copies, the other way), the
-        bytes between pieces zero."""
+    def _rebuild(self, pos: int, buf: torch.Tensor, segs) -> None:
+        """Segments ``segs`` of ``pos`` as the sender last sent them, from this rank's parameters:
+        each piece view <- its parameter region (``glm_fp8.transfer.land``'s copies, the other way),
+        the bytes between pieces zero."""
         r, params = self.r, self.params
         if params is None:
             raise UpdateAborted("delta: a delta layer arrived outside load_into (it needs the parameters)")
-        for seg in r._mine[pos]:
+        for seg in segs:
             zero_gaps(buf[seg.recv_offset :], seg)
-        views, _ = r._views(pos)
+        views, _ = r._views(pos, segs)
         for name, view, rows in views:
             if r.targets is None:
                 src = params[name] if rows is None else params[name].narrow(0, rows[0], rows[1] - rows[0])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.delta import compare_bytes
-from glm_fp8.transfer.delta_plan import SegmentDelta, exchange_versions, zero_gaps
+from glm_fp8.transfer.delta_plan import SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
 from glm_fp8.transfer.delta_wire import pack_delta
 from glm_fp8.transfer.endpoint import on_stream
@@ -71,7 +71,8 @@ class SenderDelta:
         self.stage: torch.Tensor | None = None
         # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
         self.backend = "torch" if sender.device.type == "cpu" else None
-        self.is_delta = [False] * n
+        self.is_delta = [False] * n  # some engine rank takes the layer as a delta
+        self.fresh: list[frozenset[int]] = [frozenset()] * n  # which ones (delta_plan.delta_layers)
         per_layer = [sum(d.message_nbytes + d.bound for d in segs) for segs in self.segs]
         self.buf_nbytes = max(per_layer, default=0)
         self.bufs: list[torch.Tensor | None] = [None] * sender.conv_ring.size
@@ -91,7 +92,8 @@ class SenderDelta:
         self.count += 1
         resync = self.options.resync_every is not None and (self.count - 1) % self.options.resync_every == 0
         row = [NONE if resync else k for k in self.versions.kept] + [self.proposal]
-        self.update, self.is_delta = exchange_versions(s, row)
+        self.update, self.fresh = exchange_versions(s, row)
+        self.is_delta = [bool(f) for f in self.fresh]
         self.proposal = max(self.proposal, self.update + 1)
         self.ready.clear()
         self.sent.clear()
@@ -105,7 +107,7 @@ class SenderDelta:
     def resends(self) -> list[int]:
         """The layers to send again, dense (in order): from now on their steps are dense ones."""
         for pos in self.resent:
-            self.is_delta[pos] = False
+            self.is_delta[pos], self.fresh[pos] = False, frozenset()
         return sorted(self.resent)
 
     def restore(self, pos: int) -> torch.cuda.Event | None:
@@ -137,9 +139,11 @@ class SenderDelta:
 
     def compare(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
         """After the layer was converted and packed (checksum words written): a delta step packs
-        each segment's changes against the kept copy (which ``compare_bytes`` moves to the new
-        bytes); a dense step copies the new bytes into the kept copy."""
-        segs = self.s.routes.layers[pos].of_sender(self.s.me)
+        the changes of each segment some rank takes as a delta against the kept copy (which
+        ``compare_bytes`` moves to the new bytes); the other segments, and every segment of a dense
+        step, copy the new bytes into the kept copy."""
+        lay = self.s.routes.layers[pos]
+        segs = lay.of_sender(self.s.me)
         datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
         if self.kept[pos] is None:
             self.kept[pos] = [self._new_kept(seg.data_nbytes) for seg in segs]
@@ -157,6 +161,10 @@ class SenderDelta:
             msg = buf[at : at + sd.message_nbytes]
             payload = buf[at + sd.message_nbytes : at + sd.message_nbytes + sd.bound]
             at += sd.message_nbytes + sd.bound
+            if not delta_to(lay, seg, self.fresh[pos]):  # every rank of it takes it dense
+                k.copy_(data[: k.numel()])
+                msgs.append((msg, msg[:0]))
+                continue
             deltas = [
                 compare_bytes(new, old, backend=self.backend) for new, old in zip(sd.views(data), sd.views(k))
             ]
@@ -195,11 +203,13 @@ class SenderDelta:
             self.bufs[i] = torch.empty(self.buf_nbytes, dtype=torch.uint8, device=self.s.device)
         return self.bufs[i]
 
-    def send(self, pos: int) -> None:
-        """Post a delta step's messages (link stream): per segment its counts message, then its
-        payload (none when empty), as the dense segment travels: the group broadcasts in class
-        order, then one exchange of the counts messages and one of the payloads. A step that did
-        not convert sends no change and its stale checksum word: its vote refuses it."""
+    def send(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Post a delta step's messages (link stream) as the dense segments travel: to each rank
+        that takes a segment as a delta (``delta_to``) its counts message, then its payload (none
+        when empty), to the others the dense segment (``conv`` / ``out``: the ring slots); the
+        group broadcasts in class order, then one exchange of the counts messages and dense
+        segments and one of the payloads. A step that did not convert sends no change and its
+        stale checksum word: its vote refuses it."""
         s = self.s
         lay = s.routes.layers[pos]
         msgs = self.ready.pop(pos, None)
@@ -208,17 +218,21 @@ class SenderDelta:
             for sd in self.segs[pos]:
                 msg = torch.zeros(sd.message_nbytes, dtype=torch.uint8, device=s.device)
                 msgs.append((msg, msg[:0]))
-        counts, payloads, sent = [], [], 0
+        first, payloads, sent = [], [], 0
         for seg, (msg, payload) in zip(lay.of_sender(s.me), msgs):
+            to = delta_to(lay, seg, self.fresh[pos])
+            data = conv[: seg.nbytes] if seg.direct else out[seg.send_offset : seg.send_offset + seg.nbytes]
             if seg.group is not None:
-                s.link.group_broadcast(msg, s.rank, seg.group)
-                if payload.numel():
-                    s.link.group_broadcast(payload, s.rank, seg.group)
-            else:
-                counts += [(msg, r) for r in lay.classes[seg.cls]]
-                payloads += [(payload, r) for r in lay.classes[seg.cls]] if payload.numel() else []
-            sent += (msg.numel() + payload.numel()) * lay.messages(seg)
-        s.link.exchange(counts, [])
+                for part in (msg, payload) if to else (data,):
+                    if part.numel():
+                        s.link.group_broadcast(part, s.rank, seg.group)
+                        sent += part.numel()
+                continue
+            for r in lay.classes[seg.cls]:
+                first.append((msg if r in to else data, r))
+                payloads += [(payload, r)] if r in to and payload.numel() else []
+                sent += msg.numel() + payload.numel() if r in to else data.numel()
+        s.link.exchange(first, [])
         s.link.exchange(payloads, [])
         self.sent[pos] = sent
 

@@ -315,13 +315,13 @@ class Receiver(Endpoint):
             )
         raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
 
-    def _views(self, pos: int) -> tuple[list[tuple], int]:
-        """The views of this rank's segments of the layer at ``pos`` (in the plan's entry order)
-        and its ring slot."""
+    def _views(self, pos: int, segments: Sequence | None = None) -> tuple[list[tuple], int]:
+        """The views of this rank's segments of the layer at ``pos`` (or of ``segments``, some of
+        them), in the plan's entry order, and its ring slot."""
         buf, slot = self.ring.slot(pos)
         prefix = layer_prefix(self.layer_ids[pos])
         views = []
-        for s in self._mine[pos]:
+        for s in self._mine[pos] if segments is None else segments:
             region = buf[s.recv_offset : s.recv_offset + s.nbytes]
             if s.direct:
                 views += [(prefix + name, view, None) for name, view in self.plans[pos].views(region)]

@@ -360,7 +360,7 @@ class Sender(Endpoint):
             else:
                 sends += [(data, r) for r in lay.classes[s.cls]]
         if delta:
-            self.delta.send(pos)
+            self.delta.send(pos, conv, out)
         else:
             self.link.exchange(sends, [])
         self.conv_ring.release(ci, self.link_stream)

@@ -214,43 +214,73 @@ def test_delta_updates_land_exactly_the_dense_bytes(mode):
 
 
 def _check_bytes(mode: str, sender: list, engines: list) -> None:
-    """Which layers a sender sent dense at each update, and that its delta layers were small."""
+    """What went dense and what as a delta at each update, per layer, as the sender and each engine
+    rank counted it: a delta is small; "mixed" (a layer one engine rank holds and the other does
+    not) is a delta to the first and dense to the second wherever their segments travel point to
+    point, dense for both in a shared broadcast (the full broadcast: dense)."""
     nan, fail = SCRIPT.index("nan"), SCRIPT.index("fail")
     dense = sender[1][1]  # the first update: every layer dense (no kept copy)
     resync = RESYNC[mode] is not None and SCRIPT.index("resync")
+    mixed = "dense" if mode == "full" else "mixed"
+
+    def small(n, d, w):
+        both = d < n < d * 11 // 10  # a delta, then the layer dense
+        return {"dense": n == d, "delta": 0 < n * 10 < d, "both": both, "mixed": 0 < n <= d}[w]
+
     for step, what in enumerate(SCRIPT):
         if step in (0, nan, fail):
             continue
-        got = sender[step][1]
-        if what in ("first", "restart") or step == resync:  # restart: one engine rank holds nothing
-            want = ["dense"] * len(IDS)
+        if what == "first" or step == resync:
+            want = [["dense"] * len(IDS)] * 3  # (the sender, engine rank n, engine rank n + 1)
+        elif what == "restart":  # rank n + 1 holds nothing: dense to it, deltas to rank n
+            want = [[mixed] * len(IDS), [mixed] * len(IDS), ["dense"] * len(IDS)]
         elif what == "after nan":  # layers from NAN_LAYER on were compared, not landed: dense
-            want = ["dense" if i >= NAN_LAYER else "delta" for i in IDS]
+            want = [["dense" if i >= NAN_LAYER else "delta" for i in IDS]] * 3
         elif what == "tamper":  # layer 0's delta, then layer 0 again, dense, for every rank
-            want = ["both" if i == 0 else "delta" for i in IDS]
-        elif what == "after fail":  # one rank did not land FAIL_LAYER, no rank the last one: dense
-            want = ["dense" if i >= FAIL_LAYER else "delta" for i in IDS]
+            want = [["both" if i == 0 else "delta" for i in IDS]] * 3
+        elif what == "after fail":  # rank n + 1 did not land FAIL_LAYER, no rank the last layer
+            last = ["dense" if i == IDS[-1] else "delta" for i in IDS]
+            want = [[mixed if i == FAIL_LAYER else w for i, w in zip(IDS, last)] for _ in range(2)]
+            want.append(["dense" if i >= FAIL_LAYER else "delta" for i in IDS])
         else:
-            want = ["delta"] * len(IDS)
-
-        def small(n, d, w):
-            return {"dense": n == d, "delta": 0 < n * 10 < d, "both": d < n < d * 11 // 10}[w]
-
+            want = [["delta"] * len(IDS)] * 3
         # (a sender may own nothing of a layer: 0 bytes either way)
-        assert all(small(n, d, w) for n, d, w in zip(got, dense, want) if d), (mode, step, got, dense)
-        for got_r in engines:  # what each engine rank took off the link: a small fraction too
+        got = sender[step][1]
+        assert all(small(n, d, w) for n, d, w in zip(got, dense, want[0]) if d), (mode, step, got, dense)
+        for got_r, want_r in zip(engines, want[1:]):  # what each engine rank took off the link
             received, first = got_r[step][2], got_r[1][2]
-            assert all(small(n, d, w) for n, d, w in zip(received, first, want)), (mode, step, received)
+            assert all(small(n, d, w) for n, d, w in zip(received, first, want_r)), (mode, step, received)
+    if mode != "full":  # the rank that held its layers took part of them as deltas
+        restart = SCRIPT.index("restart")
+        assert any(n < d for n, d in zip(engines[0][restart][2], engines[0][1][2])), engines[0][restart]
 
 
 def test_every_rank_decides_each_layer_from_the_versions_table():
-    """Rank 0 sends (kept versions, update number last); ranks 1 and 2 hold. A layer is a delta
-    only where the sender has a kept copy and every engine rank holds its version."""
+    """Rank 0 sends (kept versions, update number last); ranks 1 and 2 hold. A layer goes as a
+    delta to each engine rank that holds the sender's kept version, dense to the others; nowhere
+    where the sender has no kept copy."""
     rows = [versions_row(3, 0, [5, 5, NONE, 5, 9], "cpu"), versions_row(3, 1, [5, 5, 5, 4, NONE], "cpu"),
             versions_row(3, 2, [5, NONE, 5, 5, NONE], "cpu")]  # fmt: skip
     table = torch.stack(rows).amax(dim=0)
-    assert delta_layers(table, [0], [1, 2]) == (9, [True, False, False, False])
-    assert delta_layers(table, [0], [1]) == (9, [True, True, False, False])
+    both, one, two, none = frozenset({1, 2}), frozenset({1}), frozenset({2}), frozenset()
+    assert delta_layers(table, [0], [1, 2]) == (9, [both, one, none, two])
+    assert delta_layers(table, [0], [1]) == (9, [one, one, none, none])
+
+
+def test_a_segment_goes_as_a_delta_to_each_rank_that_holds_its_version():
+    """Point to point, each rank of a segment's class that holds the version takes it as a delta,
+    the others dense; a group broadcast (one message for the class) is a delta only when every
+    rank of its class holds the version."""
+    from types import SimpleNamespace
+
+    from glm_fp8.transfer.delta_plan import delta_to
+
+    lay = SimpleNamespace(classes=[(1, 2, 3)])
+    p2p, group = SimpleNamespace(cls=0, group=None), SimpleNamespace(cls=0, group=(0, 1, 2, 3))
+    assert delta_to(lay, p2p, frozenset({1, 3})) == (1, 3)
+    assert delta_to(lay, group, frozenset({1, 3})) == ()
+    assert delta_to(lay, group, frozenset({1, 2, 3})) == (1, 2, 3)
+    assert delta_to(lay, p2p, frozenset()) == ()
 
 
 def test_many_senders_agree_on_the_update_and_move_each_layer_together():
@@ -260,8 +290,9 @@ def test_many_senders_agree_on_the_update_and_move_each_layer_together():
     rows = [versions_row(3, 0, [5, 5, 5, NONE, 11], "cpu"), versions_row(3, 1, [5, NONE, 4, NONE, 12], "cpu"),
             versions_row(3, 2, [5, 5, 5, NONE, NONE], "cpu")]  # fmt: skip
     table = torch.stack(rows).amax(dim=0)
-    assert delta_layers(table, [0, 1], [2]) == (12, [True, False, False, False])
-    assert delta_layers(table, [0], [2]) == (11, [True, True, True, False])
+    one, none = frozenset({2}), frozenset()
+    assert delta_layers(table, [0, 1], [2]) == (12, [one, none, none, none])
+    assert delta_layers(table, [0], [2]) == (11, [one, one, one, none])
 
 
 def test_delta_is_refused_where_it_is_not_built():
