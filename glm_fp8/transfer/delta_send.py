@@ -14,7 +14,6 @@ from glm_fp8.transfer.delta_plan import SegmentDelta, delta_to, exchange_version
 from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
 from glm_fp8.transfer.delta_wire import pack_delta
 from glm_fp8.transfer.endpoint import on_stream
-from glm_fp8.transfer.wire import message_checksum
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ class SenderDelta:
             for seg, kept in zip(s.routes.layers[pos].of_sender(s.me), self.kept[pos]):
                 region = (conv if seg.direct else out[seg.send_offset :])[: seg.nbytes]
                 region[: kept.numel()].copy_(kept, non_blocking=True)
-                seg.checksum_word(region).copy_(message_checksum(region[: seg.data_nbytes], s.scratch))
+                seg.seal(region, s.scratch)
             if s.convert_stream is None:
                 return None
             ready = torch.cuda.Event()

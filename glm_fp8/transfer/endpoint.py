@@ -375,7 +375,7 @@ def pack_segments(
         region = packed[offset : offset + seg.nbytes]
         seg.pack_into(full, region, starts)
         if checksum:
-            seg.checksum_word(region).copy_(message_checksum(region[: seg.data_nbytes], scratch))
+            seg.seal(region, scratch)
 
 
 def step_name(pos: int, layer_ids: Sequence[int]) -> str:

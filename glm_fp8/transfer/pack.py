@@ -31,7 +31,7 @@ from glm_fp8.engine.layout import EngineLayout, Shard, copy_shard_into
 from glm_fp8.engine.rules import ShardRules
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import LayerPlan, align, layer_prefix, plans_for_model
-from glm_fp8.transfer.wire import CHECKSUM_BYTES
+from glm_fp8.transfer.wire import CHECKSUM_BYTES, message_checksum
 
 FULL = "full"  # an ``engines`` entry: this rank receives every entry whole (kernel format)
 
@@ -94,6 +94,10 @@ class ShardPack:
 
     def checksum_word(self, region: torch.Tensor) -> torch.Tensor:
         return region[self.data_nbytes : self.nbytes].view(torch.int64)[0]
+
+    def seal(self, region: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Write the checksum word of ``region`` (this pack's ``nbytes``) over its data bytes."""
+        self.checksum_word(region).copy_(message_checksum(region[: self.data_nbytes], scratch))
 
 
 def shard_pack(plan: LayerPlan, layer_idx: int, config: Mapping, layout: EngineLayout) -> ShardPack:

@@ -40,7 +40,6 @@ from glm_fp8.transfer.wire import (
     UpdateAborted,
     checksum_scratch,
     describe_refusal,
-    message_checksum,
     refusal_code,
     refusal_reason,
     wire_arg,
@@ -318,7 +317,7 @@ class Sender(Endpoint):
             if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
                 self.delta.zero_gaps(pos, buf, out)
             for s in (s for s in mine if s.direct and self.checksum):
-                s.checksum_word(buf[: s.nbytes]).copy_(message_checksum(buf[: s.data_nbytes], self.scratch))
+                s.seal(buf[: s.nbytes], self.scratch)
             if packed:
                 pack_segments(packed, [s.send_offset for s in packed], views, out, self.scratch,
                               lay.starts(self.me), self.checksum)  # fmt: skip
