@@ -24,7 +24,7 @@ import torch
 
 from glm_fp8 import _checks
 from glm_fp8.errors import NonFiniteError
-from glm_fp8.jobs import check_finite_tensors, nonfinite_flag, plan_job
+from glm_fp8.jobs import as3d, check_finite_tensors, nonfinite_flag, plan_job
 from glm_fp8.kernels import interpreting, triton_delta
 from glm_fp8.numerics import BLOCK, blocks_shape, ceil_blocks
 from glm_fp8.reference import delta_apply_ref, delta_block_sizes, delta_encode_ref, quantize_concat_ref
@@ -63,10 +63,7 @@ class BlockDelta:
     @property
     def dense_nbytes(self) -> int:
         """Bytes of a dense update of the same entry: fp8 bytes plus float32 scales."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n + 4 * self.counts.numel()
+        return math.prod(self.shape) + 4 * self.counts.numel()
 
     @property
     def changed(self) -> int:
@@ -82,10 +79,6 @@ def _backend(backend: str | None, device: torch.device) -> str:
     if backend == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(f"backend: 'triton' runs on CUDA tensors or under TRITON_INTERPRET=1, got {device}")
     return backend
-
-
-def _as3d(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 3 else t.unsqueeze(0)
 
 
 def _offsets(counts: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,13 +145,13 @@ def quantize_compare(
         kept.copy_(q)
         kept_scale.copy_(s)
         return delta
-    q3, s3 = _as3d(kept), _as3d(kept_scale)
+    q3, s3 = as3d(kept), as3d(kept_scale)
     n = s3.numel()
     bits = _empty(n * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=device)
     counts = _empty(n, dtype=torch.int32, device=device)
     scale_changed = _empty(n, dtype=torch.int8, device=device)
     flag = nonfinite_flag(device) if check_finite else None
-    sources3 = [_as3d(t) for _, t in job.named_sources]
+    sources3 = [as3d(t) for _, t in job.named_sources]
     try:
         triton_delta.launch_compare(sources3, q3, s3, bits, counts, scale_changed, scale_fmt == "ue8m0", flag)
         pos_off, val_off, totals = _offsets(counts, delta_block_sizes(q3.shape, device))
@@ -189,11 +182,11 @@ def check_delta(
     if not isinstance(delta, BlockDelta):
         raise TypeError(f"delta: expected a BlockDelta, got {type(delta).__name__}")
     _checks.check_out(name, q, torch.Size(delta.shape), torch.float8_e4m3fn, q.device)
-    e, r, c = _as3d(q).shape
+    e, r, c = as3d(q).shape
     sb = blocks_shape(r, c, e if q.dim() == 3 else None)
     if scale is not None:
         _checks.check_out("scale", scale, torch.Size(sb), torch.float32, q.device)
-    nb = len(delta_block_sizes(delta.shape))
+    nb = math.prod(sb)
     want = {"counts": ((nb,), torch.int32), "positions": (None, torch.int16), "values": (None, torch.uint8),
             "scale_index": (None, torch.int32), "scale_values": (None, torch.float32)}  # fmt: skip
     for field, (shape, dtype) in want.items():
@@ -222,17 +215,17 @@ def check_delta(
     pos_off, val_off, totals = _offsets(counts, sizes)
     # Every position must land inside its own block's valid rows and columns.
     sparse = (3 * counts <= sizes) & (counts > 0)
-    owner = torch.arange(nb, device=q.device).repeat_interleave(torch.where(sparse, counts, 0))
+    # The block each position belongs to: the first whose run of positions ends past it (one
+    # search, no host read: repeat_interleave would read its output size back).
+    ends = pos_off + torch.where(sparse, counts, 0)
+    owner = torch.searchsorted(ends, torch.arange(delta.positions.numel(), device=q.device), right=True)
     n_rb, n_cb = max(1, sb[-2]), max(1, sb[-1])
     rows = (r - owner // n_cb % n_rb * BLOCK).clamp(max=BLOCK)
     cols = (c - owner % n_cb * BLOCK).clamp(max=BLOCK)
     pos = delta.positions.long()
     idx = delta.scale_index
-    bad_pos = (
-        ((pos < 0) | (pos // BLOCK >= rows) | (pos % BLOCK >= cols)).any()
-        if len(owner) == len(pos)
-        else totals[0] < 0
-    )
+    # (meaningful only once the counts call for exactly these positions: checked first below)
+    bad_pos = ((pos < 0) | (pos // BLOCK >= rows) | (pos % BLOCK >= cols)).any()
     stats = torch.stack([*totals, (counts < 0).any(), ((idx < 0) | (idx >= nb)).any(), bad_pos])
     host = stats.long().tolist()
     if host[2]:
@@ -269,9 +262,9 @@ def apply_delta(
             scale.copy_(new_s.view(scale.shape))
         return
     wire = triton_delta.Wire(delta.counts, pos_off, val_off, delta.positions, delta.values)
-    triton_delta.launch_apply(_as3d(q), wire)
+    triton_delta.launch_apply(as3d(q), wire)
     if delta.scale_index.numel():
-        s3 = _as3d(scale)
+        s3 = as3d(scale)
         idx = delta.scale_index.long()
         nrb, ncb = s3.shape[1], s3.shape[2]
         s3[idx // (nrb * ncb), idx // ncb % nrb, idx % ncb] = delta.scale_values

@@ -17,7 +17,8 @@ from glm_fp8.kernels.triton_launch import LaunchConfig
 from glm_fp8.numerics import BLOCK, MAX_SOURCES, blocks_shape
 
 
-def _as3d(t: torch.Tensor) -> torch.Tensor:
+def as3d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [(E,) R, C] as [E, R, C] (a 2-D tensor is one expert)."""
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
@@ -155,7 +156,7 @@ def run_jobs(
     # int32 flag; the slow search that names the element runs only when it is set.
     flag = nonfinite_flag(device) if check_finite else None
     ue8m0 = scale_fmt == "ue8m0"
-    work = [([_as3d(t) for _, t in job.named_sources], _as3d(job.q), _as3d(job.s)) for job in busy]
+    work = [([as3d(t) for _, t in job.named_sources], as3d(job.q), as3d(job.s)) for job in busy]
     try:
         if work:
             backends.LAUNCHERS[name](work, ue8m0, flag, config)

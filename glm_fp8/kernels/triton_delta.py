@@ -28,13 +28,14 @@ import triton
 import triton.language as tl
 
 from glm_fp8.kernels import interpreting
+from glm_fp8.kernels.triton_launch import _launch_args, _stores_vectorize
 from glm_fp8.kernels.triton_quantize import (
     _NO_ALIGN_KW,
     _SOURCE_POINTERS,
     _block_scale_code,
     _load_concat,
 )
-from glm_fp8.numerics import BLOCK, MAX_SOURCES, ceil_blocks
+from glm_fp8.numerics import BLOCK, ceil_blocks
 
 WORD = 16  # bits per bitmap word: int16 words, so no sum of shifted bits ever overflows
 BITMAP_WORDS = BLOCK * BLOCK // WORD  # per block
@@ -197,25 +198,16 @@ def launch_compare(
 ) -> None:
     """Checked 3-D views: sources [E, R_k, C], kept_q fp8 [E, R, C], kept_s [E, Rb, Cb]; outputs
     bits int16 [blocks * BITMAP_WORDS], counts int32 [blocks], scale_changed int8 [blocks]."""
-    e, n_rb, n_cb = _grid_dims(kept_q)
+    tensors, ints = _launch_args(sources, kept_q, kept_s, nonfinite)  # the quantize kernel's order
+    q, s, flag, *padded = tensors
+    e, n_rb, n_cb = ints[-3:]
     if e * n_rb * n_cb == 0:
         return
-    _, r, c = kept_q.shape
-    padded = list(sources) + [sources[0]] * (MAX_SOURCES - len(sources))
-    bounds, row = [], 0
-    for src in sources[:-1]:
-        row += src.shape[1]
-        bounds.append(row)
-    bounds += [r] * (MAX_SOURCES - len(sources))
     interpret = interpreting()
-    q = kept_q
-    aligned = q.stride(2) == 1 and q.data_ptr() % 16 == 0 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0
-    kernel = delta_compare_kernel if aligned else delta_compare_kernel_unaligned_out
-    with _on_device(kept_q):
+    kernel = delta_compare_kernel if _stores_vectorize(q) else delta_compare_kernel_unaligned_out
+    with _on_device(q):
         kernel[(e * n_rb * n_cb,)](
-            kept_q.view(torch.uint8), kept_s, bits, counts, scale_changed,
-            kept_s if nonfinite is None else nonfinite, *padded, *bounds[:3], r, c,
-            *(st for src in padded for st in src.stride()), *kept_q.stride(), *kept_s.stride(), n_rb, n_cb,
+            q.view(torch.uint8), s, bits, counts, scale_changed, flag, *padded, *ints[:-3], n_rb, n_cb,
             NUM_SRC=len(sources), UE8M0=ue8m0, SOFT_FP8=interpret, NAN_MAX=not interpret,
             FLAG=nonfinite is not None, BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
             enable_fp_fusion=False,  # no contraction may change a rounding docs/numerics.md fixes

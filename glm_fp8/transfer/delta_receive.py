@@ -158,52 +158,53 @@ class ReceiverDelta:
             src = r.senders[seg.sender]
             r.link.group_broadcast(msg if delta else region, src, seg.group)
             if delta:
-                n, ok = self._length(sd, msg)
+                n, layout = self._length(sd, msg)
                 if n:
                     r.link.group_broadcast(pay[:n], src, seg.group)
-                bad.append(self._apply(seg, sd, region, msg, pay[:n], ok))
+                bad.append(self._apply(seg, sd, region, msg, pay[:n], layout))
             got += msg.numel() + n if delta else seg.nbytes
         p2p = [it for it in items if it[0].group is None]
         r.link.exchange([], [(msg if delta else region, r.senders[seg.sender])
                              for seg, _, delta, region, msg, _ in p2p])  # fmt: skip
-        lengths = [self._length(sd, msg) if delta else (0, True) for _, sd, delta, _, msg, _ in p2p]
+        lengths = [self._length(sd, msg) if delta else (0, None) for _, sd, delta, _, msg, _ in p2p]
         sizes = zip(p2p, lengths)
         r.link.exchange([], [(it[5][:n], r.senders[it[0].sender]) for it, (n, _) in sizes if n])
-        for (seg, sd, delta, region, msg, pay), (n, ok) in zip(p2p, lengths):
+        for (seg, sd, delta, region, msg, pay), (n, layout) in zip(p2p, lengths):
             if delta:
-                bad.append(self._apply(seg, sd, region, msg, pay[:n], ok))
+                bad.append(self._apply(seg, sd, region, msg, pay[:n], layout))
             got += msg.numel() + n if delta else seg.nbytes
         self.got[pos] = got
         sums = r.segment_checksums_bad(buf, segs, r.scratch)
         bad += [sums] if sums is not None else []
         return torch.stack(bad).any() if bad else None
 
-    def _length(self, sd: SegmentDelta, msg: torch.Tensor) -> tuple[int, bool]:
-        """The payload's bytes from the checked counts, and whether they passed. Counts that fail, or
-        disagree with the length the sender wrote: that length when within the plan's bound (taken
-        and dropped; the vote refuses the layer), else the link cannot stay in step: raise."""
+    def _length(self, sd: SegmentDelta, msg: torch.Tensor) -> tuple[int, tuple | None]:
+        """The payload's bytes from the checked counts, and their ``payload_layout`` (None: they
+        failed). Counts that fail, or disagree with the length the sender wrote: that length when
+        within the plan's bound (taken and dropped; the vote refuses the layer), else the link
+        cannot stay in step: raise."""
         announced = int(sd.words(msg)[0])
         try:
-            total = payload_layout(sd.counts(msg), sd.pieces)[1]
+            layout = payload_layout(sd.counts(msg), sd.pieces)
         except ValueError:
-            total = None
-        if total == announced:
-            return total, True
+            layout = None
+        if layout is not None and layout[1] == announced:
+            return announced, layout
         if 0 <= announced <= sd.bound:
-            return announced, False
+            return announced, None
         raise UpdateAborted(
             f"a delta segment's counts are invalid and announce {announced} payload bytes, expected 0 to "
             f"{sd.bound} (the plan's bound): a corrupted message; the link is out of step"
         )
 
     def _apply(self, seg, sd: SegmentDelta, region: torch.Tensor, msg: torch.Tensor, payload: torch.Tensor,
-               ok: bool) -> torch.Tensor:  # fmt: skip
-        if ok:
-            deltas = unpack_delta(sd.counts(msg), payload, sd.pieces)
+               layout: tuple | None) -> torch.Tensor:  # fmt: skip
+        if layout is not None:
+            deltas = unpack_delta(sd.counts(msg), payload, sd.pieces, layout)
             for d, view in zip(deltas, sd.views(region[: seg.data_nbytes])):
                 apply_delta(d, view.view(torch.float8_e4m3fn), None, backend=self.backend)
         seg.checksum_word(region).copy_(sd.words(msg)[1])
-        return torch.tensor(not ok, device=region.device)
+        return torch.tensor(layout is None, device=region.device)
 
     def _rebuild(self, pos: int, buf: torch.Tensor, segs) -> None:
         """Segments ``segs`` of ``pos`` as the sender last sent them, from this rank's parameters:

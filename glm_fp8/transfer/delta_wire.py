@@ -16,6 +16,7 @@ changed scale (``payload_bound``): a receiver sizes its buffer once, from the pl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,15 +24,12 @@ import torch
 
 from glm_fp8.delta import BlockDelta
 from glm_fp8.numerics import blocks_shape
+from glm_fp8.plan import align
 from glm_fp8.reference import delta_block_sizes
 
 ALIGN = 16  # bytes: where each field of the payload starts
 _FIELDS = (("positions", torch.int16), ("values", torch.uint8), ("scale_index", torch.int32),
            ("scale_values", torch.float32))  # fmt: skip
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -44,18 +42,11 @@ class DeltaPiece:
 
     @property
     def blocks(self) -> int:
-        return _numel(blocks_shape(self.shape[-2], self.shape[-1], *self.shape[:-2]))
+        return math.prod(blocks_shape(self.shape[-2], self.shape[-1], *self.shape[:-2]))
 
     @property
     def dense_nbytes(self) -> int:
-        return _numel(self.shape) + (4 * self.blocks if self.scaled else 0)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+        return math.prod(self.shape) + (4 * self.blocks if self.scaled else 0)
 
 
 def counts_numel(pieces: Sequence[DeltaPiece]) -> int:
@@ -67,9 +58,8 @@ def payload_bound(pieces: Sequence[DeltaPiece]) -> int:
     """The largest payload any valid counts can call for: a receiver's buffer for the segment.
     A block's offsets and values together never exceed its positions (3 bytes a change only while
     ``3 n <= v``, else its ``v`` bytes), and a piece changes at most one scale per block."""
-    return sum(
-        _align(_numel(p.shape)) + ALIGN + (2 * _align(4 * p.blocks) if p.scaled else 0) for p in pieces
-    )
+    scales = lambda p: 2 * align(4 * p.blocks, ALIGN) if p.scaled else 0  # noqa: E731 - index, value
+    return sum(align(math.prod(p.shape), ALIGN) + ALIGN + scales(p) for p in pieces)
 
 
 @dataclass(frozen=True)
@@ -90,8 +80,10 @@ def payload_layout(counts: torch.Tensor, pieces: Sequence[DeltaPiece]) -> tuple[
             f"counts: expected int32 [{want}] (one per block of each piece, then its changed scales), got "
             f"{counts.dtype} {list(counts.shape)}"
         )
-    sizes = torch.cat([torch.cat([delta_block_sizes(p.shape), torch.tensor([p.blocks if p.scaled else 0])])
-                       for p in pieces]) if pieces else torch.zeros(0, dtype=torch.int64)  # fmt: skip
+    per_block = [delta_block_sizes(p.shape) for p in pieces]  # valid positions of each block
+    scales = [torch.tensor([p.blocks if p.scaled else 0]) for p in pieces]
+    parts = [t for v, sc in zip(per_block, scales) for t in (v, sc)]
+    sizes = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     host = counts.long().cpu()
     bad = ((host < 0) | (host > sizes)).nonzero()
     if len(bad):
@@ -102,9 +94,8 @@ def payload_layout(counts: torch.Tensor, pieces: Sequence[DeltaPiece]) -> tuple[
             f"{int(sizes[bad[0]])}; the counts do not belong to this segment"
         )
     layouts, off, start = [], 0, 0
-    for p in pieces:
+    for p, v in zip(pieces, per_block):
         c = host[start : start + p.blocks]
-        v = delta_block_sizes(p.shape)
         dense = 3 * c > v
         n_pos = int(torch.where(dense, 0, c).sum())
         n_val = int(torch.where(dense, v, c).sum())
@@ -112,7 +103,7 @@ def payload_layout(counts: torch.Tensor, pieces: Sequence[DeltaPiece]) -> tuple[
         fields = []
         for n, (_, dtype) in zip((n_pos, n_val, n_sc, n_sc), _FIELDS):
             fields.append((off, n))
-            off += _align(n * dtype.itemsize)
+            off += align(n * dtype.itemsize, ALIGN)
         layouts.append(PieceLayout(counts[start : start + p.blocks], tuple(fields)))
         start += p.blocks + 1
     return layouts, off
@@ -149,11 +140,15 @@ def pack_delta(deltas: Sequence[BlockDelta], pieces: Sequence[DeltaPiece], count
 
 
 def unpack_delta(
-    counts: torch.Tensor, payload: torch.Tensor, pieces: Sequence[DeltaPiece]
+    counts: torch.Tensor,
+    payload: torch.Tensor,
+    pieces: Sequence[DeltaPiece],
+    layout: tuple[list[PieceLayout], int] | None = None,
 ) -> list[BlockDelta]:
-    """The pieces' deltas as views of ``payload`` (no copy), after ``payload_layout``'s checks and
-    a check that the payload holds what the counts call for."""
-    layouts, total = payload_layout(counts, pieces)
+    """The pieces' deltas as views of ``payload`` (no copy), after ``payload_layout``'s checks (or
+    its result ``layout``, when the caller has it already) and a check that the payload holds what
+    the counts call for."""
+    layouts, total = payload_layout(counts, pieces) if layout is None else layout
     if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < total:
         raise ValueError(
             f"payload: expected uint8 of at least {total} bytes (what the counts call for), got "
