@@ -255,8 +255,8 @@ def predict(
         dp = None  # with a delta, every rank gets the whole layer's
         if spec is not None and full is not None:
             whole = round(sum(plan_bytes(p, spec) for p in plans))
-            tr = traffic(full, plans, spec)
-            dloads = [ServerLoad(x.name, whole, delta_receiver_bytes(full, 1)) for x in loads]
+            rx_delta = delta_receiver_bytes(full, 1)
+            dloads = [ServerLoad(x.name, whole, rx_delta) for x in loads]
             dp = _delta(fleet, spec, one_sender(whole), dloads, gathered, biggest.nbytes,
                         shares(full, 0, plans), peak, one_sender(total))  # fmt: skip
         one = (total, total, gathered, t, peak, text, tuple(loads), one_sender(total), dp)

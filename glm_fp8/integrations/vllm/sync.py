@@ -83,15 +83,21 @@ def auto_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
     )
 
 
-def check_delta_mode(mode: str, what: str) -> None:
-    """A ValueError naming ``what`` for the mode delta updates cannot run in: the full broadcast (a
-    vLLM worker lands through its layout, which cuts its shard out of whole entries, so its
-    parameters are not what arrived and the old segment cannot be rebuilt from them)."""
+def check_delta(mode: str, checksum: bool) -> None:
+    """A ValueError naming the init info's field for what delta updates cannot run with: the full
+    broadcast (a vLLM worker lands through its layout, which cuts its shard out of whole entries,
+    so its parameters are not what arrived and the old segment cannot be rebuilt from them), and
+    no checksums (they prove each rebuilt layer exact)."""
     if mode == "broadcast":
         raise ValueError(
-            f"{what}: delta=True needs each engine rank to receive its own shard; with 'broadcast' a worker "
-            "cuts its shard out of whole entries, so its parameters are not the bytes that arrived; pass "
-            "mode='scatter' or 'senders', or delta=False"
+            "init_info.mode: delta=True needs each engine rank to receive its own shard; with 'broadcast' a "
+            "worker cuts its shard out of whole entries, so its parameters are not the bytes that arrived; "
+            "pass mode='scatter' or 'senders', or delta=False"
+        )
+    if not checksum:
+        raise ValueError(
+            "init_info.checksum: delta=True needs checksum=True (the checksum proves each rebuilt layer "
+            "exact)"
         )
 
 
@@ -194,9 +200,7 @@ class SyncInit:
         check_seconds("init_info.timeout_s", self.timeout_s)
         check_int("init_info.generation", self.generation, 0, None, " (the link's rebuilds)")
         if self.delta:
-            check_delta_mode(self.mode, "init_info.mode")
-            if not self.checksum:
-                raise ValueError("init_info.checksum: delta needs checksum=True (it proves each layer)")
+            check_delta(self.mode, self.checksum)
         self._check_servers()
 
     def _check_servers(self) -> None:
@@ -371,7 +375,7 @@ __all__ = [
     "SESSIONS",
     "SyncInit",
     "SyncUpdate",
-    "check_delta_mode",
+    "check_delta",
     "clear_gate",
     "fleet_layouts",
     "fleet_mtp",

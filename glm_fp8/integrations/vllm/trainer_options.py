@@ -17,7 +17,7 @@ from glm_fp8.integrations.vllm.sync import (
     MAX_LINK_RANKS,
     MAX_RING,
     MODES,
-    check_delta_mode,
+    check_delta,
 )
 from glm_fp8.transfer.delta_send import DeltaOptions
 from glm_fp8.transfer.delta_versions import KEPT
@@ -130,12 +130,7 @@ class TrainerOptions:
         if self.delta_kept != "gpu" and not self.delta:
             raise ValueError(f"init_info.delta_kept: {self.delta_kept!r} without delta=True; pass delta=True")
         if self.delta:
-            check_delta_mode(self.mode, "init_info.mode")
-            if not self.checksum:
-                raise ValueError(
-                    "init_info.checksum: delta=True needs checksum=True (the checksum proves each "
-                    "rebuilt layer exact)"
-                )
+            check_delta(self.mode, self.checksum)
 
     def servers(self, client: object) -> list[VllmServer]:
         """The fleet: one ``VllmServer`` per entry of ``engine_ranks`` (an int: one server, ``client``

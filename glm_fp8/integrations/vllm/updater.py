@@ -201,13 +201,8 @@ class EngineUpdater:
         in place: ``PostLoadPlan.swap_w13`` / ``clamp_min``), and a landing that is a plain copy
         (the Receiver's own ``check_receiver_delta``, on this worker's layout and plans). MLA's
         ``W_UK_T`` / ``W_UV`` are not updated tensors: vLLM's hook rebuilds them from ``kv_b_proj``."""
-        if self.plan.swap_w13 or self.plan.clamp_min is not None:
-            return EngineNotSupported(
-                f"delta: this engine's routed experts run on vLLM's {self.plan.moe_backend} MoE backend, "
-                "which rewrites them in place after loading (w13 halves swapped, scales clamped), so a "
-                "delta cannot be applied to what they hold; start the engine with --moe-backend triton, or "
-                "use delta=False"
-            )
+        if (err := self._postload_delta_refusal()) is not None:
+            return err
         ids = [*self.full_layer_ids, REST]
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         landing = SimpleNamespace(
@@ -221,10 +216,24 @@ class EngineUpdater:
             return EngineNotSupported(str(exc))
         return None
 
+    def _postload_delta_refusal(self) -> EngineNotSupported | None:
+        """``delta_refusal``'s post-load half: the one that can change after init (a drafter's
+        backend joins the plan at its first draft session)."""
+        if self.plan.swap_w13 or self.plan.clamp_min is not None:
+            return EngineNotSupported(
+                f"delta: this engine's routed experts run on vLLM's {self.plan.moe_backend} MoE backend, "
+                "which rewrites them in place after loading (w13 halves swapped, scales clamped), so a "
+                "delta cannot be applied to what they hold; start the engine with --moe-backend triton, or "
+                "use delta=False"
+            )
+        return None
+
     def _refusal(
         self, layer_ids: list[int], rest: bool, scale_fmt: str, delta: bool = False
     ) -> Exception | None:
-        if delta and (err := self.delta_refusal(scale_fmt)) is not None:  # a drafter's backend, known now
+        # The landing half of delta_refusal ran at init and runs again in the Receiver each update
+        # builds (check_receiver_delta, on its real plans): only the post-load half can have changed.
+        if delta and (err := self._postload_delta_refusal()) is not None:
             return err
         if self.plan.scale_fmt == "ue8m0" and scale_fmt != "ue8m0":
             return EngineNotSupported(
