@@ -98,6 +98,25 @@ def sharded_layer(
             for k, t in synthetic_layer(config, layer_idx, dtype, layout).items()}  # fmt: skip
 
 
+def moved_layer(
+    config: object, layer_idx: int, step: int, dtype: torch.dtype = torch.bfloat16, layout: str = PRIME_RL
+) -> dict[str, torch.Tensor]:
+    """``synthetic_layer`` at a trainer step (the delta tests): 0.2 % of each tensor's elements (a
+    set drawn per ``step``) scaled by 0.7, which changes their fp8 bytes and rarely a block's
+    scale; the MTP layer's ``shared_head.head`` is that step's ``lm_head``, tied as trainers hold
+    them (vLLM's drafter holds the target's ``lm_head`` there)."""
+    sd = synthetic_layer(config, layer_idx, dtype, layout)
+    g = torch.Generator().manual_seed(1000 * step + (layer_idx if layer_idx != REST else 999))
+    for t in sd.values():
+        flat = t.view(-1)
+        idx = torch.randint(flat.numel(), (max(1, flat.numel() // 500),), generator=g)
+        flat[idx] = flat[idx] * 0.7
+    head = f"{layer_prefix(layer_idx)}shared_head.head.weight"
+    if head in sd:
+        sd[head] = moved_layer(config, REST, step, dtype, layout)["lm_head.weight"]
+    return sd
+
+
 def reference_engine_params(
     config: object,
     layout: EngineLayout,
@@ -107,10 +126,12 @@ def reference_engine_params(
     dtype: torch.dtype = torch.bfloat16,
     bias_dtype: torch.dtype | None = None,
     gathered_dtype: torch.dtype | None = None,
+    layer: Callable[[int], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What an engine rank at ``layout`` must hold after an update of ``layer_ids`` (``REST``
     included when listed) from ``synthetic_layer`` tensors of ``dtype`` (the routing bias of
-    ``bias_dtype``; every trainer layout holds the same values): the reference conversion
+    ``bias_dtype``; every trainer layout holds the same values), or from ``layer(i)`` (e.g.
+    ``moved_layer``): the reference conversion
     (``glm_fp8.reference``) cut by the rank's shard, in vLLM's dtype, by vLLM's name. Tensors
     the engine has no parameter for are left out, as the converter does.
 
@@ -125,13 +146,13 @@ def reference_engine_params(
     out = {}
     for i in layer_ids:
         plan = plan_from_config(c, i, scale_fmt=scale_fmt)
-        layer = strip_layer(synthetic_layer(c, i, dtype, bias_dtype=bias_dtype), i)
-        layer = {k: t for k, t in layer.items() if k in plan.inputs}
+        sd = synthetic_layer(c, i, dtype, bias_dtype=bias_dtype) if layer is None else layer(i)
+        sd = {k: t for k, t in strip_layer(sd, i).items() if k in plan.inputs}
         if gathered_dtype is not None:
             for e in plan.entries:
                 if e.op == "quantize" and len(e.shape) != 3:
-                    layer.update({s: layer[s].to(gathered_dtype) for s in e.sources})
-        for kernel_name, full in convert_layer_ref(layer, i, plan).items():
+                    sd.update({s: sd[s].to(gathered_dtype) for s in e.sources})
+        for kernel_name, full in convert_layer_ref(sd, i, plan).items():
             t = targets[kernel_name]
             out[t.name] = take_shard(full, t.shard).to(t.dtype)
     return out

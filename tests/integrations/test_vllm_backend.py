@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from glm_fp8.models import REST, TINY_GLM5
-from glm_fp8.testing import free_port, launch, synthetic_layer
+from glm_fp8.testing import free_port, launch, moved_layer, reference_engine_params, synthetic_layer
 
 NO_MTP = {**TINY_GLM5, "num_nextn_predict_layers": 0}
 MTP = TINY_GLM5["num_hidden_layers"]
@@ -121,8 +121,6 @@ def _expected(config, layout, ids, dtype, gathered):
     """The reference an engine rank holds after an update, as the FlashInfer backend stores it."""
     from test_vllm_worker import _vllm_swap_w13_to_w31
 
-    from glm_fp8.testing import reference_engine_params
-
     want = reference_engine_params(config, layout, ids, dtype=dtype, gathered_dtype=gathered)
     for name in list(want):
         if "routed_experts.w13_weight" in name:
@@ -132,52 +130,20 @@ def _expected(config, layout, ids, dtype, gathered):
     return want
 
 
-def _moved(config, layer_idx, dtype, step: int, layout: str = "prime_rl") -> dict:
-    """The trainer's layer at ``step`` (``layout``: ``synthetic_layer``'s, e.g. "hf" for Hugging
-    Face's module names): the synthetic layer with 0.2 % of each tensor's elements (a set drawn per
-    step) scaled by 0.7, which changes their fp8 bytes (as tests/transfer's delta test). The MTP
-    layer's ``shared_head.head`` is that step's ``lm_head``, tied as trainers hold them (the
-    drafter's head is the target's ``lm_head``: docs/delta.md)."""
-    sd = synthetic_layer(config, layer_idx, dtype, layout)
-    g = torch.Generator().manual_seed(1000 * step + (layer_idx if layer_idx != REST else 999))
-    for t in sd.values():
-        flat = t.view(-1)
-        idx = torch.randint(flat.numel(), (max(1, flat.numel() // 500),), generator=g)
-        flat[idx] = flat[idx] * 0.7
-    head = f"model.layers.{layer_idx}.shared_head.head.weight"
-    if head in sd:
-        sd[head] = _moved(config, REST, dtype, step, layout)["lm_head.weight"]
-    return sd
-
-
-def _moved_reference(config, layout, ids, dtype, step: int) -> dict:
-    """What an engine rank (Triton MoE backend: no rewrite) holds after an update of ``_moved`` at
-    ``step``: the reference conversion cut by its shards, under vLLM's names."""
-    from glm_fp8.engine import engine_params, take_shard
-    from glm_fp8.plan import plan_from_config, strip_layer
-    from glm_fp8.reference import convert_layer_ref
-
-    targets = {p.kernel_name: p for p in engine_params(config, layout).values()}
-    out = {}
-    for i in ids:
-        plan = plan_from_config(config, i)
-        layer = {k: t for k, t in strip_layer(_moved(config, i, dtype, step), i).items() if k in plan.inputs}
-        for kernel_name, full in convert_layer_ref(layer, i, plan).items():
-            t = targets[kernel_name]
-            out[t.name] = take_shard(full, t.shard).to(t.dtype)
-    return out
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _delta_outcome(config, layout, ids, snapshots, aliases, log) -> dict:
     """Per update this worker landed: its session, the bytes it took off the link, and the
     parameters of that session's layers that differ from the reference of the trainer's step."""
-    same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
     per_update, step, checked = [], -1, 0
     for session, nbytes, params in snapshots:
         step += session != "draft"  # a draft session follows its step's target session
         mine = [MTP] if session == "draft" else [i for i in ids if i != MTP]
-        want = _moved_reference(config, layout, mine, torch.bfloat16, step)
-        bad = [n for n, w in want.items() if n not in aliases and not same(params[n], w)]
+        moved = lambda i, step=step: moved_layer(config, i, step)  # noqa: E731
+        want = reference_engine_params(config, layout, mine, layer=moved)
+        bad = [n for n, w in want.items() if n not in aliases and not _same_bytes(params[n], w)]
         checked += len(want)
         per_update.append((session, nbytes, bad))
     return {"updates": per_update, "checked": checked, "log": log}
@@ -307,7 +273,7 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     at = [0]  # the trainer's step: its layers change with it when delta is on
 
     def layer(i):
-        return _moved(config, i, dtype, at[0]) if delta else synthetic_layer(config, i, dtype)
+        return moved_layer(config, i, at[0], dtype) if delta else synthetic_layer(config, i, dtype)
 
     if rank < trainers:
         if source_kind == "module":
@@ -399,8 +365,7 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     want = _expected(config, layout, ids, dtype, None)
     params = side.updater.engine.params
     aliases = side.updater.engine.aliases
-    same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
-    bad = [n for n, w in want.items() if n not in aliases and not same(params[n], w)]
+    bad = [n for n, w in want.items() if n not in aliases and not _same_bytes(params[n], w)]
     return {"bad": bad, "checked": len(want), "log": log}
 
 

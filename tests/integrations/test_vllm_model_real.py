@@ -55,7 +55,7 @@ if not importlib.metadata.version("vllm").startswith("0.34."):
                 allow_module_level=True)  # fmt: skip
 
 from glm_fp8.models import REST, TINY_GLM5  # noqa: E402
-from glm_fp8.testing import free_port, launch, synthetic_layer  # noqa: E402
+from glm_fp8.testing import free_port, launch, moved_layer, synthetic_layer  # noqa: E402
 
 # The tiny GLM-5 as a checkpoint's config.json: what vLLM reads beyond glm_fp8's keys.
 CONFIG = {
@@ -200,7 +200,7 @@ def _models(vllm_config, checkpoint: list | None):
 
 def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, dtype, source,
           steps=1, delta=False, moe_backend="auto"):  # fmt: skip
-    """``steps`` > 1: the trainer sends that many updates, its weights ``_moved`` at each step, and
+    """``steps`` > 1: the trainer sends that many updates, its weights ``moved_layer`` at each step, and
     the reference is vLLM's own load of the last step's weights."""
     import vllm_standin
 
@@ -210,9 +210,7 @@ def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, d
         from glm_fp8.backends import set_default_backend
 
         set_default_backend("torch")
-    from test_vllm_backend import _moved
-
-    weights = None if steps == 1 else (lambda i: _moved(config, i, dtype, steps - 1, "hf"))
+    weights = None if steps == 1 else (lambda i: moved_layer(config, i, steps - 1, dtype, "hf"))
     mesh = None
     if source == "hf_module" and trainers > 1:  # every rank of the launcher's group makes the mesh
         from torch.distributed.device_mesh import DeviceMesh
@@ -249,9 +247,9 @@ def _hf_model(config: dict, dtype: torch.dtype, mesh) -> torch.nn.Module:
 
 def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kind, mesh, *, steps=1,
              delta=False):  # fmt: skip
-    """``steps`` updates (more than one: the layers ``_moved`` at each step). Returns (the mode used,
+    """``steps`` updates (more than one: the layers ``moved_layer`` at each step). Returns (the mode used,
     the first update's sessions, per update {session: bytes this rank sent})."""
-    from test_vllm_backend import QueueClient, _moved
+    from test_vllm_backend import QueueClient
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from glm_fp8.integrations.vllm import LayerSource, ModuleStateSource
@@ -266,7 +264,7 @@ def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kin
         if steps == 1:
             layer = lambda i: synthetic_layer(config, i, dtype, "hf")  # noqa: E731
         else:
-            layer = lambda i: _moved(config, i, dtype, at[0], "hf")  # noqa: E731
+            layer = lambda i: moved_layer(config, i, at[0], dtype, "hf")  # noqa: E731
         source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST),
                              mtp=bool(config["num_nextn_predict_layers"]), experts_whole=True)  # fmt: skip
     info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=world - trainers, config=config, mode=mode,

@@ -116,13 +116,6 @@ def _view(t: torch.Tensor, cut: dict, blocks: bool) -> torch.Tensor:
     return out[cut["experts"][0] : cut["experts"][1]] if "experts" in cut else out
 
 
-def _same(name: str, got, want) -> str | None:
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return f"{name}: got {got.dtype} {list(got.shape)}, expected {want.dtype} {list(want.shape)}"
-    a, b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    return None if torch.equal(a, b) else f"{name}: {int((a != b).sum())} bytes differ"
-
-
 def run_case(seed: int, profile, backend: str, device: torch.device) -> list[str]:
     case = make_case(seed, profile)
     case.alloc = False  # the kept copy is always given: the generator's output views are its layouts
@@ -142,7 +135,7 @@ def run_case(seed: int, profile, backend: str, device: torch.device) -> list[str
         d = quantize_compare(sources, b.q, b.s, scale_fmt=case.scale_fmt, backend=backend)
         want = delta_encode_ref(old_q, old_s, new_q, new_s)
         errors += [_diff(f"{job.name} kept fp8", b.q, new_q), _diff(f"{job.name} kept scales", b.s, new_s)]
-        errors += [_same(f"{job.name} delta.{f}", getattr(d, f), w) for f, w in zip(FIELDS, want)]
+        errors += [_diff(f"{job.name} delta.{f}", getattr(d, f), w) for f, w in zip(FIELDS, want)]
         errors += [_outside_changed(n, buf, before, view) for n, buf, before, view in b.out_bufs]
         errors += [f"{job.name} source {k} changed" for k, (a, c) in enumerate(zip(b.src_bufs, src_before))
                    if not torch.equal(a.view(torch.uint8), c.view(torch.uint8))]  # fmt: skip
@@ -153,7 +146,7 @@ def run_case(seed: int, profile, backend: str, device: torch.device) -> list[str
         got = cut_delta(d, **cut)
         part = delta_encode_ref(_view(old_q, cut, False), _view(old_s, cut, True),
                                 _view(new_q, cut, False), _view(new_s, cut, True))  # fmt: skip
-        errors += [_same(f"{job.name} cut {cut} .{f}", getattr(got, f), w) for f, w in zip(FIELDS, part)]
+        errors += [_diff(f"{job.name} cut {cut} .{f}", getattr(got, f), w) for f, w in zip(FIELDS, part)]
     return [f"seed={seed}: {e}" for e in errors if e]
 
 
@@ -312,13 +305,13 @@ def run_bytes_case(seed: int, profile, backend: str, device: torch.device) -> li
         d = compare_bytes(new, kept, backend=backend)
         if d.shape != tuple(old_b.shape):
             errors.append(f"{name} delta.shape: got {d.shape}, expected {tuple(old_b.shape)}")
-        errors += [_same(f"{name} delta.{f}", getattr(d, f), w) for f, w in zip(FIELDS, want)]
+        errors += [_diff(f"{name} delta.{f}", getattr(d, f), w) for f, w in zip(FIELDS, want)]
         engine = old_b.clone()
         apply_delta(d, fp8(engine), None, backend=backend)
-        errors.append(_same(f"{name} applied", engine, new_b))
-    errors.append(_same("kept view", _bytes_at(case.kept_buf, case.kept_at), case.new_bytes))
+        errors.append(_diff(f"{name} applied", engine, new_b))
+    errors.append(_diff("kept view", _bytes_at(case.kept_buf, case.kept_at), case.new_bytes))
     errors.append(_outside("kept buffer", case.kept_buf, kept_before, case.kept_at))
-    errors.append(_same("new buffer (read only)", case.new_buf.view(torch.uint8), new_before))
+    errors.append(_diff("new buffer (read only)", case.new_buf.view(torch.uint8), new_before))
     return [f"seed={seed}: compare_bytes {backend} {case.desc}: {e}" for e in errors if e]
 
 

@@ -10,14 +10,13 @@ steps put a small fraction of a dense step's bytes on the link. Plus the pieces 
 (glm_fp8.transfer.delta_plan) and the refusals at construction."""
 
 import contextlib
-import functools
 
 import pytest
 import torch
 
 from glm_fp8.engine import EngineLayout
 from glm_fp8.models import TINY_GLM5
-from glm_fp8.testing import launch, synthetic_layer
+from glm_fp8.testing import launch, moved_layer, reference_engine_params
 from glm_fp8.transfer.delta_plan import delta_layers, versions_row
 from glm_fp8.transfer.delta_versions import NONE
 
@@ -37,21 +36,11 @@ KEPT = {"full": "host", "scatter": "gpu", "senders": "gpu"}  # DeltaOptions.kept
 SENDERS = {"full": 1, "scatter": 1, "senders": 2}  # "senders": two trainer ranks, each its own experts
 
 
-@functools.cache
-def _base(layer_idx: int) -> dict[str, torch.Tensor]:
-    return synthetic_layer(CONFIG, layer_idx)
-
-
 def _weights(step: int, layer_idx: int, nan: bool = False) -> dict[str, torch.Tensor]:
-    """The trainer's layer at update ``step``: the synthetic layer with 0.2 % of each tensor's
-    elements (a set drawn per step) scaled by 0.7, which changes their fp8 bytes and rarely a
-    block's scale; ``nan``: one NaN in layer ``NAN_LAYER``."""
-    sd = {k: t.clone() for k, t in _base(layer_idx).items()}
-    g = torch.Generator().manual_seed(1000 * step + layer_idx)
-    for t in sd.values():
-        flat = t.view(-1)
-        idx = torch.randint(flat.numel(), (max(1, flat.numel() // 500),), generator=g)
-        flat[idx] = flat[idx] * 0.7
+    """The trainer's layer at update ``step`` (``moved_layer``: 0.2 % of each tensor's elements
+    scaled by 0.7, which changes their fp8 bytes and rarely a block's scale); ``nan``: one NaN in
+    layer ``NAN_LAYER``."""
+    sd = moved_layer(CONFIG, layer_idx, step)
     if nan and layer_idx == NAN_LAYER:
         sd[f"model.layers.{layer_idx}.self_attn.o_proj.weight"][3, 5] = float("nan")
     return sd
@@ -60,17 +49,15 @@ def _weights(step: int, layer_idx: int, nan: bool = False) -> dict[str, torch.Te
 def _reference(step: int, layout: EngineLayout | None) -> dict[str, torch.Tensor]:
     """What an engine rank holds after update ``step``: the reference conversion, whole under the
     kernel-format names (layout None), or cut by the rank's shards under vLLM's names."""
-    from glm_fp8.engine import engine_params, take_shard
     from glm_fp8.plan import plan_from_config, strip_layer
     from glm_fp8.reference import convert_layer_ref
 
+    if layout is not None:
+        return reference_engine_params(CONFIG, layout, IDS, layer=lambda i: _weights(step, i))
     full = {}
     for i in IDS:
         full.update(convert_layer_ref(strip_layer(_weights(step, i), i), i, plan_from_config(CONFIG, i)))
-    if layout is None:
-        return full
-    targets = {p.kernel_name: p for p in engine_params(CONFIG, layout).values()}
-    return {targets[k].name: take_shard(v, targets[k].shard).to(targets[k].dtype) for k, v in full.items()}
+    return full
 
 
 def _poisoned(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
