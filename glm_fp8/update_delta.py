@@ -29,7 +29,7 @@ import torch
 
 from glm_fp8.numerics import BLOCK
 from glm_fp8.plan import LayerPlan, layer_prefix
-from glm_fp8.transfer.delta_plan import SegmentDelta
+from glm_fp8.transfer.delta_plan import LayerSizes, SegmentDelta
 from glm_fp8.transfer.delta_versions import KEPT
 from glm_fp8.transfer.routes import TransferPlan
 
@@ -164,7 +164,7 @@ def _segments(lay, rank: int) -> list[SegmentDelta]:
 
 def _piece_blocks(segs: Iterable[SegmentDelta]) -> int:
     """The most 128x128 blocks of one delta piece (a segment's bytes as uint8 [rows, 128])."""
-    return max((-(-p.shape[0] // BLOCK) * -(-p.shape[1] // BLOCK) for d in segs for p in d.pieces), default=0)
+    return max((p.blocks for d in segs for p in d.pieces), default=0)
 
 
 def receiver_bytes(tp: TransferPlan, rank: int, ring: int = 2) -> int:
@@ -174,8 +174,9 @@ def receiver_bytes(tp: TransferPlan, rank: int, ring: int = 2) -> int:
     each, kept: sized from the plan, never from what changes) and ``apply_delta``'s offsets for
     its largest piece."""
     layers = [_segments(lay, rank) for lay in tp.layers]
-    messages = max((sum(d.message_nbytes for d in segs) for segs in layers), default=0)
-    bounds = max((sum(d.bound for d in segs) for segs in layers), default=0)
+    sizes = [LayerSizes.of(segs) for segs in layers]  # what ReceiverDelta allocates from
+    messages = max((x.messages for x in sizes), default=0)
+    bounds = max((x.bounds for x in sizes), default=0)
     apply = APPLY_SCRATCH_PER_BLOCK * max((_piece_blocks(segs) for segs in layers), default=0)
     return tp.receiver_bytes(rank, ring) + messages + bounds + apply
 
@@ -204,10 +205,11 @@ def sender_share(
     """``SenderShare`` of sender ``sender`` (its index in ``tp.senders``), which converts
     ``layer_plans`` (its part of each layer), with a conversion ring of ``ring`` slots."""
     segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender)] for lay in tp.layers]
-    kept = [sum(d.data_nbytes for d in layer) for layer in segs]
+    sizes = [LayerSizes.of(layer) for layer in segs]  # what SenderDelta allocates from
+    kept = [x.data for x in sizes]
     staging = STAGING_LAYERS * max(kept, default=0) if delta.kept == "host" else 0
     scratch = COMPARE_SCRATCH_PER_BLOCK * max((_piece_blocks(layer) for layer in segs), default=0)
-    per_slot = max((sum(d.message_nbytes + d.bound for d in layer) for layer in segs), default=0)
+    per_slot = max((x.messages + x.bounds for x in sizes), default=0)
     buffers = min(ring, len(segs)) * per_slot
     converted = sum(max(per_byte * p.nbytes, per_layer) for p in layer_plans if p.nbytes)
     return SenderShare(sum(kept), staging, scratch, buffers, converted)

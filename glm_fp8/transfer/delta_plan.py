@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -87,6 +88,21 @@ class SegmentDelta:
         """The pieces of ``data`` (uint8, the segment's data bytes), each [rows, row bytes]."""
         return [data[o : o + p.shape[0] * p.shape[1]].view(p.shape)
                 for o, p in zip(self.offsets, self.pieces)]  # fmt: skip
+
+
+class LayerSizes(NamedTuple):
+    """A layer's delta segments (of one sender, or of one engine rank), summed: their data bytes
+    (what a sender keeps), counts messages and payload bounds (the buffers both ends allocate).
+    The transfer allocates from these and the update-time model predicts from them."""
+
+    data: int
+    messages: int
+    bounds: int
+
+    @classmethod
+    def of(cls, segs: Sequence[SegmentDelta]) -> LayerSizes:
+        return cls(sum(d.data_nbytes for d in segs), sum(d.message_nbytes for d in segs),
+                   sum(d.bound for d in segs))  # fmt: skip
 
 
 def zero_gaps(region: torch.Tensor, seg: ShardPack) -> None:
@@ -150,5 +166,5 @@ def exchange_versions(end, row: Sequence[int]) -> tuple[int, list[frozenset[int]
     return delta_layers(table, end.senders, receivers)
 
 
-__all__ = ["ROW", "SegmentDelta", "delta_layers", "delta_to", "exchange_versions", "segment_rows",
-           "versions_row", "zero_gaps"]  # fmt: skip
+__all__ = ["ROW", "LayerSizes", "SegmentDelta", "delta_layers", "delta_to", "exchange_versions",
+           "segment_rows", "versions_row", "zero_gaps"]  # fmt: skip

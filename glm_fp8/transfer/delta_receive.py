@@ -11,7 +11,7 @@ import torch
 
 from glm_fp8.delta import apply_delta
 from glm_fp8.plan import layer_prefix
-from glm_fp8.transfer.delta_plan import SegmentDelta, delta_to, exchange_versions, zero_gaps
+from glm_fp8.transfer.delta_plan import LayerSizes, SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import NONE, HeldVersions
 from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
 from glm_fp8.transfer.wire import UpdateAborted
@@ -53,8 +53,9 @@ class ReceiverDelta:
         self.update, self.is_delta = NONE, [False] * len(receiver.plans)  # this rank takes deltas of it
         self.fresh: list[frozenset[int]] = [frozenset()] * len(receiver.plans)  # delta_plan.delta_layers
         self.segs = [[SegmentDelta.of(s) for s in mine] for mine in receiver._mine]
-        self.msg_nbytes = max((sum(d.message_nbytes for d in segs) for segs in self.segs), default=0)
-        self.payload_nbytes = max((sum(d.bound for d in segs) for segs in self.segs), default=0)
+        sizes = [LayerSizes.of(segs) for segs in self.segs]
+        self.msg_nbytes = max((x.messages for x in sizes), default=0)
+        self.payload_nbytes = max((x.bounds for x in sizes), default=0)
         self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.params: Mapping[str, torch.Tensor] | None = None
         self.aliases: Mapping[str, str] = {}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.delta import compare_bytes
-from glm_fp8.transfer.delta_plan import SegmentDelta, delta_to, exchange_versions, zero_gaps
+from glm_fp8.transfer.delta_plan import LayerSizes, SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
 from glm_fp8.transfer.delta_wire import pack_delta
 from glm_fp8.transfer.endpoint import on_stream
@@ -65,15 +65,14 @@ class SenderDelta:
         self.segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender.me)] for lay in sender.routes.layers]
         self.kept: list[list[torch.Tensor] | None] = [None] * n
         self.host = options.kept == "host"
-        kept_nbytes = [sum(d.data_nbytes for d in segs) for segs in self.segs]
-        self.stage_nbytes = max(kept_nbytes, default=0) if self.host else 0
+        sizes = [LayerSizes.of(segs) for segs in self.segs]
+        self.stage_nbytes = max((x.data for x in sizes), default=0) if self.host else 0
         self.stage: torch.Tensor | None = None
         # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
         self.backend = "torch" if sender.device.type == "cpu" else None
         self.is_delta = [False] * n  # some engine rank takes the layer as a delta
         self.fresh: list[frozenset[int]] = [frozenset()] * n  # which ones (delta_plan.delta_layers)
-        per_layer = [sum(d.message_nbytes + d.bound for d in segs) for segs in self.segs]
-        self.buf_nbytes = max(per_layer, default=0)
+        self.buf_nbytes = max((x.messages + x.bounds for x in sizes), default=0)
         self.bufs: list[torch.Tensor | None] = [None] * sender.conv_ring.size
         self.ready: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.sent: dict[int, int] = {}
