@@ -48,7 +48,7 @@ LAYERS = [
     ["transfer.endpoint"],
     ["transfer.gather", "transfer.delta_plan"],
     ["transfer.share", "update_delta"],
-    ["transfer.delta_send", "transfer.delta_receive"],
+    ["transfer.delta_send", "transfer.delta_receive", "transfer.delta_carry"],
     ["transfer.sender", "transfer.receiver", "integrations.vllm.gate"],
     [
         "transfer",

@@ -15,6 +15,10 @@ Invariants:
   the link learns it from rank 0's outcome); after ``remove_server`` the next update lands on the
   remaining server.
 
+- Delta across a fleet change: ``add_server`` rebuilds the link, and the server that stayed keeps
+  taking deltas (its own pieces) while the new one takes its first update dense; every byte of
+  every worker equals the reference of each step's weights.
+
 No vLLM: the workers are ``WorkerSide`` over stand-in modules with vLLM's names (test_vllm_worker.py),
 each server's driven through its own ``QueueClient``, as ``collective_rpc`` would.
 """
@@ -494,3 +498,116 @@ def test_the_first_failing_server_is_reported_at_once_while_the_others_still_wai
     release.set()
     call.join(10)
     assert not call.alive() and [k for _, k, _ in call.failures] == [1]
+
+
+# --- delta across a fleet change: the servers that stay keep taking deltas -----------------------
+
+
+def _delta_worker(rank, boxes, first_step):
+    """A TRITON-backend worker (delta lands on it) that checks, after each update it takes, every
+    parameter against the reference of the trainer's step then (its first: ``first_step``)."""
+    from test_vllm_worker import _engine, _finalize
+
+    from glm_fp8.backends import set_default_backend
+    from glm_fp8.integrations.vllm.probe import engine_postload_plan
+    from glm_fp8.integrations.vllm.updater import EngineUpdater
+    from glm_fp8.integrations.vllm.worker import WorkerSide
+    from glm_fp8.testing import moved_layer, reference_engine_params
+
+    set_default_backend("torch")  # the transfer is under test, not the kernels (tests/kernels)
+    k, i = _workers(DELTA_FLEET)[rank - 1]
+    layout = _server_layouts(DELTA_FLEET[k][1])[i]
+    target, _ = _engine(layout, "TRITON")
+    make = lambda: EngineUpdater(  # noqa: E731
+        target,
+        None,
+        NO_MTP,
+        layout,
+        engine_postload_plan(NO_MTP, target, None, deepgemm_e8m0=True),
+        finalize=_finalize,
+    )
+    side, log, got = (
+        WorkerSide(make, lambda offset: offset + i, has_drafter=False, device=torch.device("cpu")),
+        [],
+        [],
+    )
+    receive = side.receive
+
+    def checked_receive(info):
+        out = receive(info)
+        step = first_step + len(got)
+        want = reference_engine_params(NO_MTP, layout, [*range(NO_MTP["num_hidden_layers"]), REST],
+                                       layer=lambda j: moved_layer(NO_MTP, j, step))  # fmt: skip
+        params = side.updater.engine.params
+        same = {n: torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in want.items()}
+        got.append((out["bytes"], [n for n, ok in same.items() if not ok]))
+        return out
+
+    side.receive = checked_receive
+    _serve(side, None, *boxes[rank - 1], log)
+    return {"got": got, "log": log}
+
+
+DELTA_FLEET = [("a", "tp2"), ("b", "ep2")]  # b joins after a's second update
+
+
+def _delta_rank(rank, world, boxes):
+    if rank > 0:
+        return _delta_worker(rank, boxes, first_step=0 if rank <= 2 else 2)
+    from glm_fp8.backends import set_default_backend
+    from glm_fp8.integrations.vllm.clients import VllmServer
+    from glm_fp8.integrations.vllm.sources import LayerSource
+    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.testing import moved_layer
+
+    set_default_backend("torch")
+    at = [0]
+    layer = lambda i: moved_layer(NO_MTP, i, at[0])  # noqa: E731
+    source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST))
+    options = TrainerOptions("127.0.0.1", free_port(), engine_ranks=[2], server_names=["a"], config=NO_MTP,
+                             mode="scatter", rank=0, trainer_ranks=1, timeout_s=60, delta=True)  # fmt: skip
+    sent = []
+    try:
+        side = TrainerSide(options, [QueueClient(boxes[0:2])], source, torch.device("cpu")).connect()
+        for step in range(4):
+            at[0] = step
+            if step == 2:
+                side.add_server(VllmServer("b", 2, QueueClient(boxes[2:4])))
+            ((stats,),) = [side.send()]
+            routes = side._sender("target").routes  # what a dense update on this link sends
+            sent.append((stats["bytes"], sum(lay.sent_nbytes(0) for lay in routes.layers)))
+        side.shutdown()
+        return sent
+    finally:
+        _stop(boxes)
+
+
+def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
+    """delta=True, one sender scattering: server a (TP 2) takes updates 1 (dense) and 2 (a delta);
+    ``add_server(b)`` (EP 2) rebuilds the link, and both ends carry their delta state over
+    (glm_fp8.transfer.delta_carry): in update 3 a's workers take their own expert pieces as deltas
+    and only what they share with b (attention, by group broadcast) dense, b everything dense; in
+    update 4 every worker takes a delta. After every update every parameter of every worker equals
+    the reference of that step's weights, bit for bit."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(4)]
+    results = launch(5, _delta_rank, (boxes,), timeout_s=120)
+    assert all(status == "ok" for status, _ in results.values()), results
+    sent = [b for b, _ in results[0][1]]
+    assert sent[1] * 10 < sent[0] and sent[3] * 10 < sent[2], sent
+    dense3 = results[0][1][2][1]  # what a dense update 3 would send a and b
+    for r in (1, 2, 3, 4):
+        out = results[r][1]
+        assert out["log"] == [] and all(bad == [] for _, bad in out["got"]), (r, out)
+        got = [b for b, _ in out["got"]]
+        if r <= 2:  # a: dense, delta, its experts' deltas and the shared part dense, delta
+            assert (
+                len(got) == 4 and got[1] * 10 < got[0] and got[1] < got[2] < got[0] and got[3] * 10 < got[0]
+            ), got
+        else:  # b: dense, then a delta
+            assert len(got) == 2 and got[1] * 10 < got[0], got
+    assert sent[2] < dense3, (sent, dense3)
+    a0, b0 = ([b for b, _ in results[r][1]["got"]] for r in (1, 3))
+    print(f"fleet change with delta: sender {sent} bytes (dense update 3: {dense3}); a0 {a0}, b0 {b0}")

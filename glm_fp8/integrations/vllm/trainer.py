@@ -52,6 +52,7 @@ from glm_fp8.integrations.vllm.trainer_fleet import FleetMembership, draft_decis
 from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions, delta_options
 from glm_fp8.integrations.vllm.trainer_source import contribute, trainer_source
 from glm_fp8.models import mtp_layer_index
+from glm_fp8.transfer.delta_carry import KeptCopy, adopt_kept, detach_kept
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.sender import Sender
 
@@ -95,6 +96,7 @@ class TrainerSide(FleetMembership):
         self.state = "built"  # then "connected", then "shut down"
         self.steps = 0
         self._senders_cache: dict[str, Sender] = {}
+        self._kept: dict[str, KeptCopy] = {}  # delta: each session's kept copy, off a dropped link
         self._gates: list[tuple[int, str]] = []  # updates whose "go" keys rank 0 still holds
 
     def _make_init(self, generation: int) -> SyncInit:
@@ -256,6 +258,8 @@ class TrainerSide(FleetMembership):
                 device=self.device,
                 delta=delta_options(self.opts),  # kept with this Sender: per session, per link
             )
+            if session in self._kept:  # a rebuilt fleet: deltas go on where the ranks still hold them
+                adopt_kept(self._senders_cache[session], self._kept.pop(session))
         return self._senders_cache[session]
 
     def send(self) -> list[dict]:
@@ -367,30 +371,27 @@ class TrainerSide(FleetMembership):
         self._publish_outcome(step, session, None, None)
         return _stats(session, stats)
 
-    def _drop_link(self) -> None:
-        self._senders_cache.clear()
-        self._gates = []
+    def _drop_link(self, keep: bool = True) -> None:
+        """Close the link; with ``keep`` each delta session's kept copy stays for the next link's
+        sender (``delta_carry``: the servers that stay take deltas, new or restarted ones dense)."""
+        senders, self._senders_cache, self._gates = self._senders_cache, {}, []
         if self.link is not None:
             self.link.close()
             self.link = None
         self.store = None
+        self._kept = {s: detach_kept(x) for s, x in senders.items() if keep and x.delta is not None}
 
     def shutdown(self) -> None:
         """Close the link and the store (this rank's end); ``send()`` then refuses."""
-        self._drop_link()
+        self._drop_link(keep=False)
         self._root = None
         self.state = "shut down"
 
 
 def _stats(session: str, stats) -> dict:
     """What ``send()`` returns for one session on a rank of the link (see ``TrainerSide.send``)."""
-    return {
-        "session": session,
-        "seconds": stats.seconds,
-        "bytes": stats.nbytes,
-        "sender": True,
-        "update_bytes": sum(s.layer_nbytes for s in stats.layers),
-    }
+    return {"session": session, "seconds": stats.seconds, "bytes": stats.nbytes, "sender": True,
+            "update_bytes": sum(s.layer_nbytes for s in stats.layers)}  # fmt: skip
 
 
 __all__ = ["VllmServer", "TrainerOptions", "TrainerSide"]

@@ -22,6 +22,7 @@ from glm_fp8.engine.specs import engine_param_specs, engine_params, mtp_layer_in
 from glm_fp8.errors import EngineNotSupported
 from glm_fp8.models import REST, model_layer_ids
 from glm_fp8.plan import plans_for_model
+from glm_fp8.transfer.delta_carry import HeldCopy, adopt_held, detach_held
 from glm_fp8.transfer.delta_receive import check_receiver_delta
 from glm_fp8.transfer.receiver import Receiver
 
@@ -146,6 +147,7 @@ class EngineUpdater:
         self.dirty = {"target": False, "drafter": False}  # a failed update: only a whole one may follow
         self.updates = 0
         self._receivers: dict[tuple, Receiver] = {}
+        self._held: dict[tuple, HeldCopy] = {}  # delta: what each session held, off a dropped link
         self.attach_drafter(drafter)
 
     def attach_drafter(self, drafter: torch.nn.Module | None) -> None:
@@ -169,6 +171,15 @@ class EngineUpdater:
     @property
     def full_layer_ids(self) -> list[int]:
         return self.decoder_ids + ([self.mtp] if self.mtp is not None else [])
+
+    def drop_link(self) -> None:
+        """The link is gone (a new generation of the fleet): drop its receivers, keeping what each
+        delta session holds for the next link's (``glm_fp8.transfer.delta_carry``). The parameters
+        stay; a byte rewritten meanwhile fails its layer's checksum and is resent dense."""
+        for key, receiver in self._receivers.items():
+            if receiver.delta is not None:
+                self._held[key[2:6]] = detach_held(receiver)  # (layer ids, rest, scale format, device)
+        self._receivers.clear()
 
     def describe(self) -> dict[str, object]:
         """What a trainer needs to build a matching update, as plain data."""
@@ -278,8 +289,8 @@ class EngineUpdater:
         without a drafter) are voted at the manifest, so every rank stops there. Raises what
         ``Receiver.load_into`` raises; after a failure the parameters must not be served until a
         whole update succeeds. The receiver (plans, groups; with ``delta`` the versions it holds) is
-        kept for the next update with the same arguments, so a session's delta state lives as long
-        as this worker's link; its ring is given back after each."""
+        kept for the next update with the same arguments, and what it holds goes on to the next
+        link's receiver of the same session (``drop_link``); its ring is given back after each."""
         ids = list(self.full_layer_ids if layer_ids is None else (int(i) for i in layer_ids))
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         if device is None:
@@ -314,6 +325,8 @@ class EngineUpdater:
                 checksum=checksum,
                 delta=delta,
             )
+            if delta and key[2:6] in self._held:  # the session's layers on a new link: still held
+                adopt_held(receiver, self._held.pop(key[2:6]))
         refusal = self._refusal(ids, rest, fmt, delta)
         parts = self._parts(ids, rest)
         params: Mapping[str, torch.Tensor] = self.engine.params if refusal is None else _Refusing(refusal)

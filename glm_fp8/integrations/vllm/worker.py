@@ -178,7 +178,7 @@ class WorkerSide:
             self.link.close()
         self.link, self.init_info, self.session = None, None, None
         if self.updater is not None:
-            self.updater._receivers.clear()
+            self.updater.drop_link()
 
 
 __all__ = ["WorkerSide", "worker_index"]

@@ -1,0 +1,180 @@
+"""Delta state across links (docs/delta.md#across-links): what a sender keeps and what an engine
+rank holds, taken from the endpoints of one link and given to those of the next, so that the first
+update on a rebuilt link (a fleet with a server added, removed or replaced) is a delta wherever both
+ends still agree, and dense only where they do not (a new or restarted server's ranks).
+
+A sender's kept copy is in segment coordinates, and a new link's routes may cut a layer into other
+segments (another class of ranks holds a piece, pieces regroup). Every piece of a segment is an
+entry's cut whose bytes depend only on ``(name, dtype, shape, shard, rows)``, wherever it lies in
+its segment; so a new segment's kept bytes are assembled piece by piece from the old segments (an
+old segment equal to the new one is taken as it is, no copy). A piece that no old segment held is
+zero in the kept copy: only ranks that were not on the old link (a new layout) hold it, and they
+hold no version, so they take it dense (which moves the kept copy to its bytes). Nothing else is
+assumed: an engine rank's carried versions are still proven by each segment's checksum (a
+parameter rewritten in between, or a piece kept as zeros that a holding rank takes as a delta,
+is resent dense in the same update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.transfer.delta_versions import NONE
+from glm_fp8.transfer.pack import ShardPiece
+
+PieceKey = tuple  # (name, dtype, shape, shard, rows): what a piece's bytes depend on
+
+
+def _key(p: ShardPiece) -> PieceKey:
+    return (p.name, p.dtype, p.shape, p.shard, p.rows)
+
+
+@dataclass
+class KeptLayer:
+    """One layer's kept copy, as one sender last sent it: each segment's pieces and data bytes."""
+
+    version: int
+    segments: list[tuple[tuple[ShardPiece, ...], torch.Tensor]]
+
+
+@dataclass
+class KeptCopy:
+    """A sender's delta state off its link (``detach_kept``): per layer index its kept copy, the
+    update counter (the ``resync_every`` cadence goes on) and the next update number it proposes."""
+
+    kept: str
+    device: torch.device
+    count: int
+    proposal: int
+    layers: dict[int, KeptLayer] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for lay in self.layers.values() for _, t in lay.segments)
+
+
+@dataclass
+class HeldCopy:
+    """An engine rank's delta state off its link (``detach_held``): its layout, per layer index
+    the update it holds, and the layers whose aliased region goes dense."""
+
+    layout: EngineLayout | None
+    full: bool
+    held: dict[int, int] = field(default_factory=dict)
+    alias_dense: set[int] = field(default_factory=set)
+
+
+def detach_kept(sender) -> KeptCopy:
+    """Take ``sender``'s kept copy and versions (a ``Sender`` built with ``delta=``), for
+    ``adopt_kept`` on the sender of the next link. ``sender`` keeps nothing: its next update, if
+    any, is dense. Waits for the sender's queued copies (CUDA) first."""
+    d = _delta_of(sender, "sender", "Sender(delta=DeltaOptions(...))")
+    if sender.device.type == "cuda":
+        torch.cuda.synchronize(sender.device)
+    out = KeptCopy(d.options.kept, sender.device, d.count, d.proposal)
+    for pos, lay in enumerate(sender.routes.layers):
+        kept, version = d.kept[pos], d.versions.kept[pos]
+        if kept is not None and version != NONE:
+            segs = lay.of_sender(sender.me)
+            out.layers[lay.layer_idx] = KeptLayer(version, [(s.pieces, k) for s, k in zip(segs, kept)])
+        d.kept[pos], d.versions.kept[pos] = None, NONE
+    return out
+
+
+def adopt_kept(sender, copy: KeptCopy) -> list[int]:
+    """Give ``sender`` (a new ``Sender(delta=...)``, before its first update) the kept copy of a
+    predecessor (``detach_kept``), layer by layer, each old layer given up once its new one is
+    built (a transient of at most one layer's share when segments regroup). Returns the layer
+    indices carried, with their versions; every other layer's first update is dense. Raises
+    ValueError where the copy cannot be this sender's (kept elsewhere, another device) or the
+    sender already sent."""
+    d = _delta_of(sender, "sender", "Sender(delta=DeltaOptions(...))")
+    if not isinstance(copy, KeptCopy):
+        raise TypeError(f"copy: expected a KeptCopy (detach_kept), got {type(copy).__name__}")
+    if copy.kept != d.options.kept or torch.device(copy.device) != sender.device:
+        raise ValueError(f"copy: kept {copy.kept!r} on {copy.device}, this sender keeps "
+                         f"{d.options.kept!r} on {sender.device}; build it with the same "
+                         "DeltaOptions.kept and device")  # fmt: skip
+    if d.count or any(k is not None for k in d.kept):
+        raise ValueError("sender: has sent already; adopt a kept copy before its first update")
+    d.count, d.proposal = copy.count, max(d.proposal, copy.proposal)
+    carried = []
+    for pos, lay in enumerate(sender.routes.layers):
+        old = copy.layers.pop(lay.layer_idx, None)
+        if old is None:
+            continue
+        d.kept[pos] = _assemble(lay.of_sender(sender.me), old, d._new_kept)
+        d.versions.compared(pos, old.version)
+        carried.append(lay.layer_idx)
+    copy.layers.clear()  # what no layer of this sender took is given up
+    return carried
+
+
+def _assemble(segs, old: KeptLayer, new_kept) -> list[torch.Tensor]:
+    """The kept bytes of ``segs`` (this sender's segments of the layer on the new link) from the
+    old ones: an equal old segment as it is (once), else zeros with every piece an old segment
+    holds copied in."""
+    whole = {(pieces, t.numel()): t for pieces, t in old.segments}
+    where = {_key(p): (t, p) for pieces, t in old.segments for p in pieces}
+    out, taken = [], set()
+    for s in segs:
+        t = whole.get((s.pieces, s.data_nbytes))
+        if t is not None and id(t) not in taken:
+            taken.add(id(t))
+            out.append(t)
+            continue
+        t = new_kept(s.data_nbytes)
+        t.zero_()  # the bytes between pieces: zero on both ends in a delta update
+        for p in s.pieces:
+            if _key(p) in where:
+                src, q = where[_key(p)]
+                t[p.offset : p.offset + p.nbytes].copy_(src[q.offset : q.offset + q.nbytes])
+        out.append(t)
+    return out
+
+
+def detach_held(receiver) -> HeldCopy:
+    """Take ``receiver``'s held versions (a ``Receiver(delta=True)``), for ``adopt_held`` on
+    this engine rank's receiver of the next link into the same parameters; ``receiver`` then
+    holds nothing."""
+    d = _delta_of(receiver, "receiver", "Receiver(delta=True)")
+    ids = [lay.layer_idx for lay in receiver.routes.layers]
+    out = HeldCopy(receiver.layout, receiver.full)
+    out.held = {i: v for i, v in zip(ids, d.held.held) if v != NONE}
+    out.alias_dense = {ids[pos] for pos in d.alias_dense}
+    d.held.held = [NONE] * len(ids)
+    return out
+
+
+def adopt_held(receiver, copy: HeldCopy) -> list[int]:
+    """Give ``receiver`` (a new ``Receiver(delta=True)`` into the same parameters, before its
+    first update) what its predecessor held (``detach_held``). Returns the layer indices it holds.
+    Raises ValueError when the copy is another layout's (its parameters are other bytes)."""
+    d = _delta_of(receiver, "receiver", "Receiver(delta=True)")
+    if not isinstance(copy, HeldCopy):
+        raise TypeError(f"copy: expected a HeldCopy (detach_held), got {type(copy).__name__}")
+    if (copy.layout, copy.full) != (receiver.layout, receiver.full):
+        raise ValueError(f"copy: held by an engine rank at layout {copy.layout} (full: {copy.full}), this "
+                         f"receiver's is {receiver.layout} (full: {receiver.full}); a held copy goes "
+                         "only to a receiver into the same parameters")  # fmt: skip
+    carried = []
+    for pos, lay in enumerate(receiver.routes.layers):
+        if lay.layer_idx in copy.held:
+            d.held.holds(pos, copy.held[lay.layer_idx])
+            carried.append(lay.layer_idx)
+        if lay.layer_idx in copy.alias_dense:
+            d.alias_dense.add(pos)
+    return carried
+
+
+def _delta_of(end, what: str, build: str):
+    d = getattr(end, "delta", None)
+    if d is None:
+        raise ValueError(f"{what}: has no delta state; build it with {build}")
+    return d
+
+
+__all__ = ["HeldCopy", "KeptCopy", "KeptLayer", "adopt_held", "adopt_kept", "detach_held", "detach_kept"]
