@@ -5,7 +5,8 @@ dense segment proves the result exact before anything lands (``glm_fp8.transfer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -14,6 +15,7 @@ from glm_fp8.plan import layer_prefix
 from glm_fp8.transfer.delta_plan import LayerSizes, SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import NONE, HeldVersions
 from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
+from glm_fp8.transfer.land import piece_region
 from glm_fp8.transfer.wire import UpdateAborted
 
 
@@ -59,6 +61,7 @@ class ReceiverDelta:
         self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.params: Mapping[str, torch.Tensor] | None = None
         self.aliases: Mapping[str, str] = {}
+        self.unland: Callable[[str, torch.Tensor], None] | None = None  # load_into's
         self.got: dict[int, int] = {}
         self.resent: dict[int, int] = {}  # layer position -> the bytes its delta step took
         self.alias_dense: set[int] = set()  # layers with an alias whose rebuild differed: dense from then on
@@ -153,8 +156,13 @@ class ReceiverDelta:
             items.append((seg, sd, delta, region, self.bufs[0][a : a + sd.message_nbytes],
                           self.bufs[1][b : b + sd.bound]))  # fmt: skip
             a, b = a + sd.message_nbytes, b + sd.bound
-        self._rebuild(pos, buf, [it[0] for it in items if it[2]])
         bad, got = [], 0
+        try:
+            self._rebuild(pos, buf, [it[0] for it in items if it[2]])
+        except Exception as exc:  # noqa: BLE001 - the link stays in step; the layer is resent dense
+            warnings.warn(f"delta: rebuilding layer {lay.layer_idx} from the parameters failed ({exc}); "
+                          "it is resent dense", stacklevel=2)  # fmt: skip
+            bad.append(torch.tensor(True, device=buf.device))
         for seg, sd, delta, region, msg, pay in (it for it in items if it[0].group is not None):
             src = r.senders[seg.sender]
             r.link.group_broadcast(msg if delta else region, src, seg.group)
@@ -210,7 +218,8 @@ class ReceiverDelta:
     def _rebuild(self, pos: int, buf: torch.Tensor, segs) -> None:
         """Segments ``segs`` of ``pos`` as the sender last sent them, from this rank's parameters:
         each piece view <- its parameter region (``glm_fp8.transfer.land``'s copies, the other way),
-        the bytes between pieces zero."""
+        then ``unland`` on it (what the engine rewrote after landing, undone), the bytes between
+        pieces zero."""
         r, params = self.r, self.params
         if params is None:
             raise UpdateAborted("delta: a delta layer arrived outside load_into (it needs the parameters)")
@@ -219,13 +228,14 @@ class ReceiverDelta:
         views, _ = r._views(pos, segs)
         for name, view, rows in views:
             if r.targets is None:
+                param = name
                 src = params[name] if rows is None else params[name].narrow(0, rows[0], rows[1] - rows[0])
             else:
-                target = r.targets[name]
-                src, shard = params[target.name], target.shard
-                if shard.kind != "replicated":
-                    src = src.narrow(shard.dim, 0, shard.length - shard.pad)
+                param = r.targets[name].name
+                src = piece_region(params[param], r.targets[name], rows)
             view.copy_(src)
+            if self.unland is not None:
+                self.unland(param, view)
 
 
 __all__ = ["ReceiverDelta", "check_receiver_delta"]

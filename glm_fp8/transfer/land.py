@@ -164,25 +164,30 @@ def land_shard(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> No
 def land_piece(
     dst: torch.Tensor, view: torch.Tensor, target: EngineParam, rows: tuple[int, int] | None
 ) -> None:
-    """``view`` is already this rank's cut (no padding rows). Many senders: ``rows`` [a, b) of the
-    full entry's dim 0 (experts, vocabulary rows), cut along its other dims, land at the rank's
-    rows for them; padding rows are zeroed by ``zero_padding`` once per layer. One sender: the
-    whole cut, padding zeroed here."""
+    """``view`` is already this rank's cut (no padding rows), landed in ``piece_region``. Many
+    senders: padding rows are zeroed by ``zero_padding`` once per layer. One sender: the whole
+    cut, padding zeroed here."""
     if dst.dtype != view.dtype:
         view = view.to(dst.dtype)
+    piece_region(dst, target, rows).copy_(view)
+    if rows is None and target.shard.kind != "replicated":
+        zero_padding(dst, target)
+
+
+def piece_region(dst: torch.Tensor, target: EngineParam, rows: tuple[int, int] | None) -> torch.Tensor:
+    """The region of parameter ``dst`` that one piece of ``target`` lands in (a delta update
+    rebuilds the piece from it): the rank's cut without padding rows; many senders: ``rows`` [a, b)
+    of the full entry's dim 0 (experts, vocabulary rows), cut along its other dims, at the rank's
+    rows for them."""
     shard = target.shard
     if rows is not None:
         cuts_rows = shard.cuts_rows(dst.dim())
         dst = dst.narrow(0, rows[0] - (shard.parts[0][0] if cuts_rows else 0), rows[1] - rows[0])
         if cuts_rows:  # the rank's own rows, whole
-            dst.copy_(view)
-            return
+            return dst
     if shard.kind == "replicated":
-        dst.copy_(view)
-        return
-    dst.narrow(shard.dim, 0, shard.length - shard.pad).copy_(view)
-    if rows is None:
-        zero_padding(dst, target)
+        return dst
+    return dst.narrow(shard.dim, 0, shard.length - shard.pad)
 
 
 def zero_padding(dst: torch.Tensor, target: EngineParam) -> None:
@@ -200,5 +205,6 @@ __all__ = [
     "land_full",
     "land_piece",
     "land_shard",
+    "piece_region",
     "zero_padding",
 ]

@@ -1,9 +1,11 @@
 """Delta updates through Sender / Receiver (docs/delta.md#in-the-transfer) over gloo, in every mode
-(one sender into "full" receivers, one sender into engine layouts, two senders into EP 2):
-a sequence of updates whose weights change a little each time, with a restarted engine rank, a
-manifest refused, an update that fails midway (NaN weights), an engine parameter written behind the
-update's back (the rebuilt segment's checksum differs, so every rank takes that layer again, dense,
-in the same update), a resync, and a layer to resend in an update where an engine rank fails
+(one sender into "full" receivers, one sender into engine layouts, two senders into EP 2, and
+into TP 2, where each sender's pieces are some rows of every routed-expert stack): a sequence of
+updates whose weights change a little each time, with a restarted engine rank, a manifest refused,
+an update that fails midway (NaN weights), an engine parameter written behind the update's back
+(the rebuilt segment's checksum differs, so every rank takes that layer again, dense, in the same
+update), a rebuild that raises on one rank (the link stays in step; that layer is resent dense),
+a resync, and a layer to resend in an update where an engine rank fails
 while landing an earlier layer (every rank stops at the first resent step); after every update
 that passed, every engine byte equals the reference conversion of the current weights, and delta
 steps put a small fraction of a dense step's bytes on the link. Plus the pieces both ends derive alike
@@ -24,6 +26,7 @@ CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
 IDS = list(range(CONFIG["num_hidden_layers"]))  # two dense MLP layers, two MoE layers
 NAN_LAYER = 2
 FAIL_LAYER = IDS[-2]  # an engine rank fails landing it while the last layer is to be resent
+REBUILD_LAYER = 1  # an engine rank's rebuild of it raises ("after tamper"): resent dense, the link in step
 # (what happens at each update); the sender's update index is the position in this list
 SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", "tamper", "after tamper",
           "resync", "fail", "after fail"]  # fmt: skip
@@ -31,9 +34,9 @@ SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", 
 # with the Triton kernels; else on the CPU with the torch path.
 GPU = "cuda" if torch.cuda.is_available() else "cpu"
 DEV = GPU  # this process's mode's device (set by _rank): the senders' mode runs on the CPU
-RESYNC = {"full": None, "scatter": 8, "senders": 8}  # 8: the 9th update that runs ("resync") is dense
-KEPT = {"full": "host", "scatter": "gpu", "senders": "gpu"}  # DeltaOptions.kept: where the sender keeps it
-SENDERS = {"full": 1, "scatter": 1, "senders": 2}  # "senders": two trainer ranks, each its own experts
+RESYNC = {"full": None, "scatter": 8, "senders": 8, "senders tp": None}  # 8: the 9th update ("resync") dense
+KEPT = {"full": "host", "scatter": "gpu", "senders": "gpu", "senders tp": "host"}  # DeltaOptions.kept
+SENDERS = {"full": 1, "scatter": 1, "senders": 2, "senders tp": 2}  # two trainer ranks, each its own experts
 
 
 def _weights(step: int, layer_idx: int, nan: bool = False) -> dict[str, torch.Tensor]:
@@ -87,7 +90,7 @@ def _rank(rank, world, mode):
     # Two senders on one GPU would run their own collectives over gloo on CUDA tensors, which
     # failed on the H200 ("writev: Bad address"); bench/scripts/pipeline.py runs a sender of many
     # on the GPU.
-    DEV = "cpu" if mode == "senders" else GPU
+    DEV = "cpu" if mode.startswith("senders") else GPU
     if DEV == "cpu":  # the transfer is under test, not the kernels (tests/kernels): the torch path
         set_default_backend("torch")
     else:  # every rank on the one GPU (gloo stages point-to-point messages through the host)
@@ -130,7 +133,9 @@ def _rank(rank, world, mode):
         if what == "mismatch" and rank == n:
             this = Receiver(None, 0, layout=layout, **kw)  # no delta=: refuses the manifest
         try:
-            with _failing_landing(FAIL_LAYER if what == "fail" and rank == n + 1 else None):
+            land = FAIL_LAYER if what == "fail" and rank == n + 1 else None
+            rebuild = REBUILD_LAYER if what == "after tamper" and rank == n + 1 else None
+            with _failing_landing(land), _failing_rebuild(rebuild):
                 stats = this.load_into(params)
         except Exception as exc:  # noqa: BLE001 - compared by the test
             out.append((type(exc).__name__, str(exc)))
@@ -163,13 +168,34 @@ def _failing_landing(layer_idx: int | None):
         receiver.land_layer = land
 
 
+@contextlib.contextmanager
+def _failing_rebuild(layer_idx: int | None):
+    """The receiver's rebuild of layer ``layer_idx`` from its parameters raises (None: as usual)."""
+    from glm_fp8.transfer.delta_receive import ReceiverDelta
+
+    rebuild = ReceiverDelta._rebuild
+
+    def failing(self, pos, *args):
+        if layer_idx is not None and self.r.layer_ids[pos] == layer_idx:
+            raise RuntimeError(f"rebuilding layer {layer_idx} failed (injected)")
+        return rebuild(self, pos, *args)
+
+    ReceiverDelta._rebuild = failing
+    try:
+        yield
+    finally:
+        ReceiverDelta._rebuild = rebuild
+
+
 def _layouts(mode: str) -> list[EngineLayout]:
     if mode == "scatter":
+        return EngineLayout.all_ranks(2)
+    if mode == "senders tp":  # many senders, each a part of every routed expert stack's rows
         return EngineLayout.all_ranks(2)
     return [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]  # EP 2, many senders
 
 
-@pytest.mark.parametrize("mode", ["full", "scatter", "senders"])
+@pytest.mark.parametrize("mode", ["full", "scatter", "senders", "senders tp"])
 def test_delta_updates_land_exactly_the_dense_bytes(mode):
     n = SENDERS[mode]
     results = launch(n + 2, _rank, (mode,), timeout_s=120)
@@ -225,6 +251,8 @@ def _check_bytes(mode: str, sender: list, engines: list) -> None:
             want = [["dense" if i >= NAN_LAYER else "delta" for i in IDS]] * 3
         elif what == "tamper":  # layer 0's delta, then layer 0 again, dense, for every rank
             want = [["both" if i == 0 else "delta" for i in IDS]] * 3
+        elif what == "after tamper":  # rank n + 1's rebuild of REBUILD_LAYER failed: resent dense
+            want = [["both" if i == REBUILD_LAYER else "delta" for i in IDS]] * 3
         elif what == "after fail":  # rank n + 1 did not land FAIL_LAYER, no rank the last layer
             last = ["dense" if i == IDS[-1] else "delta" for i in IDS]
             want = [[mixed if i == FAIL_LAYER else w for i, w in zip(IDS, last)] for _ in range(2)]
