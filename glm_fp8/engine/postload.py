@@ -11,12 +11,16 @@ format, or redone here / by a hook after the update:
 - MLA's absorbed ``W_UK_T`` / ``W_UV``: rebuilt by vLLM's own module hook (the engine
   integration runs it); ``mla_absorbed_ref`` is the pure-torch statement of what it computes.
 
-Only torch and ``glm_fp8.engine`` / ``glm_fp8.numerics`` are imported: nothing here needs vLLM.
+A delta update rebuilds each layer's last wire bytes from the parameters (docs/delta.md), so the
+FlashInfer CUTLASS rewrites are undone on the rebuilt copy first (``postload_inverse``).
+
+Only torch and glm_fp8's own engine, numerics and reference modules are imported: nothing here
+needs vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,7 @@ import torch
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.specs import engine_name
 from glm_fp8.numerics import BLOCK, ceil_blocks
+from glm_fp8.reference import block_scales_ref
 
 # quantization/utils/flashinfer_utils.py::prepare_fp8_moe_layer_for_fi (_FI_CUTLASS_MIN_BLOCK_SCALE)
 FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
@@ -208,6 +213,37 @@ def apply_postload_(
     return list(done)
 
 
+def postload_inverse(
+    plan: PostLoadPlan, config: Mapping, layer_ids: Iterable[int], scale_fmt: str
+) -> Callable[[str, torch.Tensor], None] | None:
+    """What undoes ``apply_postload_``, in place, on a copy of a parameter ``name`` (vLLM's name)
+    of the routed experts of ``layer_ids``, or of a piece of it that holds whole experts (all of
+    its rows and columns), so that the copy holds the bytes that last arrived: the
+    clamp (a scale at ``plan.clamp_min`` back to the floor an all-zero block gets in ``scale_fmt``,
+    ``block_scales_ref``), then the w13 swap (an involution). None when the plan rewrites nothing.
+    A scale that was below the clamp yet not the floor (a block of magnitudes under 4.5e-8, not
+    all zero) cannot be recovered: the delta's checksum then differs and the layer is resent
+    dense (docs/delta.md)."""
+    if not (plan.swap_w13 or plan.clamp_min is not None):
+        return None
+    kinds: dict[str, str] = {}
+    for w13, s13, _, s2 in expert_param_names(config, layer_ids):
+        kinds.update({w13: "w13", s13: "w13 scale", s2: "scale"})
+    floor = block_scales_ref(torch.zeros(1, 1), scale_fmt).item()
+    clamped = torch.tensor(plan.clamp_min if plan.clamp_min is not None else 0.0, dtype=torch.float32)
+
+    def undo(name: str, view: torch.Tensor) -> None:
+        kind = kinds.get(name)
+        if kind is None:
+            return
+        if plan.clamp_min is not None and kind != "w13":
+            view.masked_fill_(view == clamped.to(view.device), floor)
+        if plan.swap_w13 and kind != "scale":
+            _swap_halves(view, view.shape[1] // 2)
+
+    return undo
+
+
 def mla_absorbed_ref(
     kv_b_weight: torch.Tensor,
     kv_b_scale_inv: torch.Tensor | None,
@@ -244,6 +280,7 @@ __all__ = [
     "clamp_scales_",
     "expert_param_names",
     "mla_absorbed_ref",
+    "postload_inverse",
     "postload_plan",
     "swap_w13_halves_",
 ]

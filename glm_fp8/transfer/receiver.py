@@ -4,7 +4,7 @@ voted that it arrived intact (protocol: ``glm_fp8.transfer.wire``; routes: ``glm
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -160,11 +160,7 @@ class Receiver(Endpoint):
 
     def _check(self, got: bytes) -> tuple[Exception | None, int]:
         try:
-            manifest = decode_manifest(
-                torch.frombuffer(bytearray(got), dtype=torch.uint8)
-                if got
-                else torch.empty(0, dtype=torch.uint8)
-            )
+            manifest = decode_manifest(got)
             compare_manifest(manifest, self.manifest(), self.layer_ids, require_checksum=self.checksum)
             want, got = self.delta is not None, manifest.get("delta", False)
             if got != want:
@@ -333,12 +329,13 @@ class Receiver(Endpoint):
 
     # --- landing ------------------------------------------------------------------------------------
 
-    def load_into(
-        self, params: Mapping[str, torch.Tensor], *, aliases: Mapping[str, str] | None = None
-    ) -> UpdateStats:
+    def load_into(self, params: Mapping[str, torch.Tensor], *, aliases: Mapping[str, str] | None = None,
+                  unland: Callable[[str, torch.Tensor], None] | None = None) -> UpdateStats:  # fmt: skip
         """Copy (wire 'fp8') or quantize (wire 'bf16': into an fp8 parameter with a ``_scale_inv`` beside
         it, else copied) every received entry into ``params``. ``aliases``: parameter names that
-        hold the very tensor of another (alias -> name); they are not written.
+        hold the very tensor of another (alias -> name); they are not written. ``unland(name,
+        copy)`` (delta): undoes in place, on a copy of parameter ``name`` or of a piece of it, what
+        the engine rewrote there after landing (``glm_fp8.engine.postload.postload_inverse``).
 
         Every name, shape, dtype, device, ``requires_grad`` and aliasing is checked before the first
         byte is received; a failed check is voted on with the manifest, so every rank stops there.
@@ -347,7 +344,7 @@ class Receiver(Endpoint):
         aliases = dict(aliases or {})
         self._params_error = self._check_params(params, aliases) if self._layout_error is None else None
         if self.delta is not None:
-            self.delta.params, self.delta.aliases = params, aliases
+            self.delta.params, self.delta.aliases, self.delta.unland = params, aliases, unland
         stats = UpdateStats()
         t0 = time.perf_counter()
         layers = self._steps()

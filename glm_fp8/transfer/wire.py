@@ -159,11 +159,14 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps(manifest, separators=(",", ":")).encode()
 
 
-def decode_manifest(raw: torch.Tensor) -> object:
-    """JSON from a contiguous CPU uint8 tensor, read in place (no numpy needed). Raises
+def decode_manifest(raw: torch.Tensor | bytes) -> object:
+    """JSON from bytes or a contiguous CPU uint8 tensor, read in place (no numpy needed). Raises
     ``ManifestMismatch`` for bytes that are not UTF-8 JSON, nesting too deep for the parser
     included (so a receiver refuses it at the vote instead of leaving with a RecursionError)."""
-    text = ctypes.string_at(raw.data_ptr(), raw.numel()) if raw.numel() else b""
+    if isinstance(raw, (bytes, bytearray)):
+        text = bytes(raw)
+    else:
+        text = ctypes.string_at(raw.data_ptr(), raw.numel()) if raw.numel() else b""
     try:
         return json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

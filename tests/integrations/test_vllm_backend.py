@@ -119,9 +119,15 @@ def _layouts(case: str):
 
 def _expected(config, layout, ids, dtype, gathered):
     """The reference an engine rank holds after an update, as the FlashInfer backend stores it."""
+
+    return _as_flashinfer(reference_engine_params(config, layout, ids, dtype=dtype, gathered_dtype=gathered))
+
+
+def _as_flashinfer(want: dict) -> dict:
+    """What the FlashInfer CUTLASS backend holds after loading ``want``: w13 halves swapped, the
+    routed experts' scales clamped to >= 1e-10."""
     from test_vllm_worker import _vllm_swap_w13_to_w31
 
-    want = reference_engine_params(config, layout, ids, dtype=dtype, gathered_dtype=gathered)
     for name in list(want):
         if "routed_experts.w13_weight" in name:
             want[name] = _vllm_swap_w13_to_w31(want[name])
@@ -134,15 +140,16 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _delta_outcome(config, layout, ids, snapshots, aliases, log) -> dict:
+def _delta_outcome(config, layout, ids, snapshots, aliases, log, layer, flashinfer) -> dict:
     """Per update this worker landed: its session, the bytes it took off the link, and the
-    parameters of that session's layers that differ from the reference of the trainer's step."""
+    parameters of that session's layers that differ from the reference of the trainer's step
+    (``layer(i, step)``; ``flashinfer``: as that MoE backend holds them)."""
     per_update, step, checked = [], -1, 0
     for session, nbytes, params in snapshots:
         step += session != "draft"  # a draft session follows its step's target session
         mine = [MTP] if session == "draft" else [i for i in ids if i != MTP]
-        moved = lambda i, step=step: moved_layer(config, i, step)  # noqa: E731
-        want = reference_engine_params(config, layout, mine, layer=moved)
+        want = reference_engine_params(config, layout, mine, layer=lambda i, step=step: layer(i, step))
+        want = _as_flashinfer(want) if flashinfer else want
         bad = [n for n, w in want.items() if n not in aliases and not _same_bytes(params[n], w)]
         checked += len(want)
         per_update.append((session, nbytes, bad))
@@ -272,8 +279,15 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
         set_default_backend("torch")
     at = [0]  # the trainer's step: its layers change with it when delta is on
 
+    def moved(i, step):
+        sd = moved_layer(config, i, step, dtype)
+        for name in sd if opts.get("zero_block") else ():  # an all-zero block: the floor scale
+            if name.endswith("mlp.experts.w1"):
+                sd[name][1, :128, :128] = 0
+        return sd
+
     def layer(i):
-        return moved_layer(config, i, at[0], dtype) if delta else synthetic_layer(config, i, dtype)
+        return moved(i, at[0]) if delta else synthetic_layer(config, i, dtype)
 
     if rank < trainers:
         if source_kind == "module":
@@ -359,7 +373,10 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
         return log
     ids = [*range(config["num_hidden_layers"]), *([MTP] if opts.get("mtp") else []), REST]
     if delta:
-        return _delta_outcome(config, layout, ids, snapshots, side.updater.engine.aliases, log)
+        flashinfer = opts.get("backend") == "FLASHINFER_CUTLASS"
+        return _delta_outcome(
+            config, layout, ids, snapshots, side.updater.engine.aliases, log, moved, flashinfer
+        )
     # No cast before quantizing in any mode (gather_dtype=None): the reference reads the trainer's
     # own dtype, as a checkpoint quantized from the fp32 masters holds them.
     want = _expected(config, layout, ids, dtype, None)
@@ -402,17 +419,26 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
         assert [s[0] for s in results[t][1]] == ["ok", "ok"] and results[t][1][0][2] == mode, results[t]
 
 
-@pytest.mark.parametrize("trainers, mode", [(1, "scatter"), (2, "senders")])
-def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed(trainers, mode):
-    """delta=True (one sender scattering, or two senders, into EP 2; the Triton MoE backend), three
-    steps whose weights change a little each, the MTP layer in the draft session: after every
-    update each engine
-    parameter equals the reference of that step's weights, bit for bit. The target session's steps
-    2 and 3 send (and each worker takes) under a tenth of step 1's bytes: the worker kept its
-    receivers (what they hold) across updates. So does the draft session (the MTP layer): vLLM's
-    drafter aliases the target's lm_head as its shared_head.head, and the worker rebuilds that
-    region from lm_head, exact since the trainer ties the two (docs/delta.md)."""
-    results = _run(trainers, "ep2", delta=True, backend="TRITON", mtp=True, steps=3, mode=mode)
+@pytest.mark.parametrize(
+    "trainers, mode, backend",
+    [(1, "scatter", "TRITON"), (2, "senders", "TRITON"), (2, "senders", "FLASHINFER_CUTLASS")],
+)
+def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed(
+    trainers, mode, backend
+):
+    """delta=True (one sender scattering, or two senders, into EP 2; the Triton MoE backend, or
+    FlashInfer CUTLASS, which swaps the w13 halves and clamps the expert scales in place after
+    loading: the worker undoes both on the copy it rebuilds), three steps whose weights change a
+    little each (an expert block all zero: its floor scale is clamped), the MTP layer in the draft
+    session: after every update each engine parameter equals the reference of that step's
+    weights, as the backend holds them, bit for bit. The target session's steps 2 and 3 send (and
+    each worker takes) under a tenth of step 1's bytes: the worker kept its receivers (what they
+    hold) across updates, and no layer was resent. So does the draft session (the MTP layer):
+    vLLM's drafter aliases the target's lm_head as its shared_head.head, and the worker rebuilds
+    that region from lm_head, exact since the trainer ties the two (docs/delta.md)."""
+    results = _run(
+        trainers, "ep2", delta=True, backend=backend, mtp=True, steps=3, mode=mode, zero_block=True
+    )
     assert all(status == "ok" for status, _ in results.values()), results
     for t in range(trainers):  # each sender: its own share, a small fraction of it after step 1
         trainer = results[t][1]
@@ -697,9 +723,8 @@ def test_layer_source_layer_ids_are_integers_of_the_model(layer_ids, match):
 
 
 def test_delta_is_refused_at_init_where_it_is_not_built():
-    """Before the link opens: the full broadcast, no checksums; a worker whose MoE backend rewrites
-    the experts after loading (FlashInfer CUTLASS), which the worker tells every rank at its init.
-    A Triton worker takes delta."""
+    """Before the link opens: the full broadcast, no checksums. A Triton worker takes delta, and so
+    does a FlashInfer CUTLASS one (its rewrites after loading are undone on the rebuilt copy)."""
     from dataclasses import replace
 
     from test_vllm_worker import _updater
@@ -727,8 +752,7 @@ def test_delta_is_refused_at_init_where_it_is_not_built():
     assert delta_options(side.opts) == DeltaOptions(resync_every=4, kept="host")
     assert delta_options(replace(side.opts, delta=False, delta_resync_every=None)) is None
     layout = EngineLayout.all_ranks(2, 1, True)[0]
-    err = _updater(layout).delta_refusal()
-    assert "FLASHINFER_CUTLASS MoE backend" in str(err) and "--moe-backend triton" in str(err), err
+    assert _updater(layout).delta_refusal() is None  # FlashInfer CUTLASS: its rewrites are undone
     assert _updater(layout, "TRITON").delta_refusal() is None
 
 

@@ -409,10 +409,10 @@ def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(
         assert [into for _, into in out["updates"]] == (["target", "drafter"] if mtp else ["target"]), out
 
 
-# Delta updates need an engine whose experts hold the bytes that arrived: vLLM's Triton fused-MoE
-# backend (``--moe-backend triton``). "auto" picks it here too (FlashInfer is not installed), but on a
-# Hopper with FlashInfer it picks FlashInfer CUTLASS for EP (``fused_moe/oracle/fp8.py``), which
-# rewrites the experts in place and is refused for delta: the test asks for the one docs/vllm.md names.
+# The MoE backend of the delta test: vLLM's Triton fused MoE, the one a CPU runs ("auto" picks it
+# here too: FlashInfer is not installed). On a Hopper with FlashInfer, "auto" picks FlashInfer
+# CUTLASS for EP (``fused_moe/oracle/fp8.py``), whose rewrites after loading a delta worker undoes
+# on its rebuilt copy; that path is tested with stand-in workers (test_vllm_backend.py).
 DELTA_MOE_BACKEND = "triton"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from glm_fp8.config import as_config
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.postload import PostLoadPlan, apply_postload_
+from glm_fp8.engine.postload import PostLoadPlan, apply_postload_, postload_inverse
 from glm_fp8.engine.specs import engine_param_specs, engine_params, mtp_layer_index
 from glm_fp8.errors import EngineNotSupported
 from glm_fp8.models import REST, model_layer_ids
@@ -207,13 +207,11 @@ class EngineUpdater:
 
     def delta_refusal(self, scale_fmt: str | None = None) -> EngineNotSupported | None:
         """Why this worker cannot take delta updates (docs/delta.md), or None. A delta layer is rebuilt
-        from the parameters, so they must hold exactly the bytes that arrived: no post-load rewrite
-        of the landed tensors (FlashInfer CUTLASS swaps the w13 halves and clamps the expert scales
-        in place: ``PostLoadPlan.swap_w13`` / ``clamp_min``), and a landing that is a plain copy
-        (the Receiver's own ``check_receiver_delta``, on this worker's layout and plans). MLA's
+        from the parameters, so they must hold the bytes that arrived, up to what the post-load step
+        rewrites in place and ``postload_inverse`` undoes on the rebuilt copy (FlashInfer CUTLASS:
+        the w13 halves swapped, the expert scales clamped): a landing that is a plain copy (the
+        Receiver's own ``check_receiver_delta``, on this worker's layout and plans). MLA's
         ``W_UK_T`` / ``W_UV`` are not updated tensors: vLLM's hook rebuilds them from ``kv_b_proj``."""
-        if (err := self._postload_delta_refusal()) is not None:
-            return err
         ids = [*self.full_layer_ids, REST]
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         landing = SimpleNamespace(
@@ -227,25 +225,7 @@ class EngineUpdater:
             return EngineNotSupported(str(exc))
         return None
 
-    def _postload_delta_refusal(self) -> EngineNotSupported | None:
-        """``delta_refusal``'s post-load half: the one that can change after init (a drafter's
-        backend joins the plan at its first draft session)."""
-        if self.plan.swap_w13 or self.plan.clamp_min is not None:
-            return EngineNotSupported(
-                f"delta: this engine's routed experts run on vLLM's {self.plan.moe_backend} MoE backend, "
-                "which rewrites them in place after loading (w13 halves swapped, scales clamped), so a "
-                "delta cannot be applied to what they hold; start the engine with --moe-backend triton, or "
-                "use delta=False"
-            )
-        return None
-
-    def _refusal(
-        self, layer_ids: list[int], rest: bool, scale_fmt: str, delta: bool = False
-    ) -> Exception | None:
-        # The landing half of delta_refusal ran at init and runs again in the Receiver each update
-        # builds (check_receiver_delta, on its real plans): only the post-load half can have changed.
-        if delta and (err := self._postload_delta_refusal()) is not None:
-            return err
+    def _refusal(self, layer_ids: list[int], rest: bool, scale_fmt: str) -> Exception | None:
         if self.plan.scale_fmt == "ue8m0" and scale_fmt != "ue8m0":
             return EngineNotSupported(
                 f"scale_fmt={scale_fmt!r}: this engine serves DeepGEMM-requantized weights (MoE backend "
@@ -327,13 +307,14 @@ class EngineUpdater:
             )
             if delta and key[2:6] in self._held:  # the session's layers on a new link: still held
                 adopt_held(receiver, self._held.pop(key[2:6]))
-        refusal = self._refusal(ids, rest, fmt, delta)
+        refusal = self._refusal(ids, rest, fmt)
         parts = self._parts(ids, rest)
         params: Mapping[str, torch.Tensor] = self.engine.params if refusal is None else _Refusing(refusal)
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                stats = receiver.load_into(params, aliases=self.engine.aliases)
+                unland = postload_inverse(self.plan, self.config, ids, fmt) if delta else None
+                stats = receiver.load_into(params, aliases=self.engine.aliases, unland=unland)
         except BaseException:
             if refusal is None:  # nothing landed when the refusal was ours; otherwise some may have
                 self.dirty.update({k: True for k, v in parts.items() if v})
