@@ -140,16 +140,19 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _delta_outcome(config, layout, ids, snapshots, aliases, log, layer, flashinfer) -> dict:
+def _delta_outcome(config, layout, ids, snapshots, aliases, log, layer, backend) -> dict:
     """Per update this worker landed: its session, the bytes it took off the link, and the
     parameters of that session's layers that differ from the reference of the trainer's step
-    (``layer(i, step)``; ``flashinfer``: as that MoE backend holds them)."""
+    (``layer(i, step)``), as the MoE ``backend`` holds them (FlashInfer CUTLASS: rewritten after
+    loading; DeepGEMM: UE8M0 scales, sent as such)."""
+    fmt = "ue8m0" if backend == "DEEPGEMM" else None
     per_update, step, checked = [], -1, 0
     for session, nbytes, params in snapshots:
         step += session != "draft"  # a draft session follows its step's target session
         mine = [MTP] if session == "draft" else [i for i in ids if i != MTP]
-        want = reference_engine_params(config, layout, mine, layer=lambda i, step=step: layer(i, step))
-        want = _as_flashinfer(want) if flashinfer else want
+        moved = lambda i, step=step: layer(i, step)  # noqa: E731
+        want = reference_engine_params(config, layout, mine, scale_fmt=fmt, layer=moved)
+        want = _as_flashinfer(want) if backend == "FLASHINFER_CUTLASS" else want
         bad = [n for n, w in want.items() if n not in aliases and not _same_bytes(params[n], w)]
         checked += len(want)
         per_update.append((session, nbytes, bad))
@@ -373,10 +376,8 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
         return log
     ids = [*range(config["num_hidden_layers"]), *([MTP] if opts.get("mtp") else []), REST]
     if delta:
-        flashinfer = opts.get("backend") == "FLASHINFER_CUTLASS"
-        return _delta_outcome(
-            config, layout, ids, snapshots, side.updater.engine.aliases, log, moved, flashinfer
-        )
+        aliases = side.updater.engine.aliases
+        return _delta_outcome(config, layout, ids, snapshots, aliases, log, moved, opts.get("backend"))
     # No cast before quantizing in any mode (gather_dtype=None): the reference reads the trainer's
     # own dtype, as a checkpoint quantized from the fp32 masters holds them.
     want = _expected(config, layout, ids, dtype, None)
@@ -421,14 +422,20 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
 
 @pytest.mark.parametrize(
     "trainers, mode, backend",
-    [(1, "scatter", "TRITON"), (2, "senders", "TRITON"), (2, "senders", "FLASHINFER_CUTLASS")],
+    [
+        (1, "scatter", "TRITON"),
+        (2, "senders", "TRITON"),
+        (2, "senders", "FLASHINFER_CUTLASS"),
+        (1, "scatter", "DEEPGEMM"),
+    ],  # fmt: skip
 )
 def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed(
     trainers, mode, backend
 ):
-    """delta=True (one sender scattering, or two senders, into EP 2; the Triton MoE backend, or
+    """delta=True (one sender scattering, or two senders, into EP 2; the Triton MoE backend,
     FlashInfer CUTLASS, which swaps the w13 halves and clamps the expert scales in place after
-    loading: the worker undoes both on the copy it rebuilds), three steps whose weights change a
+    loading: the worker undoes both on the copy it rebuilds, or DeepGEMM, whose UE8M0 scales the
+    trainer sends as such), three steps whose weights change a
     little each (an expert block all zero: its floor scale is clamped), the MTP layer in the draft
     session: after every update each engine parameter equals the reference of that step's
     weights, as the backend holds them, bit for bit. The target session's steps 2 and 3 send (and
