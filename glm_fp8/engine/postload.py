@@ -223,7 +223,8 @@ def postload_inverse(
     ``block_scales_ref``), then the w13 swap (an involution). None when the plan rewrites nothing.
     A scale that was below the clamp yet not the floor (a block of magnitudes under 4.5e-8, not
     all zero) cannot be recovered: the delta's checksum then differs and the layer is resent
-    dense (docs/delta.md)."""
+    dense (docs/delta.md). Each call allocates one half of one expert (the swap's temporary, as
+    ``swap_w13_halves_``) or a bool mask the size of a scale tensor."""
     if not (plan.swap_w13 or plan.clamp_min is not None):
         return None
     kinds: dict[str, str] = {}

@@ -571,8 +571,9 @@ def _delta_rank(rank, world, boxes):
         side = TrainerSide(options, [QueueClient(boxes[0:2])], source, torch.device("cpu")).connect()
         for step in range(4):
             at[0] = step
-            if step == 2:
+            if step == 2:  # two fleet changes before the next update: the state survives both
                 side.add_server(VllmServer("b", 2, QueueClient(boxes[2:4])))
+                side.set_fleet(side.servers)
             ((stats,),) = [side.send()]
             routes = side._sender("target").routes  # what a dense update on this link sends
             sent.append((stats["bytes"], sum(lay.sent_nbytes(0) for lay in routes.layers)))
@@ -584,7 +585,8 @@ def _delta_rank(rank, world, boxes):
 
 def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
     """delta=True, one sender scattering: server a (TP 2) takes updates 1 (dense) and 2 (a delta);
-    ``add_server(b)`` (EP 2) rebuilds the link, and both ends carry their delta state over
+    ``add_server(b)`` (EP 2) rebuilds the link, then ``set_fleet`` again, and both ends carry their
+    delta state over
     (glm_fp8.transfer.delta_carry): in update 3 a's workers take their own expert pieces as deltas
     and only what they share with b (attention, by group broadcast) dense, b everything dense; in
     update 4 every worker takes a delta. After every update every parameter of every worker equals

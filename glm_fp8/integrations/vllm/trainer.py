@@ -287,8 +287,9 @@ class TrainerSide(FleetMembership):
             )
         self.steps += 1
         self.source.begin_step()
-        out = []
-        for session in self.sessions():
+        out, sessions = [], self.sessions()
+        self._kept = {s: k for s, k in self._kept.items() if s in sessions}  # a session gone: freed
+        for session in sessions:
             t0 = time.perf_counter()
             ids, rest = session_layers(self.init, session, self.mtp)
             layers, rest_map = self.source.session(ids, rest)
@@ -373,13 +374,15 @@ class TrainerSide(FleetMembership):
 
     def _drop_link(self, keep: bool = True) -> None:
         """Close the link; with ``keep`` each delta session's kept copy stays for the next link's
-        sender (``delta_carry``: the servers that stay take deltas, new or restarted ones dense)."""
+        sender (``delta_carry``: the servers that stay take deltas, new or restarted ones dense),
+        beside what an earlier drop kept and no update took yet (two fleet changes in a row)."""
         senders, self._senders_cache, self._gates = self._senders_cache, {}, []
         if self.link is not None:
             self.link.close()
             self.link = None
         self.store = None
-        self._kept = {s: detach_kept(x) for s, x in senders.items() if keep and x.delta is not None}
+        detached = {s: detach_kept(x) for s, x in senders.items() if keep and x.delta is not None}
+        self._kept = {**self._kept, **detached} if keep else {}
 
     def shutdown(self) -> None:
         """Close the link and the store (this rank's end); ``send()`` then refuses."""
