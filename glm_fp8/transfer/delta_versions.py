@@ -13,8 +13,6 @@ A held vector travels as int64, ``NONE`` (-1) for a layer the rank does not hold
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import torch
 
 NONE = -1
@@ -29,28 +27,11 @@ def _check_update(update: int) -> int:
 
 class KeptVersions:
     """The sender's side: per layer position, the update its kept copy holds (``NONE``: no kept
-    copy yet, so every rank gets the layer dense)."""
+    copy yet, so every rank gets the layer dense). Which ranks take a layer as a delta is decided
+    from every rank's versions together: ``glm_fp8.transfer.delta_plan.delta_layers``."""
 
-    def __init__(self, layers: int, resync_every: int | None = None):
-        if resync_every is not None and (isinstance(resync_every, bool) or int(resync_every) != resync_every
-                                         or resync_every < 1):  # fmt: skip
-            raise ValueError(f"resync_every: expected None or an integer >= 1, got {resync_every!r}")
+    def __init__(self, layers: int):
         self.kept = [NONE] * layers
-        self.resync_every = resync_every
-
-    def dense_ranks(self, update: int, held: Mapping[int, Sequence[int]]) -> list[frozenset[int]]:
-        """Per layer position, the engine ranks that get update ``update`` of it dense: those whose
-        held number differs from the kept copy's (all of them without a kept copy, and at every
-        ``resync_every``-th update). ``held``: each engine rank's held vector, one per layer."""
-        _check_update(update)
-        for rank, vec in held.items():
-            if len(vec) != len(self.kept):
-                raise ValueError(f"held[{rank}]: expected {len(self.kept)} layer versions, got {len(vec)}")
-        every = self.resync_every is not None and update % self.resync_every == 0
-        return [
-            frozenset(r for r, vec in held.items() if every or kept == NONE or int(vec[pos]) != kept)
-            for pos, kept in enumerate(self.kept)
-        ]
 
     def compared(self, pos: int, update: int) -> None:
         """The kept copy of layer ``pos`` now holds update ``update`` (after quantize_compare,

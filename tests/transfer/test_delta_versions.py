@@ -1,10 +1,24 @@
-"""Which ranks take a layer as a delta (glm_fp8.transfer.delta_versions): a rank gets a delta only
-on the exact bytes it was computed against; after a restart, a failed update or a bad checksum the
-layer goes dense, and a failed update needs no rollback."""
+"""Which ranks take a layer as a delta (glm_fp8.transfer.delta_versions, decided by
+glm_fp8.transfer.delta_plan.delta_layers): a rank gets a delta only on the exact bytes it was
+computed against; after a restart, a failed update or a bad checksum the layer goes dense, and a
+failed update needs no rollback."""
 
 import pytest
+import torch
 
+from glm_fp8.transfer.delta_plan import delta_layers, versions_row
 from glm_fp8.transfer.delta_versions import NONE, HeldVersions, KeptVersions
+
+
+def _dense(kept, engines, update) -> list[frozenset[int]]:
+    """Per layer, the engine ranks that take ``update`` dense: the versions table of the sender
+    (link rank 0: its kept versions, then the update it proposes) and each engine rank."""
+    size = 1 + max(engines)
+    rows = [versions_row(size, 0, [*kept.kept, update], "cpu")]
+    rows += [versions_row(size, r, [*e.held, NONE], "cpu") for r, e in engines.items()]
+    number, fresh = delta_layers(torch.stack(rows).amax(dim=0), [0], list(engines))
+    assert number == update
+    return [frozenset(engines) - f for f in fresh]
 
 
 def _updates(kept, engines, update, *, fail_at=None, bad_checksum=()):
@@ -12,7 +26,7 @@ def _updates(kept, engines, update, *, fail_at=None, bad_checksum=()):
     rank marks it being written, then holds it, unless the update fails at layer ``fail_at`` (that
     layer half written, none after it) or its checksum differs (``bad_checksum``: (rank, pos) pairs).
     Returns the dense ranks per layer."""
-    dense = kept.dense_ranks(update, {r: e.held for r, e in engines.items()})
+    dense = _dense(kept, engines, update)
     for pos in range(len(kept.kept)):
         kept.compared(pos, update)
         for r, e in engines.items():
@@ -45,26 +59,9 @@ def test_a_sequence_with_a_restart_and_a_failed_update():
     assert _updates(kept, engines, 5) == [frozenset(), frozenset(), frozenset({1})]
 
 
-def test_resync_every_n_updates():
-    kept = KeptVersions(1, resync_every=3)
-    engines = {4: HeldVersions(1)}
-    got = [_updates(kept, engines, u)[0] for u in range(7)]
-    assert got == [
-        frozenset({4}),
-        frozenset(),
-        frozenset(),
-        frozenset({4}),
-        frozenset(),
-        frozenset(),
-        frozenset({4}),
-    ]
-
-
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="resync_every"):
-        KeptVersions(2, resync_every=0)
-    with pytest.raises(ValueError, match=r"held\[3\]: expected 2"):
-        KeptVersions(2).dense_ranks(0, {3: [NONE]})
     with pytest.raises(ValueError, match="update"):
         HeldVersions(1).holds(0, -2)
+    with pytest.raises(ValueError, match="update"):
+        KeptVersions(1).compared(0, True)
     assert HeldVersions(2).vector().tolist() == [NONE, NONE]
