@@ -3,11 +3,12 @@
 Invariant: a fleet rebuilt between updates (a new link, a server added, the old ranks at other link
 ranks) keeps its deltas. Server A (TP 2, link ranks 1 and 2) takes two updates from one sender on
 a first link; then a second link adds server B (TP 1, a layout no old rank had) at link rank 1 and
-moves A's ranks to 2 and 3; the sender and A's ranks carry their state over (``detach_kept`` /
-``adopt_kept``, ``detach_held`` / ``adopt_held``). The first update on the new link: A's ranks take
-their own cut pieces as deltas (point to point) and the pieces B shares with them dense (one
-group broadcast, B holds nothing), B takes everything dense; the next update is a delta for every
-rank. After every update every engine byte equals the reference of that step's weights.
+moves A's ranks to 2 and 3; the sender (its kept copy in host memory) and A's ranks carry their
+state over (``detach_kept`` / ``adopt_kept``, ``detach_held`` / ``adopt_held``). The first update
+on the new link: A's ranks take their own cut pieces as deltas (point to point) and the pieces B
+shares with them dense (one group broadcast, B holds nothing), B takes everything dense; the next
+update is a delta for every rank. After every update every engine byte equals the reference of
+that step's weights. A copy goes only to an endpoint like its own (the same kept place, layout).
 """
 
 import pytest
@@ -70,14 +71,17 @@ def _rank(rank, world):
 
     out: dict = {"sent": [], "dense": [], "got": [], "bad": []}
     if rank == 0:
-        sender = Sender(link1, 0, engines=first, delta=DeltaOptions(), **kw)
+        host = DeltaOptions(kept="host")  # pinned host memory on a GPU machine
+        sender = Sender(link1, 0, engines=first, delta=host, **kw)
         for step in (0, 1):
             out["sent"].append(send(sender, step))
         copy = detach_kept(sender)
         out["copy_nbytes"] = copy.nbytes
         with pytest.raises(ValueError, match="has no delta state"):
             detach_kept(Sender(link2, 0, engines=second, **kw))
-        sender = Sender(link2, 0, engines=second, delta=DeltaOptions(), **kw)
+        with pytest.raises(ValueError, match="the same DeltaOptions.kept"):
+            adopt_kept(Sender(link2, 0, engines=second, delta=DeltaOptions(kept="gpu"), **kw), copy)
+        sender = Sender(link2, 0, engines=second, delta=host, **kw)
         out["carried"] = adopt_kept(sender, copy)
         for step in (2, 3):
             out["sent"].append(send(sender, step))
