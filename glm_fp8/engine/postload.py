@@ -215,34 +215,39 @@ def apply_postload_(
 
 def postload_inverse(
     plan: PostLoadPlan, config: Mapping, layer_ids: Iterable[int], scale_fmt: str
-) -> Callable[[str, torch.Tensor], None] | None:
-    """What undoes ``apply_postload_``, in place, on a copy of a parameter ``name`` (vLLM's name)
-    of the routed experts of ``layer_ids``, or of a piece of it that holds whole experts (all of
-    its rows and columns), so that the copy holds the bytes that last arrived: the
-    clamp (a scale at ``plan.clamp_min`` back to the floor an all-zero block gets in ``scale_fmt``,
-    ``block_scales_ref``), then the w13 swap (an involution). None when the plan rewrites nothing.
-    A scale that was below the clamp yet not the floor (a block of magnitudes under 4.5e-8, not
-    all zero) cannot be recovered: the delta's checksum then differs and the layer is resent
-    dense (docs/delta.md). Each call allocates one half of one expert (the swap's temporary, as
-    ``swap_w13_halves_``) or a bool mask the size of a scale tensor."""
+) -> Callable[[str, torch.Tensor, torch.Tensor], bool] | None:
+    """What undoes ``apply_postload_`` (None when the plan rewrites nothing):
+    ``copy_back(name, dst, src)`` writes into ``dst`` the bytes that landed where ``src`` now holds
+    them rewritten, ``src`` a region of parameter ``name`` (vLLM's name) of the routed experts of
+    ``layer_ids`` that holds whole experts (all of its rows and columns: the parameter, or some of
+    its experts), and returns True; False, writing nothing, for a parameter the step leaves alone.
+    One pass: w13's halves copied back crosswise (the swap is an involution), then a scale at
+    ``plan.clamp_min`` back to the floor an all-zero block gets in ``scale_fmt``
+    (``block_scales_ref``). A block whose scale was at or below the clamp yet not the floor (not all
+    zero, magnitudes under 448 x 1e-10) is not recovered: the delta's checksum then differs and the
+    layer is resent dense (docs/delta.md). Allocates a bool mask the size of a scale tensor."""
     if not (plan.swap_w13 or plan.clamp_min is not None):
         return None
     kinds: dict[str, str] = {}
     for w13, s13, _, s2 in expert_param_names(config, layer_ids):
         kinds.update({w13: "w13", s13: "w13 scale", s2: "scale"})
     floor = block_scales_ref(torch.zeros(1, 1), scale_fmt).item()
-    clamped = torch.tensor(plan.clamp_min if plan.clamp_min is not None else 0.0, dtype=torch.float32)
 
-    def undo(name: str, view: torch.Tensor) -> None:
+    def copy_back(name: str, dst: torch.Tensor, src: torch.Tensor) -> bool:
         kind = kinds.get(name)
         if kind is None:
-            return
-        if plan.clamp_min is not None and kind != "w13":
-            view.masked_fill_(view == clamped.to(view.device), floor)
+            return False
         if plan.swap_w13 and kind != "scale":
-            _swap_halves(view, view.shape[1] // 2)
+            half = src.shape[1] // 2
+            dst[:, :half].copy_(src[:, half:])
+            dst[:, half:].copy_(src[:, :half])
+        else:
+            dst.copy_(src)
+        if plan.clamp_min is not None and kind != "w13":
+            dst.masked_fill_(dst == plan.clamp_min, floor)  # a Python float: no host-device copy
+        return True
 
-    return undo
+    return copy_back
 
 
 def mla_absorbed_ref(

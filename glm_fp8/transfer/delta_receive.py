@@ -6,6 +6,7 @@ dense segment proves the result exact before anything lands (``glm_fp8.transfer.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -17,6 +18,10 @@ from glm_fp8.transfer.delta_versions import NONE, HeldVersions
 from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
 from glm_fp8.transfer.land import piece_region
 from glm_fp8.transfer.wire import UpdateAborted
+
+# load_into's ``unland(name, dst, src)``: ``dst`` <- what landed in ``src``, a region of parameter
+# ``name`` the engine rewrote after landing; False: not rewritten (glm_fp8.engine.postload).
+Unland = Callable[[str, torch.Tensor, torch.Tensor], bool]
 
 
 def check_receiver_delta(receiver) -> None:
@@ -50,7 +55,7 @@ class ReceiverDelta:
     new Receiver, so a restarted rank gets every layer dense), this update's number and steps."""
 
     def __init__(self, receiver):
-        self.r = receiver
+        self.r = weakref.proxy(receiver)  # the Receiver owns this state: no cycle keeps it alive
         self.held = HeldVersions(len(receiver.plans))
         self.update, self.is_delta = NONE, [False] * len(receiver.plans)  # this rank takes deltas of it
         self.fresh: list[frozenset[int]] = [frozenset()] * len(receiver.plans)  # delta_plan.delta_layers
@@ -61,10 +66,11 @@ class ReceiverDelta:
         self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.params: Mapping[str, torch.Tensor] | None = None
         self.aliases: Mapping[str, str] = {}
-        self.unland: Callable[[str, torch.Tensor], None] | None = None  # load_into's
+        self.unland: Unland | None = None  # load_into's
         self.got: dict[int, int] = {}
         self.resent: dict[int, int] = {}  # layer position -> the bytes its delta step took
-        self.alias_dense: set[int] = set()  # layers with an alias whose rebuild differed: dense from then on
+        # Layers this rank takes dense from then on: an alias whose rebuild differed, a rebuild that raised.
+        self.dense_only: set[int] = set()
         # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
         self.backend = "torch" if receiver.device.type == "cpu" else None
 
@@ -89,7 +95,7 @@ class ReceiverDelta:
         differs from its sender's checksum; every rank takes the layer again, dense, before COMPLETE."""
         self.resent[pos] = self.got.pop(pos, 0)
         if self.aliased(pos):
-            self.alias_dense.add(pos)
+            self.dense_only.add(pos)
 
     def resends(self) -> list[int]:
         """The layers to receive again, dense (in order): from now on their steps are dense ones."""
@@ -102,9 +108,10 @@ class ReceiverDelta:
         (``load_into``'s ``aliases``: landing skips it, it holds another parameter's bytes, e.g. the
         MTP drafter's ``shared_head.head``, the target's ``lm_head``) is rebuilt from that parameter,
         which is exact where the trainer ties the two; once such a layer's rebuild differed (untied,
-        or the other parameter updated apart) it votes ``NONE`` for it: dense from then on."""
+        or the other parameter updated apart) it votes ``NONE`` for it: dense from then on; so does
+        a layer whose rebuild raised."""
         row = list(self.held.held)
-        for pos in self.alias_dense:
+        for pos in self.dense_only:
             row[pos] = NONE
         return row
 
@@ -159,9 +166,12 @@ class ReceiverDelta:
         bad, got = [], 0
         try:
             self._rebuild(pos, buf, [it[0] for it in items if it[2]])
+        except UpdateAborted:
+            raise
         except Exception as exc:  # noqa: BLE001 - the link stays in step; the layer is resent dense
             warnings.warn(f"delta: rebuilding layer {lay.layer_idx} from the parameters failed ({exc}); "
-                          "it is resent dense", stacklevel=2)  # fmt: skip
+                          "it is resent dense, and taken dense from then on", stacklevel=2)  # fmt: skip
+            self.dense_only.add(pos)
             bad.append(torch.tensor(True, device=buf.device))
         for seg, sd, delta, region, msg, pay in (it for it in items if it[0].group is not None):
             src = r.senders[seg.sender]
@@ -217,9 +227,9 @@ class ReceiverDelta:
 
     def _rebuild(self, pos: int, buf: torch.Tensor, segs) -> None:
         """Segments ``segs`` of ``pos`` as the sender last sent them, from this rank's parameters:
-        each piece view <- its parameter region (``glm_fp8.transfer.land``'s copies, the other way),
-        then ``unland`` on it (what the engine rewrote after landing, undone), the bytes between
-        pieces zero."""
+        each piece view <- its parameter region (``glm_fp8.transfer.land``'s copies, the other way;
+        through ``unland`` where the engine rewrote it after landing), the bytes between pieces
+        zero."""
         r, params = self.r, self.params
         if params is None:
             raise UpdateAborted("delta: a delta layer arrived outside load_into (it needs the parameters)")
@@ -233,9 +243,8 @@ class ReceiverDelta:
             else:
                 param = r.targets[name].name
                 src = piece_region(params[param], r.targets[name], rows)
-            view.copy_(src)
-            if self.unland is not None:
-                self.unland(param, view)
+            if self.unland is None or not self.unland(param, view, src):
+                view.copy_(src)
 
 
-__all__ = ["ReceiverDelta", "check_receiver_delta"]
+__all__ = ["ReceiverDelta", "Unland", "check_receiver_delta"]

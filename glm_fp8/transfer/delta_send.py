@@ -5,6 +5,7 @@ each segment, its counts message and payload (``glm_fp8.transfer.delta_plan``)."
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,9 @@ class SenderDelta:
     sent (``kept``, persistent: the sender's whole share), their versions, the update counter."""
 
     def __init__(self, sender, options: DeltaOptions):
-        self.s, self.options = sender, options
+        # A weak reference: the Sender owns this state, and no cycle keeps a dropped Sender's
+        # buffers alive until Python's cycle collector runs.
+        self.s, self.options = weakref.proxy(sender), options
         n = len(sender.plans)
         self.versions = KeptVersions(n)
         # Update numbers start at the clock, so that a rebuilt Sender never reuses one an engine

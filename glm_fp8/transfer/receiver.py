@@ -4,7 +4,7 @@ voted that it arrived intact (protocol: ``glm_fp8.transfer.wire``; routes: ``glm
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -12,7 +12,7 @@ from glm_fp8._checks import check_int
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.specs import EngineParam, engine_params
 from glm_fp8.plan import LayerPlan, layer_prefix
-from glm_fp8.transfer.delta_receive import ReceiverDelta
+from glm_fp8.transfer.delta_receive import ReceiverDelta, Unland
 from glm_fp8.transfer.endpoint import (
     MAX_RING,
     Endpoint,
@@ -330,12 +330,13 @@ class Receiver(Endpoint):
     # --- landing ------------------------------------------------------------------------------------
 
     def load_into(self, params: Mapping[str, torch.Tensor], *, aliases: Mapping[str, str] | None = None,
-                  unland: Callable[[str, torch.Tensor], None] | None = None) -> UpdateStats:  # fmt: skip
+                  unland: Unland | None = None) -> UpdateStats:  # fmt: skip
         """Copy (wire 'fp8') or quantize (wire 'bf16': into an fp8 parameter with a ``_scale_inv`` beside
         it, else copied) every received entry into ``params``. ``aliases``: parameter names that
-        hold the very tensor of another (alias -> name); they are not written. ``unland(name,
-        copy)`` (delta): undoes in place, on a copy of parameter ``name`` or of a piece of it, what
-        the engine rewrote there after landing (``glm_fp8.engine.postload.postload_inverse``).
+        hold the very tensor of another (alias -> name); they are not written. ``unland(name, dst,
+        src)`` (delta): writes into ``dst`` what landed in ``src``, a region of parameter ``name``
+        the engine rewrote after landing, and returns True (False: not rewritten, copied as it is;
+        ``glm_fp8.engine.postload.postload_inverse``).
 
         Every name, shape, dtype, device, ``requires_grad`` and aliasing is checked before the first
         byte is received; a failed check is voted on with the manifest, so every rank stops there.

@@ -124,25 +124,28 @@ def test_apply_postload_touches_only_the_landed_sparse_layers():
 
 
 @pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
-def test_postload_inverse_gives_back_the_bytes_that_landed(scale_fmt):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_postload_inverse_gives_back_the_bytes_that_landed(scale_fmt, tp):
     """What a delta update rebuilds from a FlashInfer CUTLASS engine (docs/delta.md): after
-    ``apply_postload_`` (w13 halves swapped, scales clamped to >= 1e-10), ``postload_inverse`` on a
-    copy of each parameter, or of some of its experts (many senders), gives back the landed bytes,
-    an all-zero block's floor scale included; other parameters are left alone. A scale below the
-    clamp that is not the floor (a tiny, not all-zero block) is not recovered: the delta's checksum
-    catches it."""
+    ``apply_postload_`` (w13 halves swapped, scales clamped to >= 1e-10), ``postload_inverse``'s
+    copy of each parameter, or of some of its experts (many senders), is the landed bytes, an
+    all-zero block's floor scale included (in w1's half and in w3's), on a rank with whole experts
+    or with a TP cut of each ([gate part; up part]); a parameter the step leaves alone is not
+    written (False). A scale below the clamp that is not the floor (a tiny, not all-zero block)
+    is not recovered: the delta's checksum catches it."""
     from glm_fp8.engine import EngineLayout, engine_param_specs
     from glm_fp8.engine.postload import apply_postload_, postload_inverse, postload_plan
     from glm_fp8.quantize import quantize_blockwise
 
-    specs = engine_param_specs(TINY_GLM5, EngineLayout())
+    specs = engine_param_specs(TINY_GLM5, EngineLayout(tp_size=tp, tp_rank=tp - 1))
     plan = postload_plan(TINY_GLM5, moe_backend="FLASHINFER_CUTLASS")
     p3 = "model.layers.3.mlp.experts.routed_experts."
     landed = {}
     for w in ("w13", "w2"):
         shape = specs[p3 + f"{w}_weight"][0]
         x = torch.randn(shape)
-        x[1, :128, :128] = 0  # an all-zero block: the floor scale, clamped up by FlashInfer
+        x[1, :128, :128] = 0  # all-zero blocks: the floor scale, clamped up by FlashInfer
+        x[2, -128:, -128:] = 0
         q, scale = quantize_blockwise(x, scale_fmt=scale_fmt)
         landed[p3 + f"{w}_weight"], landed[p3 + f"{w}_weight_scale_inv"] = q, scale
     landed["model.layers.3.self_attn.o_proj.weight_scale_inv"] = torch.full((2, 2), 1e-12)
@@ -151,17 +154,18 @@ def test_postload_inverse_gives_back_the_bytes_that_landed(scale_fmt):
     assert not torch.equal(
         _bytes(params[p3 + "w13_weight_scale_inv"]), _bytes(landed[p3 + "w13_weight_scale_inv"])
     )
-    undo = postload_inverse(plan, TINY_GLM5, [3], scale_fmt)
+    copy_back = postload_inverse(plan, TINY_GLM5, [3], scale_fmt)
     for name, want in landed.items():
         for rows in (slice(None), slice(1, 3)):  # the whole parameter, or two of its experts
-            got = params[name][rows].clone()
-            undo(name, got)
-            assert torch.equal(_bytes(got), _bytes(want[rows])), (name, rows)
+            got = torch.full_like(want[rows], float("nan"))
+            if copy_back(name, got, params[name][rows]):
+                assert torch.equal(_bytes(got), _bytes(want[rows])), (name, rows)
+            else:  # not rewritten (w2's bytes, a linear's scales): nothing written, copied as it is
+                assert name.endswith(("w2_weight", "o_proj.weight_scale_inv")) and got.isnan().all(), name
     assert postload_inverse(postload_plan(TINY_GLM5, moe_backend="TRITON"), TINY_GLM5, [3], scale_fmt) is None
     tiny = torch.tensor([[5e-11]])  # below the clamp, not the floor: clamped, then not recovered
-    clamped = tiny.clamp(min=1e-10)
-    undo(p3 + "w2_weight_scale_inv", clamped)
-    assert not torch.equal(clamped, tiny)
+    got = torch.empty_like(tiny)
+    assert copy_back(p3 + "w2_weight_scale_inv", got, tiny.clamp(min=1e-10)) and not torch.equal(got, tiny)
 
 
 def test_mla_absorbed_ref_slices_each_heads_dequantized_rows():

@@ -11,6 +11,8 @@ update is a delta for every rank. After every update every engine byte equals th
 that step's weights. A copy goes only to an endpoint like its own (the same kept place, layout).
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -141,9 +143,10 @@ def test_a_rebuilt_fleet_keeps_its_deltas_where_both_ends_agree():
 def test_a_regrouped_layer_is_assembled_piece_by_piece():
     """A new link's segments from the old kept bytes: an equal segment is the old tensor itself
     (once; a second equal segment is a copy), a regrouped one has each piece's old bytes at its new
-    offset, zeros between pieces and for a piece no old segment held."""
+    offset, zeros between pieces and for a piece new to the link; a piece another sender sent on
+    the old link leaves the layer uncarried."""
     from glm_fp8.engine.layout import Shard
-    from glm_fp8.transfer.delta_carry import KeptLayer, _assemble
+    from glm_fp8.transfer.delta_carry import KeptLayer, _assemble, _key
     from glm_fp8.transfer.pack import CHECKSUM_BYTES, ShardPack, ShardPiece
 
     def piece(name, offset, n=96):
@@ -157,11 +160,58 @@ def test_a_regrouped_layer_is_assembled_piece_by_piece():
     kept_xy = torch.randint(1, 256, (512,), dtype=torch.uint8)
     kept_xy[96:128], kept_xy[224:] = 0, 0  # between and after the pieces: zero, as a delta keeps them
     kept_z = torch.randint(0, 256, (512,), dtype=torch.uint8)
-    old = KeptLayer(7, [(old_xy.pieces, kept_xy), (old_z.pieces, kept_z)])
-    new_y_w = pack(piece("y", 256), piece("w", 0))  # y moved, w new
-    got = _assemble([old_xy, new_y_w, old_xy], old, lambda n: torch.full((n,), 0xFF, dtype=torch.uint8))
+    on_link = frozenset(_key(p) for p in (x, y, z, piece("v", 0)))  # v: another sender sent it
+    old = KeptLayer(7, [(old_xy.pieces, kept_xy), (old_z.pieces, kept_z)], on_link)
+    new_y_w = pack(piece("y", 256), piece("w", 0))  # y moved, w new to the link
+    poisoned = lambda n: torch.full((n,), 0xFF, dtype=torch.uint8)  # noqa: E731
+    got = _assemble([old_xy, new_y_w, old_xy], old, poisoned)
     assert got[0] is kept_xy
     assert got[2] is not kept_xy and torch.equal(got[2], kept_xy)
     want = torch.zeros(512, dtype=torch.uint8)
     want[256:352] = kept_xy[128:224]
     assert torch.equal(got[1], want)
+    # a piece another sender sent on the old link (its owner moved): not carried, dense for all
+    assert _assemble([pack(piece("v", 0))], old, poisoned) is None
+
+
+def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
+    """Three senders into EP 2, then a TP 1 server added: the senders' share of the non-split
+    entries is rebalanced (glm_fp8.transfer.owners), so some pieces move to another sender. A
+    sender carries a layer only where each piece it now sends is one it sent before or one no
+    sender sent (new to the link); the others go dense for every rank (delta_layers needs every
+    sender's version). A dropped Sender is freed at once. Runs the Senders' planning only: a
+    stand-in link, kept copies of zeros."""
+    from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
+    from glm_fp8.transfer.delta_carry import _key, adopt_kept, detach_kept
+
+    config = {**CONFIG, "num_hidden_layers": 16}
+    ids, n = list(range(16)), 3
+    before, after = (
+        [None] * n + EngineLayout.all_ranks(2, 1, True),
+        [None] * n + [B, *EngineLayout.all_ranks(2, 1, True)],
+    )
+
+    def sender(engines, me):
+        link = HostSinkComm(rank=me, size=len(engines))
+        return Sender(link, me, config=config, layer_ids=ids, engines=engines, senders=list(range(n)),
+                      device="cpu", delta=DeltaOptions())  # fmt: skip
+
+    dense = set()
+    for me in range(n):
+        old = sender(before, me)
+        for pos, lay in enumerate(old.routes.layers):
+            old.delta.kept[pos] = [torch.zeros(s.data_nbytes, dtype=torch.uint8) for s in lay.of_sender(me)]
+            old.delta.versions.compared(pos, 5)
+        mine = [{_key(p) for s in lay.of_sender(me) for p in s.pieces} for lay in old.routes.layers]
+        sent = [{_key(p) for s in lay.segments for p in s.pieces} for lay in old.routes.layers]
+        new = sender(after, me)
+        carried, dropped = adopt_kept(new, detach_kept(old)), weakref.ref(old)
+        del old  # freed at once (its delta state holds it weakly): its rings do not outlive it
+        assert dropped() is None
+        for pos, lay in enumerate(new.routes.layers):
+            keys = {_key(p) for s in lay.of_sender(me) for p in s.pieces}
+            stays = all(k in mine[pos] or k not in sent[pos] for k in keys)
+            assert (lay.layer_idx in carried) == stays, (me, lay.layer_idx)
+            assert new.delta.versions.kept[pos] == (5 if stays else -1)
+        dense |= set(ids) - set(carried)
+    assert 0 < len(dense) < len(ids), dense  # some owners moved, most layers still carried

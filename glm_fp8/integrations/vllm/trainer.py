@@ -52,7 +52,7 @@ from glm_fp8.integrations.vllm.trainer_fleet import FleetMembership, draft_decis
 from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions, delta_options
 from glm_fp8.integrations.vllm.trainer_source import contribute, trainer_source
 from glm_fp8.models import mtp_layer_index
-from glm_fp8.transfer.delta_carry import KeptCopy, adopt_kept, detach_kept
+from glm_fp8.transfer.delta_carry import KeptCopy, adopt_kept, detach_each
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.sender import Sender
 
@@ -381,8 +381,7 @@ class TrainerSide(FleetMembership):
             self.link.close()
             self.link = None
         self.store = None
-        detached = {s: detach_kept(x) for s, x in senders.items() if keep and x.delta is not None}
-        self._kept = {**self._kept, **detached} if keep else {}
+        self._kept = {**self._kept, **detach_each(senders)} if keep else {}
 
     def shutdown(self) -> None:
         """Close the link and the store (this rank's end); ``send()`` then refuses."""

@@ -176,9 +176,9 @@ class EngineUpdater:
         """The link is gone (a new generation of the fleet): drop its receivers, keeping what each
         delta session holds for the next link's (``glm_fp8.transfer.delta_carry``). The parameters
         stay; a byte rewritten meanwhile fails its layer's checksum and is resent dense."""
-        for key, receiver in self._receivers.items():
+        for (session, _), receiver in self._receivers.items():
             if receiver.delta is not None:
-                self._held[key[2:6]] = detach_held(receiver)  # (layer ids, rest, scale format, device)
+                self._held[session] = detach_held(receiver)
         self._receivers.clear()
 
     def describe(self) -> dict[str, object]:
@@ -275,19 +275,9 @@ class EngineUpdater:
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         if device is None:
             device = next(iter(self.engine.params.values())).device
-        key = (
-            id(comm),
-            src,
-            tuple(ids),
-            rest,
-            fmt,
-            str(device),
-            ring,
-            checksum,
-            None if engines is None else tuple(engines),
-            None if senders is None else tuple(senders),
-            delta,
-        )
+        session = (tuple(ids), rest, fmt, str(device))  # what a held copy goes on with (drop_link)
+        fleet = (None if engines is None else tuple(engines), None if senders is None else tuple(senders))
+        key = (session, (id(comm), src, ring, checksum, *fleet, delta))
         receiver = self._receivers.get(key)
         if receiver is None:
             receiver = self._receivers[key] = Receiver(
@@ -305,8 +295,8 @@ class EngineUpdater:
                 checksum=checksum,
                 delta=delta,
             )
-            if delta and key[2:6] in self._held:  # the session's layers on a new link: still held
-                adopt_held(receiver, self._held.pop(key[2:6]))
+            if delta and session in self._held:  # the session's layers on a new link: still held
+                adopt_held(receiver, self._held.pop(session))
         refusal = self._refusal(ids, rest, fmt)
         parts = self._parts(ids, rest)
         params: Mapping[str, torch.Tensor] = self.engine.params if refusal is None else _Refusing(refusal)
