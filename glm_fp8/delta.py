@@ -285,9 +285,12 @@ def compare_bytes(new: torch.Tensor, kept: torch.Tensor, *, backend: str | None 
     cols = math.prod(new.shape[1:] if new.dim() > 1 else new.shape) * new.element_size()  # bytes a row
 
     def byte_rows(t: torch.Tensor) -> torch.Tensor:
-        # Flat first: torch calls a tensor with a size-1 last dim (or none) contiguous whatever its
-        # last stride, which a byte view refuses. A view of ``t`` itself when it is contiguous.
-        return t.contiguous().reshape(-1).view(torch.uint8).reshape(rows, cols)
+        # Flat first, with an explicit unit stride: torch calls a tensor with size-1 dims contiguous
+        # whatever their strides, and keeps such a stride through reshape (a [1, 1] view with
+        # strides (2, 2) flattens to stride 2), which a byte view refuses. A contiguous tensor's
+        # elements lie densely from its offset, so this is a view of ``t`` itself when it is one.
+        c = t.contiguous()
+        return c.as_strided((c.numel(),), (1,), c.storage_offset()).view(torch.uint8).reshape(rows, cols)
 
     device = new.device
     if _backend(backend, device) == "triton" and new.is_contiguous() and kept.is_contiguous():

@@ -412,15 +412,18 @@ def test_compare_bytes_fuzz_cpu(backend, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("shape", [(256, 1), (0, 33)])
+@pytest.mark.parametrize("shape", [(256, 1), (0, 33), (1, 1)])
 def test_compare_bytes_takes_a_contiguous_nonunit_last_stride(shape, backend, device):
     """bf16 kept copies torch calls contiguous with a last stride of 256 ([256, 1] seen through a
-    transposed [1, 256]) or 2 ([0, 33], every other column of [0, 66]): compare_bytes moves them to
-    ``new`` as any other layout (both raised before: a byte view of such a tensor fails)."""
+    transposed [1, 256]) or 2 ([0, 33], every other column of [0, 66]; [1, 1], every other element
+    of both dims of [2, 2], whose strides survive flattening: GPU delta fuzz seed 20261239):
+    compare_bytes moves them to ``new`` as any other layout (each raised before: a byte view of
+    such a tensor fails)."""
     rows, cols = shape
     new = torch.arange(rows * cols, device=device).to(torch.bfloat16).view(shape)
-    kept = torch.zeros(cols, rows, dtype=torch.bfloat16, device=device).t() if cols == 1 else (
-        torch.zeros(rows, 2 * cols, dtype=torch.bfloat16, device=device)[:, ::2])  # fmt: skip
+    zeros = lambda *s: torch.zeros(*s, dtype=torch.bfloat16, device=device)  # noqa: E731
+    kept = {(256, 1): lambda: zeros(1, 256).t(), (0, 33): lambda: zeros(0, 66)[:, ::2],
+            (1, 1): lambda: zeros(2, 2)[::2, ::2]}[shape]()  # fmt: skip
     assert kept.is_contiguous() and kept.stride(-1) != 1
     d = compare_bytes(new, kept, backend=backend)
     assert d.shape == (rows, 2 * cols) and torch.equal(kept, new)
