@@ -16,7 +16,7 @@ from glm_fp8.plan import layer_prefix
 from glm_fp8.transfer.delta_plan import LayerSizes, SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import NONE, HeldVersions
 from glm_fp8.transfer.delta_wire import payload_layout, unpack_delta
-from glm_fp8.transfer.land import piece_region
+from glm_fp8.transfer.land import full_region, piece_region
 from glm_fp8.transfer.wire import UpdateAborted
 
 # load_into's ``unland(name, dst, src)``: ``dst`` <- what landed in ``src``, a region of parameter
@@ -238,8 +238,7 @@ class ReceiverDelta:
         views, _ = r._views(pos, segs)
         for name, view, rows in views:
             if r.targets is None:
-                param = name
-                src = params[name] if rows is None else params[name].narrow(0, rows[0], rows[1] - rows[0])
+                param, src = name, full_region(params[name], rows)
             else:
                 param = r.targets[name].name
                 src = piece_region(params[param], r.targets[name], rows)

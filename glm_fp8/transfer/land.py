@@ -150,7 +150,12 @@ def land_layer(
 
 def land_full(dst: torch.Tensor, view: torch.Tensor, rows: tuple[int, int] | None) -> None:
     """A whole entry (or rows [a, b) of its dim 0) into a full-size parameter."""
-    (dst if rows is None else dst.narrow(0, rows[0], rows[1] - rows[0])).copy_(view)
+    full_region(dst, rows).copy_(view)
+
+
+def full_region(dst: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """The region of full-size parameter ``dst`` that a piece lands in: all of it, or rows [a, b)."""
+    return dst if rows is None else dst.narrow(0, rows[0], rows[1] - rows[0])
 
 
 def land_shard(dst: torch.Tensor, view: torch.Tensor, target: EngineParam) -> None:
@@ -202,6 +207,7 @@ __all__ = [
     "Expected",
     "check_param",
     "check_params",
+    "full_region",
     "land_full",
     "land_piece",
     "land_shard",
