@@ -71,7 +71,9 @@ class BlockDelta:
         return int(self.counts.sum())
 
 
-def _backend(backend: str | None, device: torch.device) -> str:
+def delta_backend(backend: str | None, device: torch.device) -> str:
+    """The delta kernels' backend for tensors on ``device``: "triton" on CUDA (or under the
+    interpreter), else "torch"; a named one checked."""
     if backend not in (None, *DELTA_BACKENDS):
         raise ValueError(f"backend: expected one of {DELTA_BACKENDS} or None, got {backend!r}")
     if backend in (None, "auto"):
@@ -137,7 +139,7 @@ def quantize_compare(
     job = plan_job(named, kept, kept_scale, "kept", "kept_scale")
     _checks.check_no_overlap([("kept", kept), ("kept_scale", kept_scale)], named)
     device = kept.device
-    if _backend(backend, device) == "torch":
+    if delta_backend(backend, device) == "torch":
         q, s = quantize_concat_ref([t for _, t in named], scale_fmt)
         if check_finite and not bool(torch.isfinite(s).all()):
             check_finite_tensors(named)
@@ -254,7 +256,7 @@ def apply_delta(
     if not isinstance(q, torch.Tensor) or not (scale is None or isinstance(scale, torch.Tensor)):
         raise TypeError("q, scale: expected the engine's fp8 tensor and its float32 scales (or None)")
     pos_off, val_off = check_delta(delta, q, scale)
-    if _backend(backend, q.device) == "torch":
+    if delta_backend(backend, q.device) == "torch":
         no_scale = torch.zeros(delta.counts.shape, device=q.device) if scale is None else scale
         new_q, new_s = delta_apply_ref(q, no_scale, *delta.tensors())
         q.copy_(new_q)
@@ -293,7 +295,7 @@ def compare_bytes(new: torch.Tensor, kept: torch.Tensor, *, backend: str | None 
         return c.as_strided((c.numel(),), (1,), c.storage_offset()).view(torch.uint8).reshape(rows, cols)
 
     device = new.device
-    if _backend(backend, device) == "triton" and new.is_contiguous() and kept.is_contiguous():
+    if delta_backend(backend, device) == "triton" and new.is_contiguous() and kept.is_contiguous():
         nb, kb = byte_rows(new).unsqueeze(0), byte_rows(kept).unsqueeze(0)
         n = ceil_blocks(nb.shape[1]) * ceil_blocks(nb.shape[2])
         bits = _empty(n * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=device)
@@ -320,5 +322,6 @@ __all__ = [
     "apply_delta",
     "check_delta",
     "compare_bytes",
+    "delta_backend",
     "quantize_compare",
 ]

@@ -36,9 +36,10 @@ from glm_fp8.transfer.routes import TransferPlan
 COUNT_BYTES = 4  # int32 per block
 CHANGE_BYTES = 3  # int16 offset + uint8 value per change of a sparse block
 SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
-# compare_bytes' scratch per block of the piece it compares (glm_fp8.delta): a 2 KiB bitmap, an
-# int32 count and two int64 offsets, freed on return; apply_delta's: two int64 offsets per block.
-COMPARE_SCRATCH_PER_BLOCK = 2048 + 4 + 16
+# The sender's comparison scratch per block of the piece it compares
+# (glm_fp8.transfer.delta_wire.pack_bytes_delta): a 2 KiB bitmap and two int64 offsets (its counts
+# go straight into the counts message), freed on return; apply_delta's: two int64 offsets per block.
+COMPARE_SCRATCH_PER_BLOCK = 2048 + 16
 APPLY_SCRATCH_PER_BLOCK = 16
 STAGING_LAYERS = 1  # kept in host memory: one staging buffer of a layer's (DeltaOptions(kept="host"))
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
@@ -186,7 +187,7 @@ class SenderShare:
     """One sender's side of a delta update (``glm_fp8.transfer.delta_send``): ``kept`` (its copy of
     what it last sent: every data byte of its segments), ``staging`` (kept in host memory:
     ``STAGING_LAYERS`` of its largest layer of it on the GPU; 0 on the GPU), ``scratch``
-    (``compare_bytes``' for its largest piece), ``buffers`` (a counts message and payload bound
+    (``pack_bytes_delta``'s for its largest piece), ``buffers`` (a counts message and payload bound
     per segment of its largest layer, one per conversion ring slot) and ``converted`` (its
     seconds of conversion over the update, at ``per_byte`` s a kernel-format byte and at least
     ``per_layer`` s a layer it converts any of)."""

@@ -8,6 +8,9 @@
 - ``delta_bytes_kernel``: the same comparison of bytes already converted (a segment of the
   transfer, any entry's bytes seen as uint8 rows): new against kept, the kept copy moved to the new
   bytes, the count and the bitmap; no quantization.
+- ``delta_offsets_kernel``: one program per piece, the pack kernel's per-block offsets on the
+  device, laid out as the wire's payload (``glm_fp8.transfer.delta_wire``) and the payload's running
+  length updated, so that a sender packs a segment with no host read (``pack_bytes_delta``).
 - ``delta_pack_kernel``: turns the bitmap into the wire's sorted int16 offsets and the uint8
   values (read back from the updated kept copy) at offsets given by a prefix sum of the counts;
   a dense block copies all its bytes. Reads the bitmap and the kept copy of changed blocks only.
@@ -40,6 +43,7 @@ from glm_fp8.numerics import BLOCK, ceil_blocks
 WORD = 16  # bits per bitmap word: int16 words, so no sum of shifted bits ever overflows
 BITMAP_WORDS = BLOCK * BLOCK // WORD  # per block
 APPLY_CHUNK = 256  # sparse positions one step of the apply loop writes
+OFFSETS_CHUNK = 1024  # blocks one step of the offsets kernel's loops scans
 
 
 def _delta_compare(
@@ -132,6 +136,52 @@ def _program_block(p_cnt, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr):
     o_c = tl.arange(0, BC).to(tl.int64)
     m_t = (o_r < nr)[:, None] & (o_c < nc)[None, :]
     return i_b, tl.load(p_cnt + i_b), i_e, r0, c0, nr, nc, o_r, o_c, m_t
+
+
+@triton.jit
+def _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr,
+                  CHUNK: tl.constexpr):  # fmt: skip
+    """Blocks ``start + [0, CHUNK)``: their offsets and values on the wire (a block with more than
+    a third of its valid bytes changed goes whole: no offsets, every valid byte), their indices."""
+    o_k = start + tl.arange(0, CHUNK).to(tl.int64)
+    m_k = o_k < n_blocks
+    n = tl.load(p_cnt + o_k, mask=m_k, other=0).to(tl.int64)
+    rows = tl.minimum(R - ((o_k // n_cb) % n_rb) * BR, BR)
+    cols = tl.minimum(C - (o_k % n_cb) * BC, BC)
+    v = tl.where(m_k, rows * cols, 0)
+    dense = 3 * n > v
+    return tl.where(dense, 0, n), tl.where(dense, v, n), o_k
+
+
+@triton.jit
+def delta_offsets_kernel(
+    p_cnt, p_poff, p_voff, p_len, n_blocks, R, C, n_rb, n_cb,
+    BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """The payload fields of an unscaled piece at byte ``*p_len`` (the segment's earlier pieces):
+    its offsets (int16) there, its values after them at the next multiple of ALIGN, each block's
+    start in them (positions in int16 units, values in bytes, from the payload's start); then
+    ``*p_len`` past both fields, each padded to ALIGN. Two passes over the counts: the totals place
+    the values field, then the exclusive prefix sums."""
+    base = tl.load(p_len)
+    acc_p = tl.zeros([CHUNK], dtype=tl.int64)
+    acc_v = tl.zeros([CHUNK], dtype=tl.int64)
+    for start in range(0, n_blocks, CHUNK):
+        pos, val, _ = _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR, BC, CHUNK)
+        acc_p += pos
+        acc_v += val
+    n_pos = tl.sum(acc_p, axis=0)
+    v0 = base + (2 * n_pos + ALIGN - 1) // ALIGN * ALIGN
+    c_p = base // 2  # positions: int16 units
+    c_v = v0
+    for start in range(0, n_blocks, CHUNK):
+        pos, val, o_k = _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR, BC, CHUNK)
+        m_k = o_k < n_blocks
+        tl.store(p_poff + o_k, c_p + tl.cumsum(pos, axis=0) - pos, mask=m_k)
+        tl.store(p_voff + o_k, c_v + tl.cumsum(val, axis=0) - val, mask=m_k)
+        c_p += tl.sum(pos, axis=0)
+        c_v += tl.sum(val, axis=0)
+    tl.store(p_len, v0 + (tl.sum(acc_v, axis=0) + ALIGN - 1) // ALIGN * ALIGN)
 
 
 @triton.jit
@@ -243,6 +293,20 @@ def launch_pack(kept_q: torch.Tensor, bits: torch.Tensor, wire: Wire) -> None:
     _launch_per_block(delta_pack_kernel, kept_q, (bits, *wire), WBITS=WORD, num_warps=8)
 
 
+def launch_offsets(shape: tuple[int, int, int], counts: torch.Tensor, pos_offsets: torch.Tensor,
+                   val_offsets: torch.Tensor, length: torch.Tensor, align: int) -> None:  # fmt: skip
+    """A piece of ``shape`` [E, R, C] with its block ``counts`` (int32): fill ``pos_offsets`` and
+    ``val_offsets`` (int64 [blocks]) at payload byte ``length`` (int64 [1], on the device), which
+    moves past the piece's fields (``delta_offsets_kernel``)."""
+    e, r, c = shape
+    n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
+    with _on_device(counts):
+        delta_offsets_kernel[(1,)](
+            counts, pos_offsets, val_offsets, length, e * n_rb * n_cb, r, c, n_rb, n_cb,
+            BR=BLOCK, BC=BLOCK, CHUNK=OFFSETS_CHUNK, ALIGN=align, num_warps=4,
+        )  # fmt: skip
+
+
 def launch_apply(q: torch.Tensor, wire: Wire) -> None:
     """Write checked changes into the fp8 parameter view q [E, R, C] (any strides)."""
     _launch_per_block(delta_apply_kernel, q, wire, CHUNK=APPLY_CHUNK, num_warps=4)
@@ -267,5 +331,5 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 __all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "Wire", "delta_apply_kernel", "delta_bytes_kernel",
-           "delta_compare_kernel", "delta_pack_kernel", "launch_apply", "launch_compare",
-           "launch_compare_bytes", "launch_pack"]  # fmt: skip
+           "delta_compare_kernel", "delta_offsets_kernel", "delta_pack_kernel", "launch_apply",
+           "launch_compare", "launch_compare_bytes", "launch_offsets", "launch_pack"]  # fmt: skip

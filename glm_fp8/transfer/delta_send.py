@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_fp8.delta import compare_bytes
 from glm_fp8.transfer.delta_plan import LayerSizes, SegmentDelta, delta_to, exchange_versions, zero_gaps
 from glm_fp8.transfer.delta_versions import KEPT, NONE, KeptVersions
-from glm_fp8.transfer.delta_wire import pack_delta
+from glm_fp8.transfer.delta_wire import pack_bytes_delta
 from glm_fp8.transfer.endpoint import on_stream
 
 
@@ -77,7 +76,8 @@ class SenderDelta:
         self.fresh: list[frozenset[int]] = [frozenset()] * n  # which ones (delta_plan.delta_layers)
         self.buf_nbytes = max((x.messages + x.bounds for x in sizes), default=0)
         self.bufs: list[torch.Tensor | None] = [None] * sender.conv_ring.size
-        self.ready: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lengths_host: list[torch.Tensor | None] = [None] * sender.conv_ring.size
+        self.ready: dict[int, tuple[list, tuple]] = {}  # per layer: messages, their lengths
         self.sent: dict[int, int] = {}
         self.resent: set[int] = set()
 
@@ -141,8 +141,9 @@ class SenderDelta:
     def compare(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
         """After the layer was converted and packed (checksum words written): a delta step packs
         the changes of each segment some rank takes as a delta against the kept copy (which
-        ``compare_bytes`` moves to the new bytes); the other segments, and every segment of a dense
-        step, copy the new bytes into the kept copy."""
+        ``pack_bytes_delta`` moves to the new bytes), queued behind the conversion with no host
+        read; the other segments, and every segment of a dense step, copy the new bytes into the
+        kept copy."""
         lay = self.s.routes.layers[pos]
         segs = lay.of_sender(self.s.me)
         datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
@@ -157,27 +158,42 @@ class SenderDelta:
             return
         staged = self._stage_in(kept) if self.host else kept
         buf = self._buf(pos)
-        at, msgs = 0, []
+        at, msgs, lengths = 0, [], []
         for seg, sd, data, k in zip(segs, self.segs[pos], datas, staged):
             msg = buf[at : at + sd.message_nbytes]
             payload = buf[at + sd.message_nbytes : at + sd.message_nbytes + sd.bound]
             at += sd.message_nbytes + sd.bound
             if not delta_to(lay, seg, self.fresh[pos]):  # every rank of it takes it dense
                 k.copy_(data[: k.numel()])
-                msgs.append((msg, msg[:0]))
+                msgs.append((msg, None))
                 continue
-            deltas = [
-                compare_bytes(new, old, backend=self.backend) for new, old in zip(sd.views(data), sd.views(k))
-            ]
-            n = pack_delta(deltas, sd.pieces, sd.counts(msg), payload)
-            sd.words(msg)[0] = n
-            sd.words(msg)[1].copy_(seg.checksum_word(data))
-            msgs.append((msg, payload[:n]))
+            words = sd.words(msg)
+            # No host read here: the lengths are read once for the layer, when it is sent.
+            pack_bytes_delta(sd.views(data), sd.views(k), sd.pieces, sd.counts(msg), words[:1], payload,
+                             backend=self.backend)  # fmt: skip
+            words[1].copy_(seg.checksum_word(data))
+            msgs.append((msg, payload))
+            lengths.append(words[:1])
         if self.host:  # the staged copy now holds the new bytes: back to the host, stream-ordered
             for k, st in zip(kept, staged):
                 k.copy_(st, non_blocking=True)
         self.versions.compared(pos, self.update)
-        self.ready[pos] = msgs
+        self.ready[pos] = (msgs, self._lengths(pos, lengths))
+
+    def _lengths(self, pos: int, lengths: list[torch.Tensor]) -> tuple[torch.Tensor | None, object]:
+        """The layer's payload lengths (int64 [1] each, on the device) on their way to the host:
+        a pinned buffer of the ring slot's and the event that tells they are there (CUDA)."""
+        if not lengths or self.s.convert_stream is None:
+            return (torch.cat(lengths) if lengths else None), None
+        i = pos % len(self.lengths_host)
+        if self.lengths_host[i] is None:
+            n = max(len(segs) for segs in self.segs)
+            self.lengths_host[i] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        host = self.lengths_host[i][: len(lengths)]
+        host.copy_(torch.cat(lengths), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.s.convert_stream)
+        return host, event
 
     def _new_kept(self, nbytes: int) -> torch.Tensor:
         if not self.host:
@@ -213,12 +229,17 @@ class SenderDelta:
         stale checksum word: its vote refuses it."""
         s = self.s
         lay = s.routes.layers[pos]
-        msgs = self.ready.pop(pos, None)
+        msgs, (lengths, event) = self.ready.pop(pos, (None, (None, None)))
         if msgs is None:
             msgs = []
             for sd in self.segs[pos]:
                 msg = torch.zeros(sd.message_nbytes, dtype=torch.uint8, device=s.device)
                 msgs.append((msg, msg[:0]))
+        else:
+            if event is not None:
+                event.synchronize()  # the layer's one host read: its payloads' lengths
+            ns = iter(lengths.tolist() if lengths is not None else ())
+            msgs = [(msg, msg[:0] if payload is None else payload[: next(ns)]) for msg, payload in msgs]
         first, payloads, sent = [], [], 0
         for seg, (msg, payload) in zip(lay.of_sender(s.me), msgs):
             to = delta_to(lay, seg, self.fresh[pos])

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_fp8.delta import BlockDelta
+from glm_fp8.delta import BlockDelta, compare_bytes, delta_backend
+from glm_fp8.kernels import triton_delta
 from glm_fp8.numerics import blocks_shape
 from glm_fp8.plan import align
 from glm_fp8.reference import delta_block_sizes
@@ -139,6 +140,45 @@ def pack_delta(deltas: Sequence[BlockDelta], pieces: Sequence[DeltaPiece], count
     return total
 
 
+def pack_bytes_delta(
+    news: Sequence[torch.Tensor],
+    kepts: Sequence[torch.Tensor],
+    pieces: Sequence[DeltaPiece],
+    msg: torch.Tensor,
+    length: torch.Tensor,
+    payload: torch.Tensor,
+    backend: str | None = None,
+) -> None:
+    """The delta of a segment's unscaled pieces, ``news`` against ``kepts`` (uint8, each its piece's
+    shape; ``kepts`` moved to ``news``), written as ``pack_delta`` writes it: the counts into
+    ``msg`` (int32 [counts_numel]), the payload into ``payload`` (uint8, ``payload_bound`` bytes),
+    its byte count into ``length`` (int64 [1]). With the Triton kernels (CUDA), nothing is read back
+    to the host: offsets and the length are computed on the device, so that a sender queues a whole
+    layer's comparison behind its conversion and reads its lengths once. Allocates per piece a
+    2 KiB bitmap and two int64 offsets per block (``glm_fp8.update_delta.COMPARE_SCRATCH_PER_BLOCK``)."""
+    if len(news) != len(pieces) or len(kepts) != len(pieces) or any(p.scaled for p in pieces):
+        raise ValueError(f"pieces: expected {len(pieces)} unscaled pieces, one per new and kept tensor")
+    if delta_backend(backend, payload.device) != "triton":
+        deltas = [compare_bytes(a, b, backend="torch") for a, b in zip(news, kepts)]
+        length.fill_(pack_delta(deltas, pieces, msg, payload))
+        return
+    msg.zero_()  # every piece's count of changed scales stays 0
+    length.zero_()
+    start = 0
+    positions = payload[: payload.numel() // 2 * 2].view(torch.int16)
+    for new, kept, p in zip(news, kepts, pieces):
+        shape = (1, *p.shape) if len(p.shape) == 2 else tuple(p.shape)
+        counts = msg[start : start + p.blocks]
+        start += p.blocks + 1
+        bits = torch.empty(p.blocks * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=payload.device)
+        offsets = torch.empty(2, p.blocks, dtype=torch.int64, device=payload.device)
+        kept3 = kept.view(shape)
+        triton_delta.launch_compare_bytes(new.view(shape), kept3, bits, counts)
+        triton_delta.launch_offsets(shape, counts, offsets[0], offsets[1], length, ALIGN)
+        wire = triton_delta.Wire(counts, offsets[0], offsets[1], positions, payload)
+        triton_delta.launch_pack(kept3, bits, wire)
+
+
 def unpack_delta(
     counts: torch.Tensor,
     payload: torch.Tensor,
@@ -169,6 +209,7 @@ __all__ = [
     "DeltaPiece",
     "PieceLayout",
     "counts_numel",
+    "pack_bytes_delta",
     "pack_delta",
     "payload_bound",
     "payload_layout",

@@ -11,7 +11,6 @@ import torch
 from glm_fp8._checks import check_int
 from glm_fp8.convert import entry_norms, raise_if_non_finite
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.models import REST
 from glm_fp8.plan import LayerPlan, strip_layer
 from glm_fp8.transfer.delta_send import DeltaOptions, SenderDelta
 from glm_fp8.transfer.endpoint import (
@@ -26,7 +25,7 @@ from glm_fp8.transfer.endpoint import (
 )
 from glm_fp8.transfer.gather import GATHERS, collect_layer, trainer_view
 from glm_fp8.transfer.share import check_own_layer, collect_own
-from glm_fp8.transfer.trainer_input import layer_item, layers_arg
+from glm_fp8.transfer.trainer_input import layers_arg, next_item
 from glm_fp8.transfer.votes import refusal_is_voted
 from glm_fp8.transfer.wire import (
     HEADER_WORDS,
@@ -34,7 +33,6 @@ from glm_fp8.transfer.wire import (
     REFUSED_MANIFEST,
     RESEND_DENSE,
     SENDER_FAILED,
-    LayerOrderError,
     ManifestMismatch,
     ReceiverRefused,
     UpdateAborted,
@@ -138,9 +136,10 @@ class Sender(Endpoint):
             self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
             self.link_stream = torch.cuda.Stream(self.device) if cuda else None
             self._header_in = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
-            # per step parity: (layer, the plan converted, its entries' norms, NaN/Inf flag on the device)
-            self._checks: list[tuple | None] = [None, None]
-            self._ready: torch.cuda.Event | None = None
+            # per step converted, until read: (layer, the plan converted, its entries' norms, NaN/Inf
+            # flag on the device), and the event the link waits for (CUDA)
+            self._checks: dict[int, tuple] = {}
+            self._ready: dict[int, torch.cuda.Event] = {}
             self.delta = SenderDelta.of(self, delta)
 
     def send_model(
@@ -191,23 +190,29 @@ class Sender(Endpoint):
         wait, the leader's header, the segments and every rank's vote on them; then read the
         previous step's vote. The link thus always holds the next layer while the host waits, and a
         failed vote is read one step late: every rank has queued that next step and raises once it
-        is done. Then each layer an engine rank voted RESEND_DENSE (delta) goes again, dense, from
-        the kept copy; COMPLETE is voted last."""
+        is done. A delta update queues each step after the next layer's conversion (its payloads'
+        lengths are read then, while the GPU converts the next layer), with the error of either
+        step in its vote. Then each layer an engine rank voted RESEND_DENSE (delta) goes again,
+        dense, from the kept copy; COMPLETE is voted last."""
         n = len(self.plans)
+        self._ready.clear()  # what a failed update left
+        self._checks.clear()
         failed: BaseException | None = None
         stop = False  # set alike on every sender by their vote: from then on none pulls ``layers``
         try:
             it = iter(layers_arg(layers))
         except Exception as exc:  # noqa: BLE001 - voted at the first step, raised at its verdict
             it, failed, stop = iter(()), exc, True
+        # A delta step is queued on the link after the next layer's conversion: its payloads'
+        # lengths are read then, while the GPU converts and compares that next layer.
+        lag = int(self.delta is not None)
         for pos in range(n):
             t_layer = time.perf_counter()
             err: BaseException | None = None
             item = None
-            self._ready, self._checks[pos % 2] = None, None
             if not stop:
                 try:
-                    layer_idx, sd = self._next_item(it, pos, rest)
+                    layer_idx, sd = next_item(it, pos, rest, self.layer_ids, n - self.rest, self.rest)
                     plan, layer = trainer_view(self.plans[pos], strip_layer(sd, layer_idx), layer_idx)
                     if len(self.senders) > 1:
                         check_own_layer(plan, layer, layer_idx, self.senders_global, self.routes.bounds)
@@ -223,59 +228,37 @@ class Sender(Endpoint):
                 except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
                     err = exc
             failed = err if failed is None else failed
-            # A step that did not convert still sends (its slot's stale bytes): every rank queued its
-            # messages, and its vote refuses them.
-            self._post_step(pos, failed)
-            if pos:
-                self._settle_step(pos - 1, failed)
-            sent = self.delta.sent_nbytes(pos) if self.delta else self.routes.layers[pos].sent_nbytes(self.me)
-            seconds = time.perf_counter() - t_layer
-            stats.layers.append(LayerStats(self.layer_ids[pos], sent, seconds, self.plans[pos].nbytes))
+            if pos >= lag:
+                self._advance(pos - lag, failed)
+            stats.layers.append(LayerStats(self.layer_ids[pos], 0, time.perf_counter() - t_layer,
+                                           self.plans[pos].nbytes))  # fmt: skip
+        for pos in range(max(n - lag, 0), n):
+            self._advance(pos, failed)
         self._settle_step(n - 1, failed)
+        for pos, st in enumerate(stats.layers):
+            dense = self.routes.layers[pos].sent_nbytes(self.me)
+            st.nbytes = self.delta.sent_nbytes(pos) if self.delta else dense
         for pos in self.delta.resends() if self.delta is not None else ():  # every rank read the votes
             t_layer = time.perf_counter()
-            self._checks[pos % 2] = None
-            self._ready = self.delta.restore(pos)
+            self._ready[pos] = self.delta.restore(pos)
             self._post_step(pos, None)
             self._settle_step(pos, None)
             stats.layers[pos].nbytes += self.routes.layers[pos].sent_nbytes(self.me)
             stats.layers[pos].seconds += time.perf_counter() - t_layer
-        self._ready, self._checks[n % 2] = None, None
         if not stop:
             try:
-                self._next_item(it, n, rest)  # a layer past the announced ones
+                next_item(it, n, rest, self.layer_ids, n - self.rest, self.rest)  # a layer past the announced
             except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
                 failed = exc
         self._post_step(n, failed)
         self._settle_step(n, failed)
 
-    def _next_item(self, it, pos: int, rest: Mapping[str, torch.Tensor] | None):
-        """The ``(layer_idx, state dict)`` of step ``pos`` (None at COMPLETE), or a
-        ``LayerOrderError`` when ``layers`` / ``rest`` disagree with the manifest."""
-        n_layers = len(self.plans) - self.rest
-        if pos == 0 and self.rest != (rest is not None):
-            raise LayerOrderError(
-                "rest: the manifest announced the non-layer tensors, none were given"
-                if self.rest
-                else "rest: given, but this Sender was built without rest=True (not in the manifest)"
-            )
-        if pos < n_layers:
-            got = next(it, None)
-            if got is None:
-                raise LayerOrderError(f"layers: got {pos}, the manifest announced {n_layers}")
-            got = layer_item(got, pos)
-            if got[0] != self.layer_ids[pos]:
-                raise LayerOrderError(
-                    f"layers: got layer {got[0]} at position {pos}; the manifest announced "
-                    f"layer {self.layer_ids[pos]} there (announced order: {self.layer_ids})"
-                )
-            return got
-        if pos == n_layers and self.rest:
-            return layer_item((REST, rest), pos, what="rest")
-        extra = next(it, None)
-        if extra is not None:
-            raise LayerOrderError(f"layers: got layer {extra[0]} after the {n_layers} the manifest announced")
-        return None
+    def _advance(self, pos: int, failed: BaseException | None) -> None:
+        """Queue step ``pos`` (a step that did not convert still sends its slot's stale bytes: every
+        rank queued its messages, and its vote refuses them), then read step ``pos - 1``'s vote."""
+        self._post_step(pos, failed)
+        if pos:
+            self._settle_step(pos - 1, failed)
 
     def _senders_vote(self, err: BaseException | None) -> bool:
         """With several senders, their own vote before any gather (their group, not the whole link):
@@ -308,7 +291,7 @@ class Sender(Endpoint):
             # with the segments; the host reads the entries' norms only when that vote fails.
             norms = entry_norms(local, buf[: local.nbytes]) if views else ([], None)
             bad = None if norms[1] is None else ~torch.isfinite(norms[1]).all()
-            self._checks[pos % 2] = (layer_idx, local, norms, bad)
+            self._checks[pos] = (layer_idx, local, norms, bad)
             mine = lay.of_sender(self.me)
             packed, out = [s for s in mine if not s.direct], None
             if packed:
@@ -324,23 +307,24 @@ class Sender(Endpoint):
             if self.delta is not None:
                 self.delta.compare(pos, buf, out)
             if self.convert_stream is not None:
-                self._ready = torch.cuda.Event()
-                self._ready.record(self.convert_stream)
+                ready = self._ready[pos] = torch.cuda.Event()
+                ready.record(self.convert_stream)
         if caller is not None:
             # The caller may free or overwrite its tensors once we move on: order that after the
             # kernels that read them (the wire, on its own stream, is not waited for).
-            caller.wait_event(self._ready)
+            caller.wait_event(ready)
 
     def _post_step(self, pos: int, failed: BaseException | None) -> None:
         """Queue step ``pos`` on the link stream: the leader's header, this sender's segments (none
         at COMPLETE) and its vote, SENDER_FAILED when ``failed`` or its share holds NaN/Inf
         (decided on the device). No host wait."""
         code = refusal_code(SENDER_FAILED, self.rank)
-        checks = self._checks[pos % 2]
+        checks = self._checks.get(pos)
         flags = [(checks[3], code)] if checks is not None and checks[3] is not None else []
         with on_stream(self.link_stream):
-            if self._ready is not None:
-                self.link_stream.wait_event(self._ready)
+            ready = self._ready.pop(pos, None)
+            if ready is not None:
+                self.link_stream.wait_event(ready)
             self.link.broadcast(self._headers[pos] if self.rank == self.src else self._header_in, self.src)
             if pos < len(self.plans):
                 self._send_segments(pos)
@@ -370,6 +354,7 @@ class Sender(Endpoint):
         """Read step ``pos``'s vote; when a rank refused, wait for the step queued after it (every
         rank queued it), then raise: this sender's own error first, else one naming the rank."""
         verdict = self.step_votes.read(pos)
+        checks = self._checks.pop(pos, None)
         if not verdict:
             return
         if refusal_reason(verdict) == RESEND_DENSE:  # sent again, dense, after the last layer
@@ -378,7 +363,6 @@ class Sender(Endpoint):
         self._sync()
         if failed is not None:
             raise failed
-        checks = self._checks[pos % 2]
         if checks is not None and checks[3] is not None and bool(checks[3]):
             layer_idx, local, norms = checks[:3]
             raise_if_non_finite(norms, layer_idx, local, "every rank was stopped")

@@ -1,12 +1,16 @@
 """What a trainer rank hands ``Sender.send_model``: an iterable of ``(layer_idx, tensors)``
 pairs, each a state dict or a module (its ``state_dict()``); anything else is refused with what
-to pass instead, voted at the step it was found, so every rank stops there."""
+to pass instead, voted at the step it was found, so every rank stops there; and the item of each
+step, checked against the announced layers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
+
+from glm_fp8.models import REST
+from glm_fp8.transfer.wire import LayerOrderError
 
 
 def layers_arg(layers: object) -> object:
@@ -44,3 +48,35 @@ def layer_item(item: object, pos: int, what: str = "layers") -> tuple[int, Mappi
             f"got a {type(sd).__name__}"
         )
     return idx, sd
+
+
+def next_item(
+    it: Iterator, pos: int, rest: Mapping[str, torch.Tensor] | None, layer_ids: Sequence[int], n_layers: int,
+    has_rest: bool,
+) -> tuple[int, Mapping[str, torch.Tensor]] | None:  # fmt: skip
+    """The ``(layer_idx, state dict)`` of step ``pos`` from ``it`` (``layers``), the rest at the
+    step after the ``n_layers`` announced ones (``has_rest``), None at COMPLETE; raises
+    ``LayerOrderError`` when ``layers`` / ``rest`` disagree with the manifest (``layer_ids``)."""
+    if pos == 0 and has_rest != (rest is not None):
+        raise LayerOrderError(
+            "rest: the manifest announced the non-layer tensors, none were given"
+            if has_rest
+            else "rest: given, but this Sender was built without rest=True (not in the manifest)"
+        )
+    if pos < n_layers:
+        got = next(it, None)
+        if got is None:
+            raise LayerOrderError(f"layers: got {pos}, the manifest announced {n_layers}")
+        got = layer_item(got, pos)
+        if got[0] != layer_ids[pos]:
+            raise LayerOrderError(
+                f"layers: got layer {got[0]} at position {pos}; the manifest announced "
+                f"layer {layer_ids[pos]} there (announced order: {layer_ids})"
+            )
+        return got
+    if pos == n_layers and has_rest:
+        return layer_item((REST, rest), pos, what="rest")
+    extra = next(it, None)
+    if extra is not None:
+        raise LayerOrderError(f"layers: got layer {extra[0]} after the {n_layers} the manifest announced")
+    return None

@@ -25,7 +25,9 @@ in buffers poisoned around them: per piece ``compare_bytes(new, kept)`` returns 
 (computed from the generator's bytes, never from the kernel's), every field bit-equal, and
 ``apply_delta(delta, old_copy.view(torch.float8_e4m3fn), None)`` on a copy of the old bytes gives
 the new ones; afterwards the kept view holds the new bytes, nothing outside it was written and
-``new``'s buffer is unchanged.
+``new``'s buffer is unchanged. A segment case is also packed as the sender packs it
+(``pack_bytes_delta``, offsets and length on the device) into poisoned outputs: its counts and
+payload unpack to exactly the reference deltas, and its length is what the counts call for.
 
 ``test_delta_fuzz_gpu`` runs ``GLM_FP8_FUZZ_CASES`` (default 200) seeds on CUDA within
 ``GLM_FP8_FUZZ_BUDGET_S`` seconds (default 120), each seed's quantize case with the triton backend
@@ -65,6 +67,14 @@ from glm_fp8.delta_cut import cut_delta
 from glm_fp8.numerics import BLOCK, blocks_shape
 from glm_fp8.reference import delta_encode_ref, quantize_concat_ref
 from glm_fp8.transfer.delta_plan import segment_rows
+from glm_fp8.transfer.delta_wire import (
+    DeltaPiece,
+    counts_numel,
+    pack_bytes_delta,
+    payload_bound,
+    payload_layout,
+    unpack_delta,
+)
 
 FIELDS = ("counts", "positions", "values", "scale_index", "scale_values")
 MOVED = [0.0, 1e-4, 1e-3, 1e-2, 0.3, 1.0]  # fraction of the elements that moved since the last step
@@ -298,10 +308,12 @@ def run_bytes_case(seed: int, profile, backend: str, device: torch.device) -> li
     kept_before = case.kept_buf.view(torch.uint8).clone()
     fp8 = lambda b: b.view(torch.float8_e4m3fn)  # noqa: E731 - bytes as the delta functions take them
     errors: list[str | None] = []
+    wants = []
     for k, (new, kept, old_b, new_b) in enumerate(case.pieces):
         name = f"piece {k} {list(old_b.shape)}"
         no_scale = torch.zeros(blocks_shape(*old_b.shape), device=device)
         want = delta_encode_ref(fp8(old_b), no_scale, fp8(new_b), no_scale)
+        wants.append(want)
         d = compare_bytes(new, kept, backend=backend)
         if d.shape != tuple(old_b.shape):
             errors.append(f"{name} delta.shape: got {d.shape}, expected {tuple(old_b.shape)}")
@@ -312,7 +324,34 @@ def run_bytes_case(seed: int, profile, backend: str, device: torch.device) -> li
     errors.append(_diff("kept view", _bytes_at(case.kept_buf, case.kept_at), case.new_bytes))
     errors.append(_outside("kept buffer", case.kept_buf, kept_before, case.kept_at))
     errors.append(_diff("new buffer (read only)", case.new_buf.view(torch.uint8), new_before))
+    if "segment" in case.tags:
+        errors += _segment_packed(case, wants, backend, device)
     return [f"seed={seed}: compare_bytes {backend} {case.desc}: {e}" for e in errors if e]
+
+
+def _segment_packed(case: BytesCase, wants: list, backend: str, device: torch.device) -> list[str | None]:
+    """A segment case packed as the sender packs it (``pack_bytes_delta``: with Triton, the offsets
+    and the length on the device) into poisoned outputs: the kept bytes move to the new ones, the
+    counts message and the payload's fields unpack to exactly the reference delta of each piece,
+    and the length is what the counts call for."""
+    pieces = tuple(DeltaPiece(tuple(old_b.shape), scaled=False) for _, _, old_b, _ in case.pieces)
+    offsets = [o for o, _ in segment_rows(case.old_bytes.numel())]
+    kept = case.old_bytes.clone()
+    views = lambda t: [t[o : o + p.shape[0] * p.shape[1]].view(p.shape) for o, p in zip(offsets, pieces)]  # noqa: E731
+    counts = torch.full((counts_numel(pieces),), -7, dtype=torch.int32, device=device)
+    length = torch.full((1,), -1, dtype=torch.int64, device=device)
+    payload = torch.full((max(payload_bound(pieces), 2),), 0xFF, dtype=torch.uint8, device=device)
+    pack_bytes_delta(views(case.new_bytes), views(kept), pieces, counts, length, payload, backend=backend)
+    errors = [_diff("packed: kept", kept, case.new_bytes)]
+    try:
+        layout = payload_layout(counts, pieces)
+    except ValueError as exc:
+        return [*errors, f"packed: counts refused: {exc}"]
+    if int(length) != layout[1]:
+        errors.append(f"packed: length {int(length)}, the counts call for {layout[1]}")
+    for k, (d, want) in enumerate(zip(unpack_delta(counts, payload, pieces, layout), wants)):
+        errors += [_diff(f"packed piece {k}.{f}", getattr(d, f), w) for f, w in zip(FIELDS, want)]
+    return errors
 
 
 def _run_seeds(

@@ -110,6 +110,8 @@ def _rank(rank, world, mode):
 
             mesh = DeviceMesh(DEV, torch.arange(n))
         sender = Sender(None, 0, delta=DeltaOptions(resync_every=RESYNC[mode], kept=KEPT[mode]), **kw)
+        if DEV == "cpu" and mode == "scatter":  # the sender's Triton packing too, in the interpreter
+            sender.delta.backend = "triton"
         for step, what in enumerate(SCRIPT):
             nan = what == "nan"
             layers = ((i, _trainer_layer(step, i, mesh, nan)) for i in IDS)

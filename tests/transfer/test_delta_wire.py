@@ -4,13 +4,16 @@ lengths come from the checked counts only, and never exceed the bound a receiver
 
 import pytest
 import torch
+from conftest import BACKENDS
 
 from glm_fp8.delta import apply_delta, compare_bytes, quantize_compare
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.reference import delta_block_sizes
+from glm_fp8.transfer.delta_plan import SegmentDelta, segment_rows
 from glm_fp8.transfer.delta_wire import (
     DeltaPiece,
     counts_numel,
+    pack_bytes_delta,
     pack_delta,
     payload_bound,
     payload_layout,
@@ -119,3 +122,53 @@ def test_counts_that_do_not_belong_are_refused_before_any_read():
 def test_an_empty_segment():
     assert counts_numel([]) == 0 == payload_bound([])
     assert unpack_delta(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.uint8), []) == []
+
+
+def _byte_step(nbytes, fraction, seed):
+    """A segment's kept bytes and its new bytes with ``fraction`` of them redrawn (random data)."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    moved = torch.rand(nbytes, generator=g) < fraction
+    new = old.clone()
+    new[moved] = torch.randint(0, 256, (int(moved.sum()),), dtype=torch.uint8, generator=g)
+    return old, new
+
+
+@pytest.mark.parametrize(
+    "nbytes, fraction",
+    [
+        (128 * 300, 0.01),  # a few changes a block, a partial last block
+        (128 * 128 * 2, 0.34),  # around the dense threshold
+        (128 * 257 + 64, 0.6),  # mostly dense, and a tail piece [1, 64]
+        (128 * 129, 0.0),  # nothing changed: an empty payload
+        (50, 1.0),  # a tail piece alone
+        (0, 0.5),  # no piece
+    ],
+)
+def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fraction):
+    """``pack_bytes_delta`` on the device (Triton: no host read; offsets and the length computed
+    by the offsets kernel) writes the counts, the payload's fields and its length exactly as the
+    torch reference (``compare_bytes`` on the CPU, then ``pack_delta``), into poisoned outputs, and
+    moves the kept copy to the new bytes."""
+    if "triton" not in BACKENDS:
+        pytest.skip("Triton does not run here")
+    old, new = _byte_step(nbytes, fraction, seed=nbytes)
+    rows = segment_rows(nbytes)
+    pieces = tuple(DeltaPiece(shape, scaled=False) for _, shape in rows)
+    sd = SegmentDelta(nbytes, pieces, tuple(o for o, _ in rows))
+    got = []
+    for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
+        kept, fresh = old.to(dev, copy=True), new.to(dev, copy=True)
+        counts = torch.full((counts_numel(sd.pieces),), -7, dtype=torch.int32, device=dev)
+        length = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        payload = torch.full((max(sd.bound, 2),), 0xFF, dtype=torch.uint8, device=dev)
+        pack_bytes_delta(sd.views(fresh), sd.views(kept), sd.pieces, counts, length, payload, backend=backend)
+        assert torch.equal(kept.cpu(), new), backend
+        deltas = unpack_delta(counts.cpu(), payload.cpu(), sd.pieces)
+        got.append((counts.cpu(), int(length), [(d.counts, d.positions, d.values) for d in deltas]))
+    (ref_counts, ref_n, ref), (counts, n, out) = got
+    assert n == ref_n <= sd.bound and (n == 0) == (fraction == 0 or nbytes == 0)
+    assert torch.equal(counts, ref_counts)
+    for a, b in zip(ref, out):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
