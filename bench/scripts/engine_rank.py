@@ -144,8 +144,9 @@ def _seconds(fn, device: torch.device) -> float:
 
 def _reference(layer: dict, plan, targets: dict) -> dict[str, torch.Tensor]:
     """This rank's shard of every parameter of the layer converted by the reference (on the
-    layer's device: the same bits, far faster), owned: the full conversion is freed on return."""
-    full = convert_layer_ref(layer, 0, plan)
+    layer's device: the same bits, far faster), owned: the full conversion is freed on return.
+    Expert by expert (``per_expert``): a GLM-5 stack's float32 temporaries do not fit beside it."""
+    full = convert_layer_ref(layer, 0, plan, per_expert=True)
     return {
         targets[k].name: take_shard(x, targets[k].shard).to(targets[k].dtype).clone() for k, x in full.items()
     }
