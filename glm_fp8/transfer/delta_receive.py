@@ -173,22 +173,22 @@ class ReceiverDelta:
                           "it is resent dense, and taken dense from then on", stacklevel=2)  # fmt: skip
             self.dense_only.add(pos)
             bad.append(torch.tensor(True, device=buf.device))
-        for seg, sd, delta, region, msg, pay in (it for it in items if it[0].group is not None):
-            src = r.senders[seg.sender]
-            r.link.group_broadcast(msg if delta else region, src, seg.group)
-            if delta:
-                n, layout = self._length(sd, msg)
-                if n:
-                    r.link.group_broadcast(pay[:n], src, seg.group)
-                bad.append(self._apply(seg, sd, region, msg, pay[:n], layout))
-            got += msg.numel() + n if delta else seg.nbytes
+        # Every counts message (or dense segment) first, then the payloads, as the senders post
+        # them: the payloads' lengths are read together, with one wait.
+        groups = [it for it in items if it[0].group is not None]
+        for seg, _, delta, region, msg, _ in groups:
+            r.link.group_broadcast(msg if delta else region, r.senders[seg.sender], seg.group)
+        lengths = [self._length(sd, msg) if delta else (0, None) for _, sd, delta, _, msg, _ in groups]
+        for (seg, _, _, _, _, pay), (n, _) in zip(groups, lengths):
+            if n:
+                r.link.group_broadcast(pay[:n], r.senders[seg.sender], seg.group)
         p2p = [it for it in items if it[0].group is None]
         r.link.exchange([], [(msg if delta else region, r.senders[seg.sender])
                              for seg, _, delta, region, msg, _ in p2p])  # fmt: skip
-        lengths = [self._length(sd, msg) if delta else (0, None) for _, sd, delta, _, msg, _ in p2p]
-        sizes = zip(p2p, lengths)
+        p2p_lengths = [self._length(sd, msg) if delta else (0, None) for _, sd, delta, _, msg, _ in p2p]
+        sizes = zip(p2p, p2p_lengths)
         r.link.exchange([], [(it[5][:n], r.senders[it[0].sender]) for it, (n, _) in sizes if n])
-        for (seg, sd, delta, region, msg, pay), (n, layout) in zip(p2p, lengths):
+        for (seg, sd, delta, region, msg, pay), (n, layout) in zip(groups + p2p, lengths + p2p_lengths):
             if delta:
                 bad.append(self._apply(seg, sd, region, msg, pay[:n], layout))
             got += msg.numel() + n if delta else seg.nbytes

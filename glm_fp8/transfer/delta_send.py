@@ -224,9 +224,10 @@ class SenderDelta:
         """Post a delta step's messages (link stream) as the dense segments travel: to each rank
         that takes a segment as a delta (``delta_to``) its counts message, then its payload (none
         when empty), to the others the dense segment (``conv`` / ``out``: the ring slots); the
-        group broadcasts in class order, then one exchange of the counts messages and dense
-        segments and one of the payloads. A step that did not convert sends no change and its
-        stale checksum word: its vote refuses it."""
+        group broadcasts in class order (every counts message or dense segment, then the payloads),
+        then one exchange of the counts messages and dense segments and one of the payloads. A
+        step that did not convert sends no change and its stale checksum word: its vote refuses
+        it."""
         s = self.s
         lay = s.routes.layers[pos]
         msgs, (lengths, event) = self.ready.pop(pos, (None, (None, None)))
@@ -240,20 +241,23 @@ class SenderDelta:
                 event.synchronize()  # the layer's one host read: its payloads' lengths
             ns = iter(lengths.tolist() if lengths is not None else ())
             msgs = [(msg, msg[:0] if payload is None else payload[: next(ns)]) for msg, payload in msgs]
-        first, payloads, sent = [], [], 0
+        first, payloads, group_payloads, sent = [], [], [], 0
         for seg, (msg, payload) in zip(lay.of_sender(s.me), msgs):
             to = delta_to(lay, seg, self.fresh[pos])
             data = conv[: seg.nbytes] if seg.direct else out[seg.send_offset : seg.send_offset + seg.nbytes]
             if seg.group is not None:
-                for part in (msg, payload) if to else (data,):
-                    if part.numel():
-                        s.link.group_broadcast(part, s.rank, seg.group)
-                        sent += part.numel()
+                part = msg if to else data
+                s.link.group_broadcast(part, s.rank, seg.group)
+                sent += part.numel()
+                group_payloads += [(payload, seg.group)] if to and payload.numel() else []
                 continue
             for r in lay.classes[seg.cls]:
                 first.append((msg if r in to else data, r))
                 payloads += [(payload, r)] if r in to and payload.numel() else []
                 sent += msg.numel() + payload.numel() if r in to else data.numel()
+        for payload, group in group_payloads:  # after every counts message: a receiver reads them at once
+            s.link.group_broadcast(payload, s.rank, group)
+            sent += payload.numel()
         s.link.exchange(first, [])
         s.link.exchange(payloads, [])
         self.sent[pos] = sent
