@@ -44,7 +44,7 @@ ENGINE_EXTRA_COUNTS = (
 DELTA_COUNTS = {
     "kept": "a sender's copy of what it last sent: every byte of its segments (fp8 bytes, scales and "
     "passthrough entries), resident between updates where it is kept",
-    "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + compare_bytes' scratch "
+    "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + the comparison's scratch "
     "for its largest piece + a counts message and payload bound per segment of its largest layer, per "
     "conversion ring slot + one layer of the kept copy staged on the GPU when kept in host memory",
     "engine_extra": "the dense receiver (a delta layer is rebuilt and checked in a dense ring slot) + its "

@@ -118,7 +118,7 @@ class DeltaPrediction:
     seconds and their arithmetic; ``wire_fraction``: every sender's NIC bytes over the dense
     update's; the largest sender's ``kept`` copy, its GPU ``staging`` (kept in host memory) and its
     transient ``sender_peak``: the dense one (a layer sent dense still needs it) plus
-    ``compare_bytes``' scratch, the delta message buffers and the staging, the kept copy not
+    ``pack_bytes_delta``'s scratch, the delta message buffers and the staging, the kept copy not
     included; each server's busiest rank (its delta bytes and its receiver's extra memory: the
     dense receiver's and its delta buffers); each trainer rank's NIC bytes."""
 

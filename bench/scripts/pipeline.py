@@ -196,7 +196,7 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
                          Delta(0.0, kept=state.options.kept), 0.0, 0.0, ring=args.ring)  # fmt: skip
     kept = share.staging if state.host else share.kept
     predicted = kept + share.buffers
-    model = share.scratch  # compare_bytes' scratch for the largest piece: part of the transient
+    model = share.scratch  # pack_bytes_delta's scratch for the largest piece: part of the transient
     before = alloc()
     sender.delta, link.in_step = state, True
     link.pool = torch.empty(max(state.buf_nbytes, 1), dtype=torch.uint8, pin_memory=cuda)
