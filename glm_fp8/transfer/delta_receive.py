@@ -161,7 +161,7 @@ class ReceiverDelta:
             delta = r.rank in delta_to(lay, seg, self.fresh[pos])
             region = buf[seg.recv_offset : seg.recv_offset + seg.nbytes]
             items.append((seg, sd, delta, region, self.bufs[0][a : a + sd.message_nbytes],
-                          self.bufs[1][b : b + sd.bound]))  # fmt: skip
+                          self.bufs[1][b : b + sd.bound], a))  # fmt: skip
             a, b = a + sd.message_nbytes, b + sd.bound
         bad, got = [], 0
         try:
@@ -176,19 +176,19 @@ class ReceiverDelta:
         # Every counts message (or dense segment) first, then the payloads, as the senders post
         # them: the payloads' lengths are read together, with one wait.
         groups = [it for it in items if it[0].group is not None]
-        for seg, _, delta, region, msg, _ in groups:
+        for seg, _, delta, region, msg, _, _ in groups:
             r.link.group_broadcast(msg if delta else region, r.senders[seg.sender], seg.group)
-        lengths = [self._length(sd, msg) if delta else (0, None) for _, sd, delta, _, msg, _ in groups]
-        for (seg, _, _, _, _, pay), (n, _) in zip(groups, lengths):
+        lengths = self._lengths(groups, a)
+        for (seg, *_, pay, _), (n, _) in zip(groups, lengths):
             if n:
                 r.link.group_broadcast(pay[:n], r.senders[seg.sender], seg.group)
         p2p = [it for it in items if it[0].group is None]
         r.link.exchange([], [(msg if delta else region, r.senders[seg.sender])
-                             for seg, _, delta, region, msg, _ in p2p])  # fmt: skip
-        p2p_lengths = [self._length(sd, msg) if delta else (0, None) for _, sd, delta, _, msg, _ in p2p]
+                             for seg, _, delta, region, msg, _, _ in p2p])  # fmt: skip
+        p2p_lengths = self._lengths(p2p, a)
         sizes = zip(p2p, p2p_lengths)
         r.link.exchange([], [(it[5][:n], r.senders[it[0].sender]) for it, (n, _) in sizes if n])
-        for (seg, sd, delta, region, msg, pay), (n, layout) in zip(groups + p2p, lengths + p2p_lengths):
+        for (seg, sd, delta, region, msg, pay, _), (n, layout) in zip(groups + p2p, lengths + p2p_lengths):
             if delta:
                 bad.append(self._apply(seg, sd, region, msg, pay[:n], layout))
             got += msg.numel() + n if delta else seg.nbytes
@@ -197,14 +197,23 @@ class ReceiverDelta:
         bad += [sums] if sums is not None else []
         return torch.stack(bad).any() if bad else None
 
-    def _length(self, sd: SegmentDelta, msg: torch.Tensor) -> tuple[int, tuple | None]:
-        """The payload's bytes from the checked counts, and their ``payload_layout`` (None: they
-        failed). Counts that fail, or disagree with the length the sender wrote: that length when
-        within the plan's bound (taken and dropped; the vote refuses the layer), else the link
-        cannot stay in step: raise."""
-        announced = int(sd.words(msg)[0])
+    def _lengths(self, items: list, nbytes: int) -> list[tuple[int, tuple | None]]:
+        """``_length`` of each received item (0 where it came dense), from one host read of the
+        first ``nbytes`` of the counts messages' buffer."""
+        if not any(it[2] for it in items):
+            return [(0, None)] * len(items)
+        host = self.bufs[0][:nbytes].cpu()
+        return [self._length(sd, msg, host[at : at + msg.numel()]) if delta else (0, None)
+                for _, sd, delta, _, msg, _, at in items]  # fmt: skip
+
+    def _length(self, sd: SegmentDelta, msg: torch.Tensor, host: torch.Tensor) -> tuple[int, tuple | None]:
+        """The payload's bytes from the checked counts (``msg``; ``host``: its bytes read), and their
+        ``payload_layout`` (None: they failed). Counts that fail, or disagree with the length the
+        sender wrote: that length when within the plan's bound (taken and dropped; the vote refuses
+        the layer), else the link cannot stay in step: raise."""
+        announced = int(sd.words(host)[0])
         try:
-            layout = payload_layout(sd.counts(msg), sd.pieces)
+            layout = payload_layout(sd.counts(msg), sd.pieces, host=sd.counts(host))
         except ValueError:
             layout = None
         if layout is not None and layout[1] == announced:

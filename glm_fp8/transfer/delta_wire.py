@@ -71,10 +71,13 @@ class PieceLayout:
     fields: tuple[tuple[int, int], ...]
 
 
-def payload_layout(counts: torch.Tensor, pieces: Sequence[DeltaPiece]) -> tuple[list[PieceLayout], int]:
+def payload_layout(
+    counts: torch.Tensor, pieces: Sequence[DeltaPiece], host: torch.Tensor | None = None
+) -> tuple[list[PieceLayout], int]:
     """Check a received counts message against the segment's ``pieces`` and lay out its payload:
-    the pieces' layouts and the payload's bytes. One host read. Raises ValueError naming the piece
-    and what is wrong before anything is allocated or read from the counts."""
+    the pieces' layouts and the payload's bytes. One host read, none when ``host`` holds the
+    counts already read (a receiver reads a layer's counts messages at once). Raises ValueError
+    naming the piece and what is wrong before anything is allocated or read from the counts."""
     want = counts_numel(pieces)
     if counts.dtype != torch.int32 or counts.dim() != 1 or counts.numel() != want:
         raise ValueError(
@@ -85,7 +88,7 @@ def payload_layout(counts: torch.Tensor, pieces: Sequence[DeltaPiece]) -> tuple[
     scales = [torch.tensor([p.blocks if p.scaled else 0]) for p in pieces]
     parts = [t for v, sc in zip(per_block, scales) for t in (v, sc)]
     sizes = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    host = counts.long().cpu()
+    host = (counts if host is None else host).long().cpu()
     bad = ((host < 0) | (host > sizes)).nonzero()
     if len(bad):
         k, at = _piece_of(int(bad[0]), pieces)
