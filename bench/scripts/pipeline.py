@@ -218,6 +218,10 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
         wires = [r[2] / dense_bytes for r in runs]
         stats, t_link, nbytes = sorted(runs, key=lambda r: r[0].seconds)[(len(runs) - 1) // 2][:3]
         steps = sorted(x.seconds for x in stats.layers)
+        slow = sorted(range(len(stats.layers)), key=lambda i: -stats.layers[i].seconds)[:4]
+        print(f"steps ({state.options.kept}, lr {lr:g}, its median update): slowest "
+              + ", ".join(f"layer {i}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
+              + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms")  # fmt: skip
         peaks = [r[4] for r in runs if r[4] is not None]
         rows.append([*head, state.options.kept, f"{lr:g}",
                      f"{_median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})",

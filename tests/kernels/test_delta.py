@@ -215,6 +215,12 @@ def test_arguments_checked_before_any_write(device, dbackend):
             ),
             "positions",
         ),  # fmt: skip
+        (
+            BlockDelta(
+                d.shape, d.counts, d.positions.clone().fill_(-1), d.values, d.scale_index, d.scale_values
+            ),
+            "positions",
+        ),
     ]
     for wrong, match in bad:
         with pytest.raises(ValueError, match=match):
