@@ -164,11 +164,29 @@ def predicted_wire(sender: Sender, config: dict, layouts: list, mode: str) -> in
     return routes
 
 
+# Python's cycle collections (seconds each), inside send_model (which pauses the collector) and
+# between updates: the delta rows print them.
+_COLLECTIONS: dict[bool, list[float]] = {True: [], False: []}
+_COLLECTING = {"inside": False, "t0": 0.0}
+
+
+def _watch_collections(phase: str, info: dict) -> None:
+    if phase == "start":
+        _COLLECTING["t0"] = time.perf_counter()
+    else:
+        _COLLECTIONS[_COLLECTING["inside"]].append(time.perf_counter() - _COLLECTING["t0"])
+
+
+gc.callbacks.append(_watch_collections)
+
+
 def _timed_update(sender: Sender, link: Recorder, stream, src: int) -> tuple:
     """One update and the same messages sent alone, interleaved (the same clocks): (its stats,
     the link-alone seconds, the bytes the link carried)."""
     link.log = []
+    _COLLECTING["inside"] = True
     stats = sender.send_model(stream())
+    _COLLECTING["inside"] = False
     msgs, link.log = link.log, []
     t_link = _seconds(lambda: [link.sink(m, src) for m in msgs], sender.device)
     return stats, t_link, sum(m.nbytes for m in msgs)
@@ -206,6 +224,8 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
     measured, rows = None, []
     for lr in args.delta_lr:
         runs = []
+        _COLLECTIONS[True].clear()
+        _COLLECTIONS[False].clear()
         for _ in range(args.delta_steps):
             trainer_step(shadow, layer, lr, gen)
             at = alloc()
@@ -219,6 +239,10 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
         stats, t_link, nbytes = sorted(runs, key=lambda r: r[0].seconds)[(len(runs) - 1) // 2][:3]
         steps = sorted(x.seconds for x in stats.layers)
         slow = sorted(range(len(stats.layers)), key=lambda i: -stats.layers[i].seconds)[:4]
+        inside, outside = (_COLLECTIONS[k] for k in (True, False))
+        print(f"Python cycle collections, lr {lr:g}: {len(inside)} inside the updates "
+              f"({1e3 * sum(inside):.1f} ms), {len(outside)} between them "
+              f"({1e3 * sum(outside):.1f} ms)")  # fmt: skip
         print(f"steps ({state.options.kept}, lr {lr:g}, its median update): slowest "
               + ", ".join(f"layer {i}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
               + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms")  # fmt: skip

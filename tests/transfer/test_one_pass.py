@@ -161,3 +161,22 @@ def test_many_senders_check_every_sources_dtype_before_any_gather():
         TypeError, match=r"model\.layers\.2\.input_layernorm\.weight: expected a floating dtype"
     ):
         sender.send_model(layers())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_update_pauses_the_cycle_collector_and_restores_it(enabled):
+    """``send_model`` runs with Python's cycle collector off (a full collection stalls the host
+    for tens of ms) and leaves it as it found it, after an error too."""
+    import gc
+
+    from glm_fp8.transfer.sender import cycle_collector_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with pytest.raises(RuntimeError, match="inside"), cycle_collector_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
