@@ -208,9 +208,7 @@ class Sender(Endpoint):
             it = iter(layers_arg(layers))
         except Exception as exc:  # noqa: BLE001 - voted at the first step, raised at its verdict
             it, failed, stop = iter(()), exc, True
-        # A delta step is queued on the link after the next layer's conversion: its payloads'
-        # lengths are read then, while the GPU converts and compares that next layer.
-        lag = int(self.delta is not None)
+        lag = int(self.delta is not None)  # a delta step is queued after the next conversion
         for pos in range(n):
             t_layer = time.perf_counter()
             err: BaseException | None = None
