@@ -33,7 +33,9 @@ Each delta update is timed beside its messages replayed alone, its wire bytes (e
 link carried) against the dense update's, and the GPU memory of the kept copy (or its staging
 buffer) and the delta message buffers (measured on CUDA) against the update-time model's
 (``glm_fp8.update_delta.sender_share``). The stand-in link has no peers: its versions exchange
-returns this sender's row for every rank (see ``Recorder``).
+returns this sender's row for every rank (see ``Recorder``). Each learning rate also prints its
+median update's slowest steps and the time outside the steps, and Python's cycle collections inside
+the updates (``send_model`` pauses the collector) and between them.
 """
 
 from __future__ import annotations
