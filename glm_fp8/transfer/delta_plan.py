@@ -60,9 +60,14 @@ class SegmentDelta:
 
     @classmethod
     def of(cls, seg: ShardPack) -> SegmentDelta:
-        rows = segment_rows(seg.data_nbytes)
+        return cls.of_nbytes(seg.data_nbytes)
+
+    @classmethod
+    def of_nbytes(cls, nbytes: int) -> SegmentDelta:
+        """The delta pieces of ``nbytes`` data bytes (``segment_rows``)."""
+        rows = segment_rows(nbytes)
         pieces = tuple(DeltaPiece(shape, scaled=False) for _, shape in rows)
-        return cls(seg.data_nbytes, pieces, tuple(o for o, _ in rows))
+        return cls(nbytes, pieces, tuple(o for o, _ in rows))
 
     @property
     def counts_words(self) -> int:

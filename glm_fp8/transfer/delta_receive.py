@@ -178,14 +178,14 @@ class ReceiverDelta:
         groups = [it for it in items if it[0].group is not None]
         for seg, _, delta, region, msg, _, _ in groups:
             r.link.group_broadcast(msg if delta else region, r.senders[seg.sender], seg.group)
-        lengths = self._lengths(groups, a)
+        lengths = self._lengths(groups)
         for (seg, *_, pay, _), (n, _) in zip(groups, lengths):
             if n:
                 r.link.group_broadcast(pay[:n], r.senders[seg.sender], seg.group)
         p2p = [it for it in items if it[0].group is None]
         r.link.exchange([], [(msg if delta else region, r.senders[seg.sender])
                              for seg, _, delta, region, msg, _, _ in p2p])  # fmt: skip
-        p2p_lengths = self._lengths(p2p, a)
+        p2p_lengths = self._lengths(p2p)
         sizes = zip(p2p, p2p_lengths)
         r.link.exchange([], [(it[5][:n], r.senders[it[0].sender]) for it, (n, _) in sizes if n])
         for (seg, sd, delta, region, msg, pay, _), (n, layout) in zip(groups + p2p, lengths + p2p_lengths):
@@ -197,13 +197,15 @@ class ReceiverDelta:
         bad += [sums] if sums is not None else []
         return torch.stack(bad).any() if bad else None
 
-    def _lengths(self, items: list, nbytes: int) -> list[tuple[int, tuple | None]]:
+    def _lengths(self, items: list) -> list[tuple[int, tuple | None]]:
         """``_length`` of each received item (0 where it came dense), from one host read of the
-        first ``nbytes`` of the counts messages' buffer."""
-        if not any(it[2] for it in items):
+        counts messages' buffer over the items' counts messages."""
+        spans = [(at, at + msg.numel()) for _, _, delta, _, msg, _, at in items if delta]
+        if not spans:
             return [(0, None)] * len(items)
-        host = self.bufs[0][:nbytes].cpu()
-        return [self._length(sd, msg, host[at : at + msg.numel()]) if delta else (0, None)
+        lo = min(a for a, _ in spans)
+        host = self.bufs[0][lo : max(b for _, b in spans)].cpu()
+        return [self._length(sd, msg, host[at - lo : at - lo + msg.numel()]) if delta else (0, None)
                 for _, sd, delta, _, msg, _, at in items]  # fmt: skip
 
     def _length(self, sd: SegmentDelta, msg: torch.Tensor, host: torch.Tensor) -> tuple[int, tuple | None]:

@@ -66,12 +66,10 @@ from glm_fp8.delta import apply_delta, compare_bytes, quantize_compare
 from glm_fp8.delta_cut import cut_delta
 from glm_fp8.numerics import BLOCK, blocks_shape
 from glm_fp8.reference import delta_encode_ref, quantize_concat_ref
-from glm_fp8.transfer.delta_plan import segment_rows
+from glm_fp8.transfer.delta_plan import SegmentDelta, segment_rows
 from glm_fp8.transfer.delta_wire import (
-    DeltaPiece,
     counts_numel,
     pack_bytes_delta,
-    payload_bound,
     payload_layout,
     unpack_delta,
 )
@@ -334,14 +332,13 @@ def _segment_packed(case: BytesCase, wants: list, backend: str, device: torch.de
     and the length on the device) into poisoned outputs: the kept bytes move to the new ones, the
     counts message and the payload's fields unpack to exactly the reference delta of each piece,
     and the length is what the counts call for."""
-    pieces = tuple(DeltaPiece(tuple(old_b.shape), scaled=False) for _, _, old_b, _ in case.pieces)
-    offsets = [o for o, _ in segment_rows(case.old_bytes.numel())]
-    kept = case.old_bytes.clone()
-    views = lambda t: [t[o : o + p.shape[0] * p.shape[1]].view(p.shape) for o, p in zip(offsets, pieces)]  # noqa: E731
+    sd = SegmentDelta.of_nbytes(case.old_bytes.numel())
+    pieces, kept = sd.pieces, case.old_bytes.clone()
     counts = torch.full((counts_numel(pieces),), -7, dtype=torch.int32, device=device)
     length = torch.full((1,), -1, dtype=torch.int64, device=device)
-    payload = torch.full((max(payload_bound(pieces), 2),), 0xFF, dtype=torch.uint8, device=device)
-    pack_bytes_delta(views(case.new_bytes), views(kept), pieces, counts, length, payload, backend=backend)
+    payload = torch.full((max(sd.bound, 2),), 0xFF, dtype=torch.uint8, device=device)
+    new = sd.views(case.new_bytes)
+    pack_bytes_delta(new, sd.views(kept), pieces, counts, length, payload, backend=backend)
     errors = [_diff("packed: kept", kept, case.new_bytes)]
     try:
         layout = payload_layout(counts, pieces)

@@ -9,7 +9,7 @@ from conftest import BACKENDS
 from glm_fp8.delta import apply_delta, compare_bytes, quantize_compare
 from glm_fp8.quantize import quantize_blockwise
 from glm_fp8.reference import delta_block_sizes
-from glm_fp8.transfer.delta_plan import SegmentDelta, segment_rows
+from glm_fp8.transfer.delta_plan import SegmentDelta
 from glm_fp8.transfer.delta_wire import (
     DeltaPiece,
     counts_numel,
@@ -153,9 +153,7 @@ def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fra
     if "triton" not in BACKENDS:
         pytest.skip("Triton does not run here")
     old, new = _byte_step(nbytes, fraction, seed=nbytes)
-    rows = segment_rows(nbytes)
-    pieces = tuple(DeltaPiece(shape, scaled=False) for _, shape in rows)
-    sd = SegmentDelta(nbytes, pieces, tuple(o for o, _ in rows))
+    sd = SegmentDelta.of_nbytes(nbytes)
     got = []
     for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
         kept, fresh = old.to(dev, copy=True), new.to(dev, copy=True)
