@@ -25,12 +25,16 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
+DELTA_ARGS = "--delta-lr 1e-5 --delta-steps 1 --delta-step sign adam --profile 4".split()
+
+
 @pytest.mark.parametrize(
     "args",
     [
         ("--mode", "broadcast"),
-        # with delta updates after the dense row (#33): its own rows and its kept copy's check
-        ("--mode", "scatter", "--tp", "2", "--delta-lr", "1e-5", "--delta-steps", "2"),
+        # with delta updates after the dense row (#33), after both stand-in steps: their own rows,
+        # their host profile and the kept copy's check
+        ("--mode", "scatter", "--tp", "2", *DELTA_ARGS),
         ("--mode", "senders", "--tp", "2", "--ep", "--senders", "2", "--master", "bf16", "fp32"),
         # a fleet: servers of different layouts in one link (#32)
         ("--mode", "scatter", "--servers", "2xTP2", "EP2", "TP2xDP2"),
@@ -39,6 +43,9 @@ def _run(script: str, *args: str) -> str:
 )
 def test_pipeline_script_checks_its_bytes(args):
     out = _run("pipeline.py", "--layers", "2", "--repeats", "1", *args)
+    profile = [ln for ln in out.splitlines() if ln.startswith("prof| ")]
+    out = "".join(ln + "\n" for ln in out.splitlines() if not ln.startswith("prof| "))
+    assert bool(profile) == ("--profile" in args) and ("sender.py" in "".join(profile) or not profile), out
     checks = re.findall(r"\b(\d+)/(\d+)\s", out)
     assert checks, out
     assert all(int(checked) > 0 and int(differ) == 0 for checked, differ in checks), out
@@ -50,9 +57,11 @@ def test_pipeline_script_checks_its_bytes(args):
         # every layer went as a delta, on fewer bytes than the dense update; the kept copy of layer
         # 0 was checked against the reference of the final masters (above: N/0) beside the dense one
         rows = [ln for ln in out.split("delta updates", 1)[1].splitlines() if ln.startswith("scatter")]
-        assert len(rows) == 1 and " 2 of 2 " in rows[0] and len(checks) == 2, out
-        median, most = map(float, re.search(r"\s(\d+\.\d{3}) \((\d+\.\d{3})\)\s", rows[0]).groups())
-        assert 0 < median <= most < 100, out
+        assert len(rows) == 2 and all(" 2 of 2 " in r for r in rows) and len(checks) == 2, out
+        wires = [tuple(map(float, re.search(r"\s(\d+\.\d{3}) \((\d+\.\d{3})\)\s", r).groups())) for r in rows]
+        assert all(0 < median <= most < 100 for median, most in wires), out
+        # Adam's warm step moves a typical weight by a fifth of the sign step's lr: fewer changes
+        assert " sign " in rows[0] and " adam " in rows[1] and wires[1][0] < wires[0][0], out
 
 
 def test_engine_rank_script_lands_every_parameter():

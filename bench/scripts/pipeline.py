@@ -22,13 +22,14 @@ transfer plan, many senders): one group broadcast per set of ranks that hold the
 
 ``--delta-lr`` (issue #33): after the dense row, the same sender (``Sender(delta=DeltaOptions())``)
 sends delta updates: one dense update with the delta state attached fills its kept copy, then for
-each learning rate ``--delta-steps`` updates, each after a stand-in trainer step on the layer's
-masters. The step is ``w32 -= lr * sign(randn)`` on an fp32 shadow of the masters (a bf16
-master's fp32 copy, kept across steps so that small steps accumulate as a mixed-precision
-trainer's fp32 master does; an fp32 master is its own shadow), the masters then copied from it;
-chunk by chunk along dim 0 (a seeded generator; no full-size temporary). It moves every weight by
-``lr``, as Adam's normalized step does at most, but it is a stand-in for an optimizer step, not
-one: the changed fractions of real AdamW steps are measured by ``bench/scripts/delta_fraction.py``.
+each ``--delta-step`` and learning rate ``--delta-steps`` updates, each after a stand-in trainer
+step on the layer's masters (``standin.trainer_step``): ``sign``, ``w32 -= lr * sign(randn)``
+(Adam's first step: every weight moves by ``lr``), or ``adam``, ``w32 -= lr * 0.229 * randn``
+(Adam's step once warm, for i.i.d. gradients), on an fp32 shadow of the masters (a bf16 master's
+fp32 copy, kept across steps so that small steps accumulate as a mixed-precision trainer's fp32
+master does; an fp32 master is its own shadow), the masters then copied from it; chunk by chunk
+along dim 0 (a seeded generator; no full-size temporary). Both are stand-ins for an optimizer
+step: the changed fractions of real AdamW steps are measured by ``bench/scripts/delta_fraction.py``.
 Each delta update is timed beside its messages replayed alone, its wire bytes (every message the
 link carried) against the dense update's, and the GPU memory of the kept copy (or its staging
 buffer) and the delta message buffers (measured on CUDA) against the update-time model's
@@ -41,13 +42,16 @@ the updates (``send_model`` pauses the collector) and between them.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import re
 import statistics
 import time
 
 import torch
-from standin import trainer_step, versions_in_step
+from standin import STEPS, trainer_step, versions_in_step
 from tabulate import tabulate
 
 from glm_fp8.engine import EngineLayout
@@ -224,12 +228,12 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
     gen = torch.Generator(device=device).manual_seed(1)
     dense_s, dense_bytes = dense
     measured, rows = None, []
-    for lr in args.delta_lr:
+    for kind, lr in [(k, lr) for k in args.delta_step for lr in args.delta_lr]:
         runs = []
         _COLLECTIONS[True].clear()
         _COLLECTIONS[False].clear()
         for _ in range(args.delta_steps):
-            trainer_step(shadow, layer, lr, gen)
+            trainer_step(shadow, layer, lr, gen, kind)
             at = alloc()
             stats, t_link, nbytes = _timed_update(sender, link, stream, src)
             measured = alloc() - before if measured is None else measured  # kept + buffers, allocated
@@ -242,14 +246,26 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
         steps = sorted(x.seconds for x in stats.layers)
         slow = sorted(range(len(stats.layers)), key=lambda i: -stats.layers[i].seconds)[:4]
         inside, outside = (_COLLECTIONS[k] for k in (True, False))
-        print(f"Python cycle collections, lr {lr:g}: {len(inside)} inside the updates "
+        print(f"Python cycle collections, {kind} lr {lr:g}: {len(inside)} inside the updates "
               f"({1e3 * sum(inside):.1f} ms), {len(outside)} between them "
               f"({1e3 * sum(outside):.1f} ms)")  # fmt: skip
-        print(f"steps ({state.options.kept}, lr {lr:g}, its median update): slowest "
+        print(f"steps ({state.options.kept}, {kind} lr {lr:g}, its median update): slowest "
               + ", ".join(f"layer {i}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
               + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms")  # fmt: skip
+        if args.profile:  # one more step and update, profiled apart from the timed ones
+            trainer_step(shadow, layer, lr, gen, kind)
+            prof = cProfile.Profile()
+            prof.runcall(sender.send_model, stream())
+            _sync(device)
+            text = io.StringIO()
+            for key in ("tottime", "cumulative"):
+                table = pstats.Stats(prof, stream=text).sort_stats(key)
+                table.print_stats("glm_fp8|torch|triton", args.profile)
+            print(f"host profile ({state.options.kept}, {kind} lr {lr:g}, one update; cProfile's own cost "
+                  "inflates it), each line marked 'prof|':")  # fmt: skip
+            print("\n".join("prof| " + ln for ln in text.getvalue().splitlines() if ln.strip()))
         peaks = [r[4] for r in runs if r[4] is not None]
-        rows.append([*head, state.options.kept, f"{lr:g}",
+        rows.append([*head, state.options.kept, kind, f"{lr:g}",
                      f"{_median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})",
                      f"{dense_s:.3f}", f"{_median(secs) / dense_s:.4f}", f"{nbytes / 2**20:.2f}",
                      f"{100 * _median(wires):.3f} ({100 * max(wires):.3f})", f"{t_link:.3f}",
@@ -371,9 +387,15 @@ def main() -> None:
     p.add_argument("--delta-lr", type=float, nargs="+", default=None, metavar="LR",
                    help="after the dense row, delta updates after stand-in trainer steps at each of "
                    "these learning rates (module docstring)")  # fmt: skip
+    p.add_argument("--delta-step", nargs="+", default=["sign"], choices=STEPS,
+                   help="the stand-in trainer step, each a variant: sign (Adam's first step) or adam "
+                   "(Adam's step once warm); bench/scripts/standin.py")  # fmt: skip
     p.add_argument("--delta-steps", type=int, default=3, help="delta updates per --delta-lr (default 3)")
     p.add_argument("--delta-kept", nargs="+", default=["gpu"], choices=KEPT,
                    help="where the sender keeps what it last sent, each a variant (default gpu)")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each --delta-lr's timed updates, one more profiled by cProfile: its N "
+                   "costliest functions (host time, own and cumulative)")  # fmt: skip
     p.add_argument("--device", default="cuda", help="default cuda; cpu checks the script")
     p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
     args = p.parse_args()
@@ -398,9 +420,10 @@ def main() -> None:
                           "wire measured / predicted", "layer-0 bytes checked/differ",
                           "step ms (median)", "step ms (max)"]))  # fmt: skip
     if deltas:
-        print(f"\ndelta updates ({args.delta_steps} per lr, each after a stand-in trainer step w32 -= lr * "
-              "sign(randn)); versions: every engine rank and sender in step (stand-in link)")  # fmt: skip
-        print(tabulate(deltas, ["mode", "master", "sender", "kept", "lr", "delta s (median, range)",
+        print(f"\ndelta updates ({args.delta_steps} per step and lr, each after a stand-in trainer step: "
+              "sign, w32 -= lr * sign(randn); adam, w32 -= lr * 0.229 * randn); versions: every engine "
+              "rank and sender in step (stand-in link)")  # fmt: skip
+        print(tabulate(deltas, ["mode", "master", "sender", "kept", "step", "lr", "delta s (median, range)",
                                 "dense s", "delta / dense time", "delta wire MiB",
                                 "wire delta / dense % (median, max)",
                                 "link alone s", "delta total / link", "step ms (median)", "step ms (max)",
