@@ -188,7 +188,9 @@ gc.callbacks.append(_watch_collections)
 
 def _timed_update(sender: Sender, link: Recorder, stream, src: int) -> tuple:
     """One update and the same messages sent alone, interleaved (the same clocks): (its stats,
-    the link-alone seconds, the bytes the link carried)."""
+    the link-alone seconds, the bytes the link carried). The GPU work queued before it (the
+    stand-in trainer step) ends first: the update's time is its own."""
+    _sync(sender.device)
     link.log = []
     _COLLECTING["inside"] = True
     stats = sender.send_model(stream())
