@@ -177,10 +177,15 @@ def quantize_compare(
 
 
 def check_delta(
-    delta: BlockDelta, q: torch.Tensor, scale: torch.Tensor | None, name: str = "q"
+    delta: BlockDelta,
+    q: torch.Tensor,
+    scale: torch.Tensor | None,
+    name: str = "q",
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check ``delta`` against the tensors it will be written into; return the offsets
-    ``(pos_offsets, val_offsets)``. One host read. Raises naming the tensor at fault."""
+    ``(pos_offsets, val_offsets)``. One host read. Raises naming the tensor at fault. Allocates a
+    few integers per block and, with the torch backend, several int64 per position."""
     if not isinstance(delta, BlockDelta):
         raise TypeError(f"delta: expected a BlockDelta, got {type(delta).__name__}")
     _checks.check_out(name, q, torch.Size(delta.shape), torch.float8_e4m3fn, q.device)
@@ -215,19 +220,24 @@ def check_delta(
     sizes = delta_block_sizes(delta.shape, q.device)
     counts = delta.counts.long()
     pos_off, val_off, totals = _offsets(counts, sizes)
-    # Every position must land inside its own block's valid rows and columns.
-    sparse = (3 * counts <= sizes) & (counts > 0)
-    # The block each position belongs to: the first whose run of positions ends past it (one
-    # search, no host read: repeat_interleave would read its output size back).
-    ends = pos_off + torch.where(sparse, counts, 0)
-    owner = torch.searchsorted(ends, torch.arange(delta.positions.numel(), device=q.device), right=True)
-    n_rb, n_cb = max(1, sb[-2]), max(1, sb[-1])
-    rows = (r - owner // n_cb % n_rb * BLOCK).clamp(max=BLOCK)
-    cols = (c - owner % n_cb * BLOCK).clamp(max=BLOCK)
-    pos = delta.positions.long()
+    # Every position must land inside its own block's valid rows and columns (meaningful only once
+    # the counts call for exactly these positions: checked first below).
+    if delta_backend(backend, q.device) == "triton":  # a count per block: no temporary per position
+        bad = torch.zeros(nb, dtype=torch.int32, device=q.device)
+        triton_delta.launch_check(as3d(q), delta.counts, pos_off, delta.positions, bad)
+        bad_pos = bad.any()
+    else:
+        sparse = (3 * counts <= sizes) & (counts > 0)
+        # The block each position belongs to: the first whose run of positions ends past it (one
+        # search, no host read: repeat_interleave would read its output size back).
+        ends = pos_off + torch.where(sparse, counts, 0)
+        owner = torch.searchsorted(ends, torch.arange(delta.positions.numel(), device=q.device), right=True)
+        n_rb, n_cb = max(1, sb[-2]), max(1, sb[-1])
+        rows = (r - owner // n_cb % n_rb * BLOCK).clamp(max=BLOCK)
+        cols = (c - owner % n_cb * BLOCK).clamp(max=BLOCK)
+        pos = delta.positions.long()
+        bad_pos = ((pos < 0) | (pos // BLOCK >= rows) | (pos % BLOCK >= cols)).any()
     idx = delta.scale_index
-    # (meaningful only once the counts call for exactly these positions: checked first below)
-    bad_pos = ((pos < 0) | (pos // BLOCK >= rows) | (pos % BLOCK >= cols)).any()
     stats = torch.stack([*totals, (counts < 0).any(), ((idx < 0) | (idx >= nb)).any(), bad_pos])
     host = stats.long().tolist()
     if host[2]:
@@ -255,8 +265,9 @@ def apply_delta(
     Allocates two int64 per block (the offsets) and, for the torch backend, a copy of q."""
     if not isinstance(q, torch.Tensor) or not (scale is None or isinstance(scale, torch.Tensor)):
         raise TypeError("q, scale: expected the engine's fp8 tensor and its float32 scales (or None)")
-    pos_off, val_off = check_delta(delta, q, scale)
-    if delta_backend(backend, q.device) == "torch":
+    backend = delta_backend(backend, q.device)
+    pos_off, val_off = check_delta(delta, q, scale, backend=backend)
+    if backend == "torch":
         no_scale = torch.zeros(delta.counts.shape, device=q.device) if scale is None else scale
         new_q, new_s = delta_apply_ref(q, no_scale, *delta.tensors())
         q.copy_(new_q)

@@ -14,6 +14,8 @@
 - ``delta_pack_kernel``: turns the bitmap into the wire's sorted int16 offsets and the uint8
   values (read back from the updated kept copy) at offsets given by a prefix sum of the counts;
   a dense block copies all its bytes. Reads the bitmap and the kept copy of changed blocks only.
+- ``delta_check_kernel``: the engine's check of received offsets before anything is written: per
+  sparse block, its offsets outside its valid rows and columns (no per-offset temporaries).
 - ``delta_apply_kernel``: the engine's side, writes the values at their positions (or a dense
   block whole) into an fp8 parameter of any strides.
 
@@ -210,6 +212,28 @@ def delta_pack_kernel(
 
 
 @triton.jit
+def delta_check_kernel(
+    p_q, p_cnt, p_poff, p_pos, p_bad, n_pos, R, C, s_qe, s_qr, s_qc, n_rb, n_cb,
+    BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Per sparse block, how many of its offsets fall outside its valid rows and columns (into
+    ``p_bad``, zeroed; ``p_q`` and its strides, unread, keep the per-block launcher's order). Reads
+    only offsets in [0, n_pos): counts that do not match the offsets
+    (refused by the caller) never read past them; a sparse block has at most v / 3 offsets."""
+    i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
+    if n > 0:
+        if 3 * n <= nr * nc:
+            p0 = tl.load(p_poff + i_b)
+            acc = tl.zeros([CHUNK], dtype=tl.int32)
+            for start in range(0, n, CHUNK):
+                o_k = p0 + start + tl.arange(0, CHUNK)
+                m_k = (o_k < p0 + n) & (o_k >= 0) & (o_k < n_pos)
+                b_p = tl.load(p_pos + o_k, mask=m_k, other=0).to(tl.int32)
+                acc += (m_k & ((b_p < 0) | (b_p // BC >= nr) | (b_p % BC >= nc))).to(tl.int32)
+            tl.store(p_bad + i_b, tl.sum(acc, axis=0))
+
+
+@triton.jit
 def delta_apply_kernel(
     p_q, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_qe, s_qr, s_qc, n_rb, n_cb,
     BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
@@ -307,6 +331,14 @@ def launch_offsets(shape: tuple[int, int, int], counts: torch.Tensor, pos_offset
         )  # fmt: skip
 
 
+def launch_check(q: torch.Tensor, counts: torch.Tensor, pos_offsets: torch.Tensor, positions: torch.Tensor,
+                 bad: torch.Tensor) -> None:  # fmt: skip
+    """``bad`` (int32 [blocks], zeroed): per sparse block of q [E, R, C], its offsets outside its
+    valid rows and columns (``delta_check_kernel``)."""
+    _launch_per_block(delta_check_kernel, q, (counts, pos_offsets, positions, bad, positions.numel()),
+                      CHUNK=APPLY_CHUNK, num_warps=4)  # fmt: skip
+
+
 def launch_apply(q: torch.Tensor, wire: Wire) -> None:
     """Write checked changes into the fp8 parameter view q [E, R, C] (any strides)."""
     _launch_per_block(delta_apply_kernel, q, wire, CHUNK=APPLY_CHUNK, num_warps=4)
@@ -331,5 +363,6 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 __all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "Wire", "delta_apply_kernel", "delta_bytes_kernel",
-           "delta_compare_kernel", "delta_offsets_kernel", "delta_pack_kernel", "launch_apply",
-           "launch_compare", "launch_compare_bytes", "launch_offsets", "launch_pack"]  # fmt: skip
+           "delta_check_kernel", "delta_compare_kernel", "delta_offsets_kernel", "delta_pack_kernel",
+           "launch_apply", "launch_check", "launch_compare", "launch_compare_bytes", "launch_offsets",
+           "launch_pack"]  # fmt: skip
