@@ -38,9 +38,10 @@ CHANGE_BYTES = 3  # int16 offset + uint8 value per change of a sparse block
 SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
 # The sender's comparison scratch per block of the piece it compares
 # (glm_fp8.transfer.delta_wire.pack_bytes_delta): a 2 KiB bitmap and two int64 offsets (its counts
-# go straight into the counts message), freed on return; apply_delta's: two int64 offsets per block.
+# go straight into the counts message), freed on return; apply_delta's: two int64 offsets and its
+# offset check's int32 count (delta_check_kernel) per block.
 COMPARE_SCRATCH_PER_BLOCK = 2048 + 16
-APPLY_SCRATCH_PER_BLOCK = 16
+APPLY_SCRATCH_PER_BLOCK = 16 + 4
 STAGING_LAYERS = 1  # kept in host memory: one staging buffer of a layer's (DeltaOptions(kept="host"))
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
 # (the one-GPU stand-in link's) at 55.3 GB/s; the kept copy in host memory is streamed in and
