@@ -23,10 +23,9 @@ The model (docs/update_time.md says why each term is there):
   the resident master shards (optimizer state, gradients, activations not counted).
 
 What it does not model: latency per message (votes, headers; a few hundred per update), link
-contention inside a node, stragglers, and the engines' post-load steps.
-
-Delta updates (``predict(..., delta=Delta(fraction))``: ``Prediction.delta``): the same model with the
-delta's bytes, plus the sender's conversion and host copies (docs/update_time.md#delta-updates).
+contention inside a node, stragglers, and the engines' post-load steps. Delta updates
+(``predict(..., delta=Delta(fraction))``: ``Prediction.delta``): the same model with the delta's
+bytes, plus the sender's conversion and host copies (docs/update_time.md#delta-updates).
 """
 
 from __future__ import annotations
@@ -63,17 +62,16 @@ PIPELINE_FACTOR = 1.01
 # One GLM-5 sparse layer (9.20 GiB of kernel format) converted from bf16, checksum included, in
 # 10.28 ms (the full broadcast's conversion alone, 80 layers in 0.822 s).
 CONVERT_SECONDS_PER_BYTE = 10.28e-3 / (9.20 * 2**30)
-# The least time a sender's share of a layer took to convert and pack, launch-bound: many senders, 32 into
-# 4 x EP 8, 80 GLM-5 sparse layers alone in 0.069-0.076 s (senders 0 and 20, bf16 and fp32 masters).
+# Launch- and host-bound floors a layer, many senders' sender 0 (32 into 4 x EP 8), 80 GLM-5 sparse layers:
+# converted and packed alone in 0.069-0.076 s; sent as deltas (conversion, comparison, packing, the read of
+# their lengths) in 0.181 s (bench/RESULTS.md, sixteenth session: the kept copy on the GPU, lr 1e-6).
 CONVERT_SECONDS_PER_LAYER = 0.076 / 80
+DELTA_SECONDS_PER_LAYER = 0.181 / 80
 STRATEGIES = ("bf16 broadcast", "fp8 broadcast", "fp8 scatter", "fp8 many senders")
 # What ``Prediction.sender_peak`` counts (every strategy alike; the terms each at its largest layer).
-SENDER_PEAK_COUNTS = (
-    "2 conversion slots + 2 send slots + one layer's gathered tensors; excludes the resident master "
-    "shards, optimizer state, gradients and activations"
-)
-# Expert stacks split over the trainer ranks are gathered this many experts at a time
-# (gather="chunked", what "auto" picks for them; ``Sender``'s chunk_experts default).
+SENDER_PEAK_COUNTS = ("2 conversion slots + 2 send slots + one layer's gathered tensors; excludes the "
+                      "resident master shards, optimizer state, gradients and activations")  # fmt: skip
+# Split expert stacks are gathered this many experts at a time (gather="chunked", what "auto" picks).
 CHUNK_EXPERTS = 8
 
 
@@ -195,7 +193,7 @@ def _delta(
     terms.append((share.converted, f"conversion {share.converted * 1e3:.1f} ms"))
     if spec.kept == "host":
         host = HOST_COPY_BYTES_PER_S
-        terms.append((share.kept / host, "host copy " + gb(share.kept, host)))
+        terms.append((2 * share.kept / host, "host copy in and out " + gb(2 * share.kept, host)))
     busiest, text = max(terms, key=lambda x: x[0])
     fill_s = CONVERT_SECONDS_PER_BYTE * fill
     t = PIPELINE_FACTOR * busiest + fill_s
@@ -227,7 +225,7 @@ def predict(
     ``glm_fp8.config.as_config`` takes."""
     config = as_config(config)
     spec = as_delta(delta)
-    per_byte, per_layer = CONVERT_SECONDS_PER_BYTE, CONVERT_SECONDS_PER_LAYER
+    per_byte, per_layer = CONVERT_SECONDS_PER_BYTE, DELTA_SECONDS_PER_LAYER
     shares = lambda tp, t, parts: sender_share(tp, t, parts, spec, per_byte, per_layer)  # noqa: E731
     t_gpus = fleet.trainer_gpus
     gather = lambda n: n * (t_gpus - 1) // t_gpus  # noqa: E731 - the part of n held by other ranks
@@ -395,6 +393,7 @@ def predictions_json(preds: list[Prediction]) -> list[dict]:
     return [asdict(p) for p in preds]
 
 
-__all__ = ["CHUNK_EXPERTS", "CONVERT_SECONDS_PER_BYTE", "CONVERT_SECONDS_PER_LAYER", "PIPELINE_FACTOR",
-           "SENDER_PEAK_COUNTS", "STRATEGIES", "Delta", "DeltaPrediction", "Fleet", "Prediction", "Server",
-           "ServerLoad", "many_senders_plan", "predict", "predictions_json"]  # fmt: skip
+__all__ = ["CHUNK_EXPERTS", "CONVERT_SECONDS_PER_BYTE", "CONVERT_SECONDS_PER_LAYER",
+           "DELTA_SECONDS_PER_LAYER", "PIPELINE_FACTOR", "SENDER_PEAK_COUNTS", "STRATEGIES", "Delta",
+           "DeltaPrediction", "Fleet", "Prediction", "Server", "ServerLoad", "many_senders_plan",
+           "predict", "predictions_json"]  # fmt: skip

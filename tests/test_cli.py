@@ -617,7 +617,7 @@ def test_plan_delta_summary_detail_and_json(capsys):
     flat = _flat(_plan_text(capsys, argv))
     assert (
         "delta update (model prediction; 0.12 % of the e4m3 bytes changed, scales 100 %, passthrough "
-        "entries dense): 0.075 s against 1.98 s dense (fp8 many senders), 1.73 % of the dense bytes" in flat
+        "entries dense): 0.179 s against 1.98 s dense (fp8 many senders), 1.73 % of the dense bytes" in flat
     )
     kept = (
         r"a sender keeps what it last sent: 22\.77 GiB on the GPU; on its GPU [\d.]+ GiB with the "
@@ -626,9 +626,9 @@ def test_plan_delta_summary_detail_and_json(capsys):
     assert re.search(kept, flat), flat
     assert "server ranks' receiver in a delta update: server 0 4.61 GiB (dense 3.07)" in flat
     detail = _plan_text(capsys, [*argv, "--detail"])
-    row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.075\s+1\.98\s+22\.77\s+[\d.]+$"
+    row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.179\s+1\.98\s+22\.77\s+[\d.]+$"
     assert re.search(row, detail, re.M), detail
-    assert "fp8 many senders: 1.01 x conversion 74.1 ms + fill 0.6 ms = 0.075 s" in detail
+    assert "fp8 many senders: 1.01 x conversion 176.5 ms + fill 0.6 ms = 0.179 s" in detail
     assert main([*argv, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     d, many = got["summary"]["delta"], got["update"]["strategies"][-1]
@@ -642,7 +642,7 @@ def test_plan_delta_summary_detail_and_json(capsys):
     host = _flat(_plan_text(capsys, ["plan", "--model", "qwen3-moe", "--trainer-gpus", "2", "--engine-tp",
                                      "2", "--delta", "0.01", "--delta-kept", "host"]))  # fmt: skip
     assert re.search(r"GiB in pinned host memory, [\d.]+ GiB of it staged on the GPU", host), host
-    assert re.search(r"1\.01 x host copy [\d.]+ GB / 55\.3 GB/s", host), host
+    assert re.search(r"1\.01 x host copy in and out [\d.]+ GB / 55\.3 GB/s", host), host
 
 
 @pytest.mark.parametrize(

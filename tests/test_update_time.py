@@ -385,16 +385,19 @@ def test_glm5_delta_update_32_into_four_ep8():
         p = predict(GLM5, fleet, transfer=tp, delta=Delta(f))[-1]
         assert p.strategy == "fp8 many senders" and round(p.seconds, 2) == 1.98
         got[f] = p.delta
-    assert [round(d.seconds, 3) for d in got.values()] == [0.075, 0.075, 0.082]
+    # bound by the sender's delta steps (DELTA_SECONDS_PER_LAYER, measured): the NIC's 4.03 GB at the
+    # largest fraction takes 0.081 s
+    assert [round(d.seconds, 3) for d in got.values()] == [0.179, 0.179, 0.179]
     assert [round(100 * d.wire_fraction, 2) for d in got.values()] == [1.72, 2.3, 4.04]
-    assert "conversion 74.1 ms" in got[0.00116].arithmetic
-    assert "sent 4.029 GB / 50.0 GB/s" in got[0.00899].arithmetic
+    assert "conversion 176.5 ms" in got[0.00116].arithmetic
+    assert "conversion 176.5 ms" in got[0.00899].arithmetic
     assert got[0.00116].gathered == p.gathered  # a sender still gathers what it owns
     assert round(got[0.00116].kept / GIB, 2) == 22.77 and got[0.00116].staging == 0
     assert [round(x.extra / GIB, 2) for x in got[0.00116].servers] == [4.61]
     assert [round(x.extra / GIB, 2) for x in p.servers] == [3.07]
     host = predict(GLM5, fleet, transfer=tp, delta=Delta(0.00116, kept="host"))[-1].delta
-    assert round(host.seconds, 2) == 0.45 and "host copy" in host.arithmetic
+    # the kept copy in and back out, one after the other: 2 x 24.4 GB at 55.3 GB/s
+    assert round(host.seconds, 2) == 0.89 and "host copy in and out 48.890 GB" in host.arithmetic
     # the passthrough entries (embeddings, heads, router, norms) dense are most of the delta's bytes
     none = predict(GLM5, fleet, transfer=tp, delta=Delta(0.00116, passthrough=0.0))[-1].delta
     assert round(100 * none.wire_fraction, 2) == 0.42
