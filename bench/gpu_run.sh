@@ -85,11 +85,11 @@ if [ "${DELTA:-0}" = 1 ]; then
 fi
 if [ "${DELTA_PIPELINE:-0}" = 1 ]; then
   # #33: delta updates of 80 GLM-5 layers by one of 32 senders into 4 x EP 8 (its kept copy is its
-  # share, ~24 GiB), after stand-in trainer steps at two learning rates, against the dense update;
-  # the kept copy on the GPU and in pinned host memory.
+  # share, ~24 GiB), after stand-in trainer steps (Adam's first and its warm step, standin.py) at
+  # two learning rates, against the dense update; the kept copy on the GPU and in pinned host memory.
   python3 bench/scripts/pipeline.py --mode senders --layers ${DELTA_LAYERS:-80} --tp 8 --ep --engines 4 \
     --senders 32 --sender 0 --master ${DELTA_MASTERS:-bf16 fp32} --repeats 2 --delta-lr 1e-6 1e-5 --delta-steps 3 \
-    --delta-kept gpu host 2>&1 | tee "$LOG/delta_pipeline.txt" | grep -v '^---'
+    --delta-kept gpu host --delta-step sign adam 2>&1 | tee "$LOG/delta_pipeline.txt" | grep -v '^---'
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
   # ENGINE_ARGS="--delta": also the rank's delta landing against its dense one (#33)
