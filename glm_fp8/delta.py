@@ -262,7 +262,8 @@ def apply_delta(
     """Write ``delta`` into the engine's fp8 tensor ``q`` [(E,) R, C] and float32 ``scale``
     [(E,) Rb, Cb] in place (any strides: a row slice of a parameter is fine). Everything is
     checked first (one host read); then only the changed bytes and scales are written.
-    Allocates two int64 per block (the offsets) and, for the torch backend, a copy of q."""
+    Allocates two int64 and an int32 per block (the offsets, the offset check's counts) and, for
+    the torch backend, several int64 per position and a copy of q."""
     if not isinstance(q, torch.Tensor) or not (scale is None or isinstance(scale, torch.Tensor)):
         raise TypeError("q, scale: expected the engine's fp8 tensor and its float32 scales (or None)")
     backend = delta_backend(backend, q.device)
