@@ -256,6 +256,7 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
               + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms")  # fmt: skip
         if args.profile:  # one more step and update, profiled apart from the timed ones
             trainer_step(shadow, layer, lr, gen, kind)
+            _sync(device)  # as _timed_update: the step's queued GPU work is not the update's
             prof = cProfile.Profile()
             prof.runcall(sender.send_model, stream())
             _sync(device)
