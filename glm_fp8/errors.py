@@ -26,6 +26,17 @@ class UpdateAborted(GlmFp8Error, RuntimeError):
     """The weight update did not complete; parameters may hold a mix of old and new layers."""
 
 
+class LinkLost(UpdateAborted):
+    """A rank of the link died, hangs, or its transport failed mid-update (``glm_fp8.transfer.liveness``):
+    the link cannot carry another update and must be rebuilt without that rank. The message names
+    the rank (its server, where the link knows it) and what to call next; ``rank`` is that link
+    rank, None where no rank could be named (a transport error with every peer still beating)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
 class ManifestMismatch(GlmFp8Error, ValueError):
     """A rank's manifest (layers, entries or transfer plan) differs from the leader's, or it
     refused its prelude; nothing was sent and no parameter was touched."""
@@ -77,6 +88,7 @@ __all__ = [
     "EngineNotSupported",
     "GlmFp8Error",
     "LayerOrderError",
+    "LinkLost",
     "ManifestMismatch",
     "NonFiniteError",
     "PlanArgumentError",

@@ -23,6 +23,7 @@ CLASSES = [
     ("UpdateAborted", RuntimeError, ["glm_fp8.transfer.wire", "glm_fp8.transfer", "glm_fp8"]),
     ("ManifestMismatch", ValueError, ["glm_fp8.transfer.wire", "glm_fp8.transfer"]),
     ("ReceiverRefused", RuntimeError, ["glm_fp8.transfer.wire", "glm_fp8.transfer"]),
+    ("LinkLost", RuntimeError, ["glm_fp8.transfer.wire", "glm_fp8.transfer", "glm_fp8"]),
     ("LayerOrderError", ValueError, ["glm_fp8.transfer.wire", "glm_fp8.transfer"]),
     ("NonFiniteError", ValueError, ["glm_fp8.jobs", "glm_fp8"]),
     ("EngineNotSupported", ValueError, ["glm_fp8.integrations.vllm.engine", "glm_fp8.integrations.vllm"]),

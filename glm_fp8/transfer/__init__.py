@@ -9,6 +9,7 @@ from glm_fp8.transfer.receiver import Receiver
 from glm_fp8.transfer.sender import Broadcaster, Sender
 from glm_fp8.transfer.wire import (
     LayerOrderError,
+    LinkLost,
     ManifestMismatch,
     ReceiverRefused,
     UpdateAborted,
@@ -20,6 +21,7 @@ __all__ = [
     "HostSinkComm",
     "LayerOrderError",
     "Link",
+    "LinkLost",
     "ManifestMismatch",
     "ObjectLink",
     "Receiver",

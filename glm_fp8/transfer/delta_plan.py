@@ -37,7 +37,7 @@ from glm_fp8.transfer.delta_wire import DeltaPiece, counts_numel, payload_bound
 from glm_fp8.transfer.endpoint import on_stream
 from glm_fp8.transfer.pack import ShardPack
 from glm_fp8.transfer.routes import LayerRoutes, Segment
-from glm_fp8.transfer.wire import UpdateAborted
+from glm_fp8.transfer.wire import link_failure
 
 ROW = 128  # bytes per row of a segment seen as fp8: a 128x128 block is 16 KiB of consecutive bytes
 
@@ -166,7 +166,7 @@ def exchange_versions(end, row: Sequence[int]) -> tuple[int, list[frozenset[int]
             end.link.all_reduce_max(table)
             table = table.cpu()
     except Exception as exc:
-        raise UpdateAborted(f"the link failed during the versions exchange: {exc}") from exc
+        raise link_failure("the link failed during the versions exchange", exc) from exc
     return delta_layers(table, end.senders, receivers)
 
 

@@ -38,6 +38,7 @@ from glm_fp8.transfer.wire import (
     describe_refusal,
     encode_manifest,
     header_words,
+    link_failure,
     manifest_of,
     message_checksum,
     refusal_code,
@@ -279,9 +280,11 @@ class Endpoint:
             with on_stream(self.link_stream):
                 self.vote_buf.fill_(max(0, code))
                 self.link.all_reduce_max(self.vote_buf)
-                return int(self.vote_buf.item())
+                verdict = int(self.vote_buf.item())
+                self.link.check()  # an aborted transport delivers garbage: a lost rank says why
+                return verdict
         except Exception as exc:
-            raise UpdateAborted(f"the link failed during a vote: {exc}") from exc
+            raise link_failure("the link failed during a vote", exc) from exc
 
     def agree(self, check: Callable[[bytes], tuple[Exception | None, int]], max_bytes: int) -> None:
         """The prelude and the manifest from the leader, each followed by a vote; ``check(payload)``
@@ -302,7 +305,7 @@ class Endpoint:
                 self.link.broadcast(prelude, self.src)
                 magic, version, n, refusing = prelude.tolist()
         except Exception as exc:
-            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+            raise link_failure("receiving the manifest failed", exc) from exc
         refused = None
         if magic == MAGIC and version == PROTOCOL_VERSION and refusing:
             pass  # the leader refused its own arguments: its vote says why
@@ -326,7 +329,7 @@ class Endpoint:
                 self.link.broadcast(data, self.src)
                 got = ours if leader else _bytes_of(data)
         except Exception as exc:
-            raise UpdateAborted(f"receiving the manifest failed: {exc}") from exc
+            raise link_failure("receiving the manifest failed", exc) from exc
         self._settle_manifest(*check(got))
         self.link.make_groups(self.routes.groups())
 
@@ -338,9 +341,7 @@ class Endpoint:
             with on_stream(self.link_stream):
                 why = explain_refusal(self.link, verdict, refused, self.device)
         except Exception as exc:
-            raise UpdateAborted(
-                f"{describe_refusal(verdict)}; the link failed after that vote: {exc}"
-            ) from exc
+            raise link_failure(f"{describe_refusal(verdict)}; the link failed after that vote", exc) from exc
         if refused is not None:
             raise refused
         error = ManifestMismatch if self.rank in self.senders else UpdateAborted

@@ -8,6 +8,10 @@ sender gives a class of replicas one broadcast. Groups are made only after the m
 every rank alike, and kept for the link's life, so that endpoints rebuilt on one side and reused
 on the other find the same groups.
 
+Where the link has a store (``StoreLink``, ``TorchLink``), every rank also beats in it
+(``glm_fp8.transfer.liveness``): a rank that dies or hangs is found within seconds, and every rank's
+next wait on the link raises ``LinkLost`` naming it, whatever the transport still waits for.
+
 Adapters (``as_link``):
 - a ``torch.distributed`` ProcessGroup, or None for the default group (``TorchLink``); its groups
   are ``torch.distributed.new_group``, which every process of the default group must make, so they
@@ -21,11 +25,13 @@ Adapters (``as_link``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from glm_fp8.transfer.liveness import DEFAULT_LEASE_S, Liveness
 
 Message = tuple[torch.Tensor, int]  # (tensor, peer link rank)
 
@@ -39,6 +45,14 @@ class Link:
     groups_supported: bool = False
     #: a stand-in whose other ranks do not exist: votes among the senders are this rank's own
     stand_in: bool = False
+    #: the watch over the link's ranks (None: the transport's own errors and timeout only)
+    liveness: Liveness | None = None
+
+    def check(self) -> None:
+        """Raise ``LinkLost`` if a rank of the link was lost (``liveness``); a host read of a result
+        the link delivered calls it after the read, since an aborted transport delivers garbage."""
+        if self.liveness is not None:
+            self.liveness.check()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         raise NotImplementedError
@@ -98,22 +112,30 @@ class TorchLink(Link):
         self.groups_supported = self.size == dist.get_world_size()
         key = id(group) if group is not None else 0
         self._groups = _TORCH_GROUPS.setdefault(key, (group, {}))[1]
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.liveness = _torch_liveness(group, self.rank, self.size)
 
     def global_rank(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
+    def _wait(self, work) -> None:
+        _wait(work, self.liveness, self.gloo)
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        dist.broadcast(tensor, group=self.group, group_src=src)
+        self.check()
+        self._wait(dist.broadcast(tensor, group=self.group, group_src=src, async_op=True))
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        self.check()
+        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
-        with _via_host(dist.get_backend(self.group) == "gloo", sends, recvs) as (sends, recvs):
+        self.check()
+        with _via_host(self.gloo, sends, recvs) as (sends, recvs):
             ops = [dist.P2POp(dist.isend, t, self.global_rank(r), self.group) for t, r in sends]
             ops += [dist.P2POp(dist.irecv, t, self.global_rank(r), self.group) for t, r in recvs]
             for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
+                self._wait(work)
 
     def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         todo = [g for g in groups if len(g) < self.size and g not in self._groups]
@@ -130,12 +152,51 @@ class TorchLink(Link):
     def group_broadcast(self, tensor: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         if len(ranks) == self.size:
             return self.broadcast(tensor, src)
-        dist.broadcast(tensor, group=self._groups[ranks], group_src=ranks.index(src))
+        self.check()
+        group = self._groups[ranks]
+        self._wait(dist.broadcast(tensor, group=group, group_src=ranks.index(src), async_op=True))
 
     def group_all_reduce_max(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
         if len(ranks) == self.size:
             return self.all_reduce_max(tensor)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._groups[ranks])
+        self.check()
+        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._groups[ranks], async_op=True))
+
+
+def _wait(work, liveness: Liveness | None, gloo: bool) -> None:
+    """Wait for a transport's ``work``. A gloo wait blocks the host: it polls ``liveness`` a beat at
+    a time. An NCCL wait only orders the stream; its host waits end when ``liveness`` aborts the
+    communicators of a link that lost a rank."""
+    if liveness is not None and gloo:
+        liveness.wait(work)
+    else:
+        work.wait()
+
+
+# One Liveness per torch.distributed group, for the process's life (the key holds the group).
+_TORCH_LIVENESS: dict[int, tuple[object, Liveness | None]] = {}
+
+
+def _torch_liveness(group: dist.ProcessGroup | None, rank: int, size: int) -> Liveness | None:
+    """The beat of this process in ``group`` (None: the default group), through the default
+    group's store; None where there is no peer or no store to beat in."""
+    key = id(group) if group is not None else id(dist.group.WORLD)
+    held = _TORCH_LIVENESS.get(key)
+    if held is not None and held[0] is (group if group is not None else dist.group.WORLD):
+        return held[1]
+    liveness = None
+    if size > 1:
+        try:
+            # torch names no public accessor for the default group's store; without it, no beats.
+            store = dist.distributed_c10d._get_default_store()
+            name = getattr(group, "group_name", None) if group is not None else "default"
+            home = dist.get_group_rank(group, 0) if group is not None else 0
+        except Exception:  # noqa: BLE001 - a store torch does not expose, or global rank 0 not in the group
+            store, name, home = None, None, None
+        if store is not None and name is not None:
+            liveness = Liveness(store, rank, size, store_rank=home, prefix=f"glm_fp8/alive/{name}/").start()
+    _TORCH_LIVENESS[key] = (group if group is not None else dist.group.WORLD, liveness)
+    return liveness
 
 
 def _store_group(store, rank: int, size: int, backend: str, timeout: timedelta):
@@ -152,7 +213,9 @@ class StoreLink(Link):
     """A process group of its own, built from a TCP store (``host:port``; ``rank`` 0 serves it),
     so that trainer and engine processes that each have their own default group can share it.
     ``backend``: "nccl" for CUDA tensors, "gloo" for CPU ones. Groups are made by their members
-    only, each from its own prefix of the store."""
+    only, each from its own prefix of the store. Every rank beats in the store (``Liveness``):
+    ``lease_s`` seconds without a beat and a rank is lost; ``describe(rank)`` names a rank and
+    ``advice(rank)`` says what to do, in ``LinkLost``'s message."""
 
     groups_supported = True
 
@@ -166,9 +229,12 @@ class StoreLink(Link):
         backend: str,
         timeout: timedelta = timedelta(minutes=10),
         device: torch.device | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        describe: Callable[[int], str] | None = None,
+        advice: Callable[[int | None], str] | None = None,
     ):
         store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-        self._setup(store, rank, size, backend, timeout, device)
+        self._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice)
 
     @classmethod
     def over_store(
@@ -180,36 +246,56 @@ class StoreLink(Link):
         backend: str,
         timeout: timedelta = timedelta(minutes=10),
         device: torch.device | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        describe: Callable[[int], str] | None = None,
+        advice: Callable[[int | None], str] | None = None,
     ) -> StoreLink:
         """The link over a store the caller holds (and that outlives the link: e.g. one
         generation's ``PrefixStore`` of a trainer's store), instead of one served at ``host:port``."""
         link = cls.__new__(cls)
-        link._setup(store, rank, size, backend, timeout, device)
+        link._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice)
         return link
 
-    def _setup(self, store, rank: int, size: int, backend: str, timeout: timedelta, device) -> None:
+    def _setup(self, store, rank: int, size: int, backend: str, timeout: timedelta, device, lease_s: float,
+               describe, advice) -> None:  # fmt: skip
         if not 0 <= rank < size:
             raise ValueError(f"rank: expected 0 <= rank < size={size}, got {rank}")
         self.rank, self.size, self.backend, self.timeout = rank, size, backend, timeout
         self.device = device
         self.store = store
-        self.pg = _store_group(dist.PrefixStore("glm_fp8/link/", store), rank, size, backend, timeout)
         self._groups: dict[tuple[int, ...], object] = {}
+        # Beats before the rendezvous: once the process group exists, every rank's beat does.
+        self.liveness = None
+        if size > 1:
+            self.liveness = Liveness(store, rank, size, lease_s=lease_s, describe=describe, advice=advice)
+        try:
+            self.pg = _store_group(dist.PrefixStore("glm_fp8/link/", store), rank, size, backend, timeout)
+        except BaseException:
+            if self.liveness is not None:
+                self.liveness.close(leave=False)
+            raise
+        if self.liveness is not None:
+            if backend == "nccl":  # NCCL kernels that wait for a lost rank end only when aborted
+                self.liveness.on_lost(self._abort)
+            self.liveness.start()
+
+    def _wait(self, work) -> None:
+        _wait(work, self.liveness, self.backend == "gloo")
+
+    def _bcast(self, pg, tensor: torch.Tensor, root: int) -> None:
+        self.check()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        self._wait(pg.broadcast([tensor], opts))
+
+    def _max(self, pg, tensor: torch.Tensor) -> None:
+        self.check()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._wait(pg.allreduce([tensor], opts))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._bcast(self.pg, tensor, src)
-
-    @staticmethod
-    def _bcast(pg, tensor: torch.Tensor, root: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = root, 0
-        pg.broadcast([tensor], opts).wait()
-
-    @staticmethod
-    def _max(pg, tensor: torch.Tensor) -> None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        pg.allreduce([tensor], opts).wait()
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         self._max(self.pg, tensor)
@@ -217,6 +303,7 @@ class StoreLink(Link):
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         if not sends and not recvs:
             return
+        self.check()
         if self.backend == "nccl":  # one NCCL group call, as torch.distributed.batch_isend_irecv
             device = (sends or recvs)[0][0].device
             self.pg._start_coalescing(device)
@@ -229,7 +316,7 @@ class StoreLink(Link):
         with _via_host(True, sends, recvs) as (sends, recvs):
             works = [self.pg.send([t], r, 0) for t, r in sends] + [self.pg.recv([t], r, 0) for t, r in recvs]
             for work in works:
-                work.wait()
+                self._wait(work)
 
     def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         for g in groups:
@@ -247,12 +334,20 @@ class StoreLink(Link):
             return self.all_reduce_max(tensor)
         self._max(self._groups[ranks], tensor)
 
-    def close(self) -> None:
+    def _abort(self) -> None:
+        """Abort the NCCL communicators (kernels waiting for a lost rank end; the link is done)."""
         for pg in [self.pg, *self._groups.values()]:
             try:
                 pg.abort() if self.backend == "nccl" else None
             except Exception:  # noqa: BLE001 - tearing down a link that may already be broken
                 pass
+
+    def close(self) -> None:
+        """This rank leaves the link: its beat stops (the others are told it left, not lost), and
+        NCCL communicators are aborted."""
+        if self.liveness is not None:
+            self.liveness.close()
+        self._abort()
         self._groups.clear()
 
 

@@ -41,6 +41,7 @@ from glm_fp8.transfer.wire import (
     decode_manifest,
     describe_refusal,
     header_error,
+    link_failure,
     refusal_code,
     refusal_reason,
     wire_arg,
@@ -259,7 +260,7 @@ class Receiver(Endpoint):
                 code = refusal_code(CONSUMER_FAILED, self.rank) if failure is not None else 0
                 self.step_votes.post(self.link, pos, code, flags)
         except Exception as exc:
-            raise UpdateAborted(f"receiving {step_name(pos, self.layer_ids)} failed: {exc}") from exc
+            raise link_failure(f"receiving {step_name(pos, self.layer_ids)} failed", exc) from exc
 
     def _receive_segments(self, pos: int) -> torch.Tensor | None:
         """Receive this rank's segments of the layer at ``pos`` into its ring slot, in the order

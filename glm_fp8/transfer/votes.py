@@ -32,12 +32,14 @@ class StepVotes:
         self.votes = torch.zeros(2, dtype=torch.int64, device=device)
         self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.link: Link | None = None  # the link of the last vote posted
 
     def post(self, link: Link, step: int, code: int, flags: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
         """Queue step ``step``'s vote on the current stream: ``code`` (0: fine), raised to ``c`` for
         each ``(flag, c)`` whose device boolean ``flag`` is set (a check decided on the device),
         all-reduced MAX over the link."""
         i = step % 2
+        self.link = link
         buf = self.votes[i : i + 1]
         buf.fill_(max(0, code))
         for flag, c in flags:
@@ -52,7 +54,9 @@ class StepVotes:
         i = step % 2
         if self.events[i] is not None:
             self.events[i].synchronize()
-        return int(self.host[i])
+        verdict = int(self.host[i])
+        self.link.check()  # an aborted transport delivers garbage: a lost rank says why
+        return verdict
 
 
 def explain_refusal(link: Link, verdict: int, own: BaseException | None, device: torch.device) -> str:

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from glm_fp8.errors import LayerOrderError, ManifestMismatch, ReceiverRefused, UpdateAborted
+from glm_fp8.errors import LayerOrderError, LinkLost, ManifestMismatch, ReceiverRefused, UpdateAborted
 from glm_fp8.kernels.checksum import checksum_rows, checksum_torch, checksum_triton
 from glm_fp8.plan import LayerPlan
 
@@ -101,6 +101,14 @@ def refusal_reason(code: int) -> int:
 
 def refusal_rank(code: int) -> int:
     return code & ((1 << _RANK_BITS) - 1)
+
+
+def link_failure(where: str, exc: BaseException) -> UpdateAborted:
+    """The error for a link operation that raised ``exc`` while doing ``where``: a ``LinkLost``
+    (naming the lost rank) stays one; anything else becomes an ``UpdateAborted``."""
+    if isinstance(exc, LinkLost):
+        return LinkLost(f"{where}: {exc}", exc.rank)
+    return UpdateAborted(f"{where}: {exc}")
 
 
 def header_error(got: Sequence[int], want: Sequence[int], where: str) -> UpdateAborted:
@@ -267,11 +275,13 @@ __all__ = [
     "ManifestMismatch",
     "ReceiverRefused",
     "UpdateAborted",
+    "LinkLost",
     "checksum_scratch",
     "compare_manifest",
     "decode_manifest",
     "describe_refusal",
     "header_error",
+    "link_failure",
     "encode_manifest",
     "header_words",
     "manifest_of",
