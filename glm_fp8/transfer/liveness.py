@@ -24,7 +24,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -114,17 +113,26 @@ class Liveness:
             raise LinkLost(str(lost), lost.rank)
 
     def wait(self, work) -> None:
-        """Wait for a gloo ``work``, a beat at a time, raising ``LinkLost`` as soon as the link lost a
-        rank; a transport error is pinned on the lost rank (``blame``)."""
-        while True:
-            self.check()
+        """Wait for a gloo ``work``, raising ``LinkLost`` as soon as the link lost a rank; a transport
+        error is pinned on the lost rank (``blame``). The work is waited for in a thread of its own
+        (abandoned, blocked until the transport's timeout, once the link is lost): gloo's wait with
+        a timeout breaks the connection of a point-to-point message it times out on."""
+        self.check()
+        done, failed = threading.Event(), []
+
+        def run() -> None:
             try:
-                work.wait(timedelta(seconds=self.beat_s))
-                return
-            except Exception as exc:  # noqa: BLE001 - a beat's timeout, or the transport's error
-                if not work.is_completed():
-                    continue
-                raise self.blame(exc) from exc
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="glm_fp8-link-wait", daemon=True).start()
+        while not done.wait(self.beat_s):
+            self.check()
+        if failed:
+            raise self.blame(failed[0]) from failed[0]
 
     def blame(self, exc: BaseException) -> LinkLost:
         """A ``LinkLost`` for the transport error ``exc``: a peer that died closes its connections at

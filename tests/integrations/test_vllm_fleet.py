@@ -24,6 +24,7 @@ each server's driven through its own ``QueueClient``, as ``collective_rpc`` woul
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -53,22 +54,34 @@ def _workers(fleet):
     return [(k, i) for k, (_, case) in enumerate(fleet) for i in range(len(_server_layouts(case)))]
 
 
-def _source(trainers):
+def _source(trainers, kind="layers", mesh_params=None):
+    """The trainer's weights: a ``LayerSource`` of plain tensors; vLLM's ``ModuleSource`` over FSDP2
+    DTensors (its stand-in, read whole by one sender: ``full_tensor`` gathers on every trainer
+    rank); or glm_fp8's ``ModuleStateSource`` over the same DTensors."""
+    from test_vllm_backend import StandInModuleSource, _hf_like_module
+
     from glm_fp8.integrations.vllm.sources import LayerSource
 
+    if kind == "module":
+        return StandInModuleSource(mesh_params)
+    if kind == "module_state":
+        from glm_fp8.integrations.vllm import ModuleStateSource
+
+        return ModuleStateSource(_hf_like_module(mesh_params))
     return LayerSource(lambda ids: ((i, synthetic_layer(NO_MTP, i, torch.bfloat16)) for i in ids),
                        rest=lambda: synthetic_layer(NO_MTP, REST, torch.bfloat16),
                        experts_whole=trainers > 1)  # fmt: skip
 
 
-def _trainer_side(rank, trainers, port, mode, servers, clients):
+def _trainer_side(rank, trainers, port, mode, servers, clients, source=None):
     from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
 
     options = TrainerOptions("127.0.0.1", port, engine_ranks=[n for _, n in servers], config=NO_MTP,
                              mode=mode, rank=rank, trainer_ranks=trainers, timeout_s=60,
                              server_names=[s for s, _ in servers])  # fmt: skip
     client = clients if rank == 0 else None
-    return TrainerSide(options, client, _source(trainers), torch.device("cpu")).connect()
+    source = _source(trainers) if source is None else source
+    return TrainerSide(options, client, source, torch.device("cpu")).connect()
 
 
 def _worker(rank, trainers, fleet, boxes, die_at):
@@ -92,12 +105,8 @@ def _worker(rank, trainers, fleet, boxes, die_at):
 
         def update(*args, **kwargs):
             updates[0] += 1
-            if updates[0] == die_at:  # the whole server goes, in the middle of the transfer
-                outbox = boxes[rank - trainers][1]  # what its client sees: the connection dropped
-                outbox.put(("error", f"server {fleet[k][0]!r} died (ConnectionError)"))
-                outbox.close()
-                outbox.join_thread()
-                os._exit(1)
+            if updates[0] == die_at:  # the whole server goes, in the middle of the transfer: killed
+                os.kill(os.getpid(), signal.SIGKILL)  # by its PID, with no word to anyone
             return real(*args, **kwargs)
 
         updater.update = update
@@ -212,16 +221,21 @@ def test_three_servers_of_three_layouts_get_every_byte_in_every_mode():
 # --- membership: a server dies mid-update, is removed, a new one is added ------------------------
 
 
-def _membership_rank(rank, world, trainers, boxes, mode):
+def _membership_rank(rank, world, trainers, boxes, mode, source):
+    from test_vllm_backend import _module_params
+
     from glm_fp8.integrations.vllm.clients import VllmServer
 
+    # every process makes the trainer mesh's group (torch.distributed's new_group is collective)
+    mesh_params = _module_params(NO_MTP, trainers, "prime_rl", torch.bfloat16) if source != "layers" else None
     if rank >= trainers:
         return _worker(rank, trainers, MEMBERSHIP_FLEET, boxes, die_at=2 if rank in (4, 5) else None)
     a, b, c = boxes[0:2], boxes[2:4], boxes[4:6]
     out = []
     try:
-        side = _trainer_side(rank, trainers, _port(rank, mode), mode, [("a", 2), ("b", 2)],
-                             [QueueClient(a), QueueClient(b)])  # fmt: skip
+        clients = [QueueClient(a), QueueClient(b)]
+        side = _trainer_side(rank, trainers, _port(rank, mode), mode, [("a", 2), ("b", 2)], clients,
+                             _source(trainers, source, mesh_params))  # fmt: skip
         for step in range(4):
             if step == 2:
                 try:  # the link broke with b: no update on it
@@ -245,21 +259,31 @@ def _membership_rank(rank, world, trainers, boxes, mode):
             _stop(boxes)
 
 
-@pytest.mark.parametrize("mode", ["senders", "broadcast"])
-def test_a_server_dies_mid_update_is_removed_and_a_new_one_is_added(mode):
+@pytest.mark.parametrize(
+    "mode, source",
+    [
+        ("senders", "layers"),
+        ("broadcast", "layers"),
+        ("scatter", "module"),  # vLLM's ModuleSource over DTensors: rank 1 runs full_tensor() gathers
+        ("scatter", "module_state"),  # glm_fp8's ModuleStateSource over DTensors: the sender's gathers
+    ],
+)
+def test_a_server_killed_mid_update_is_named_on_every_rank_removed_and_replaced(mode, source):
     """Servers a (TP 2) and b (EP 2), two trainer ranks: both sending their own experts, or rank 0
-    alone (rank 1 off the link, waiting for rank 0's outcome of each update). Update 1 lands on
-    both; b's workers die in the middle of update 2: both trainer ranks raise within seconds,
-    naming b and remove_server, and refuse the next update; ``remove_server("b")``: update 3
-    lands on a alone (its workers at the same link ranks, on a rebuilt link); ``add_server(c)``
-    (TP 2): update 4 lands on a and c."""
+    alone (rank 1 off the link: its part of the sender's gathers, then rank 0's outcome). Update 1
+    lands on both; b's workers are killed by their PIDs in the middle of update 2, with no word to
+    anyone (their client never answers): both trainer ranks raise ``LinkLost`` within 10 s, its
+    message naming b's worker and remove_server, and refuse the next update; a's update_weights
+    (the surviving server) raised naming b; ``remove_server("b")``: update 3 lands on a alone (its
+    workers at the same link ranks, on a rebuilt link: the gathers of the failed update left
+    nobody behind); ``add_server(c)`` (TP 2): update 4 lands on a and c."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     trainers, workers = 2, len(_workers(MEMBERSHIP_FLEET))
     senders = trainers if mode == "senders" else 1
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(workers)]
-    results = launch(trainers + workers, _membership_rank, (trainers, boxes, mode), timeout_s=120)
+    results = launch(trainers + workers, _membership_rank, (trainers, boxes, mode, source), timeout_s=120)
     for t in range(trainers):
         status, out = results[t]
         assert status == "ok", (t, status, out)
@@ -267,15 +291,20 @@ def test_a_server_dies_mid_update_is_removed_and_a_new_one_is_added(mode):
         assert (
             s1 == "ok" and third == ("ok", ["a"], senders + 2) and fourth == ("ok", ["a", "c"], senders + 4)
         ), out
-        assert kind == "UpdateAborted" and seconds < 10, (t, kind, seconds, text)
-        assert "server 'b' #1" in text and "died" in text and "engine.remove_server('b')" in text, (t, text)
+        assert kind == "LinkLost" and seconds < 10, (t, kind, seconds, text)
+        message = text.split(" | ")[0]  # the message itself, not its notes
+        assert "(server 'b' #1, its worker" in message and "is lost: no heartbeat" in message, (t, text)
+        assert "engine.remove_server('b')" in message, (t, text)
         assert refused[0] == "refused" and "broke the link" in refused[1], refused
+    for r in (2, 3):  # a's workers: their update 2 raised, naming b
+        assert any("server 'b' #1" in line and "is lost" in line for line in results[r][1]["log"]), results[r]
     for r in (4, 5):  # b's workers died
         assert results[r][0].startswith("exit"), results[r]
     link = [r - trainers + senders for r in range(trainers + workers)]  # each worker's link rank
     for r in (2, 3):  # a: updates 1, 3 and 4 landed whole (2 failed: no finish)
         status, out = results[r]
         assert status == "ok" and [rank for rank, *_ in out["checks"]] == [link[r]] * 3, (r, out)
+        assert len(out["log"]) == 1, out["log"]  # update 2's error, and nothing else
         assert all(bad == [] for _, bad, _ in out["checks"]), (r, out)
     for r in (6, 7):  # c: update 4, after a's workers
         status, out = results[r]

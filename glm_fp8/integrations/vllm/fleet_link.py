@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from glm_fp8.errors import GlmFp8Error
+from glm_fp8.errors import GlmFp8Error, LinkLost
 from glm_fp8.integrations.vllm.clients import VllmServer, client_kind, draft_starter
 from glm_fp8.integrations.vllm.sync import SyncInit, poll_ready
 from glm_fp8.transfer.link import StoreLink
@@ -38,29 +38,63 @@ def generation_store(store: dist.Store, generation: int) -> dist.Store:
 
 
 def open_link(info: SyncInit, rank: int, device: torch.device, store: dist.Store | None = None) -> StoreLink:
-    """This rank's link of ``info``'s generation (``store``: the trainer's store; a client of it is
-    opened when None)."""
+    """This rank's link of ``info``'s generation (``store``: the trainer's store, a generation's view
+    of it; a client of the trainer's store is opened when None). A rank lost mid-update is named
+    by its server, with what to call next (``lost_advice``)."""
     if store is None:
         store = open_store(info.master_address, info.master_port, master=False, timeout_s=info.timeout_s)
+        store = generation_store(store, info.generation)
     return StoreLink.over_store(
-        generation_store(store, info.generation),
+        store,
         rank,
         info.world_size,
         backend=info.link_backend,
         timeout=info.timeout,
         device=device,
+        describe=info.rank_name,
+        advice=lambda r: lost_advice(info, r),
     )
 
 
 def link_broke(exc: BaseException) -> bool:
-    """``exc`` (from a transfer) says the link itself failed (a peer gone: gloo's "Connection closed
-    by peer", NCCL's errors), not a refusal voted by every rank (after which the link is whole)."""
+    """``exc`` (from a transfer) says the link itself failed (a rank lost: ``LinkLost``; gloo's
+    "Connection closed by peer", NCCL's errors), not a refusal voted by every rank (after which
+    the link is whole)."""
     seen = exc
     while seen is not None:
-        if not isinstance(seen, GlmFp8Error):
+        if isinstance(seen, LinkLost) or not isinstance(seen, GlmFp8Error):
             return True
         seen = seen.__cause__
     return False
+
+
+def server_of(init: SyncInit, rank: int) -> str | None:
+    """The name of the server whose worker is link rank ``rank`` (None: a sender, or one nameless
+    engine)."""
+    for name, first, workers in init.fleet():
+        if first <= rank < first + workers:
+            return name or None
+    return None
+
+
+def lost_advice(init: SyncInit, rank: int | None) -> str:
+    """What to call once link rank ``rank`` is lost (None: a transport failure with no rank to name)."""
+    if rank is None:
+        return (
+            "; the link is broken: engine.set_fleet(engine.servers) on every trainer rank rebuilds it "
+            "(remove_server(name) for a server that is gone)"
+        )
+    if rank < init.senders:
+        return (
+            "; a trainer rank is gone: the trainer must be restarted (every trainer rank), and its "
+            "trainer_init re-runs every server's init_weight_transfer_engine"
+        )
+    name = server_of(init, rank)
+    if name is None:
+        return remove_hint(init, [""])
+    return remove_hint(init, [name]) + (
+        f", or engine.replace_server({name!r}, VllmServer(...)) once it is restarted"
+    )
 
 
 def remove_hint(init: SyncInit, names: Sequence[str]) -> str:
@@ -254,12 +288,14 @@ __all__ = [
     "FleetCall",
     "generation_store",
     "link_broke",
+    "lost_advice",
     "name_ranks",
     "open_link",
     "open_store",
     "publish_failure",
     "read_failure",
     "remove_hint",
+    "server_of",
     "start_sessions",
     "wait_ready",
 ]

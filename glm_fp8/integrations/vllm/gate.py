@@ -6,7 +6,7 @@ the link. Re-exported by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 # A refusal known before the transfer (a worker outside a session, vLLM's own "start_weight_update
 # must be called before update_weights", a client call that raised) would otherwise leave the
@@ -90,16 +90,91 @@ def outcome_reads(store, step: int, session: str) -> int:
     return int(store.add(_gate_key(step, session, "outcome_read"), 0))
 
 
-def clear_gate(store, step: int, session: str, ranks: Sequence[int]) -> None:
-    """Drop an update's keys once every rank is past them."""
+def clear_gate(store, step: int, session: str, ranks: Sequence[int], gathers: int = 0) -> None:
+    """Drop an update's keys once every rank is past them (``gathers``: its ``GatherGate`` steps)."""
     for what in ("verdict", "read", "outcome", "outcome_read"):
         store.delete_key(_gate_key(step, session, what))
     for r in ranks:
         store.delete_key(_gate_key(step, session, f"ready/{r}"))
+    for pos in range(gathers):
+        store.delete_key(_gate_key(step, session, f"gather/{pos}"))
+
+
+# With one sender, the trainer ranks off the link take part in its gathers (collectives over the
+# trainer's mesh), step by step. Were they to run ahead, an update that fails partway would leave
+# them inside a gather that rank 0 never enters (rank 0 stops pulling layers at the failed vote), and
+# the trainer's own process group stuck. So rank 0 says "go" for each step just before it gathers
+# it, and "stop" for every step it will not gather once the update ended; a rank off the link runs
+# a step's gathers only after its "go" (a blocking read of the store, no polling): every trainer
+# rank then runs the same gathers, the update fails or lands, and the next one starts clean.
+STOP = "stop"
+
+
+class GatherGate:
+    """Rank 0's side: its layers (``layers``) and non-layer tensors (``rest``) as the sender reads
+    them, each step announced before its gathers run; ``close`` ends the update's steps."""
+
+    def __init__(self, store, step: int, session: str, n_layers: int, rest: bool):
+        self.store, self.step, self.session = store, step, session
+        self.n_layers, self.steps = n_layers, n_layers + int(rest)
+        self.said = 0  # steps announced so far
+
+    def _go(self, pos: int) -> None:
+        if pos == self.said and pos < self.steps:
+            self.store.set(_gate_key(self.step, self.session, f"gather/{pos}"), GO)
+            self.said += 1
+
+    def layers(self, layers: Iterable) -> Iterator:
+        it = iter(layers)
+        for pos in range(self.n_layers):
+            self._go(pos)
+            item = next(it, None)  # a source's own gathers run here (vLLM's iter_full)
+            if item is None:
+                return
+            yield item
+        yield from it  # past the announced layers: the sender refuses it
+
+    def rest(self, rest: Mapping | None) -> Mapping | None:
+        return None if rest is None else _Announced(rest, lambda: self._go(self.n_layers))
+
+    def close(self) -> None:
+        """Every step not announced: "stop" (the ranks off the link gather no further)."""
+        for pos in range(self.said, self.steps):
+            self.store.set(_gate_key(self.step, self.session, f"gather/{pos}"), STOP)
+        self.said = self.steps
+
+
+def gather_go(store, step: int, session: str) -> Callable[[int], bool]:
+    """A rank off the link: ``go(pos)`` waits for rank 0's word on step ``pos``'s gathers (up to the
+    store's timeout): True to run them, False once the update ended before them."""
+    return lambda pos: store.get(_gate_key(step, session, f"gather/{pos}")).decode() == GO
+
+
+class _Announced(Mapping):
+    """A mapping whose first read says "go" first (the non-layer tensors: gathered when read)."""
+
+    def __init__(self, data: Mapping, go: Callable[[], None]):
+        self._data, self._go = data, go
+
+    def _read(self) -> Mapping:
+        self._go()
+        return self._data
+
+    def __getitem__(self, key):
+        return self._read()[key]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 __all__ = [
     "GO",
+    "STOP",
+    "GatherGate",
+    "gather_go",
     "clear_gate",
     "gate_reads",
     "open_gate",

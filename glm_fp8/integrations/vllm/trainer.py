@@ -23,17 +23,20 @@ import torch
 import torch.distributed as dist
 
 from glm_fp8.config import as_config
+from glm_fp8.errors import GlmFp8Error, LinkLost, ReceiverRefused
 from glm_fp8.integrations.vllm.clients import VllmServer
 from glm_fp8.integrations.vllm.fleet_link import (
     FleetCall,
     generation_store,
     name_ranks,
+    open_link,
     open_store,
     publish_failure,
     read_failure,
     start_sessions,
     wait_ready,
 )
+from glm_fp8.integrations.vllm.gate import GatherGate, gather_go
 from glm_fp8.integrations.vllm.sources import WeightSourceLayers
 from glm_fp8.integrations.vllm.sync import (
     SyncInit,
@@ -56,9 +59,24 @@ from glm_fp8.transfer.delta_carry import KeptCopy, adopt_kept, detach_each
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.sender import Sender
 
-# How long trainer rank 0 waits, after a failed transfer, for the servers' update_weights to say
+# How long trainer rank 0 waits, after a failed transfer whose error does not say why (an engine
+# rank refused; a transport failed with no rank to name), for the servers' update_weights to say
 # why (a dead server's client answers at once; the others once their link broke), before raising.
 FAILURE_WAIT_S = 10.0
+# ... and after an error that says why itself (the trainer's own fault, a lost rank named): only
+# for the servers' accounts as a note.
+OWN_FAULT_WAIT_S = 1.0
+
+
+def says_why(exc: BaseException) -> bool:
+    """``exc`` (from a sender's ``send_model``) names its cause without the servers' account: the
+    trainer's own fault (a bad or non-finite layer, another sender's, a refused manifest) or a
+    lost rank; not an engine rank's refusal (its reason is the server's) nor a bare transport error."""
+    if isinstance(exc, LinkLost):
+        return exc.rank is not None
+    if isinstance(exc, ReceiverRefused):
+        return False
+    return isinstance(exc, (GlmFp8Error, ValueError, TypeError))
 
 
 class TrainerSide(FleetMembership):
@@ -97,7 +115,8 @@ class TrainerSide(FleetMembership):
         self.steps = 0
         self._senders_cache: dict[str, Sender] = {}
         self._kept: dict[str, KeptCopy] = {}  # delta: each session's kept copy, off a dropped link
-        self._gates: list[tuple[int, str]] = []  # updates whose "go" keys rank 0 still holds
+        # updates whose "go" keys rank 0 still holds: (step, session, GatherGate steps)
+        self._gates: list[tuple[int, str, int]] = []
 
     def _make_init(self, generation: int) -> SyncInit:
         """The fleet's ``SyncInit`` (each server gets it with its ``rank_offset``); ``draft`` decided
@@ -171,9 +190,7 @@ class TrainerSide(FleetMembership):
             inits = [(replace(self.init, rank_offset=o).to_dict(),) for _, o, _ in self.init.fleet()]
             call = FleetCall(self.servers, "init_weight_transfer_engine", inits)
         try:
-            self.link = StoreLink.over_store(self.store, self.rank, self.init.world_size,
-                                             backend=self.init.link_backend, timeout=self.init.timeout,
-                                             device=self.device)  # fmt: skip
+            self.link = open_link(self.init, self.rank, self.device, self.store)
             if self.rank == 0:
                 publish_trainer_init(self.store, self.init)
             else:
@@ -295,24 +312,25 @@ class TrainerSide(FleetMembership):
             layers, rest_map = self.source.session(ids, rest)
             if not self.on_link:
                 wait_gate(self.store, self.steps, session)
-                self._contribute(layers, rest_map, ids)
+                self._contribute(layers, rest_map, ids, gather_go(self.store, self.steps, session))
                 self._await_outcome(self.steps, session)
                 out.append(
                     {"session": session, "seconds": time.perf_counter() - t0, "bytes": 0, "sender": False,
                      "update_bytes": None}
                 )  # fmt: skip
                 continue
-            out.append(self._update(session, layers, rest_map))
+            out.append(self._update(session, layers, rest_map, len(ids)))
         self.source.drain()
         return out
 
-    def _contribute(self, layers, rest_map, ids) -> None:
-        """A trainer rank off the link (one sender): its part of the sender's gathers."""
+    def _contribute(self, layers, rest_map, ids, go) -> None:
+        """A trainer rank off the link (one sender): its part of the sender's gathers, each step's
+        once rank 0 said it gathers it too (``go``)."""
         gather, gather_dtype = self.opts.gather, _DTYPES[self.opts.gather_dtype]
         contribute(self.source, layers, rest_map, ids, config=self.config, gather=gather,
-                   gather_dtype=gather_dtype, device=self.device)  # fmt: skip
+                   gather_dtype=gather_dtype, device=self.device, go=go)  # fmt: skip
 
-    def _update(self, session: str, layers, rest_map) -> dict:
+    def _update(self, session: str, layers, rest_map, n_layers: int) -> dict:
         step, timeout = self.steps, self.init.timeout_s
         if self.rank != 0:
             wait_gate(self.store, step, session)
@@ -320,9 +338,10 @@ class TrainerSide(FleetMembership):
                 return _stats(session, self._sender(session).send_model(layers, rest=rest_map))
             except BaseException as exc:
                 name_ranks(exc, self.init)
-                said = read_failure(self.store, step, session, FAILURE_WAIT_S + 5)
-                if said is not None and hasattr(exc, "add_note"):
-                    exc.add_note(f"trainer rank 0: {said}")
+                if not says_why(exc):  # the servers' account, as rank 0 hears it from their clients
+                    said = read_failure(self.store, step, session, FAILURE_WAIT_S + 5)
+                    if said is not None and hasattr(exc, "add_note"):
+                        exc.add_note(f"trainer rank 0: {said}")
                 self._broke(exc, step, session)
                 raise
         self._prune_gates()
@@ -345,24 +364,37 @@ class TrainerSide(FleetMembership):
             if call is not None:
                 call.join(timeout)
             raise
+        gate = None
+        if self._off_link:  # their gathers step by step with this rank's: none waits in one it skips
+            gate = GatherGate(self.store, step, session, n_layers, rest_map is not None)
+            layers, rest_map = gate.layers(layers), gate.rest(rest_map)
         open_gate(self.store, step, session, None)
-        self._gates.append((step, session))
+        self._gates.append((step, session, gate.steps if gate is not None else 0))
         try:
             stats = self._sender(session).send_model(layers, rest=rest_map)
         except BaseException as exc:
-            err = call.join_first(min(timeout, FAILURE_WAIT_S)).error(self.init)
+            if gate is not None:
+                gate.close()
+            own = says_why(exc)  # else the servers' update_weights say why: wait for them
+            wait = min(timeout, OWN_FAULT_WAIT_S if own else FAILURE_WAIT_S)
+            err = call.join_first(wait).error(self.init)
             names = name_ranks(exc, self.init)
-            if err is None:
+            if err is None and not own:
                 late = [s.name for s, t in zip(self.servers, call.threads) if t.is_alive()]
-                err = RuntimeError(f"no server's update_weights said why within {FAILURE_WAIT_S:g} s; "
+                err = RuntimeError(f"no server's update_weights said why within {wait:g} s; "
                                    f"still running on {late}")  # fmt: skip
-            if hasattr(exc, "add_note"):
+            if err is not None and hasattr(exc, "add_note"):
                 exc.add_note(f"the engine's update_weights raised: {err}")
-            said = str(err)
+            # This rank's own error first: a trainer's NaN is the trainer's, whatever the servers say.
+            said = f"{type(exc).__name__}: {exc}"
+            if err is not None and not own:
+                said += f"; the servers said: {err}"
             publish_failure(self.store, step, session, f"{said} (the link names {names})" if names else said)
             self._broke(exc, step, session)
             self._publish_outcome(step, session, exc, said)
             raise
+        if gate is not None:
+            gate.close()
         try:
             call.wait(timeout, self.init)
             FleetCall(self.servers, "finish_weight_update").wait(timeout, self.init)

@@ -22,7 +22,7 @@ from glm_fp8.integrations.vllm.gate import (
     publish_outcome,
     wait_outcome,
 )
-from glm_fp8.transfer.wire import UpdateAborted
+from glm_fp8.transfer.wire import LinkLost, UpdateAborted
 
 # How long trainer rank 0 waits for a removed server to release its link before going on without
 # its answer (a dead server never answers).
@@ -175,7 +175,8 @@ class FleetMembership:
         why, broken = wait_outcome(self.store, step, session)
         if why is None:
             return
-        exc = UpdateAborted(f"update {step} ({session} session) failed on the link: trainer rank 0: {why}")
+        error = LinkLost if broken else UpdateAborted  # the link's ranks raised a LinkLost too
+        exc = error(f"update {step} ({session} session) failed on the link: trainer rank 0: {why}")
         self._broke(exc, step, session, broken)
         raise exc
 
@@ -183,13 +184,13 @@ class FleetMembership:
         """Drop the keys of earlier updates that every other rank has read (rank 0)."""
         readers = self.init.world_size - self.senders + self.trainer_ranks - 1
         keep = []
-        for step, session in self._gates:
+        for step, session, gathers in self._gates:
             if gate_reads(self.store, step, session) >= readers and (
                 outcome_reads(self.store, step, session) >= self._off_link
             ):
-                clear_gate(self.store, step, session, range(self.senders, self.init.world_size))
+                clear_gate(self.store, step, session, range(self.senders, self.init.world_size), gathers)
             else:
-                keep.append((step, session))
+                keep.append((step, session, gathers))
         self._gates = keep
 
     def _index(self, name: str) -> int:

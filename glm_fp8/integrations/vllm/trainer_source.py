@@ -7,7 +7,7 @@ its source as layers (``trainer_source``: a ``LayerSource``, or the model's weig
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -42,17 +42,29 @@ def contribute(
     gather: str,
     gather_dtype: torch.dtype | None,
     device: torch.device,
+    go: Callable[[int], bool] = lambda pos: True,
 ) -> None:
-    """A trainer rank off the link (one sender): its part of the sender's gathers."""
-    if isinstance(source, WeightSourceLayers):
-        for _ in layers:  # the pass's full_tensor() gathers
-            pass
-        if rest_map is not None:
-            dict(rest_map)
-        return
+    """A trainer rank off the link (one sender): its part of the sender's gathers, step by step,
+    each once ``go(pos)`` says rank 0 gathers it too (``gate.GatherGate``)."""
     items = itertools.chain(layers, [(REST, rest_map)] if rest_map is not None else [])
+    steps = len(ids) + int(rest_map is not None)
+
+    def gated():
+        for pos in range(steps):
+            if not go(pos):
+                return
+            item = next(items, None)  # vLLM's iter_full gathers here (full_tensor per tensor)
+            if item is None:
+                return
+            yield item
+
+    if isinstance(source, WeightSourceLayers):
+        for idx, tensors in gated():
+            if idx == REST:
+                dict(tensors)  # read when used: its full_tensor() gathers
+        return
     contribute_shards(
-        items,
+        gated(),
         config=config,
         sender=0,
         gather=gather,
