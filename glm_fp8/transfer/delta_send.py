@@ -79,6 +79,7 @@ class SenderDelta:
         self.lengths_host: list[torch.Tensor | None] = [None] * sender.conv_ring.size
         self.ready: dict[int, tuple[list, tuple]] = {}  # per layer: messages, their lengths
         self.sent: dict[int, int] = {}
+        self.delivered: dict[int, int] = {}
         self.resent: set[int] = set()
 
     @classmethod
@@ -98,6 +99,7 @@ class SenderDelta:
         self.proposal = max(self.proposal, self.update + 1)
         self.ready.clear()
         self.sent.clear()
+        self.delivered.clear()
         self.resent.clear()
 
     def resend(self, pos: int) -> None:
@@ -241,7 +243,7 @@ class SenderDelta:
                 event.synchronize()  # the layer's one host read: its payloads' lengths
             ns = iter(lengths.tolist() if lengths is not None else ())
             msgs = [(msg, msg[:0] if payload is None else payload[: next(ns)]) for msg, payload in msgs]
-        first, payloads, group_payloads, sent = [], [], [], 0
+        first, payloads, group_payloads, sent, delivered = [], [], [], 0, 0
         for seg, (msg, payload) in zip(lay.of_sender(s.me), msgs):
             to = delta_to(lay, seg, self.fresh[pos])
             data = conv[: seg.nbytes] if seg.direct else out[seg.send_offset : seg.send_offset + seg.nbytes]
@@ -249,22 +251,32 @@ class SenderDelta:
                 part = msg if to else data
                 s.link.group_broadcast(part, s.rank, seg.group)
                 sent += part.numel()
+                delivered += part.numel() * (len(seg.group) - 1)
                 group_payloads += [(payload, seg.group)] if to and payload.numel() else []
                 continue
             for r in lay.classes[seg.cls]:
                 first.append((msg if r in to else data, r))
                 payloads += [(payload, r)] if r in to and payload.numel() else []
-                sent += msg.numel() + payload.numel() if r in to else data.numel()
+                n = msg.numel() + payload.numel() if r in to else data.numel()
+                sent, delivered = sent + n, delivered + n
         for payload, group in group_payloads:  # after every counts message: a receiver reads them at once
             s.link.group_broadcast(payload, s.rank, group)
             sent += payload.numel()
+            delivered += payload.numel() * (len(group) - 1)
         s.link.exchange(first, [])
         s.link.exchange(payloads, [])
-        self.sent[pos] = sent
+        self.sent[pos], self.delivered[pos] = sent, delivered
 
     def sent_nbytes(self, pos: int) -> int:
         """What this sender put on the link for ``pos``: its delta messages, or the dense segments."""
         return self.sent[pos] if pos in self.sent else self.s.routes.layers[pos].sent_nbytes(self.s.me)
+
+    def delivered_nbytes(self, pos: int) -> int:
+        """What the engine ranks received of this sender for ``pos`` (a group broadcast once per
+        receiving rank): its delta messages, or the dense segments."""
+        if pos in self.delivered:
+            return self.delivered[pos]
+        return self.s.routes.layers[pos].delivered_nbytes(self.s.me)
 
 
 __all__ = ["DeltaOptions", "SenderDelta", "check_sender_delta"]

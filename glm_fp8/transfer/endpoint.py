@@ -55,12 +55,16 @@ class LayerStats:
     """One step of an update as this rank saw it: ``layer`` (-1: the non-layer tensors), ``nbytes``
     this rank put on the link (a sender: each point-to-point segment once per receiving rank, a
     group broadcast once) or took off it (an engine rank: its segments), ``seconds`` the step
-    took on the host, ``layer_nbytes`` the whole converted layer (``LayerPlan.nbytes``)."""
+    took on the host, ``layer_nbytes`` the whole converted layer (``LayerPlan.nbytes``),
+    ``delivered_nbytes`` (a sender) what the engine ranks received of its sends, a group broadcast
+    once per receiving rank: what the receivers' NICs take in, where ``nbytes`` is what the
+    sender's puts out (an engine rank: its ``nbytes``)."""
 
     layer: int
     nbytes: int
     seconds: float
     layer_nbytes: int = 0
+    delivered_nbytes: int = 0
 
 
 @dataclass
@@ -76,8 +80,15 @@ class UpdateStats:
 
     @property
     def nbytes(self) -> int:
-        """The bytes this rank sent (a sender) or received (an engine rank) in the update."""
+        """The bytes this rank sent (a sender: put on the link, a group broadcast once) or received
+        (an engine rank) in the update."""
         return sum(s.nbytes for s in self.layers)
+
+    @property
+    def delivered_nbytes(self) -> int:
+        """The bytes the engine ranks received of this rank's sends (a group broadcast once per
+        receiving rank); an engine rank: what it received."""
+        return sum(s.delivered_nbytes for s in self.layers)
 
 
 class Ring:

@@ -361,7 +361,7 @@ class Receiver(Endpoint):
                 got = sum(s.nbytes for s in self._mine[pos])  # what arrived, without the buffer's padding
                 got = self.delta.received_nbytes(pos) if self.delta is not None else got
                 seconds = time.perf_counter() - t
-                stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes))
+                stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes, got))
         finally:
             self._params_error = None
         stats.layers.sort(key=lambda s: self.layer_ids.index(s.layer))  # a resent layer lands last

@@ -125,6 +125,11 @@ class LayerRoutes:
         rank of its class, a group broadcast once."""
         return sum(s.nbytes * self.messages(s) for s in self.of_sender(t))
 
+    def delivered_nbytes(self, t: int) -> int:
+        """Bytes of sender ``t``'s segments that engine ranks receive for this layer: each segment
+        once per receiving rank, a group broadcast's too (what the receivers' NICs take in)."""
+        return sum(s.nbytes * len(self.classes[s.cls]) for s in self.of_sender(t))
+
     @property
     def wire_nbytes(self) -> int:
         """Every segment once: the layer's distinct bytes on the wire (its header's count)."""

@@ -239,14 +239,17 @@ class Sender(Endpoint):
             self._advance(pos, failed)
         self._settle_step(n - 1, failed)
         for pos, st in enumerate(stats.layers):
-            dense = self.routes.layers[pos].sent_nbytes(self.me)
-            st.nbytes = self.delta.sent_nbytes(pos) if self.delta else dense
+            lay = self.routes.layers[pos]
+            st.nbytes = self.delta.sent_nbytes(pos) if self.delta else lay.sent_nbytes(self.me)
+            dense = lay.delivered_nbytes(self.me)
+            st.delivered_nbytes = self.delta.delivered_nbytes(pos) if self.delta else dense
         for pos in self.delta.resends() if self.delta is not None else ():  # every rank read the votes
             t_layer = time.perf_counter()
             self._ready[pos] = self.delta.restore(pos)
             self._post_step(pos, None)
             self._settle_step(pos, None)
             stats.layers[pos].nbytes += self.routes.layers[pos].sent_nbytes(self.me)
+            stats.layers[pos].delivered_nbytes += self.routes.layers[pos].delivered_nbytes(self.me)
             stats.layers[pos].seconds += time.perf_counter() - t_layer
         if not stop:
             try:

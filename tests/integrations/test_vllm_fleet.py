@@ -179,7 +179,8 @@ def _modes_rank(rank, world, trainers, boxes):
             converted.clear()
             (stats,) = side.send()
             once = sorted(set(converted.values())), len(converted)
-            out.append((side.mode, side.init.world_size, stats["bytes"], stats["update_bytes"], once))
+            out.append((side.mode, side.init.world_size, stats["bytes"], stats["update_bytes"], once,
+                        stats["delivered_bytes"]))  # fmt: skip
             side.shutdown()
         return out
     finally:
@@ -203,10 +204,16 @@ def test_three_servers_of_three_layouts_get_every_byte_in_every_mode():
         assert [m for m, *_ in results[t][1]] == ["broadcast", "scatter", "senders"], results[t]
         assert {w for _, w, *_ in results[t][1]} == {1 + workers, 2 + workers}, results[t]
     # one sender: rank 1 takes part in no link (broadcast, scatter); many senders: both send
-    assert [b > 0 for _, _, b, _, _ in results[1][1]] == [False, False, True], results[1]
+    assert [row[2] > 0 for row in results[1][1]] == [False, False, True], results[1]
+    # link bytes and delivered bytes: a full broadcast puts each byte on the link once and all six
+    # workers take it in; scatter sends each worker its own shard (a class of replicas by a group
+    # broadcast: delivered counts each replica's copy)
+    broadcast, scatter, _ = results[0][1]
+    assert broadcast[5] == 6 * broadcast[2] and scatter[5] >= scatter[2], (broadcast, scatter)
+    assert scatter[5] < broadcast[5]  # each worker its shard: less reaches the NICs than a broadcast
     # each layer converted once per sender, whatever the three servers' layouts
     layers = NO_MTP["num_hidden_layers"] + 1  # and the non-layer tensors
-    assert [once for *_, once in results[0][1]] == [([1], layers)] * 3, results[0]
+    assert [row[4] for row in results[0][1]] == [([1], layers)] * 3, results[0]
     assert results[1][1][2][4] == ([1], layers), results[1]
     first = trainers + 0  # server a's first worker: link rank 1 with one sender, 2 with two
     assert [rank for rank, *_ in results[first][1]["checks"]] == [1, 1, 2]
@@ -642,3 +649,66 @@ def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
     assert sent[2] < dense3, (sent, dense3)
     a0, b0 = ([b for b, _ in results[r][1]["got"]] for r in (1, 3))
     print(f"fleet change with delta: sender {sent} bytes (dense update 3: {dense3}); a0 {a0}, b0 {b0}")
+
+
+# --- a fault is attributed to its cause -----------------------------------------------------------
+
+
+def _nan_rank(rank, world, trainers, boxes):
+    from glm_fp8.integrations.vllm.sources import LayerSource
+
+    if rank >= trainers:
+        return _worker(rank, trainers, MEMBERSHIP_FLEET[:2], boxes, die_at=None)
+    step = [0]
+
+    def layer(i):
+        sd = synthetic_layer(NO_MTP, i, torch.bfloat16)
+        if step[0] == 0 and i == 1:  # the trainer's own weights: a NaN in its first update
+            sd["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("nan")
+        return sd
+
+    source = LayerSource(lambda ids: ((i, layer(i)) for i in ids),
+                         rest=lambda: synthetic_layer(NO_MTP, REST, torch.bfloat16))  # fmt: skip
+    clients = [QueueClient(boxes[0:2]), QueueClient(boxes[2:4])]
+    out = []
+    try:
+        servers = [("a", 2), ("b", 2)]
+        side = _trainer_side(rank, trainers, _port(rank, "nan"), "scatter", servers, clients, source)
+        for step[0] in range(2):
+            t0 = time.monotonic()
+            try:
+                side.send()
+                out.append(("ok", "", 0.0))
+            except Exception as exc:  # noqa: BLE001 - the test reads every rank's outcome
+                out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+        side.shutdown()
+        return out
+    finally:
+        if rank == 0:
+            _stop(boxes)
+
+
+def test_a_nan_in_the_trainer_is_the_trainers_on_every_trainer_rank_never_a_servers():
+    """One sender (rank 1 off the link), two servers: a NaN in the trainer's layer 1 stops the
+    update; rank 0 raises ``NonFiniteError`` naming the tensor, and rank 1's error names the same
+    tensor first, not a server whose update_weights raised after it; neither waits for the
+    servers' accounts (seconds, not ``FAILURE_WAIT_S``). The link stays whole: the next update
+    lands on both servers."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    trainers, workers = 2, 4
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(workers)]
+    results = launch(trainers + workers, _nan_rank, (trainers, boxes), timeout_s=120)
+    for t in range(trainers):
+        status, out = results[t]
+        assert status == "ok", (t, status, out)
+        (kind, text, seconds), landed = out
+        assert landed[0] == "ok", (t, out)
+        assert kind == ("NonFiniteError" if t == 0 else "UpdateAborted") and seconds < 8, (t, out)
+        own = text if t == 0 else text.split("trainer rank 0: ", 1)[1]
+        assert own.startswith("NonFiniteError: " if t else "") and "self_attn.o_proj.weight" in own, (t, text)
+        assert "update_weights raised" not in text, (t, text)
+    for r in range(trainers, trainers + workers):  # the second update landed whole everywhere
+        status, out = results[r]
+        assert status == "ok" and len(out["checks"]) == 1 and out["checks"][0][1] == [], (r, out)

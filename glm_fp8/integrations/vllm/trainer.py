@@ -284,7 +284,9 @@ class TrainerSide(FleetMembership):
         dict per session, what this rank did in it: ``session``, ``seconds`` (this rank's wall
         time), ``bytes`` (what this rank put on the link: a sender's segments, each once per
         receiving rank, a group broadcast once; 0 on a rank off the link, which only takes part in
-        the sender's gathers), ``sender`` (this rank is on the link), ``update_bytes`` (the whole
+        the sender's gathers), ``delivered_bytes`` (what the engine ranks received of this rank's
+        sends: a group broadcast once per receiving rank, so a full broadcast counts every
+        receiver's copy, as scatter does), ``sender`` (this rank is on the link), ``update_bytes`` (the whole
         converted update, every engine's shard together; None off the link). Raises what a
         ``Sender`` raises (an engine rank's refusal names it, and a note its server), with
         the engines' own errors as a note (naming each server); a refusal known before the
@@ -316,7 +318,7 @@ class TrainerSide(FleetMembership):
                 self._await_outcome(self.steps, session)
                 out.append(
                     {"session": session, "seconds": time.perf_counter() - t0, "bytes": 0, "sender": False,
-                     "update_bytes": None}
+                     "delivered_bytes": 0, "update_bytes": None}
                 )  # fmt: skip
                 continue
             out.append(self._update(session, layers, rest_map, len(ids)))
@@ -425,6 +427,7 @@ class TrainerSide(FleetMembership):
 def _stats(session: str, stats) -> dict:
     """What ``send()`` returns for one session on a rank of the link (see ``TrainerSide.send``)."""
     return {"session": session, "seconds": stats.seconds, "bytes": stats.nbytes, "sender": True,
+            "delivered_bytes": stats.delivered_nbytes,
             "update_bytes": sum(s.layer_nbytes for s in stats.layers)}  # fmt: skip
 
 
