@@ -90,6 +90,14 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line and a pointer to --help (its subcommands' too),
+    not the usage block before the message."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
+
+
 DESCRIPTION = """\
 Fused block-FP8 weight updates from an RL trainer to a vLLM engine, for huge MoE models (GLM-5 and
 its family). Subcommands:
@@ -108,8 +116,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from glm_fp8.presets import FLEETS
 
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="glm-fp8", description=DESCRIPTION, formatter_class=raw)
-    parser.add_argument("--version", action="version", version=f"glm-fp8 {__version__}",
+    parser = _Parser(prog="glm-fp8", description=DESCRIPTION, formatter_class=raw)
+    parser.add_argument("-V", "--version", action="version", version=f"glm-fp8 {__version__}",
                         help="print the version of glm_fp8 and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan,bench}")
     d = sub.add_parser(
@@ -156,8 +164,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--model",
-        help="an embedded preset: glm-5, glm-5.2, glm-4.5, deepseek-v3, deepseek-v3.2, kimi-k2, "
+        "--model", type=str.lower,
+        help="an embedded preset (any case): glm-5, glm-5.2, glm-4.5, deepseek-v3, deepseek-v3.2, kimi-k2, "
         "qwen3-moe (default: the --fleet preset's model, else glm-5)",
     )  # fmt: skip
     src.add_argument("--config", help="a Hugging Face config.json instead of a preset (default: none)")
@@ -287,7 +295,18 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     return parser, sub
 
 
+def _interpret_kernels_on_cpu(argv: list[str]) -> None:
+    """Triton's interpreter where the kernels will run on the CPU (no GPU, or ``bench --cpu``). Set
+    before the parser loads: its defaults import glm_fp8 modules, which define the kernels, and a
+    kernel defined without the interpreter fails on a CPU ("0 active drivers")."""
+    import torch
+
+    if not torch.cuda.is_available() or (argv[:1] == ["bench"] and "--cpu" in argv):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _interpret_kernels_on_cpu(list(sys.argv[1:] if argv is None else argv))
     parser, sub = _parser()
     args = parser.parse_args(argv)
     # Checks that need runtime knowledge (presets, files, cases, backends) report through the subparser.

@@ -485,8 +485,10 @@ def test_fp32_masters_read_whole_by_one_sender_land_unrounded_the_other_rank_rep
     rank off the link takes part in the gathers and reports that it sent nothing."""
     results = _run(2, "tp2", source="module", mode="scatter", dtype=torch.float32, layout="hf")
     _landed(results, 2)
-    for status, sent, mode, stats in results[1][1]:
-        assert (status, sent, mode) == ("ok", [("target", 0)], "scatter"), results[1]
+    for row in results[1][1]:
+        assert row[0] == "ok", row  # a failed step is (kind, text, seconds): its error, not an unpacking's
+        status, sent, mode, stats = row
+        assert (sent, mode) == ([("target", 0)], "scatter"), results[1]
         assert stats[0]["sender"] is False and stats[0]["update_bytes"] is None, stats
     assert results[0][1][0][3][0]["bytes"] > 0
 
