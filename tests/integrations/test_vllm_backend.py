@@ -811,6 +811,10 @@ def test_worker_link_index_refuses_what_is_not_an_index():
         worker_index(SimpleNamespace(**{**pc, "data_parallel_index": None}))
     with pytest.raises(ValueError, match=r"parallel_config\.rank: expected an integer"):
         worker_index(SimpleNamespace(**{**pc, "rank": 1.0}))
+    # a rank at or past its world would collide with another worker's link index: refused
+    for kind, rank in (("mp", 2), ("external_launcher", 5)):
+        with pytest.raises(ValueError, match=r"parallel_config\.rank: .*world_size=2"):
+            worker_index(SimpleNamespace(**{**pc, "distributed_executor_backend": kind, "rank": rank}))
 
 
 def test_gather_dtype_default_is_no_cast():

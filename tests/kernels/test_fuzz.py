@@ -11,7 +11,9 @@ Reproducible: case i uses seed ``GLM_FP8_FUZZ_SEED + i`` (Python ``random`` for 
 structure, a torch Generator on the test device for the values). ``GLM_FP8_FUZZ_CASES`` sets the
 count (GPU default 400; the CPU test runs at most ``CPU_MAX_CASES`` small cases);
 ``GLM_FP8_FUZZ_BUDGET_S`` stops a GPU backend's loop after that many seconds (default 120, 0:
-never); ``GLM_FP8_FUZZ_WORKERS`` spreads the cases over spawned processes (Triton on a GPU: 8 by
+never), and fails the test if it stopped before ``GLM_FP8_FUZZ_MIN_CASES`` cases (default 100):
+a run cut short by its budget never passes on a handful of cases; ``GLM_FP8_FUZZ_WORKERS``
+spreads the cases over spawned processes (Triton on a GPU: 8 by
 default, since a cold Triton compiles about one kernel per case, ~1 s each). A failure prints
 each failing seed with its full case description; replay one case with ``GLM_FP8_FUZZ_SEED=<seed>
 GLM_FP8_FUZZ_CASES=1 python3 -m pytest -q -rA tests/kernels/test_fuzz.py -k <test id>``.
@@ -40,6 +42,9 @@ DEFAULT_SEED = 20261203
 GPU_DEFAULT_CASES = 400
 CPU_MAX_CASES = 24
 GPU_DEFAULT_BUDGET_S = 120.0  # per backend; the summary line says when it cut a run short
+# The fewest cases a GPU backend's run may end with when its budget cuts it short: a budget spent
+# before (a slow machine, compiles) fails the test instead of passing on a handful of cases, or none.
+GPU_MIN_CASES = 100
 MAX_REPORTED = 5  # failing cases described in full in the assertion message
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -644,7 +649,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _fuzz(backend: str, device: str, profile: Profile, cases: int, budget_s: float, workers: int,
-          capsys, record_property, test_id: str) -> None:  # fmt: skip
+          capsys, record_property, test_id: str, min_cases: int = 0) -> None:  # fmt: skip
     """Run ``cases`` seeds, print the summary line, fail with the first failing cases described.
 
     With ``workers`` > 1 the seeds go to that many spawned processes, in chunks: a cold Triton
@@ -699,6 +704,15 @@ def _fuzz(backend: str, device: str, profile: Profile, cases: int, budget_s: flo
         record_property("fuzz_summary", line)
         with capsys.disabled():
             print("\n" + line, flush=True)
+    floor = min(cases, min_cases)
+    if not failures and len(results) < floor:
+        pytest.fail(
+            f"fuzz: backend={backend} ran {len(results)} cases before its time budget ({budget_s:g} s) "
+            "ended it; "
+            f"at least {floor} must run (GLM_FP8_FUZZ_BUDGET_S raises the budget, GLM_FP8_FUZZ_MIN_CASES "
+            "lowers the floor)",
+            pytrace=False,
+        )
     if failures:
         lines = [
             f"{len(failures)} of {len(results)} fuzz cases failed on backend={backend}; seeds: "
@@ -727,8 +741,9 @@ def test_fuzz_gpu(gpu_backend, capsys, record_property):
     # Triton compiles about one kernel per case: spread them over processes. CUDA compiles nothing.
     default_workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if gpu_backend == "triton" else 1
     workers = min(_env_int("GLM_FP8_FUZZ_WORKERS", default_workers), -(-cases // CHUNK))
+    floor = _env_int("GLM_FP8_FUZZ_MIN_CASES", GPU_MIN_CASES)
     _fuzz(gpu_backend, "cuda", GPU_PROFILE, cases, budget, workers, capsys, record_property,
-          f"test_fuzz_gpu and {gpu_backend}")  # fmt: skip
+          f"test_fuzz_gpu and {gpu_backend}", floor)  # fmt: skip
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU, test_fuzz_gpu runs the full-size generator")
@@ -740,7 +755,7 @@ def test_fuzz_cpu(cpu_backend, capsys, record_property):
     cases = min(_env_int("GLM_FP8_FUZZ_CASES", CPU_MAX_CASES), CPU_MAX_CASES)
     workers = min(_env_int("GLM_FP8_FUZZ_WORKERS", 1), -(-cases // CHUNK))
     _fuzz(cpu_backend, "cpu", CPU_PROFILE, cases, 0.0, workers, capsys, record_property,
-          f"test_fuzz_cpu and {cpu_backend}")  # fmt: skip
+          f"test_fuzz_cpu and {cpu_backend}", cases)  # fmt: skip
 
 
 def test_case_generator_is_reproducible_and_covers_the_categories():

@@ -43,10 +43,12 @@ def worker_index(parallel_config: object) -> int:
     makes ``world_size`` span the DP replicas and ``rank`` the global ``RANK`` already
     (``config/parallel.py``, ``worker_base.py``), so the rank alone is the index."""
     pc = parallel_config
-    rank = check_int("parallel_config.rank", getattr(pc, "rank", None), 0, MAX_LINK_RANKS - 1)
+    world = check_int("parallel_config.world_size", getattr(pc, "world_size", None), 1, MAX_LINK_RANKS)
+    # A rank at or past the world would take another worker's link index: refused, not collided.
+    rank = check_int("parallel_config.rank", getattr(pc, "rank", None), 0, world - 1,
+                     f" (a worker of a world of parallel_config.world_size={world})")  # fmt: skip
     if getattr(pc, "distributed_executor_backend", None) == "external_launcher":
         return rank
-    world = check_int("parallel_config.world_size", getattr(pc, "world_size", None), 1, MAX_LINK_RANKS)
     dp = check_int(
         "parallel_config.data_parallel_index", getattr(pc, "data_parallel_index", None), 0, MAX_LINK_RANKS - 1
     )
