@@ -146,7 +146,7 @@ class Fleet:
         return (self.servers[k].link_gbps or self.link_gbps) * 1e9 / 8
 
     def server_names(self) -> list[str]:
-        return [s.name or f"server {k}" for k, s in enumerate(self.servers)]
+        return [s.name or f"server{k}" for k, s in enumerate(self.servers)]  # the vLLM backend's default too
 
     def layouts(self) -> list[EngineLayout]:
         """One replica of each server, server by server: every distinct engine rank (replicas hold

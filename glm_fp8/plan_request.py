@@ -147,7 +147,7 @@ class PlanRequest:
             if s.ranks > MAX_ENGINE_RANKS:
                 raise PlanArgumentError(
                     "servers",
-                    f"server {s.name or k}: TP {s.tp} x DP {s.dp} = {s.ranks} ranks; expected at most "
+                    f"{s.name or f'server{k}'}: TP {s.tp} x DP {s.dp} = {s.ranks} ranks; expected at most "
                     f"{MAX_ENGINE_RANKS} (each engine rank's shard is computed)",
                 )
         replicas = sum(s.replicas for s in self.servers)

@@ -153,7 +153,7 @@ def _detail_lines(report: dict) -> list[str]:
     engines = report["servers"] or ([report["engine"]] if report["engine"] is not None else [])
     for engine in engines:
         lines.append("")
-        server = f"server {engine['name']}, {engine['replicas']} replica(s): " if "name" in engine else ""
+        server = f"{engine['name']}, {engine['replicas']} replica(s): " if "name" in engine else ""
         lines += wrap(
             f"{server}engine ranks: a whole-model fp8 update (every layer, MTP, embeddings, norm, lm_head) "
             f"into {engine['ranks']} engine ranks (TP {engine['tp']} x DP {engine['dp']}, experts "
@@ -196,9 +196,10 @@ def _update_lines(lines: list[str], report: dict) -> None:
     f = update["fleet"]
     lines.append("")
     if report["servers"] is None:
+        ep = f", EP {f['engine_tp'] * f['engine_dp']}" if f["engine_ep"] else ""
         into = (
-            f"{f['engines']} engine(s) of TP {f['engine_tp']} x DP {f['engine_dp']}"
-            f"{' EP' if f['engine_ep'] else ''}, {f['link_gbps']:g} Gb/s per GPU"
+            f"{f['engines']} x server0 (TP {f['engine_tp']} x DP {f['engine_dp']}{ep}), "
+            f"{f['link_gbps']:g} Gb/s per GPU"
         )
     else:
         into = f"{len(report['servers'])} servers, {f['link_gbps']:g} Gb/s per trainer GPU"

@@ -60,9 +60,12 @@ def deployment_lines(report: dict) -> list[str]:
     experts = f"experts {'whole' if f['experts_whole'] else 'split'} per trainer rank"
     if report["servers"] is None:
         assumed = " (TP 8 assumed: pass --engine-tp)" if a["engine_tp_assumed"] else ""
+        # as a fleet of one server is written below: replicas x name (layout): ranks
+        ep = f", EP {f['engine_tp'] * f['engine_dp']}" if f["engine_ep"] else ""
+        ranks = f["engines"] * f["engine_tp"] * f["engine_dp"]
         out = wrap(
-            f"deployment: {gpus} -> {f['engines']} engine(s) of TP {f['engine_tp']} x DP {f['engine_dp']}"
-            f"{', EP' if f['engine_ep'] else ''}{assumed}; {f['link_gbps']:g} Gb/s per GPU; {experts}"
+            f"deployment: {gpus} -> {f['engines']} x server0 (TP {f['engine_tp']} x DP {f['engine_dp']}{ep})"
+            f"{assumed}: {ranks} server ranks; {f['link_gbps']:g} Gb/s per GPU; {experts}"
         )
     else:
         tgbps = f["link_gbps"]

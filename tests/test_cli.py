@@ -1,5 +1,6 @@
 """``glm-fp8``: bad arguments are argparse errors (exit code 2, one ``error:`` line on stderr
-naming the option), never tracebacks or silent passes; the CPU bench prints no bandwidth."""
+naming the option and a pointer to --help), never tracebacks or silent passes; the CPU bench prints
+no bandwidth; ``-V`` prints the version; preset names are taken in any case."""
 
 import argparse
 import json
@@ -24,7 +25,9 @@ def _usage_error(capsys, argv: list[str]) -> str:
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1, err
-    assert err.rstrip("\n").splitlines()[-1] == errors[0]  # argparse: usage, then the error line
+    # the error line, then a pointer to --help: no usage block before it
+    prog = f"glm-fp8 {argv[0]}" if argv and not argv[0].startswith("-") else "glm-fp8"
+    assert err.splitlines() == [errors[0], f"see '{prog} --help'"], err
     assert errors[0].startswith(f"glm-fp8 {argv[0]}: error: argument "), errors[0]
     return errors[0]
 
@@ -151,7 +154,7 @@ def test_plan_nodes(capsys):
                  "--detail"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     flat = _flat(out)
-    assert "deployment: 8 trainer GPUs -> 1 engine(s) of TP 8 x DP 1 (TP 8 assumed: pass --engine-tp)" in flat
+    assert "deployment: 8 trainer GPUs -> 1 x server0 (TP 8 x DP 1) (TP 8 assumed: pass --engine-tp)" in flat
     assert re.search(r"a trainer GPU: [\d.]+ GiB of float32 master shards \+ [\d.]+ GiB peak = [\d.]+ GiB: "
                      r"(fits|does NOT fit) 80 GiB", flat)  # fmt: skip
     assert (
@@ -481,7 +484,7 @@ def test_plan_request_checks_servers_for_python_callers():
     for request, want in (
         (PlanRequest(servers=(Server(8),)), "servers: describe the deployment and need trainer_gpus"),
         (PlanRequest(trainer_gpus=8, engine_tp=8, servers=(Server(8),)), "servers: given with engine_tp"),
-        (PlanRequest(trainer_gpus=8, servers=(Server(8, dp=128),)), "server 0: TP 8 x DP 128 = 1024 ranks"),
+        (PlanRequest(trainer_gpus=8, servers=(Server(8, dp=128),)), "server0: TP 8 x DP 128 = 1024 ranks"),
         (
             PlanRequest(trainer_gpus=8, servers=[Server(8)]),
             "servers: expected a tuple of glm_fp8.fleet.Server",
@@ -592,18 +595,18 @@ def test_plan_fleet_preset_of_the_target_case(capsys):
     (server,) = new["summary"]["servers"]
     assert server["received_bytes"] == new["update"]["strategies"][-1]["received"]
     assert (
-        server["name"] == "server 0" and server["layout"] == "TP 8 x DP 1, EP 8" and server["replicas"] == 4
+        server["name"] == "server0" and server["layout"] == "TP 8 x DP 1, EP 8" and server["replicas"] == 4
     )
     senders = new["summary"]["sender_bytes"]
     assert len(senders) == 32 and max(senders) == new["update"]["strategies"][-1]["sent"]
     out = _flat(_plan_text(capsys, ["plan", "--fleet", "glm-5-4xep8"]))
     assert (
-        "deployment: 32 trainer GPUs -> 4 x server 0 (TP 8 x DP 1, EP 8): 32 server ranks; 400 Gb/s per"
+        "deployment: 32 trainer GPUs -> 4 x server0 (TP 8 x DP 1, EP 8): 32 server ranks; 400 Gb/s per"
         in out
     )
     assert 'mode="auto" picks many senders (mode="senders"), predicted 1.98 s for the whole model' in out
-    assert "server 0 ranks (4 replicas x 8): 2.35 GiB in vLLM's target session, 1.54 GiB in the draft" in out
-    assert "received by each server's busiest rank (fp8 many senders): server 0 90.28 GiB" in out
+    assert "server0 ranks (4 replicas x 8): 2.35 GiB in vLLM's target session, 1.54 GiB in the draft" in out
+    assert "received by each server's busiest rank (fp8 many senders): server0 90.28 GiB" in out
 
 
 # --- glm-fp8 plan --delta: the delta update beside the dense one (issue #33; model predictions) ---
@@ -624,7 +627,7 @@ def test_plan_delta_summary_detail_and_json(capsys):
         r"transient peak, \+ 86\.4 GiB of master shards = [\d.]+ GiB: fits 139 GiB"
     )
     assert re.search(kept, flat), flat
-    assert "server ranks' receiver in a delta update: server 0 4.61 GiB (dense 3.07)" in flat
+    assert "server ranks' receiver in a delta update: server0 4.61 GiB (dense 3.07)" in flat
     detail = _plan_text(capsys, [*argv, "--detail"])
     row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.179\s+1\.98\s+22\.77\s+[\d.]+$"
     assert re.search(row, detail, re.M), detail
@@ -667,3 +670,13 @@ def test_plan_delta_summary_detail_and_json(capsys):
 )  # fmt: skip
 def test_plan_refuses_a_bad_delta(capsys, argv, expected):
     assert expected in _usage_error(capsys, ["plan", *argv])
+
+
+def test_version_and_preset_names_in_any_case(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["-V"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("glm-fp8 ")
+    assert main(["plan", "--model", "GLM-5", "--json"]) == 0
+    upper = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "glm-5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == upper

@@ -124,7 +124,7 @@ def test_cli_prints_the_table_and_the_json(capsys):
     argv = ["plan", "--trainer-gpus", "32", "--engines", "4", "--engine-tp", "8", "--engine-ep", "--detail"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "predicted whole-model update: 32 trainer GPUs -> 4 engine(s) of TP 8 x DP 1 EP" in out
+    assert "predicted whole-model update: 32 trainer GPUs -> 4 x server0 (TP 8 x DP 1, EP 8)" in out
     assert re.search(r"^fp8 many senders\s+32\s+91\.1\s+90\.3\s+", out, re.M), out
     assert "many senders' transfer plan" in out
     assert re.search(r"^\s+4\s+32\.\.39\s+69\s+91\.06\s", out, re.M), out
@@ -165,7 +165,7 @@ def test_fleet_rank_order_and_views():
         range(2, 4),
     ]
     assert (fleet.engines, fleet.engine_tp, fleet.engine_ep) == (None, None, None) and fleet.engine_ranks == 6
-    assert fleet.server_names() == ["a", "b"] and Fleet(2, servers=[Server(2)]).server_names() == ["server 0"]
+    assert fleet.server_names() == ["a", "b"] and Fleet(2, servers=[Server(2)]).server_names() == ["server0"]
     assert dataclasses.replace(fleet, trainer_gpus=4).servers == fleet.servers
     assert Fleet(**json.loads(json.dumps(dataclasses.asdict(fleet)))) == fleet  # read back from --json
 
