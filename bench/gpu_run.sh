@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
+# One run on a GPU machine: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=(BENCH)
 # GATHER=1 PIPELINE=1 FLEET=0 DELTA=0 DELTA_PIPELINE=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
@@ -10,7 +10,7 @@
 # at most per backend (default 120), within FUZZ_TIMEOUT (default 300) s, and the delta fuzz
 # (tests/kernels/test_delta_fuzz.py) alike; FUZZ_FILES picks the fuzz files (default both). GPU_TESTS=1 sets
 # TEST_PATHS to the test files that run on the GPU (the rest are CPU gloo tests that CI runs;
-# the whole suite no longer finishes in one call's 10 minutes beside the fuzz).
+# the whole suite no longer finishes in one 10-minute run beside the fuzz).
 set -uo pipefail
 LOG=${OUT:-gpu_logs}; mkdir -p "$LOG"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -45,8 +45,8 @@ APPLY_SCRATCH_PER_BLOCK = 16 + 4
 STAGING_LAYERS = 1  # kept in host memory: one staging buffer of a layer's (DeltaOptions(kept="host"))
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
 # (the one-GPU stand-in link's) at 55.3 GB/s; the kept copy in host memory is streamed in and
-# written back at that rate, one after the other on the conversion stream (the sixteenth session's
-# 80-layer run: 12.9 ms a layer for 2 x 0.335 GB, bench/RESULTS.md).
+# written back at that rate, one after the other on the conversion stream (the H200's 80-layer run
+# at 0383511, 2026-12-05: 12.9 ms a layer for 2 x 0.335 GB, bench/RESULTS.md).
 HOST_COPY_BYTES_PER_S = 55.3e9
 
 

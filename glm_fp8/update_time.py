@@ -55,8 +55,8 @@ from glm_fp8.update_delta import (
 )
 from glm_fp8.update_delta import receiver_bytes as delta_receiver_bytes
 
-# Calibration, measured on one H200 (bench/RESULTS.md, 2026-12-04, protocol v3): total / link time of
-# one pipelined sender through the one-GPU stand-in link, 80 GLM-5 sparse layers: full broadcast
+# Calibration, measured on one H200 (bench/HISTORY.md, 2026-12-04, b18801c, protocol v3): total / link
+# time of one pipelined sender through the one-GPU stand-in link, 80 GLM-5 sparse layers: full broadcast
 # 1.0006-1.0012, scatter into TP 8 1.0023, many senders 1.0018-1.0063; the factor bounds them all.
 PIPELINE_FACTOR = 1.01
 # One GLM-5 sparse layer (9.20 GiB of kernel format) converted from bf16, checksum included, in
@@ -64,7 +64,8 @@ PIPELINE_FACTOR = 1.01
 CONVERT_SECONDS_PER_BYTE = 10.28e-3 / (9.20 * 2**30)
 # Launch- and host-bound floors a layer, many senders' sender 0 (32 into 4 x EP 8), 80 GLM-5 sparse layers:
 # converted and packed alone in 0.069-0.076 s; sent as deltas (conversion, comparison, packing, the read of
-# their lengths) in 0.181 s (bench/RESULTS.md, sixteenth session: the kept copy on the GPU, lr 1e-6).
+# their lengths) in 0.181 s (bench/RESULTS.md, the H200 at 0383511, 2026-12-05: the kept copy on the GPU,
+# lr 1e-6).
 CONVERT_SECONDS_PER_LAYER = 0.076 / 80
 DELTA_SECONDS_PER_LAYER = 0.181 / 80
 STRATEGIES = ("bf16 broadcast", "fp8 broadcast", "fp8 scatter", "fp8 many senders")
