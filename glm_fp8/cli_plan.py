@@ -60,7 +60,7 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--delta-kept", choices=["gpu", "host"],
         help="with --delta: where each sender keeps what it last sent: gpu, or host (pinned memory, "
-        "streamed through 2 layers on the GPU) (default: gpu)",
+        "streamed in and out through one layer's staging buffer on the GPU) (default: gpu)",
     )  # fmt: skip
     p.add_argument(
         "--delta-scales", type=fraction, metavar="FRACTION",
