@@ -10,7 +10,7 @@ kernels' buffers come poisoned (0xFF bytes), so an unwritten element cannot pass
 
 import pytest
 import torch
-from conftest import BACKENDS, poisoned_f32, poisoned_fp8
+from conftest import BACKENDS, backend_id, poisoned_f32, poisoned_fp8
 
 import glm_fp8.delta as delta_mod
 from glm_fp8 import NonFiniteError
@@ -21,7 +21,7 @@ from glm_fp8.reference import delta_apply_ref, delta_block_sizes, delta_encode_r
 DELTA_BACKENDS = ["triton", "torch"] if "triton" in BACKENDS else ["torch"]
 
 
-@pytest.fixture(params=DELTA_BACKENDS)
+@pytest.fixture(params=DELTA_BACKENDS, ids=backend_id)
 def dbackend(request) -> str:
     return request.param
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import ON_GPU
+from conftest import ON_GPU, backend_id
 from test_fuzz import (
     CHUNK,
     CPU_PROFILE,
@@ -427,14 +427,14 @@ def test_delta_fuzz_gpu(capsys):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU, test_delta_fuzz_gpu runs the full-size generator")
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch"], ids=backend_id)
 def test_delta_fuzz_cpu(backend, capsys):
     with capsys.disabled():
         _fuzz(backend, "cpu", CPU_PROFILE, CPU_CASES, 0.0)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU, test_delta_fuzz_gpu runs every seed's compare_bytes case")
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch"], ids=backend_id)
 def test_compare_bytes_fuzz_cpu(backend, capsys, monkeypatch):
     """A few compare_bytes cases in CI; with the triton backend the kernel ran for some of them."""
     from glm_fp8.kernels import triton_delta
@@ -447,7 +447,7 @@ def test_compare_bytes_fuzz_cpu(backend, capsys, monkeypatch):
         assert (len(launches) > 0) == (backend == "triton"), f"{len(launches)} kernel launches with {backend}"
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch"], ids=backend_id)
 @pytest.mark.parametrize("shape", [(256, 1), (0, 33), (1, 1)])
 def test_compare_bytes_takes_a_contiguous_nonunit_last_stride(shape, backend, device):
     """bf16 kept copies torch calls contiguous with a last stride of 256 ([256, 1] seen through a
