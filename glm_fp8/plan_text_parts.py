@@ -183,8 +183,14 @@ def delta_lines(report: dict) -> list[str]:
     servers = ", ".join(
         f"{x['name']} {gib(x['extra_bytes'])} GiB (dense {gib(x['dense_extra_bytes'])})" for x in d["servers"]
     )
-    out += wrap(f"server ranks' receiver in a delta update: {servers}; a rank that gets a layer dense needs "
-                "the dense figure for it", "  ")  # fmt: skip
+    # One update of every layer, as the delta model counts it; the lines above count vLLM's target and
+    # draft sessions apart (a smaller largest layer in each), so "dense" here is neither of those.
+    out += wrap(
+        f"server ranks' receiver in a delta update of every layer in one session (dense: the same receiver "
+        f"without deltas, 2 slots of its largest layer, the MTP layer's included): {servers}; a rank that "
+        "gets a layer dense needs the dense figure for it",
+        "  ",
+    )
     return out
 
 

@@ -627,7 +627,8 @@ def test_plan_delta_summary_detail_and_json(capsys):
         r"transient peak, \+ 86\.4 GiB of master shards = [\d.]+ GiB: fits 139 GiB"
     )
     assert re.search(kept, flat), flat
-    assert "server ranks' receiver in a delta update: server0 4.61 GiB (dense 3.07)" in flat
+    assert "server ranks' receiver in a delta update of every layer in one session" in flat
+    assert "the MTP layer's included): server0 4.61 GiB (dense 3.07)" in flat
     detail = _plan_text(capsys, [*argv, "--detail"])
     row = r"^fp8 many senders\s+1\.654\s+1\.561\s+1\.73 %\s+0\.179\s+1\.98\s+22\.77\s+[\d.]+$"
     assert re.search(row, detail, re.M), detail
