@@ -25,6 +25,7 @@ Adapters (``as_link``):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -336,7 +337,7 @@ class StoreLink(Link):
 
     def _abort(self) -> None:
         """Abort the NCCL communicators (kernels waiting for a lost rank end; the link is done)."""
-        for pg in [self.pg, *self._groups.values()]:
+        for pg in [p for p in [getattr(self, "pg", None), *self._groups.values()] if p is not None]:
             try:
                 pg.abort() if self.backend == "nccl" else None
             except Exception:  # noqa: BLE001 - tearing down a link that may already be broken
@@ -344,10 +345,20 @@ class StoreLink(Link):
 
     def close(self) -> None:
         """This rank leaves the link: its beat stops (the others are told it left, not lost), and
-        NCCL communicators are aborted."""
+        NCCL communicators are aborted. A link that lost a rank may hold gloo operations that wait
+        for it until the transport's timeout, and a gloo process group's destructor waits for them:
+        its process groups are dropped in a daemon thread, so that the caller (a ``remove_server``
+        rebuilding the link) does not wait ``timeout_s``."""
+        lost = self.liveness is not None and self.liveness.lost is not None
         if self.liveness is not None:
             self.liveness.close()
         self._abort()
+        if lost and getattr(self, "pg", None) is not None:
+            doomed = [self.pg, *self._groups.values()]
+            self.pg = None
+            self._groups.clear()
+            threading.Thread(target=doomed.clear, name="glm_fp8-lost-link", daemon=True).start()
+            return
         self._groups.clear()
 
 
