@@ -165,9 +165,11 @@ class TorchLink(Link):
 
 
 def _wait(work, liveness: Liveness | None, gloo: bool) -> None:
-    """Wait for a transport's ``work``. A gloo wait blocks the host: it polls ``liveness`` a beat at
-    a time. An NCCL wait only orders the stream; its host waits end when ``liveness`` aborts the
-    communicators of a link that lost a rank."""
+    """Wait for a transport's ``work``. A gloo wait blocks the host: it waits in a thread of its own
+    while the caller checks ``liveness`` every beat (``Liveness.wait``). An NCCL wait only orders the
+    stream; its host waits end when ``liveness`` aborts the communicators of a link that lost a rank
+    (a ``StoreLink``'s; a ``TorchLink`` over the caller's own NCCL group is not aborted, and its next
+    operation raises)."""
     if liveness is not None and gloo:
         liveness.wait(work)
     else:
