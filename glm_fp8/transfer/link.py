@@ -259,8 +259,18 @@ class StoreLink(Link):
         link._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice)
         return link
 
-    def _setup(self, store, rank: int, size: int, backend: str, timeout: timedelta, device, lease_s: float,
-               describe, advice) -> None:  # fmt: skip
+    def _setup(
+        self,
+        store,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout: timedelta,
+        device,
+        lease_s: float,
+        describe,
+        advice,
+    ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank: expected 0 <= rank < size={size}, got {rank}")
         self.rank, self.size, self.backend, self.timeout = rank, size, backend, timeout

@@ -191,12 +191,10 @@ class Liveness:
             except Exception as exc:  # noqa: BLE001 - the store's server is gone
                 if self._closed.is_set():
                     return
-                who = self.store_rank
                 why = f"the link's store stopped answering ({type(exc).__name__}: {exc})"
-                self._set_lost(f"{'' if who is None else who}\n"
-                               + (f"{self.describe(who)} is lost: {why}; its process serves the store"
-                                  if who is not None else f"the link failed: {why}")
-                               + self.advice(who))  # fmt: skip
+                if self.store_rank is not None:
+                    why += "; its process serves the store"
+                self.report(self.store_rank, why)  # it cannot publish: the account stays this rank's
                 return
             if fault is not None:
                 self._set_lost(fault)

@@ -54,10 +54,11 @@ def _workers(fleet):
     return [(k, i) for k, (_, case) in enumerate(fleet) for i in range(len(_server_layouts(case)))]
 
 
-def _source(trainers, kind="layers", mesh_params=None):
-    """The trainer's weights: a ``LayerSource`` of plain tensors; vLLM's ``ModuleSource`` over FSDP2
-    DTensors (its stand-in, read whole by one sender: ``full_tensor`` gathers on every trainer
-    rank); or glm_fp8's ``ModuleStateSource`` over the same DTensors."""
+def _source(trainers, kind="layers", mesh_params=None, layer=None):
+    """The trainer's weights: a ``LayerSource`` of plain tensors (``layer(i)``, default the synthetic
+    layers); vLLM's ``ModuleSource`` over FSDP2 DTensors (its stand-in, read whole by one sender:
+    ``full_tensor`` gathers on every trainer rank); or glm_fp8's ``ModuleStateSource`` over the
+    same DTensors."""
     from test_vllm_backend import StandInModuleSource, _hf_like_module
 
     from glm_fp8.integrations.vllm.sources import LayerSource
@@ -68,9 +69,9 @@ def _source(trainers, kind="layers", mesh_params=None):
         from glm_fp8.integrations.vllm import ModuleStateSource
 
         return ModuleStateSource(_hf_like_module(mesh_params))
-    return LayerSource(lambda ids: ((i, synthetic_layer(NO_MTP, i, torch.bfloat16)) for i in ids),
-                       rest=lambda: synthetic_layer(NO_MTP, REST, torch.bfloat16),
-                       experts_whole=trainers > 1)  # fmt: skip
+    layer = layer or (lambda i: synthetic_layer(NO_MTP, i, torch.bfloat16))
+    rest = lambda: synthetic_layer(NO_MTP, REST, torch.bfloat16)  # noqa: E731
+    return LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=rest, experts_whole=trainers > 1)
 
 
 def _trainer_side(rank, trainers, port, mode, servers, clients, source=None):
@@ -179,8 +180,8 @@ def _modes_rank(rank, world, trainers, boxes):
             converted.clear()
             (stats,) = side.send()
             once = sorted(set(converted.values())), len(converted)
-            out.append((side.mode, side.init.world_size, stats["bytes"], stats["update_bytes"], once,
-                        stats["delivered_bytes"]))  # fmt: skip
+            row = (side.mode, side.init.world_size, stats["bytes"], stats["update_bytes"], once)
+            out.append((*row, stats["delivered_bytes"]))
             side.shutdown()
         return out
     finally:
@@ -241,8 +242,8 @@ def _membership_rank(rank, world, trainers, boxes, mode, source):
     out = []
     try:
         clients = [QueueClient(a), QueueClient(b)]
-        side = _trainer_side(rank, trainers, _port(rank, mode), mode, [("a", 2), ("b", 2)], clients,
-                             _source(trainers, source, mesh_params))  # fmt: skip
+        weights = _source(trainers, source, mesh_params)
+        side = _trainer_side(rank, trainers, _port(rank, mode), mode, [("a", 2), ("b", 2)], clients, weights)
         for step in range(4):
             if step == 2:
                 try:  # the link broke with b: no update on it
@@ -660,8 +661,6 @@ def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
 
 
 def _nan_rank(rank, world, trainers, boxes):
-    from glm_fp8.integrations.vllm.sources import LayerSource
-
     if rank >= trainers:
         return _worker(rank, trainers, MEMBERSHIP_FLEET[:2], boxes, die_at=None)
     step = [0]
@@ -672,8 +671,7 @@ def _nan_rank(rank, world, trainers, boxes):
             sd["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("nan")
         return sd
 
-    source = LayerSource(lambda ids: ((i, layer(i)) for i in ids),
-                         rest=lambda: synthetic_layer(NO_MTP, REST, torch.bfloat16))  # fmt: skip
+    source = _source(trainers, layer=layer)
     clients = [QueueClient(boxes[0:2]), QueueClient(boxes[2:4])]
     out = []
     try:

@@ -545,9 +545,10 @@ def _fleet_trainer(rank, trainers, boxes, config):
 
 def _fleet_engine(w, vllm_ports, boxes, config, tmp):
     """One worker of one server (its own vLLM world at its own port): both models poisoned again
-    when each step's first session starts, and compared with vLLM's own ``load_weights`` when its
-    last session finishes, so that every update must land every byte. DIES's workers exit in the
-    middle of their fourth update's transfer (one layer received), as a server that dies does."""
+    when each step's target weight update starts, and compared with vLLM's own ``load_weights``
+    when its draft weight update (or the target's, with no drafter) finishes, so that every update
+    must land every byte. DIES's workers are killed in the middle of their fourth update's
+    transfer (one layer received), as a server that dies is."""
     from test_vllm_backend_real import _serve
 
     from glm_fp8.transfer.receiver import Receiver

@@ -648,8 +648,18 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value.strip() else default
 
 
-def _fuzz(backend: str, device: str, profile: Profile, cases: int, budget_s: float, workers: int,
-          capsys, record_property, test_id: str, min_cases: int = 0) -> None:  # fmt: skip
+def _fuzz(
+    backend: str,
+    device: str,
+    profile: Profile,
+    cases: int,
+    budget_s: float,
+    workers: int,
+    capsys,
+    record_property,
+    test_id: str,
+    min_cases: int = 0,
+) -> None:
     """Run ``cases`` seeds, print the summary line, fail with the first failing cases described.
 
     With ``workers`` > 1 the seeds go to that many spawned processes, in chunks: a cold Triton
@@ -742,8 +752,8 @@ def test_fuzz_gpu(gpu_backend, capsys, record_property):
     default_workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if gpu_backend == "triton" else 1
     workers = min(_env_int("GLM_FP8_FUZZ_WORKERS", default_workers), -(-cases // CHUNK))
     floor = _env_int("GLM_FP8_FUZZ_MIN_CASES", GPU_MIN_CASES)
-    _fuzz(gpu_backend, "cuda", GPU_PROFILE, cases, budget, workers, capsys, record_property,
-          f"test_fuzz_gpu and {gpu_backend}", floor)  # fmt: skip
+    test_id = f"test_fuzz_gpu and {gpu_backend}"
+    _fuzz(gpu_backend, "cuda", GPU_PROFILE, cases, budget, workers, capsys, record_property, test_id, floor)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU, test_fuzz_gpu runs the full-size generator")
@@ -754,8 +764,8 @@ def test_fuzz_cpu(cpu_backend, capsys, record_property):
         pytest.skip(f"backend {cpu_backend!r} does not run on this CPU (TRITON_INTERPRET=1 enables triton)")
     cases = min(_env_int("GLM_FP8_FUZZ_CASES", CPU_MAX_CASES), CPU_MAX_CASES)
     workers = min(_env_int("GLM_FP8_FUZZ_WORKERS", 1), -(-cases // CHUNK))
-    _fuzz(cpu_backend, "cpu", CPU_PROFILE, cases, 0.0, workers, capsys, record_property,
-          f"test_fuzz_cpu and {cpu_backend}", cases)  # fmt: skip
+    test_id = f"test_fuzz_cpu and {cpu_backend}"
+    _fuzz(cpu_backend, "cpu", CPU_PROFILE, cases, 0.0, workers, capsys, record_property, test_id, cases)
 
 
 def test_case_generator_is_reproducible_and_covers_the_categories():

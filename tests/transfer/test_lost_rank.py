@@ -49,13 +49,24 @@ def _rank(rank, world, n_senders, case, link_kind, victim, port):
         timeout = timedelta(seconds=PG_TIMEOUT)
         comm = StoreLink("127.0.0.1", port, rank, world, backend="gloo", timeout=timeout)
     mesh = DeviceMesh("cpu", torch.arange(n_senders)) if n_senders > 1 else None
-    kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, device="cpu",
-              engines=[None] * n_senders + engines, senders=list(range(n_senders)))  # fmt: skip
+    links = [None] * n_senders + engines
+    kw = dict(
+        config=TINY_GLM5,
+        layer_ids=WHOLE,
+        rest=True,
+        device="cpu",
+        engines=links,
+        senders=list(range(n_senders)),
+    )
     try:
         if rank < n_senders:
             sender = Sender(comm, 0, **kw)
-            make = (lambda i: sharded_layer(TINY_GLM5, i, mesh)) if mesh is not None else (
-                lambda i: synthetic_layer(TINY_GLM5, i))  # fmt: skip
+
+            def make(i):
+                return (
+                    sharded_layer(TINY_GLM5, i, mesh) if mesh is not None else synthetic_layer(TINY_GLM5, i)
+                )
+
             sender.send_model(((i, make(i)) for i in WHOLE), rest=make(REST))
             return "sent", None, None, None
         layout = engines[rank - n_senders]
@@ -133,8 +144,14 @@ def test_a_rank_killed_mid_update_stops_every_rank_within_seconds_naming_it(n_se
 def _store():
     from glm_fp8.testing import free_port
 
-    return torch.distributed.TCPStore("127.0.0.1", free_port(), None, True, timedelta(seconds=10),
-                                      wait_for_workers=False)  # fmt: skip
+    return _serve_store(free_port())
+
+
+def _serve_store(port: int, timeout_s: float = 10.0):
+    """A TCP store this process serves, waiting for no client."""
+    return torch.distributed.TCPStore(
+        "127.0.0.1", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def test_a_rank_whose_beat_stops_is_lost_after_the_lease_and_every_rank_reads_the_same_fault():
@@ -221,8 +238,7 @@ def test_a_store_that_stops_answering_loses_the_rank_that_serves_it():
     from glm_fp8.transfer.liveness import Liveness
 
     port = free_port()
-    server = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5),
-                                        wait_for_workers=False)  # fmt: skip
+    server = _serve_store(port, 5.0)
     client = torch.distributed.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
     b = Liveness(client, 1, 2, lease_s=0.4).start()
     del server  # the serving process's store goes (its process died)

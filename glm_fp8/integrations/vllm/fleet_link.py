@@ -90,11 +90,10 @@ def lost_advice(init: SyncInit, rank: int | None) -> str:
             "trainer_init re-runs every server's init_weight_transfer_engine"
         )
     name = server_of(init, rank)
-    if name is None:
-        return remove_hint(init, [""])
-    return remove_hint(init, [name]) + (
-        f", or engine.replace_server({name!r}, VllmServer(...)) once it is restarted"
-    )
+    if name is None:  # one engine without a name: the link is rebuilt with it once it is back
+        return remove_hint(init, ["the engine"])
+    restarted = f", or engine.replace_server({name!r}, VllmServer(...)) once it is restarted"
+    return remove_hint(init, [name]) + restarted
 
 
 def remove_hint(init: SyncInit, names: Sequence[str]) -> str:
@@ -119,11 +118,7 @@ def name_ranks(exc: BaseException, init: SyncInit) -> list[str]:
     ranks = sorted({int(r) for r in _RANK.findall(str(exc)) if int(r) >= init.senders})
     if not ranks or not hasattr(exc, "add_note"):
         return []
-    names = []
-    for r in ranks:
-        for name, first, workers in init.fleet():
-            if first <= r < first + workers and name and name not in names:
-                names.append(name)
+    names = list(dict.fromkeys(n for n in (server_of(init, r) for r in ranks) if n is not None))
     exc.add_note("; ".join(f"link rank {r} is {init.rank_name(r)}" for r in ranks) + remove_hint(init, names))
     return names
 

@@ -328,9 +328,17 @@ class TrainerSide(FleetMembership):
     def _contribute(self, layers, rest_map, ids, go) -> None:
         """A trainer rank off the link (one sender): its part of the sender's gathers, each step's
         once rank 0 said it gathers it too (``go``)."""
-        gather, gather_dtype = self.opts.gather, _DTYPES[self.opts.gather_dtype]
-        contribute(self.source, layers, rest_map, ids, config=self.config, gather=gather,
-                   gather_dtype=gather_dtype, device=self.device, go=go)  # fmt: skip
+        contribute(
+            self.source,
+            layers,
+            rest_map,
+            ids,
+            config=self.config,
+            gather=self.opts.gather,
+            gather_dtype=_DTYPES[self.opts.gather_dtype],
+            device=self.device,
+            go=go,
+        )
 
     def _update(self, session: str, layers, rest_map, n_layers: int) -> dict:
         step, timeout = self.steps, self.init.timeout_s

@@ -45,8 +45,8 @@ def worker_index(parallel_config: object) -> int:
     pc = parallel_config
     world = check_int("parallel_config.world_size", getattr(pc, "world_size", None), 1, MAX_LINK_RANKS)
     # A rank at or past the world would take another worker's link index: refused, not collided.
-    rank = check_int("parallel_config.rank", getattr(pc, "rank", None), 0, world - 1,
-                     f" (a worker of a world of parallel_config.world_size={world})")  # fmt: skip
+    why = f" (a worker of a world of parallel_config.world_size={world})"
+    rank = check_int("parallel_config.rank", getattr(pc, "rank", None), 0, world - 1, why)
     if getattr(pc, "distributed_executor_backend", None) == "external_launcher":
         return rank
     dp = check_int(
