@@ -35,8 +35,8 @@ fi
 if [ "${SWEEP:-0}" = 1 ]; then python3 bench/scripts/sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$LOG/sweep.txt"; fi
 if [ "${KSWEEP:-0}" = 1 ]; then bash bench/scripts/kernel_sweep.sh 2>&1 | tee "$LOG/kernel_sweep.txt"; fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  TEST_PATHS="tests/kernels/test_backends.py tests/transfer/test_broadcast.py tests/test_convert.py tests/kernels/test_errors.py
-    tests/kernels/test_quantize.py tests/test_cli.py tests/kernels/test_checksum.py tests/test_trainer_layouts.py
+  TEST_PATHS="tests/kernels/test_backends.py tests/transfer/test_broadcast.py tests/kernels/test_convert.py tests/kernels/test_errors.py
+    tests/kernels/test_quantize.py tests/cli/test_cli.py tests/kernels/test_checksum.py tests/model/test_trainer_layouts.py
     tests/transfer/test_one_pass.py tests/kernels/test_delta.py tests/transfer/test_delta_wire.py
     tests/transfer/test_delta_transfer.py"
 fi

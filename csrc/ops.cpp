@@ -3,7 +3,7 @@
 // The host entry point checks every contract of the launch (ranks, shapes, dtypes, devices)
 // and raises before anything is enqueued; then it fills QuantizeParams and launches on the
 // current stream. Overlap of outputs and inputs is checked by the Python callers
-// (glm_fp8.quantize), which also name the user's tensors in their messages.
+// (glm_fp8.kernels.quantize), which also name the user's tensors in their messages.
 #include <Python.h>
 
 #include <c10/cuda/CUDAGuard.h>

@@ -1,6 +1,6 @@
 // Block-FP8 quantization kernel interface, free of torch headers (nvcc compiles it alone).
 //
-// Contract (docs/numerics.md, the same bits as glm_fp8.reference): the row-concatenation
+// Contract (docs/numerics.md, the same bits as glm_fp8.kernels.reference): the row-concatenation
 // of up to four sources [E, R_k, C] is quantized as one [E, R, C] matrix per expert, 128x128
 // tiles anchored at (0, 0); q gets e4m3fn bytes, scale gets one float32 per tile.
 #pragma once

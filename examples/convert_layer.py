@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before glm_fp8's kernels load
 
 from glm_fp8 import ExpertsFP8, convert_layer, plan_from_config, quantize_experts
-from glm_fp8.models import TINY_GLM5
-from glm_fp8.plan import strip_layer
-from glm_fp8.reference import convert_layer_ref, quantize_experts_ref
+from glm_fp8.kernels.reference import convert_layer_ref, quantize_experts_ref
+from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.model.trainer_layouts import strip_layer
 from glm_fp8.testing import synthetic_layer
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

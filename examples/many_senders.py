@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 from glm_fp8 import EngineLayout, Receiver, Sender, engine_param_specs
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_port, reference_engine_params, sharded_layer
 
 CONFIG = TINY_GLM5
@@ -29,8 +30,14 @@ def rank_main(rank: int, port: int) -> None:
     world = TRAINERS + len(ENGINE)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = DeviceMesh("cpu", torch.arange(TRAINERS))  # the trainer's FSDP mesh (every rank builds it)
-    kw = dict(config=CONFIG, layer_ids=IDS, rest=True, device="cpu",
-              engines=[None] * TRAINERS + ENGINE, senders=list(range(TRAINERS)))  # fmt: skip
+    kw = dict(
+        config=CONFIG,
+        layer_ids=IDS,
+        rest=True,
+        device="cpu",
+        engines=[None] * TRAINERS + ENGINE,
+        senders=list(range(TRAINERS)),
+    )
     if rank < TRAINERS:  # every trainer rank: the same call, with its own shards
         layers = ((i, sharded_layer(CONFIG, i, mesh)) for i in IDS)
         sender = Sender(None, 0, **kw)
@@ -41,8 +48,10 @@ def rank_main(rank: int, port: int) -> None:
         )
     else:
         layout = ENGINE[rank - TRAINERS]
-        params = {n: torch.empty(shape, dtype=dtype)
-                  for n, (shape, dtype) in engine_param_specs(CONFIG, layout).items()}  # fmt: skip
+        params = {
+            n: torch.empty(shape, dtype=dtype)
+            for n, (shape, dtype) in engine_param_specs(CONFIG, layout).items()
+        }
         Receiver(None, 0, layout=layout, **kw).load_into(params)
         want = reference_engine_params(CONFIG, layout, [*IDS, REST])
         same = all(torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in want.items())

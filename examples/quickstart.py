@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from glm_fp8 import EngineLayout, Receiver, Sender, engine_param_specs
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_port, reference_engine_params, synthetic_layer
 
 CONFIG = TINY_GLM5  # GLM-5's architecture, hidden 256, 4 experts; or a config.json path / HF config
@@ -32,8 +33,10 @@ def rank_main(rank: int, port: int) -> None:
         print(f"sent {stats.nbytes / 2**20:.1f} MiB in {len(stats.layers)} steps, {stats.seconds:.1f} s")
     else:  # an engine rank: its parameters, by vLLM's names (a real worker passes its model's)
         layout = ENGINE[rank - 1]
-        params = {n: torch.empty(shape, dtype=dtype)
-                  for n, (shape, dtype) in engine_param_specs(CONFIG, layout).items()}  # fmt: skip
+        params = {
+            n: torch.empty(shape, dtype=dtype)
+            for n, (shape, dtype) in engine_param_specs(CONFIG, layout).items()
+        }
         Receiver(None, 0, layout=layout, **kw).load_into(params)
         want = reference_engine_params(CONFIG, layout, [*IDS, REST])
         same = all(torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in want.items())

@@ -1,7 +1,7 @@
 """What tests, the demo and the benchmarks share: a multi-process launcher (gloo or NCCL, one
 process per rank, bounded in time), deterministic synthetic trainer layers (plain or as
 FSDP2-style DTensors) and the reference of what an engine rank must hold after an update. The
-small model configs live in ``glm_fp8.models`` (``SMALL_GLM5``, ``SMALL_CONFIGS``)."""
+small model configs live in ``glm_fp8.model.families`` (``SMALL_GLM5``, ``SMALL_CONFIGS``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from datetime import timedelta
 
 import torch
 
-from glm_fp8.config import FAMILY_TRAITS, as_config
 from glm_fp8.engine.layout import EngineLayout, take_shard
 from glm_fp8.engine.specs import engine_params
-from glm_fp8.indexer import has_indexer, indexer_shapes
-from glm_fp8.models import (
+from glm_fp8.kernels.reference import convert_layer_ref
+from glm_fp8.model.config import FAMILY_TRAITS, as_config
+from glm_fp8.model.families import (
     EXPERT,
     PRIME_RL,
     REST,
@@ -26,8 +26,9 @@ from glm_fp8.models import (
     is_sparse_layer,
     layer_shapes,
 )
-from glm_fp8.plan import LAYOUTS, layer_prefix, plan_from_config, strip_layer
-from glm_fp8.reference import convert_layer_ref
+from glm_fp8.model.indexer import has_indexer, indexer_shapes
+from glm_fp8.model.plans import plan_from_config
+from glm_fp8.model.trainer_layouts import LAYOUTS, layer_prefix, strip_layer
 
 _BIAS = "mlp.gate.e_score_correction_bias"
 
@@ -94,8 +95,10 @@ def sharded_layer(
     ``Shard(0)`` (an expert stack so holds whole experts), 1-D tensors replicated."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    return {k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()])
-            for k, t in synthetic_layer(config, layer_idx, dtype, layout).items()}  # fmt: skip
+    return {
+        k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()])
+        for k, t in synthetic_layer(config, layer_idx, dtype, layout).items()
+    }
 
 
 def moved_layer(
@@ -132,7 +135,7 @@ def reference_engine_params(
     included when listed) from ``synthetic_layer`` tensors of ``dtype`` (the routing bias of
     ``bias_dtype``; every trainer layout holds the same values), or from ``layer(i)`` (e.g.
     ``moved_layer``): the reference conversion
-    (``glm_fp8.reference``) cut by the rank's shard, in vLLM's dtype, by vLLM's name. Tensors
+    (``glm_fp8.kernels.reference``) cut by the rank's shard, in vLLM's dtype, by vLLM's name. Tensors
     the engine has no parameter for are left out, as the converter does.
 
     Every tensor is read in the trainer's own dtype, never cast first: what every mode of an
@@ -205,9 +208,12 @@ def _worker(rank, world, port, backend, timeout_s, fn, args, queue):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        )
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides

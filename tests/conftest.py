@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from glm_fp8.backends import available_backends  # noqa: E402
+from glm_fp8.kernels.backends import available_backends  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 # Every backend that runs here: the correctness suite runs once per backend.
@@ -20,15 +20,15 @@ GPU_BACKENDS = [b for b in BACKENDS if b in ("triton", "cuda")] if ON_GPU else [
 
 
 # tests/ mirrors the package: a test in tests/<part>/ carries the marker <part> (registered in
-# pyproject.toml), one at the top (the modules at glm_fp8's top: plans, conversion, CLI, docs) "core":
+# pyproject.toml), one at the top (the repository's: docs, packaging, the package's layering) "repo":
 # `pytest -m transfer` runs one part, as `pytest tests/transfer` does.
-PARTS = ("kernels", "transfer", "engine", "integrations")
+PARTS = ("core", "model", "kernels", "engine", "transfer", "planning", "integrations", "cli")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         part = Path(str(item.fspath)).parent.name
-        item.add_marker(getattr(pytest.mark, part if part in PARTS else "core"))
+        item.add_marker(getattr(pytest.mark, part if part in PARTS else "repo"))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -50,7 +50,7 @@ def device() -> torch.device:
 
 def backend_id(name: str) -> str:
     """A backend's test id. The "torch" backend runs the reference itself (``kernels/torch_ref.py``
-    calls ``glm_fp8.reference``): a test of it against the reference checks its wrapping (the
+    calls ``glm_fp8.kernels.reference``): a test of it against the reference checks its wrapping (the
     caller's output buffers, strides, checks, poisoned bytes left unwritten), not its arithmetic,
     and its id says so. The arithmetic's independent checks are the other backends' (Triton here,
     Triton and CUDA on a GPU) and the hand-computed bytes of tests/kernels/test_reference.py."""

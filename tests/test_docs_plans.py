@@ -19,7 +19,7 @@ BLOCK = re.compile(r"(<!-- glm-fp8 plan (.*?) -->\n```text\n)(.*?)(```)", re.S)
 
 
 def _plan_output(args: str) -> str:
-    from glm_fp8.cli import main
+    from glm_fp8.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

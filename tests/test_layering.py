@@ -1,219 +1,208 @@
-"""The package's modules form layers: each imports only modules of lower layers, so a call goes
-down (the sender's path for one layer: transfer.sender -> transfer.gather -> convert -> jobs ->
-backends -> kernels) and never climbs back. No import cycle exists, and no glm_fp8 import hides
-inside a function to dodge one (the CLI's lazy imports, which let ``glm-fp8`` choose Triton's
-interpreter before the kernels load, the package's lazy exports and ``engine.layout``'s aliases of
-the names that moved up to ``engine.rules`` are the exceptions).
+"""Folders are the layers (docs/map.md): the package is a stack of subpackages, and a handful of
+rules over them hold, read from the code's own imports:
+
+1. every module lives in a layer (``LAYERS``); nothing else lies at glm_fp8's top;
+2. a module imports only its own layer and the layers below it, inside functions too;
+3. the modules' imports have no cycle;
+4. a module imports a name from the module that defines it: no name is taken through another
+   module's re-export or through its own package's ``__init__``;
+5. no private name (``_x``) is imported across modules;
+6. a package's ``__init__`` only re-exports (it defines nothing), and every other module defines
+   something: no alias modules;
+7. glm_fp8 imports inside functions only in the CLI and the package's lazy ``__init__`` (the CLI
+   chooses Triton's interpreter before the kernels load).
 """
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "glm_fp8"
 
-# Old paths of moved modules, kept as re-exports so that old imports work (the transfer plan and the
-# wire regions moved from engine/ to transfer/; integrations.vllm.engine is now updater and probe).
-ALIASES = {"engine.pack", "engine.routes", "integrations.vllm.engine"}
-
-# Lowest first. A module may import modules of earlier layers only.
-LAYERS = [
-    ["errors", "numerics"],
-    ["_checks"],
-    ["config", "engine.layout"],
-    ["presets", "indexer"],
-    ["models", "fleet"],
-    ["layer_plan"],
-    ["trainer_layouts"],
-    ["plan", "kernels", "kernels.checksum"],
-    ["reference", "kernels.triton_quantize", "kernels.cuda"],
-    ["kernels.triton_launch", "kernels.torch_ref"],
-    ["kernels.triton_delta"],
-    ["backends"],
-    ["jobs"],
-    ["quantize", "delta"],
-    ["convert", "memory", "engine.rules", "delta_cut"],
-    ["engine.specs"],
-    ["engine.postload"],
-    ["transfer.liveness"],
-    ["transfer.wire", "transfer.link", "transfer.delta_versions"],
-    [
-        "transfer.pack",
-        "transfer.land",
-        "transfer.votes",
-        "transfer.trainer_input",
-        "transfer.topology",
-        "transfer.delta_wire",
-    ],
-    ["transfer.owners"],
-    ["transfer.routes"],
-    ["transfer.endpoint"],
-    ["transfer.gather", "transfer.delta_plan"],
-    ["transfer.share", "update_delta"],
-    ["transfer.delta_send", "transfer.delta_receive", "transfer.delta_carry"],
-    ["transfer.sender", "transfer.receiver", "integrations.vllm.gate"],
-    [
-        "transfer",
-        "engine",
-        "integrations",
-        "integrations.prime_rl",
-        "integrations.vllm.probe",
-        "integrations.vllm.updater",
-        "integrations.vllm.sync",
-        "integrations.vllm.sources",
-        "testing",
-    ],
-    ["integrations.vllm.clients"],
-    ["integrations.vllm.fleet_link", "integrations.vllm.trainer_options", "integrations.vllm.trainer_source"],
-    ["integrations.vllm.trainer_fleet"],
-    ["integrations.vllm.worker", "integrations.vllm.trainer"],
-    ["integrations.vllm"],
-    ["integrations.vllm.backend", "update_time", "plan_request"],
-    ["plan_summary"],
-    ["plan_deployment", "plan_text_parts"],
-    ["planning", "plan_text"],
-    ["bench", "demo", "cli_args", "cli_plan"],
-    ["cli", "__init__", *sorted(ALIASES)],  # on top: no module of glm_fp8 imports an old path
-]
-# cli_args, cli_plan: the CLI's option parsers and plan command, lazy as the CLI; engine.layout: old
-# names resolved on first use
-LAZY_ALLOWED = {"cli", "cli_args", "cli_plan", "__init__", "engine.layout"}
+# Lowest first; the name of a subpackage, or of a module at glm_fp8's top.
+LAYERS = ["core", "model", "kernels", "engine", "transfer", "planning", "integrations", "testing", "cli"]
+LAZY = {"__init__", "cli"}  # the layers that may import glm_fp8 inside functions
 
 
 def _modules() -> dict[str, Path]:
     out = {}
     for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__" and len(parts) > 1:
-            parts = parts[:-1]
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
         out[".".join(parts)] = path
     return out
 
 
-def _imports(path: Path) -> tuple[set[str], set[str]]:
-    """glm_fp8 modules imported at module level, and inside functions."""
+MODULES = _modules()
+
+
+def _package_init(mod: str) -> str | None:
+    """``a.b`` -> ``a.b.__init__`` when ``a/b/`` is a package."""
+    return f"{mod}.__init__" if f"{mod}.__init__" in MODULES else None
+
+
+def _target(module: str) -> str:
+    """The module key a dotted import path names (a package names its ``__init__``)."""
+    base = module.removeprefix("glm_fp8").lstrip(".")
+    if not base:
+        return "__init__"
+    return _package_init(base) or base
+
+
+def _imports(path: Path) -> list[tuple[str, str | None, bool, int]]:
+    """(module, name or None, inside a function, line) for each glm_fp8 import of ``path``; an
+    ``from p import m`` of a submodule m names the module ``p.m``."""
     tree = ast.parse(path.read_text())
-    modules = set(_modules())
-    top, local = set(), set()
-
-    def names(node) -> list[str]:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("glm_fp8"):
-            base = node.module.removeprefix("glm_fp8").lstrip(".")
-            # from glm_fp8[.pkg] import x: x may be a module itself
-            subs = [f"{base}.{a.name}" if base else a.name for a in node.names]
-            found = [m for m in subs if m in modules]
-            return found if found else [base or "__init__"]
-        if isinstance(node, ast.Import):
-            return [a.name.removeprefix("glm_fp8.") for a in node.names if a.name.startswith("glm_fp8.")]
-        return []
-
-    for node in tree.body:
-        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` blocks only name types
-            continue
-        top.update(names(node))
+    inner = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for inner in ast.walk(node):
-                local.update(names(inner))
-    # Only the package's Python modules: the compiled extension glm_fp8._C loads on first use.
-    return top & modules, local & modules
+            inner |= {id(n) for n in ast.walk(node) if n is not node}
+    out = []
+    for node in ast.walk(tree):
+        local = id(node) in inner
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "glm_fp8":
+            base = node.module.removeprefix("glm_fp8").lstrip(".")
+            for a in node.names:
+                sub = f"{base}.{a.name}" if base else a.name
+                if sub in MODULES or _package_init(sub):
+                    out.append((_target("glm_fp8." + sub), None, local, node.lineno))
+                else:
+                    out.append((_target(node.module), a.name, local, node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [
+                (_target(a.name), None, local, node.lineno)
+                for a in node.names
+                if a.name.startswith("glm_fp8.")
+            ]
+    return [(m, n, local, line) for m, n, local, line in out if m in MODULES]
 
 
-def _layer_of() -> dict[str, int]:
-    return {m: k for k, layer in enumerate(LAYERS) for m in layer}
+def _layer(mod: str) -> str:
+    return mod.split(".")[0]
 
 
-def test_every_module_has_a_layer():
-    layer_of = _layer_of()
-    missing = sorted(set(_modules()) - set(layer_of))
-    assert not missing, f"modules without a layer in LAYERS: {missing}"
-    stale = sorted(set(layer_of) - set(_modules()))
-    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+def _defined(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):  # definitions under a version or import guard
+            names |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names - {"__all__"}
+
+
+def test_every_module_lives_in_a_layer():
+    top = sorted(m for m in MODULES if "." not in m and m not in ("__init__", *LAYERS))
+    assert not top, f"modules at glm_fp8's top outside LAYERS: {top}"
+    assert {_layer(m) for m in MODULES} == {"__init__", *LAYERS}
 
 
 def test_imports_go_down_only():
-    layer_of = _layer_of()
+    rank = {name: k for k, name in enumerate(LAYERS)}
     bad = []
-    for mod, path in _modules().items():
-        top, _ = _imports(path)
-        for dep in top:
-            dep = dep if dep in layer_of else dep.rsplit(".", 1)[0]
-            if dep != mod and layer_of.get(dep, -1) >= layer_of[mod]:
-                bad.append(f"{mod} (layer {layer_of[mod]}) imports {dep} (layer {layer_of.get(dep)})")
+    for mod, path in MODULES.items():
+        if mod == "__init__":
+            continue
+        for dep, _, _, line in _imports(path):
+            if dep == "__init__" and not mod.startswith("cli."):
+                bad.append(f"{mod}:{line} imports glm_fp8's lazy __init__")
+            elif dep != "__init__" and rank[_layer(dep)] > rank[_layer(mod)]:
+                bad.append(f"{mod}:{line} ({_layer(mod)}) imports {dep} ({_layer(dep)}, above it)")
     assert not bad, "\n".join(bad)
 
 
-def test_no_function_local_imports_of_the_package():
-    bad = []
-    for mod, path in _modules().items():
-        if mod in LAZY_ALLOWED:
-            continue
-        _, local = _imports(path)
-        if local:
-            bad.append(f"{mod}: {sorted(local)}")
-    assert not bad, "function-local glm_fp8 imports: " + "; ".join(bad)
+def test_no_import_cycles():
+    graph = {m: {d for d, _, local, _ in _imports(p) if not local} - {m} for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d) :] + [m, d]) if d in stack else f"{m} -> {d}")
+            elif d not in state:
+                visit(d, [*stack, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, cycles
 
 
-def test_engine_holds_only_the_parameters():
-    """engine/ is how a vLLM rank holds its parameters (layout, shard rules, specs, post-load); the
-    transfer plan and the wire regions are transfer/'s: no engine module imports transfer/, and no
-    module, even inside a function, imports an old path that ``ALIASES`` keeps."""
+def test_names_come_from_their_home():
+    """No re-export hops inside the package: a name is imported from the module that defines it
+    (a package's ``__init__`` re-exports for users, never for glm_fp8's own modules)."""
+    defined = {m: _defined(p) for m, p in MODULES.items()}
     bad = []
-    for mod, path in _modules().items():
-        if mod in ALIASES:
+    for mod, path in MODULES.items():
+        if mod == "__init__":
             continue
-        top, local = _imports(path)
-        if mod == "engine" or mod.startswith("engine."):
-            bad += [f"{mod} imports {d}" for d in sorted(top | local) if d.split(".")[0] == "transfer"]
-        bad += [f"{mod} imports the old path {d}" for d in sorted((top | local) & ALIASES)]
+        for dep, name, _, line in _imports(path):
+            if name is not None and name not in defined[dep]:
+                bad.append(f"{mod}:{line} takes {name} from {dep}, which does not define it")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_across_modules():
+    bad = [
+        f"{mod}:{line} imports {name} from {dep}"
+        for mod, path in MODULES.items()
+        for dep, name, _, line in _imports(path)
+        if name is not None and name.startswith("_") and not name.startswith("__")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_alias_modules():
+    """A package's ``__init__`` defines nothing (it re-exports); every other module defines
+    something (a module that only imports is an old path kept alive)."""
+    bad = []
+    for mod, path in MODULES.items():
+        own = _defined(path) - {"__version__"}
+        if mod.endswith("__init__") and mod != "__init__" and own:
+            bad.append(f"{mod} defines {sorted(own)}")
+        if not mod.endswith(("__init__", "__main__")) and not own:
+            bad.append(f"{mod} defines nothing")
+        if "__getattr__" in own and mod != "__init__":
+            bad.append(f"{mod} resolves names in a module __getattr__")
     assert not bad, bad
 
 
-def test_moved_names_keep_their_old_paths():
-    """A module split keeps every moved name importable from its old module, as the same object."""
-    import glm_fp8.engine.layout as layout
-    from glm_fp8 import indexer, layer_plan, models, plan, presets, trainer_layouts
-    from glm_fp8.engine import rules
-    from glm_fp8.integrations.vllm import engine, probe, trainer, trainer_options, updater
-
-    for name in ("PRESETS", "SMALL_CONFIGS", "SMALL_GLM5", "TINY_GLM5", "load_config"):
-        assert getattr(models, name) is getattr(presets, name), name
-    for name in ("INDEXER_FAMILIES", "INDEXER_PREFIX", "has_indexer", "indexer_shapes", "skip_topk_layers"):
-        assert getattr(models, name) is getattr(indexer, name), name
-    assert layout._Rules is rules.ShardRules
-    for name in ("MTP_OWN", "NON_LAYER", "VOCAB_PAD", "kernel_entry_shapes", "shard_for", "split_name"):
-        assert getattr(layout, name) is getattr(rules, name), name
-    assert not hasattr(layout, "no_such_name")
-    for name in plan.__all__:
-        for home in (layer_plan, trainer_layouts):
-            if hasattr(home, name):
-                assert getattr(plan, name) is getattr(home, name), name
-    assert {"LayerPlan", "PlanEntry", "align", "adapt_plan", "relayout", "strip_layer"} <= set(plan.__all__)
-    assert trainer.TrainerOptions is trainer_options.TrainerOptions
-    for name in engine.__all__:
-        assert getattr(engine, name) is getattr(updater if name in updater.__all__ else probe, name), name
+def test_lazy_imports_only_in_the_cli():
+    bad = [
+        f"{mod}:{line} imports {dep} inside a function"
+        for mod, path in MODULES.items()
+        if _layer(mod) not in LAZY
+        for dep, _, local, line in _imports(path)
+        if local
+    ]
+    assert not bad, "\n".join(bad)
 
 
-def test_plan_report_modules_keep_their_old_paths():
-    """planning's and cli's names that moved (the request, the deployment sections, the text) stay
-    importable from their old module, as the same object."""
-    from glm_fp8 import cli, cli_args, plan_deployment, plan_request, plan_text, planning
+def test_importing_the_package_loads_no_kernel():
+    """``import glm_fp8`` and ``import glm_fp8.cli`` load no Triton kernel: the CLI sets Triton's
+    interpreter first on a CPU (its lazy imports)."""
+    import subprocess
+    import sys
 
-    for name in planning.__all__:
-        for home in (plan_request, plan_deployment):
-            if hasattr(home, name):
-                assert getattr(planning, name) is getattr(home, name), name
-    moved = {"PlanRequest", "MASTER_DTYPES", "MODE_STRATEGY", "engine_extra", "plan_report"}
-    assert moved <= set(planning.__all__)
-    assert cli.WIDTH is plan_text.WIDTH
-    assert cli.positive_int is cli_args.positive_int and cli.positive_float is cli_args.positive_float
+    code = (
+        "import sys, glm_fp8, glm_fp8.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith(('triton', 'glm_fp8.kernels'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_tests_mirror_the_package(pytestconfig):
-    """tests/ has one folder per part of the package (its subpackages), each test in it marked with
-    the folder's name (tests/conftest.py), every marker registered (pyproject.toml, as pytest read
-    it: the same on every supported Python), so that ``pytest -m transfer`` runs the transfer's
-    tests and nothing else."""
+    """tests/ has one folder per layer of the package, each test in it marked with the folder's
+    name (tests/conftest.py), every marker registered (pyproject.toml, as pytest read it), so that
+    ``pytest -m transfer`` runs the transfer's tests and nothing else; the tests at tests/'s top are
+    the repository's (docs, packaging, these rules), marked ``repo``."""
     import conftest
 
     tests = Path(__file__).resolve().parent
@@ -222,40 +211,19 @@ def test_tests_mirror_the_package(pytestconfig):
     for part in conftest.PARTS:
         assert (PACKAGE / part / "__init__.py").is_file(), f"tests/{part}/ names no package of glm_fp8"
     registered = {m.split(":")[0] for m in pytestconfig.getini("markers")}
-    assert {*conftest.PARTS, "core"} <= registered
+    assert {*conftest.PARTS, "repo"} <= registered
 
 
-def test_renamed_names_keep_working():
-    """Renamed for one meaning per word (docs/map.md#words): the old names are the same objects."""
-    import glm_fp8
-    from glm_fp8 import transfer
-    from glm_fp8.transfer import sender
-
-    assert glm_fp8.Broadcaster is glm_fp8.Sender is transfer.Broadcaster is transfer.Sender is sender.Sender
-    assert sender.Sender.broadcast_model is sender.Sender.send_model
-
-
-def test_the_old_mode_keyword_still_names_the_wire_format():
-    """``mode=`` ("fp8" / "bf16") is now ``wire=``: the old keyword still works, with a
-    DeprecationWarning, and contradicting ``wire=`` is refused; ``MODES`` is ``WIRE_FORMATS``."""
-    import warnings
-
-    import pytest
-
-    from glm_fp8.models import TINY_GLM5
-    from glm_fp8.plan import plans_for_model
-    from glm_fp8.transfer import HostSinkComm, Receiver, Sender, endpoint, wire
-
-    assert endpoint.MODES is wire.MODES is wire.WIRE_FORMATS
-    with pytest.warns(DeprecationWarning, match="wire="):
-        sender = Sender(HostSinkComm(), 0, config=TINY_GLM5, mode="bf16", device="cpu")
-    assert sender.wire == "bf16" and sender.payload() == Sender(
-        HostSinkComm(), 0, config=TINY_GLM5, wire="bf16", device="cpu").payload()  # fmt: skip
-    with pytest.raises(ValueError, match="two wire formats"):
-        Receiver(None, 0, config=TINY_GLM5, wire="bf16", mode="fp8", device="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert Sender(HostSinkComm(), 0, config=TINY_GLM5, device="cpu").wire == "fp8"
-    with pytest.warns(DeprecationWarning):
-        old = plans_for_model(TINY_GLM5, mode="bf16")
-    assert [p.manifest() for p in old] == [p.manifest() for p in plans_for_model(TINY_GLM5, "bf16")]
+@pytest.mark.parametrize("layer", [name for name in LAYERS if (PACKAGE / name / "__init__.py").is_file()])
+def test_each_package_says_what_it_holds(layer):
+    """Each layer's ``__init__`` docstring names its modules: the map a newcomer reads first."""
+    init = PACKAGE / layer / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    here = sorted(
+        p.stem if p.name != "__init__.py" else p.parent.name
+        for p in (PACKAGE / layer).iterdir()
+        if (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
+        or (p / "__init__.py").is_file()
+    )
+    missing = [m for m in here if f"``{m}``" not in doc and f"``{m}/``" not in doc]
+    assert not missing, f"glm_fp8/{layer}/__init__.py's docstring does not name {missing}"

@@ -65,7 +65,7 @@ def test_the_vllm_serve_command_is_the_one_docs_vllm_md_shows():
 
 
 def test_the_vllm_trainer_block_uses_the_init_info_fields():
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 
     [(_, code)] = _blocks("vllm-trainer")
     tree = ast.parse(code)

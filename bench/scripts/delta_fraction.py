@@ -13,13 +13,13 @@ bytes and of scales that changed, and the wire bytes / dense bytes of each candi
 (docs/delta.md#encoding):
 
 - ``naive``: a 4-byte index and a 1-byte value per changed byte;
-- ``block``: glm_fp8.delta's, an int32 count per block, then an int16 in-block offset and a
+- ``block``: glm_fp8.kernels.delta's, an int32 count per block, then an int16 in-block offset and a
   uint8 value per change, a block whose listing would cost more than the block sent whole;
 - ``bitmap``: a bit per block (changed or not), then a 2 KiB bitmap and the values of each
   changed block.
 
 Every encoding carries the changed scales as (int32 index, float32 value) pairs. Dense bytes are
-the fp8 bytes plus 4 bytes per scale. ``--quantizer kernel`` runs ``glm_fp8.delta.
+the fp8 bytes plus 4 bytes per scale. ``--quantizer kernel`` runs ``glm_fp8.kernels.delta.
 quantize_compare`` (the Triton kernel) instead of the reference and checks it against the
 reference's bytes at every step.
 """
@@ -35,11 +35,13 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-from glm_fp8.reference import delta_block_sizes, quantize_concat_ref
+from glm_fp8.kernels.reference import delta_block_sizes, quantize_concat_ref
 
-SHAPES = {"glm5": dict(experts=16, hidden=6144, inter=2048, tokens=4096),
-          "small": dict(experts=8, hidden=1024, inter=512, tokens=512),  # CPU figures (docs/delta.md)
-          "tiny": dict(experts=4, hidden=256, inter=128, tokens=64)}  # fmt: skip
+SHAPES = {
+    "glm5": dict(experts=16, hidden=6144, inter=2048, tokens=4096),
+    "small": dict(experts=8, hidden=1024, inter=512, tokens=512),  # CPU figures (docs/delta.md)
+    "tiny": dict(experts=4, hidden=256, inter=128, tokens=64),
+}
 ENCODINGS = ("naive", "block", "bitmap")
 FMTS = ("fp32", "ue8m0")
 
@@ -113,7 +115,7 @@ class Tracker:
                 continue
             kq, ks = self.kept[name]
             if self.quantizer == "kernel":
-                from glm_fp8.delta import quantize_compare
+                from glm_fp8.kernels.delta import quantize_compare
 
                 old = kq.clone()
                 d = quantize_compare(srcs, kq, ks, scale_fmt=self.fmt)
@@ -214,8 +216,14 @@ def main() -> None:
                 col = {k: [s[k] for s in per_step] for k in per_step[0]}
                 figures = ["bytes_changed", "scales_changed", *(f"wire_{k}" for k in ENCODINGS)]
                 rows.append([master, f"{lr:g}", fmt, *(_stats(col[k]) for k in figures)])
-    headers = ["master", "lr", "scales", "e4m3 changed %", "scales changed %",
-               *(f"wire/dense {k} %" for k in ENCODINGS)]  # fmt: skip
+    headers = [
+        "master",
+        "lr",
+        "scales",
+        "e4m3 changed %",
+        "scales changed %",
+        *(f"wire/dense {k} %" for k in ENCODINGS),
+    ]
     print(f"{shape} steps {args.steps}, median / worst step, {time.perf_counter() - t0:.1f} s")
     print(tabulate(rows, headers, "github"))
     if args.json:

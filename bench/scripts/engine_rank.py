@@ -24,7 +24,7 @@ replay link answers the versions exchange as a sender in step with this rank (ev
 its kept versions are the ones this rank holds) and hands it the recorded counts messages and
 payloads for every layer (each layer holds W0, so each becomes W1). Each delta update is timed
 against the link alone (the same delta messages copied host-to-device) and the dense update; its
-extra GPU memory against the update-time model's (``glm_fp8.update_delta.receiver_bytes``); every
+extra GPU memory against the update-time model's (``glm_fp8.planning.update_delta.receiver_bytes``); every
 parameter is checked against the reference conversion of W1.
 """
 
@@ -39,14 +39,15 @@ from standin import trainer_step, versions_in_step
 from tabulate import tabulate
 
 from glm_fp8.engine import EngineLayout, engine_params, take_shard
-from glm_fp8.models import PRESETS, TINY_GLM5
-from glm_fp8.plan import layer_prefix, plan_from_config
-from glm_fp8.reference import convert_layer_ref
+from glm_fp8.kernels.reference import convert_layer_ref
+from glm_fp8.model.plans import plan_from_config
+from glm_fp8.model.presets import PRESETS, TINY_GLM5
+from glm_fp8.model.trainer_layouts import layer_prefix
+from glm_fp8.planning.update_delta import receiver_bytes as delta_receiver_bytes
 from glm_fp8.transfer import DeltaOptions, HostSinkComm, Receiver, Sender
-from glm_fp8.transfer.delta_versions import NONE
+from glm_fp8.transfer.delta.versions import NONE
 from glm_fp8.transfer.link import Link
 from glm_fp8.transfer.wire import MAGIC, PROTOCOL_VERSION
-from glm_fp8.update_delta import receiver_bytes as delta_receiver_bytes
 
 GiB = 2**30
 
@@ -118,7 +119,7 @@ class Replay(Link):
             return None  # a vote: this rank's own
         # The versions table (ReceiverDelta.begin: this rank's held versions in its row, NONE
         # elsewhere). Every engine rank holds what this one does (its row in each); the sender keeps
-        # those versions (``delta``: every layer a delta, glm_fp8.transfer.delta_plan.delta_layers)
+        # those versions (``delta``: every layer a delta, glm_fp8.transfer.delta.segments.delta_layers)
         # or none (every layer dense), and proposes the next update number.
         mine = tensor[self.rank].cpu()
         held = mine[:-1]
@@ -154,8 +155,13 @@ def _reference(layer: dict, plan, targets: dict) -> dict[str, torch.Tensor]:
 
 def _same(params: dict, ref: dict, n: int) -> int:
     """The parameters of every layer whose bytes equal the reference's (each layer got the same)."""
-    return sum(torch.equal(params[k.replace(layer_prefix(0), layer_prefix(i), 1)].view(torch.uint8),
-                           want.view(torch.uint8)) for k, want in ref.items() for i in range(n))  # fmt: skip
+    return sum(
+        torch.equal(
+            params[k.replace(layer_prefix(0), layer_prefix(i), 1)].view(torch.uint8), want.view(torch.uint8)
+        )
+        for k, want in ref.items()
+        for i in range(n)
+    )
 
 
 def _loads(link: Replay, receiver: Receiver, params: dict, device: torch.device, repeats: int) -> list:
@@ -185,12 +191,21 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
     engines = [None, *layouts]
     gen = torch.Generator(device=device).manual_seed(0)
     plan = plan_from_config(config, 0)
-    layer = {k: torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16).mul_(0.02)
-             for k, (shape, _) in plan.inputs.items()}  # fmt: skip
+    layer = {
+        k: torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16).mul_(0.02)
+        for k, (shape, _) in plan.inputs.items()
+    }
     pin = lambda msgs: [m.pin_memory() for m in msgs] if cuda else msgs  # noqa: E731
     rec = SegmentRecorder(len(engines), me)
-    sender = Sender(rec, 0, config=config, layer_ids=[0], engines=engines, device=device,
-                    delta=DeltaOptions() if args.delta else None)  # fmt: skip
+    sender = Sender(
+        rec,
+        0,
+        config=config,
+        layer_ids=[0],
+        engines=engines,
+        device=device,
+        delta=DeltaOptions() if args.delta else None,
+    )
     sender.send_model([(0, layer)])
     segments, rec.kept = pin(rec.kept), []
     if args.delta:
@@ -198,8 +213,10 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
         trainer_step(layer1, layer1, args.delta_lr, torch.Generator(device=device).manual_seed(1))
         sender.send_model([(0, layer1)])
         if not all(sender.delta.is_delta):
-            raise RuntimeError(f"the sender's second update went dense (is_delta {sender.delta.is_delta}), "
-                               "expected every layer a delta (SegmentRecorder.all_reduce_max)")  # fmt: skip
+            raise RuntimeError(
+                f"the sender's second update went dense (is_delta {sender.delta.is_delta}), "
+                "expected every layer a delta (SegmentRecorder.all_reduce_max)"
+            )
         messages = pin(rec.kept)
     del rec, sender  # free the sender's rings and kept copy before the reference's temporaries
     if cuda:
@@ -221,8 +238,16 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if cuda else 0
     link = Replay(me, len(engines), segments)
-    receiver = Receiver(link, 0, config=config, layout=layout, engines=engines, ring=args.ring, device=device,
-                        delta=args.delta)  # fmt: skip
+    receiver = Receiver(
+        link,
+        0,
+        config=config,
+        layout=layout,
+        engines=engines,
+        ring=args.ring,
+        device=device,
+        delta=args.delta,
+    )
     link.receiver = receiver
     receiver.load_into(params)  # warm-up
     runs = _loads(link, receiver, params, device, args.repeats)
@@ -235,11 +260,19 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
     firsts = link.copies[: len(segments)]
     t_copy = _seconds(lambda: [d.copy_(c) for _ in range(n) for d, c in zip(slots, firsts)], device)
     name = f"{'EP' if ep else 'TP'}{args.tp} rank {args.rank}"
-    row = [name, f"{nbytes / GiB:.3f}",
-           f"{1e3 * total / n:.2f}", f"{1e3 * t_link / n:.2f}", f"{total / t_link:.4f}",
-           f"{1e3 * t_copy / n:.3f}", f"{(total - t_link) / t_copy:.2f}", f"{peak / GiB:.4f}",
-           f"{predicted / GiB:.4f}", f"{peak / predicted if predicted else 0:.4f}",
-           f"{same}/{len(ref) * n}"]  # fmt: skip
+    row = [
+        name,
+        f"{nbytes / GiB:.3f}",
+        f"{1e3 * total / n:.2f}",
+        f"{1e3 * t_link / n:.2f}",
+        f"{total / t_link:.4f}",
+        f"{1e3 * t_copy / n:.3f}",
+        f"{(total - t_link) / t_copy:.2f}",
+        f"{peak / GiB:.4f}",
+        f"{predicted / GiB:.4f}",
+        f"{peak / predicted if predicted else 0:.4f}",
+        f"{same}/{len(ref) * n}",
+    ]
     if not args.delta:
         return row, None
     slots.clear()  # the device-to-device copy's room, freed before the delta updates
@@ -259,11 +292,22 @@ def measure(args, ep: bool) -> tuple[list, list | None]:
     dbytes = sum(x.nbytes for x in dstats.layers) / n  # what arrived per layer: counts messages and payloads
     as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
     changed = sum(int((as_bytes(x) != as_bytes(ref1[k])).sum()) for k, x in ref.items())
-    drow = [name, f"{as_delta} of {n}", f"{100 * changed / sum(x.nbytes for x in ref.values()):.3f}",
-            f"{dbytes / 2**20:.4f}", f"{dbytes / nbytes:.5f}", f"{1e3 * dtotal / n:.2f}",
-            f"{1e3 * dt_link / n:.2f}", f"{dtotal / dt_link:.4f}", f"{1e3 * total / n:.2f}",
-            f"{dtotal / total:.4f}", f"{dpeak / GiB:.4f}", f"{dpredicted / GiB:.4f}",
-            f"{dpeak / dpredicted if dpredicted else 0:.4f}", f"{dsame}/{len(ref1) * n}"]  # fmt: skip
+    drow = [
+        name,
+        f"{as_delta} of {n}",
+        f"{100 * changed / sum(x.nbytes for x in ref.values()):.3f}",
+        f"{dbytes / 2**20:.4f}",
+        f"{dbytes / nbytes:.5f}",
+        f"{1e3 * dtotal / n:.2f}",
+        f"{1e3 * dt_link / n:.2f}",
+        f"{dtotal / dt_link:.4f}",
+        f"{1e3 * total / n:.2f}",
+        f"{dtotal / total:.4f}",
+        f"{dpeak / GiB:.4f}",
+        f"{dpredicted / GiB:.4f}",
+        f"{dpeak / dpredicted if dpredicted else 0:.4f}",
+        f"{dsame}/{len(ref1) * n}",
+    ]
     return row, drow
 
 
@@ -276,15 +320,21 @@ def main() -> None:
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--delta", action="store_true", help="also delta updates: a second table (docstring)")
-    p.add_argument("--delta-lr", type=float, default=1e-5,
-                   help="--delta: the stand-in trainer step's learning rate (default 1e-5)")  # fmt: skip
+    p.add_argument(
+        "--delta-lr",
+        type=float,
+        default=1e-5,
+        help="--delta: the stand-in trainer step's learning rate (default 1e-5)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
     args = p.parse_args()
     measured = [measure(args, ep == "on") for ep in args.ep]
     rows = [row for row, _ in measured]
-    print(f"{args.layers} {args.model} sparse layers scattered by one sender; stand-in link: host-to-device "
-          "copies from pinned memory")  # fmt: skip
+    print(
+        f"{args.layers} {args.model} sparse layers scattered by one sender; stand-in link: host-to-device "
+        "copies from pinned memory"
+    )
     print(
         tabulate(
             rows,
@@ -304,15 +354,31 @@ def main() -> None:
         )
     )
     if args.delta:
-        print(f"\ndelta updates after a stand-in trainer step (w32 -= {args.delta_lr:g} * sign(randn), bf16 "
-              "weights); versions: the sender in step with this rank (stand-in link)")  # fmt: skip
-        print(tabulate([d for _, d in measured], ["engine rank", "layers as delta",
-                                                   "bytes changed % (W0 -> W1, this rank's)",
-                                                   "received MiB/layer", "received delta / dense",
-                                                   "ms/layer", "link alone ms/layer", "total / link",
-                                                   "dense ms/layer", "delta / dense time", "extra GiB",
-                                                   "predicted GiB", "extra / predicted",
-                                                   "params equal to W1's reference"]))  # fmt: skip
+        print(
+            f"\ndelta updates after a stand-in trainer step (w32 -= {args.delta_lr:g} * sign(randn), bf16 "
+            "weights); versions: the sender in step with this rank (stand-in link)"
+        )
+        print(
+            tabulate(
+                [d for _, d in measured],
+                [
+                    "engine rank",
+                    "layers as delta",
+                    "bytes changed % (W0 -> W1, this rank's)",
+                    "received MiB/layer",
+                    "received delta / dense",
+                    "ms/layer",
+                    "link alone ms/layer",
+                    "total / link",
+                    "dense ms/layer",
+                    "delta / dense time",
+                    "extra GiB",
+                    "predicted GiB",
+                    "extra / predicted",
+                    "params equal to W1's reference",
+                ],
+            )
+        )
 
 
 if __name__ == "__main__":

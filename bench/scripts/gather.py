@@ -18,8 +18,8 @@ import time
 import torch
 from tabulate import tabulate
 
-from glm_fp8.models import PRESETS, SMALL_GLM5
-from glm_fp8.plan import plan_from_config
+from glm_fp8.model.plans import plan_from_config
+from glm_fp8.model.presets import PRESETS, SMALL_GLM5
 from glm_fp8.testing import launch
 
 STRATEGIES = [("full", 2), ("full", 1), ("chunked", 1), ("quantize_then_gather", 1)]
@@ -82,18 +82,33 @@ def main() -> None:
     nccl = torch.cuda.device_count() >= args.world
     rows = []
     for strategy, ring in STRATEGIES:
-        res = launch(args.world, gather_rank, (config, args.layers, strategy, ring),
-                     backend="nccl" if nccl else "gloo", timeout_s=600)  # fmt: skip
+        res = launch(
+            args.world,
+            gather_rank,
+            (config, args.layers, strategy, ring),
+            backend="nccl" if nccl else "gloo",
+            timeout_s=600,
+        )
         status, out = res[0]
         if status != "ok":
             raise SystemExit(f"{strategy} ring {ring}: rank 0 {status}: {out}")
         gib = 2**30
         peak, ring_b = out["peak"] / gib, out["ring_bytes"] / gib
-        rows.append([strategy, ring, f"{out['seconds'] / args.layers:.3f}", f"{ring_b:.2f}", f"{peak:.2f}",
-                     f"{peak - ring_b:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                strategy,
+                ring,
+                f"{out['seconds'] / args.layers:.3f}",
+                f"{ring_b:.2f}",
+                f"{peak:.2f}",
+                f"{peak - ring_b:.2f}",
+            ]
+        )
     link = "nccl" if nccl else "gloo"
-    print(f"{args.model} sparse layer of {out['layer_bytes'] / 2**30:.2f} GiB (fp8 kernel format), "
-          f"bf16 DTensor shards, world {args.world} ({link}), {args.layers} layers")  # fmt: skip
+    print(
+        f"{args.model} sparse layer of {out['layer_bytes'] / 2**30:.2f} GiB (fp8 kernel format), "
+        f"bf16 DTensor shards, world {args.world} ({link}), {args.layers} layers"
+    )
     print(tabulate(rows, ["gather", "ring", "s / layer", "ring GiB", "sender peak GiB", "peak - ring GiB"]))
 
 

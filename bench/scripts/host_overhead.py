@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 
 import glm_fp8
-from glm_fp8 import backends
-from glm_fp8.kernels import triton_launch
-from glm_fp8.kernels.triton_launch import launch_triton
-from glm_fp8.quantize import ExpertsFP8
+from glm_fp8.kernels import backends, triton_quantize
+from glm_fp8.kernels.quantize import ExpertsFP8
+from glm_fp8.kernels.triton_quantize import launch_triton
 
 
 def per_call_us(fn: Callable[[], object], n: int = 300, sync_each: bool = False) -> float:
@@ -89,11 +88,11 @@ def main() -> None:
     )
     launch_read = lambda: (launch_triton(srcs, q, s, False, flag), flag.item())  # noqa: E731
     pieces.append(["one Triton launch with the flag, then its read", per_call_us(launch_read)])
-    direct, triton_launch._direct_launch = triton_launch._direct_launch, False
+    direct, triton_quantize._direct_launch = triton_quantize._direct_launch, False
     pieces.append(["one Triton launch, JIT front end", per_call_us(one_launch)])
-    triton_launch._direct_launch = direct
+    triton_quantize._direct_launch = direct
     print(tabulate(pieces, ["piece", "us/call"], "github"))
-    print(f"compiled Triton kernels kept for direct launches: {len(triton_launch._compiled_kernels)}")
+    print(f"compiled Triton kernels kept for direct launches: {len(triton_quantize._compiled_kernels)}")
 
 
 if __name__ == "__main__":

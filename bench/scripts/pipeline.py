@@ -33,7 +33,7 @@ step: the changed fractions of real AdamW steps are measured by ``bench/scripts/
 Each delta update is timed beside its messages replayed alone, its wire bytes (every message the
 link carried) against the dense update's, and the GPU memory of the kept copy (or its staging
 buffer) and the delta message buffers (measured on CUDA) against the update-time model's
-(``glm_fp8.update_delta.sender_share``). The stand-in link has no peers: its versions exchange
+(``glm_fp8.planning.update_delta.sender_share``). The stand-in link has no peers: its versions exchange
 returns this sender's row for every rank (see ``Recorder``). Each learning rate also prints its
 median update's slowest steps and the time outside the steps, and Python's cycle collections inside
 the updates (``send_model`` pauses the collector) and between them.
@@ -54,17 +54,18 @@ import torch
 from standin import STEPS, trainer_step, versions_in_step
 from tabulate import tabulate
 
+from glm_fp8.core.vocab import KEPT_COPIES
 from glm_fp8.engine import EngineLayout
-from glm_fp8.models import PRESETS, TINY_GLM5
-from glm_fp8.plan import layer_prefix, plan_from_config, strip_layer
-from glm_fp8.reference import convert_layer_ref
+from glm_fp8.kernels.reference import convert_layer_ref
+from glm_fp8.model.plans import plan_from_config
+from glm_fp8.model.presets import PRESETS, TINY_GLM5
+from glm_fp8.model.trainer_layouts import layer_prefix, strip_layer
+from glm_fp8.planning.update_delta import Delta, sender_share
 from glm_fp8.testing import sent_layer_mismatches
 from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
-from glm_fp8.transfer.delta_send import SenderDelta
-from glm_fp8.transfer.delta_versions import KEPT
+from glm_fp8.transfer.delta.send import SenderDelta
 from glm_fp8.transfer.gather import trainer_view
 from glm_fp8.transfer.pack import update_regions
-from glm_fp8.update_delta import Delta, sender_share
 
 GiB = 2**30
 
@@ -119,8 +120,9 @@ def _check_first_layer(sender: Sender, msgs: list, layer: dict) -> tuple[int, in
     lay, plan = sender.routes.layers[0], sender.plans[0]
     # The reference on the layer's device (bit-exact there as on the CPU, and far faster), expert by
     # expert: a whole stack's float32 temporaries (24 GiB) do not fit beside the kept copy.
-    ref = convert_layer_ref({k.removeprefix(layer_prefix(0)): t for k, t in layer.items()}, 0, plan,
-                            per_expert=True)  # fmt: skip
+    ref = convert_layer_ref(
+        {k.removeprefix(layer_prefix(0)): t for k, t in layer.items()}, 0, plan, per_expert=True
+    )
     checked, differ, _ = sent_layer_mismatches(lay, sender.me, iter(msgs), ref, plan, 0)
     return checked, differ
 
@@ -154,8 +156,9 @@ def fleet_layouts(args) -> list[EngineLayout]:
 def fleet_name(args) -> str:
     if not args.servers:
         return f"{args.engines} x {'EP' if args.ep else 'TP'}{args.tp}"
-    return " + ".join(f"{n} x {'EP' if ep else 'TP'}{tp}{f' x DP{dp}' if dp > 1 else ''}"
-                      for n, tp, dp, ep in args.servers)  # fmt: skip
+    return " + ".join(
+        f"{n} x {'EP' if ep else 'TP'}{tp}{f' x DP{dp}' if dp > 1 else ''}" for n, tp, dp, ep in args.servers
+    )
 
 
 def predicted_wire(sender: Sender, config: dict, layouts: list, mode: str) -> int:
@@ -204,8 +207,18 @@ def _median(xs: list) -> float:
     return statistics.median_low(xs)
 
 
-def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: dict, layer: dict,
-                  dense: tuple, head: list, last: bool) -> list:  # fmt: skip
+def measure_delta(
+    args,
+    sender: Sender,
+    link: Recorder,
+    stream,
+    state,
+    shadow: dict,
+    layer: dict,
+    dense: tuple,
+    head: list,
+    last: bool,
+) -> list:
     """The delta rows of one (master, sender) (module docstring), after its dense row: ``state``,
     the sender's ``SenderDelta`` (nothing kept yet), attached; one update fills the kept copy
     (every layer dense: nothing was kept), then per learning rate ``--delta-steps`` delta updates,
@@ -216,10 +229,17 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
     cuda = device.type == "cuda"
     alloc = lambda: torch.cuda.memory_allocated(device) if cuda else 0  # noqa: E731
     lays = sender.routes.layers
-    # Predicted GPU memory (the update-time model, glm_fp8.update_delta.sender_share): the kept copy
+    # Predicted GPU memory (the update-time model, glm_fp8.planning.update_delta.sender_share): the kept copy
     # (in host memory: its one staging buffer instead) and the delta message buffers.
-    share = sender_share(sender.routes, sender.me, [lay.local_plans[sender.me] for lay in lays],
-                         Delta(0.0, kept=state.options.kept), 0.0, 0.0, ring=args.ring)  # fmt: skip
+    share = sender_share(
+        sender.routes,
+        sender.me,
+        [lay.local_plans[sender.me] for lay in lays],
+        Delta(0.0, kept=state.options.kept),
+        0.0,
+        0.0,
+        ring=args.ring,
+    )
     kept = share.staging if state.host else share.kept
     predicted = kept + share.buffers
     model = share.scratch  # pack_bytes_delta's scratch for the largest piece: part of the transient
@@ -248,12 +268,16 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
         steps = sorted(x.seconds for x in stats.layers)
         slow = sorted(range(len(stats.layers)), key=lambda i: -stats.layers[i].seconds)[:4]
         inside, outside = (_COLLECTIONS[k] for k in (True, False))
-        print(f"Python cycle collections, {kind} lr {lr:g}: {len(inside)} inside the updates "
-              f"({1e3 * sum(inside):.1f} ms), {len(outside)} between them "
-              f"({1e3 * sum(outside):.1f} ms)")  # fmt: skip
-        print(f"steps ({state.options.kept}, {kind} lr {lr:g}, its median update): slowest "
-              + ", ".join(f"layer {i}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
-              + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms")  # fmt: skip
+        print(
+            f"Python cycle collections, {kind} lr {lr:g}: {len(inside)} inside the updates "
+            f"({1e3 * sum(inside):.1f} ms), {len(outside)} between them "
+            f"({1e3 * sum(outside):.1f} ms)"
+        )
+        print(
+            f"steps ({state.options.kept}, {kind} lr {lr:g}, its median update): slowest "
+            + ", ".join(f"layer {i}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
+            + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms"
+        )
         if args.profile:  # one more step and update, profiled apart from the timed ones
             trainer_step(shadow, layer, lr, gen, kind)
             _sync(device)  # as _timed_update: the step's queued GPU work is not the update's
@@ -265,19 +289,35 @@ def measure_delta(args, sender: Sender, link: Recorder, stream, state, shadow: d
             for key in ("tottime", "cumulative"):
                 table = pstats.Stats(prof, stream=text).sort_stats(key)
                 table.print_stats("glm_fp8|torch|triton", args.profile)
-            print(f"host profile ({state.options.kept}, {kind} lr {lr:g}, one update; cProfile's own cost "
-                  "inflates it), each line marked 'prof|':")  # fmt: skip
+            print(
+                f"host profile ({state.options.kept}, {kind} lr {lr:g}, one update; cProfile's own cost "
+                "inflates it), each line marked 'prof|':"
+            )
             print("\n".join("prof| " + ln for ln in text.getvalue().splitlines() if ln.strip()))
         peaks = [r[4] for r in runs if r[4] is not None]
-        rows.append([*head, state.options.kept, kind, f"{lr:g}",
-                     f"{_median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})",
-                     f"{dense_s:.3f}", f"{_median(secs) / dense_s:.4f}", f"{nbytes / 2**20:.2f}",
-                     f"{100 * _median(wires):.3f} ({100 * max(wires):.3f})", f"{t_link:.3f}",
-                     f"{stats.seconds / t_link:.3f}", f"{1e3 * steps[len(steps) // 2]:.1f}",
-                     f"{1e3 * steps[-1]:.1f}", f"{min(r[3] for r in runs)} of {len(lays)}",
-                     f"{measured / GiB:.3f}" if cuda else "-",
-                     f"{predicted / GiB:.3f} ({kept / GiB:.3f} + {(predicted - kept) / GiB:.3f})",
-                     f"{model / GiB:.4f}", f"{max(peaks) / GiB:.3f}" if peaks else "-", "-"])  # fmt: skip
+        rows.append(
+            [
+                *head,
+                state.options.kept,
+                kind,
+                f"{lr:g}",
+                f"{_median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})",
+                f"{dense_s:.3f}",
+                f"{_median(secs) / dense_s:.4f}",
+                f"{nbytes / 2**20:.2f}",
+                f"{100 * _median(wires):.3f} ({100 * max(wires):.3f})",
+                f"{t_link:.3f}",
+                f"{stats.seconds / t_link:.3f}",
+                f"{1e3 * steps[len(steps) // 2]:.1f}",
+                f"{1e3 * steps[-1]:.1f}",
+                f"{min(r[3] for r in runs)} of {len(lays)}",
+                f"{measured / GiB:.3f}" if cuda else "-",
+                f"{predicted / GiB:.3f} ({kept / GiB:.3f} + {(predicted - kept) / GiB:.3f})",
+                f"{model / GiB:.4f}",
+                f"{max(peaks) / GiB:.3f}" if peaks else "-",
+                "-",
+            ]
+        )
     if last and shadow is not layer:
         shadow.clear()  # the reference below needs the room (a GLM-5 layer's is ~50 GiB)
     if last and args.check and rows:
@@ -294,10 +334,14 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     config = {**base_cfg, "num_hidden_layers": n, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}
     plan = plan_from_config(config, 0)
     gen = torch.Generator(device=device).manual_seed(0)
-    layer = {layer_prefix(0) + k: torch.randn(shape, device=device, generator=gen, dtype=master).mul_(0.02)
-             for k, (shape, _) in plan.inputs.items()}  # fmt: skip
-    stream = lambda: ((i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()})  # noqa: E731
-                      for i in range(n))  # fmt: skip
+    layer = {
+        layer_prefix(0) + k: torch.randn(shape, device=device, generator=gen, dtype=master).mul_(0.02)
+        for k, (shape, _) in plan.inputs.items()
+    }
+    stream = lambda: (
+        (i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()})  # noqa: E731
+        for i in range(n)
+    )
     layouts = fleet_layouts(args)
     kw = dict(config=config, device=device, ring=args.ring, checksum=not args.no_checksum)
     if args.mode == "broadcast":
@@ -352,18 +396,29 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
             torch.cuda.empty_cache() if device.type == "cuda" else None
             state = SenderDelta(sender, DeltaOptions(kept=where))
         last = k == len(args.delta_kept) - 1
-        deltas += measure_delta(args, sender, link, stream, state, shadow, layer, (stats.seconds, nbytes),
-                                head, last)  # fmt: skip
+        deltas += measure_delta(
+            args, sender, link, stream, state, shadow, layer, (stats.seconds, nbytes), head, last
+        )
     # free the kept copy, its buffers and the rings before the next row
     sender.delta = state = shadow = link.pool = None
     sender.conv_ring = sender.send_ring = None
-    return [*head, f"{nbytes / n / 2**30:.3f}",
-            f"{stats.seconds:.3f}", f"{t_link:.3f}", f"{t_convert:.3f}",
-            f"{stats.seconds / t_link:.4f} ({ratios[0]:.4f}-{ratios[-1]:.4f})",
-            f"{nbytes / t_link / 1e9:.1f}", f"{peak / 2**30:.3f}", f"{predicted / 2**30:.3f}",
-            f"{peak / predicted:.3f}", f"{wire / 2**30:.3f}" if wire else "-",
-            f"{nbytes / wire:.5f}" if wire else "-", f"{checked}/{differ}",
-            f"{1e3 * steps[len(steps) // 2]:.1f}", f"{1e3 * steps[-1]:.1f}"], deltas  # fmt: skip
+    return [
+        *head,
+        f"{nbytes / n / 2**30:.3f}",
+        f"{stats.seconds:.3f}",
+        f"{t_link:.3f}",
+        f"{t_convert:.3f}",
+        f"{stats.seconds / t_link:.4f} ({ratios[0]:.4f}-{ratios[-1]:.4f})",
+        f"{nbytes / t_link / 1e9:.1f}",
+        f"{peak / 2**30:.3f}",
+        f"{predicted / 2**30:.3f}",
+        f"{peak / predicted:.3f}",
+        f"{wire / 2**30:.3f}" if wire else "-",
+        f"{nbytes / wire:.5f}" if wire else "-",
+        f"{checked}/{differ}",
+        f"{1e3 * steps[len(steps) // 2]:.1f}",
+        f"{1e3 * steps[-1]:.1f}",
+    ], deltas
 
 
 def main() -> None:
@@ -373,9 +428,13 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8, help="engine tensor-parallel size (default 8)")
     p.add_argument("--ep", action="store_true", help="engines use expert parallelism")
     p.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
-    p.add_argument("--servers", nargs="+", type=parse_server, default=None,
-                   help="a fleet instead of --engines: [Nx]TP<t>[xDP<d>] or [Nx]EP<t>[xDP<d>], "
-                   "one per server")  # fmt: skip
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        type=parse_server,
+        default=None,
+        help="a fleet instead of --engines: [Nx]TP<t>[xDP<d>] or [Nx]EP<t>[xDP<d>], one per server",
+    )
     p.add_argument("--senders", type=int, default=32, help="trainer ranks, --mode senders (default 32)")
     p.add_argument("--sender", type=int, nargs="+", default=[0], help="the link ranks measured (default 0)")
     p.add_argument("--master", nargs="+", default=["bf16"], choices=("bf16", "fp32"), help="master dtypes")
@@ -388,18 +447,39 @@ def main() -> None:
         action="store_false",
         help="skip layer 0's byte check (its reference needs ~50 GiB for a whole GLM-5 layer)",
     )
-    p.add_argument("--delta-lr", type=float, nargs="+", default=None, metavar="LR",
-                   help="after the dense row, delta updates after stand-in trainer steps at each of "
-                   "these learning rates (module docstring)")  # fmt: skip
-    p.add_argument("--delta-step", nargs="+", default=["sign"], choices=STEPS,
-                   help="the stand-in trainer step, each a variant: sign (Adam's first step) or adam "
-                   "(Adam's step once warm); bench/scripts/standin.py")  # fmt: skip
+    p.add_argument(
+        "--delta-lr",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="LR",
+        help="after the dense row, delta updates after stand-in trainer steps at each of "
+        "these learning rates (module docstring)",
+    )
+    p.add_argument(
+        "--delta-step",
+        nargs="+",
+        default=["sign"],
+        choices=STEPS,
+        help="the stand-in trainer step, each a variant: sign (Adam's first step) or adam "
+        "(Adam's step once warm); bench/scripts/standin.py",
+    )
     p.add_argument("--delta-steps", type=int, default=3, help="delta updates per --delta-lr (default 3)")
-    p.add_argument("--delta-kept", nargs="+", default=["gpu"], choices=KEPT,
-                   help="where the sender keeps what it last sent, each a variant (default gpu)")  # fmt: skip
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after each --delta-lr's timed updates, one more profiled by cProfile: its N "
-                   "costliest functions (host time, own and cumulative)")  # fmt: skip
+    p.add_argument(
+        "--delta-kept",
+        nargs="+",
+        default=["gpu"],
+        choices=KEPT_COPIES,
+        help="where the sender keeps what it last sent, each a variant (default gpu)",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each --delta-lr's timed updates, one more profiled by cProfile: its N "
+        "costliest functions (host time, own and cumulative)",
+    )
     p.add_argument("--device", default="cuda", help="default cuda; cpu checks the script")
     p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
     args = p.parse_args()
@@ -414,27 +494,73 @@ def main() -> None:
             rows.append(row)
             deltas += d
     engines = fleet_name(args)
-    what = {"broadcast": "one sender, one full receiver", "scatter": f"one sender into {engines}",
-            "senders": f"{args.senders} senders into {engines}"}[args.mode]  # fmt: skip
-    print(f"{args.layers} {args.model} sparse layers, {what}, ring {args.ring}, checksum "
-          f"{not args.no_checksum}; stand-in link: device-to-host copies into pinned memory")  # fmt: skip
-    print(tabulate(rows, ["mode", "master", "sender", "sent GiB/layer", "total s", "link alone s",
-                          "convert+pack alone s", "total / link (median, range)", "link GB/s", "peak GiB",
-                          "predicted GiB", "peak / predicted", "wire GiB predicted",
-                          "wire measured / predicted", "layer-0 bytes checked/differ",
-                          "step ms (median)", "step ms (max)"]))  # fmt: skip
+    what = {
+        "broadcast": "one sender, one full receiver",
+        "scatter": f"one sender into {engines}",
+        "senders": f"{args.senders} senders into {engines}",
+    }[args.mode]
+    print(
+        f"{args.layers} {args.model} sparse layers, {what}, ring {args.ring}, checksum "
+        f"{not args.no_checksum}; stand-in link: device-to-host copies into pinned memory"
+    )
+    print(
+        tabulate(
+            rows,
+            [
+                "mode",
+                "master",
+                "sender",
+                "sent GiB/layer",
+                "total s",
+                "link alone s",
+                "convert+pack alone s",
+                "total / link (median, range)",
+                "link GB/s",
+                "peak GiB",
+                "predicted GiB",
+                "peak / predicted",
+                "wire GiB predicted",
+                "wire measured / predicted",
+                "layer-0 bytes checked/differ",
+                "step ms (median)",
+                "step ms (max)",
+            ],
+        )
+    )
     if deltas:
-        print(f"\ndelta updates ({args.delta_steps} per step and lr, each after a stand-in trainer step: "
-              "sign, w32 -= lr * sign(randn); adam, w32 -= lr * 0.229 * randn); versions: every engine "
-              "rank and sender in step (stand-in link)")  # fmt: skip
-        print(tabulate(deltas, ["mode", "master", "sender", "kept", "step", "lr", "delta s (median, range)",
-                                "dense s", "delta / dense time", "delta wire MiB",
-                                "wire delta / dense % (median, max)",
-                                "link alone s", "delta total / link", "step ms (median)", "step ms (max)",
-                                "layers as delta (min)", "GPU kept+bufs GiB measured",
-                                "GPU kept+bufs GiB predicted (kept or staging + bufs)",
-                                "compare scratch GiB (model)",
-                                "delta transient GiB (max)", "kept layer-0 checked/differ"]))  # fmt: skip
+        print(
+            f"\ndelta updates ({args.delta_steps} per step and lr, each after a stand-in trainer step: "
+            "sign, w32 -= lr * sign(randn); adam, w32 -= lr * 0.229 * randn); versions: every engine "
+            "rank and sender in step (stand-in link)"
+        )
+        print(
+            tabulate(
+                deltas,
+                [
+                    "mode",
+                    "master",
+                    "sender",
+                    "kept",
+                    "step",
+                    "lr",
+                    "delta s (median, range)",
+                    "dense s",
+                    "delta / dense time",
+                    "delta wire MiB",
+                    "wire delta / dense % (median, max)",
+                    "link alone s",
+                    "delta total / link",
+                    "step ms (median)",
+                    "step ms (max)",
+                    "layers as delta (min)",
+                    "GPU kept+bufs GiB measured",
+                    "GPU kept+bufs GiB predicted (kept or staging + bufs)",
+                    "compare scratch GiB (model)",
+                    "delta transient GiB (max)",
+                    "kept layer-0 checked/differ",
+                ],
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 
 from glm_fp8 import NonFiniteError, available_backends, quantize_blockwise, quantize_experts
 from glm_fp8.kernels.checksum import checksum_torch
-from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
+from glm_fp8.kernels.reference import quantize_concat_ref, quantize_experts_ref
 from glm_fp8.transfer.wire import checksum_scratch, message_checksum
 
 
@@ -50,8 +50,10 @@ def main(only: list[str]) -> int:
                         at = bad_q[0].tolist() if len(bad_q) else None
                         got = int(q.view(torch.uint8)[tuple(at)]) if at else None
                         want = int(q_ref.view(torch.uint8)[tuple(at)]) if at else None
-                        print(f"FAIL {backend} {name} {fmt} out+{offset}: {len(bad_q)} bytes, "
-                              f"{len(bad_s)} scales; first byte {at}: {got} != {want}")  # fmt: skip
+                        print(
+                            f"FAIL {backend} {name} {fmt} out+{offset}: {len(bad_q)} bytes, "
+                            f"{len(bad_s)} scales; first byte {at}: {got} != {want}"
+                        )
         # quantize_experts: w13 and w2 as one grid on the CUDA backend (jobs of unequal size).
         w1, w3 = (torch.randn(3, 136, 200, device=device, dtype=torch.bfloat16) for _ in range(2))
         w2 = torch.randn(3, 200, 136, device=device, dtype=torch.bfloat16)

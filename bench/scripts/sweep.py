@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 
 from glm_fp8 import ExpertsFP8, LaunchConfig, quantize_experts
-from glm_fp8.backends import cuda_backend_available
-from glm_fp8.bench import GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, experts_out_bytes
+from glm_fp8.cli.bench import GLM5_HIDDEN, GLM5_MOE_INTERMEDIATE, experts_out_bytes
+from glm_fp8.kernels.backends import cuda_backend_available
 
 CONFIGS = {
     "4w-abs": LaunchConfig(cb_per_prog=1, num_warps=4, maxnreg=None, signed_quotient=False),
@@ -90,8 +90,10 @@ def sweep(
         for t in (out.w13_scale_inv, out.w2_scale_inv):
             t.fill_(float("nan"))
         fn()
-        got = [t[picks].view(torch.uint8) if t.dtype != torch.float32 else t[picks].view(torch.int32)
-               for _, t in out.items()]  # fmt: skip
+        got = [
+            t[picks].view(torch.uint8) if t.dtype != torch.float32 else t[picks].view(torch.int32)
+            for _, t in out.items()
+        ]
         if reference is None:
             reference = [g.clone() for g in got]
         elif not all(torch.equal(a, b) for a, b in zip(got, reference)):
@@ -121,8 +123,16 @@ def sweep(
             )
         )
         sh = shares[name]
-        rows.append([label, name, what, f"{statistics.median(ms[name]):.3f}", f"{statistics.median(sh):.3f}",
-                     f"{min(sh):.3f}-{max(sh):.3f}"])  # fmt: skip
+        rows.append(
+            [
+                label,
+                name,
+                what,
+                f"{statistics.median(ms[name]):.3f}",
+                f"{statistics.median(sh):.3f}",
+                f"{min(sh):.3f}-{max(sh):.3f}",
+            ]
+        )
     return rows
 
 

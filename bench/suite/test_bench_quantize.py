@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from glm_fp8 import bench
+from glm_fp8.cli import bench
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CASES = bench.glm5_cases() if DEVICE.type == "cuda" else bench.small_cases()

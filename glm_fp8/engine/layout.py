@@ -11,19 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from glm_fp8._checks import check_int
+from glm_fp8.core.checks import check_int
 
 # config/parallel.py::ParallelConfig.use_sequence_parallel_moe ("pplx" and "naive" are rewritten
 # to "allgather_reducescatter" by ParallelConfig before that check).
-SP_MOE_ALL2ALL_BACKENDS = frozenset({
-    "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
-    "flashinfer_nvlink_one_sided", "passthrough", "mori_high_throughput", "mori_low_latency", "mori",
-    "nixl_ep", "pplx", "naive",
-})  # fmt: skip
+SP_MOE_ALL2ALL_BACKENDS = frozenset(
+    {
+        "allgather_reducescatter",
+        "deepep_high_throughput",
+        "deepep_low_latency",
+        "deepep_v2",
+        "flashinfer_nvlink_one_sided",
+        "passthrough",
+        "mori_high_throughput",
+        "mori_low_latency",
+        "mori",
+        "nixl_ep",
+        "pplx",
+        "naive",
+    }
+)
 SHARD_KINDS = ("replicated", "rows", "cols", "merged_rows", "qkv_rows", "experts", "vocab")
 
 
@@ -61,8 +71,10 @@ class EngineLayout:
         for rank, size in (("tp_rank", "tp_size"), ("dp_rank", "dp_size"), ("ep_rank", "ep_size")):
             object.__setattr__(self, rank, _check_int(rank, getattr(self, rank), 0))
             if getattr(self, rank) >= getattr(self, size):
-                raise ValueError(f"EngineLayout.{rank}: expected 0 <= {rank} < {size}={getattr(self, size)}, "
-                                 f"got {getattr(self, rank)}")  # fmt: skip
+                raise ValueError(
+                    f"EngineLayout.{rank}: expected 0 <= {rank} < {size}={getattr(self, size)}, "
+                    f"got {getattr(self, rank)}"
+                )
         t, rank = self.moe_group_size, self.moe_group_rank
         if self.ep_size > 1 and self.ep_size != t:
             raise ValueError(
@@ -116,8 +128,11 @@ class EngineLayout:
         all2all_backend: str = "allgather_reducescatter",
     ) -> list[EngineLayout]:
         """Every rank of one engine, in MoE-group rank order (``dp_rank * tp_size + tp_rank``)."""
-        return [cls.from_vllm(tp_size, r, dp_size, d, enable_expert_parallel, all2all_backend)
-                for d in range(dp_size) for r in range(tp_size)]  # fmt: skip
+        return [
+            cls.from_vllm(tp_size, r, dp_size, d, enable_expert_parallel, all2all_backend)
+            for d in range(dp_size)
+            for r in range(tp_size)
+        ]
 
     @property
     def moe_group_size(self) -> int:
@@ -212,8 +227,10 @@ class Shard:
 
     def _check_full(self, full_shape: tuple[int, ...]) -> None:
         if len(full_shape) < -self.dim or full_shape[self.dim] != self.full:
-            raise ValueError(f"Shard({self.kind}): expected a full tensor of size {self.full} along dim "
-                             f"{self.dim}, got shape {list(full_shape)}")  # fmt: skip
+            raise ValueError(
+                f"Shard({self.kind}): expected a full tensor of size {self.full} along dim "
+                f"{self.dim}, got shape {list(full_shape)}"
+            )
 
 
 def take_shard(full: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -233,12 +250,16 @@ def copy_shard_into(dst: torch.Tensor, full: torch.Tensor, shard: Shard) -> torc
     """Write the rank's cut of ``full`` into ``dst`` (the engine parameter) part by part, with no
     full-size temporary; padded rows (vocab past V) are zeroed. Returns ``dst``."""
     if dst.dtype != full.dtype:
-        raise ValueError(f"copy_shard_into: dst dtype {dst.dtype} differs from the source's {full.dtype} "
-                         "(the copy never converts)")  # fmt: skip
+        raise ValueError(
+            f"copy_shard_into: dst dtype {dst.dtype} differs from the source's {full.dtype} "
+            "(the copy never converts)"
+        )
     expected = shard.shape(full.shape)
     if tuple(dst.shape) != expected:
-        raise ValueError(f"copy_shard_into: dst shape {list(dst.shape)}, expected {list(expected)} for a "
-                         f"{shard.kind} shard of a {list(full.shape)} tensor")  # fmt: skip
+        raise ValueError(
+            f"copy_shard_into: dst shape {list(dst.shape)}, expected {list(expected)} for a "
+            f"{shard.kind} shard of a {list(full.shape)} tensor"
+        )
     if shard.kind == "replicated":
         return dst.copy_(full)
     offset = 0
@@ -248,20 +269,6 @@ def copy_shard_into(dst: torch.Tensor, full: torch.Tensor, shard: Shard) -> torc
     if shard.pad:
         dst.narrow(shard.dim, offset, shard.pad).zero_()
     return dst
-
-
-# Names that moved to glm_fp8.engine.rules, kept for old imports (``from glm_fp8.engine.layout import
-# shard_for``). Resolved on first use: rules imports this module, so importing it here would be a cycle.
-_MOVED = {"MTP_OWN", "NON_LAYER", "VOCAB_PAD", "kernel_entry_shapes", "shard_for", "split_name"}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "_Rules" or name in _MOVED:
-        from glm_fp8.engine import rules
-
-        value = globals()[name] = getattr(rules, "ShardRules" if name == "_Rules" else name)
-        return value  # cached: later lookups skip this hook
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["SHARD_KINDS", "SP_MOE_ALL2ALL_BACKENDS", "EngineLayout", "Shard", "copy_shard_into", "take_shard"]

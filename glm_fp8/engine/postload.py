@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from glm_fp8.core.numerics import BLOCK, ceil_blocks
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.specs import engine_name
-from glm_fp8.numerics import BLOCK, ceil_blocks
-from glm_fp8.reference import block_scales_ref
+from glm_fp8.kernels.reference import block_scales_ref
 
 # quantization/utils/flashinfer_utils.py::prepare_fp8_moe_layer_for_fi (_FI_CUTLASS_MIN_BLOCK_SCALE)
 FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
@@ -77,8 +77,12 @@ class PostLoadPlan:
             hooks.append(f"clamp routed-expert block scales to >= {self.clamp_min:g} (FlashInfer CUTLASS)")
         if self.module_hooks:
             hooks.append("module hooks: MLA W_UK_T / W_UV from kv_b_proj")
-        return {"scale_fmt": self.scale_fmt, "moe_backend": self.moe_backend, "written_directly": direct,
-                "after_update": hooks}  # fmt: skip
+        return {
+            "scale_fmt": self.scale_fmt,
+            "moe_backend": self.moe_backend,
+            "written_directly": direct,
+            "after_update": hooks,
+        }
 
 
 def postload_plan(
@@ -144,8 +148,10 @@ def swap_w13_halves_(w13: torch.Tensor, w13_scale_inv: torch.Tensor | None = Non
     if w13_scale_inv is not None:
         want = (w13.shape[0], ceil_blocks(w13.shape[1]), ceil_blocks(w13.shape[2]))
         if tuple(w13_scale_inv.shape) != want:
-            raise ValueError(f"w13_scale_inv: expected {list(want)} for w13 {list(w13.shape)}, got "
-                             f"{list(w13_scale_inv.shape)}")  # fmt: skip
+            raise ValueError(
+                f"w13_scale_inv: expected {list(want)} for w13 {list(w13.shape)}, got "
+                f"{list(w13_scale_inv.shape)}"
+            )
         if half % BLOCK:
             raise ValueError(
                 f"w13: each half has {half} rows, not a multiple of {BLOCK}: a block row of the scales "
@@ -184,8 +190,10 @@ def expert_param_names(config: Mapping, layer_ids: Iterable[int]) -> list[tuple[
         if i < 0 or i < first:
             continue
         p = f"model.layers.{i}.mlp.experts."
-        names = [engine_name(p + n, config) for n in ("w13_weight", "w13_weight_scale_inv", "w2_weight",
-                                                      "w2_weight_scale_inv")]  # fmt: skip
+        names = [
+            engine_name(p + n, config)
+            for n in ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+        ]
         out.append(tuple(names))
     return out
 
@@ -267,8 +275,10 @@ def mla_absorbed_ref(
     heads = config["num_attention_heads"] // layout.tp_size
     p, v, lora = config["qk_nope_head_dim"], config["v_head_dim"], config["kv_lora_rank"]
     if tuple(kv_b_weight.shape) != (heads * (p + v), lora):
-        raise ValueError(f"kv_b_proj.weight: expected {[heads * (p + v), lora]} for {heads} heads per rank, "
-                         f"got {list(kv_b_weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"kv_b_proj.weight: expected {[heads * (p + v), lora]} for {heads} heads per rank, "
+            f"got {list(kv_b_weight.shape)}"
+        )
     w = kv_b_weight.to(torch.float32)
     if kv_b_scale_inv is not None:
         s = kv_b_scale_inv.to(torch.float32).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)

@@ -18,27 +18,45 @@ from collections.abc import Sequence
 
 import torch
 
-from glm_fp8.config import as_config
+from glm_fp8.core.numerics import BLOCK, ceil_blocks
 from glm_fp8.engine.layout import EngineLayout, Shard
-from glm_fp8.models import SHAPES
-from glm_fp8.numerics import BLOCK, ceil_blocks
-from glm_fp8.plan import build_plan
+from glm_fp8.model.config import as_config
+from glm_fp8.model.families import SHAPES
+from glm_fp8.model.plans import build_plan
 
 VOCAB_PAD = 64  # vocab_parallel_embedding.py::DEFAULT_VOCAB_PADDING_SIZE
 
 # --- which rule each kernel-format entry follows (names without ``model.layers.{i}.``) -------------
-MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-           "shared_head.head.weight")  # fmt: skip
+MTP_OWN = (
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "shared_head.norm.weight",
+    "shared_head.head.weight",
+)
 NON_LAYER = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-_REPLICATED = frozenset({
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.fused_qkv_a_proj.weight", "self_attn.q_a_layernorm.weight",
-    "self_attn.kv_a_layernorm.weight", "self_attn.indexer.wq_b.weight",
-    "self_attn.indexer.wk_weights_proj.weight", "self_attn.indexer.k_norm.weight",
-    "self_attn.indexer.k_norm.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-    "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "model.norm.weight",
-})  # fmt: skip
+_REPLICATED = frozenset(
+    {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.fused_qkv_a_proj.weight",
+        "self_attn.q_a_layernorm.weight",
+        "self_attn.kv_a_layernorm.weight",
+        "self_attn.indexer.wq_b.weight",
+        "self_attn.indexer.wk_weights_proj.weight",
+        "self_attn.indexer.k_norm.weight",
+        "self_attn.indexer.k_norm.bias",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "model.norm.weight",
+    }
+)
 _ATTN_ROWS = frozenset({"self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight"})
 _ATTN_COLS = frozenset({"self_attn.o_proj.weight"})
 _MLP_COLS = frozenset({"mlp.down_proj.weight", "mlp.shared_experts.down_proj.weight"})
@@ -76,9 +94,15 @@ def kernel_entry_shapes(config: object, *, quantize: bool = True) -> dict[str, t
         inputs = {k: (s, torch.bfloat16) for k, s in SHAPES[model_type](config, sparse).items()}
         for e in build_plan(model_type, inputs, quantize=quantize).entries:
             table[e.name] = (tuple(e.shape), e.op == "quantize")
-    table.update({"model.norm.weight": ((h,), False), "enorm.weight": ((h,), False),
-                  "hnorm.weight": ((h,), False), "eh_proj.weight": ((h, 2 * h), False),
-                  "shared_head.norm.weight": ((h,), False)})  # fmt: skip
+    table.update(
+        {
+            "model.norm.weight": ((h,), False),
+            "enorm.weight": ((h,), False),
+            "hnorm.weight": ((h,), False),
+            "eh_proj.weight": ((h, 2 * h), False),
+            "shared_head.norm.weight": ((h,), False),
+        }
+    )
     if "vocab_size" in config:
         v = config["vocab_size"]
         for n in _VOCAB:
@@ -140,15 +164,19 @@ class ShardRules:
         ep = lay.expert_parallel
         sizes = self._valid_tp_sizes(ep)
         where = f"data_parallel_size {lay.dp_size}, expert parallelism {'on' if ep else 'off'}"
-        msg = (f"; for this model ({where}) the valid tensor-parallel sizes are "
-               f"{', '.join(map(str, sizes)) or 'none'}")  # fmt: skip
+        msg = (
+            f"; for this model ({where}) the valid tensor-parallel sizes are "
+            f"{', '.join(map(str, sizes)) or 'none'}"
+        )
         if sizes:
             msg += ": set vLLM's --tensor-parallel-size (EngineLayout tp_size) to one of them"
         if not ep:
             more = [t for t in self._valid_tp_sizes(True) if t not in sizes]
             if more:  # only where expert parallelism lifts the MoE TP limit
-                msg += (f"{', or' if sizes else ';'} turn on expert parallelism (--enable-expert-parallel), "
-                        f"with which tensor-parallel sizes {', '.join(map(str, more))} fit too")  # fmt: skip
+                msg += (
+                    f"{', or' if sizes else ';'} turn on expert parallelism (--enable-expert-parallel), "
+                    f"with which tensor-parallel sizes {', '.join(map(str, more))} fit too"
+                )
         return msg
 
     def shard(self, name: str, full_shape: Sequence[int]) -> Shard:
@@ -159,8 +187,10 @@ class ShardRules:
             raise ValueError(f"{name}: not a parameter of a {self.config['model_type']} engine{hint}")
         expected, fp8 = self.table[short]
         if full_shape != expected:
-            raise ValueError(f"{name}: full kernel-format shape {list(full_shape)} does not match the "
-                             f"config's {list(expected)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: full kernel-format shape {list(full_shape)} does not match the "
+                f"config's {list(expected)}"
+            )
         if not short.endswith("_scale_inv"):
             return self._weight(name, short, full_shape, fp8)
         base = short[: -len("_scale_inv")]
@@ -178,8 +208,10 @@ class ShardRules:
     # -- helpers
     def _split(self, name: str, what: str, n: int, size: int, rank: int, group: str) -> tuple[int, int]:
         if n % size:
-            raise ValueError(f"{name}: {what} {n} is not divisible by the {group} size {size} "
-                             f"(vLLM's divide() asserts it){self._change()}")  # fmt: skip
+            raise ValueError(
+                f"{name}: {what} {n} is not divisible by the {group} size {size} "
+                f"(vLLM's divide() asserts it){self._change()}"
+            )
         per = n // size
         return rank * per, (rank + 1) * per
 
@@ -267,8 +299,11 @@ class ShardRules:
             g, kvs = r, kv // tp * hd
         q, kv_rows = heads * hd, kv * hd
         qs = q // tp
-        parts = ((r * qs, (r + 1) * qs), (q + g * kvs, q + (g + 1) * kvs),
-                 (q + kv_rows + g * kvs, q + kv_rows + (g + 1) * kvs))  # fmt: skip
+        parts = (
+            (r * qs, (r + 1) * qs),
+            (q + g * kvs, q + (g + 1) * kvs),
+            (q + kv_rows + g * kvs, q + kv_rows + (g + 1) * kvs),
+        )
         dim = -1 if short.endswith(".bias") else -2
         return self._aligned(name, Shard("qkv_rows", dim, parts, 0, shape[dim], "tp", tp), fp8)
 
@@ -279,14 +314,19 @@ class ShardRules:
         inter = c["moe_intermediate_size"]
         t_size, t = lay.moe_tp_size, lay.moe_tp_rank
         if inter % t_size:
-            raise ValueError(f"{name}: moe_intermediate_size {inter} is not divisible by the MoE TP size "
-                             f"{t_size} (tp_size * dp_size without EP){self._change()}")  # fmt: skip
+            raise ValueError(
+                f"{name}: moe_intermediate_size {inter} is not divisible by the MoE TP size "
+                f"{t_size} (tp_size * dp_size without EP){self._change()}"
+            )
         local = inter // t_size
         if fp8 and local % BLOCK:
             g = math.gcd(BLOCK, local, c["hidden_size"])
-            what = (f"vLLM 0.34 then refines the block-scale grid to {g}x{g} (refine_fp8_moe_block_shape), a "
-                    "layout glm_fp8 does not support yet" if g >= 32 else
-                    "vLLM 0.34 refuses this layout (validate_fp8_block_shape_moe)")  # fmt: skip
+            what = (
+                f"vLLM 0.34 then refines the block-scale grid to {g}x{g} (refine_fp8_moe_block_shape), a "
+                "layout glm_fp8 does not support yet"
+                if g >= 32
+                else "vLLM 0.34 refuses this layout (validate_fp8_block_shape_moe)"
+            )
             raise ValueError(
                 f"{name}: routed experts' per-rank intermediate size {inter} / {t_size} = {local} "
                 f"(MoE TP size {t_size}, EP size {lay.ep_size}) is not a multiple of {BLOCK}; {what} "

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_fp8.config import as_config, check_untied_vocab
 from glm_fp8.engine.layout import EngineLayout, Shard
 from glm_fp8.engine.rules import MTP_OWN, ShardRules, split_name
-from glm_fp8.indexer import skip_topk_layers
-from glm_fp8.models import float32_entries, layer_kind, mtp_layer_index
-from glm_fp8.plan import layer_prefix, plan_from_config
+from glm_fp8.model.config import as_config, check_untied_vocab
+from glm_fp8.model.families import float32_entries, layer_kind, mtp_layer_index
+from glm_fp8.model.indexer import skip_topk_layers
+from glm_fp8.model.plans import plan_from_config
+from glm_fp8.model.trainer_layouts import layer_prefix
 
 # Families whose vLLM 0.34 modules the shard rules were read from (engine/layout.py).
 ENGINE_FAMILIES = frozenset({"glm_moe_dsa", "glm4_moe"})
@@ -61,7 +62,7 @@ def engine_dtype(
     """The dtype vLLM 0.34 builds ``name`` (kernel-format or vLLM name) in: float8_e4m3fn for a
     block-FP8 weight, float32 for its ``_scale_inv`` and for ``indexer.k_norm.*``,
     ``mlp.gate.e_score_correction_bias`` (and GLM-4.5's ``mlp.gate.weight``:
-    ``glm_fp8.models.float32_entries``), else the model ``dtype`` (``eh_proj``, norms, router,
+    ``glm_fp8.model.families.float32_entries``), else the model ``dtype`` (``eh_proj``, norms, router,
     embeddings and ``lm_head`` are never fp8). Plans from a config write passthrough entries in
     these dtypes."""
     c = as_config(config)
@@ -83,9 +84,11 @@ def _check_config(config: object) -> Mapping:
     c = as_config(config)
     check_untied_vocab(c, "the engine's parameters", "its own ParallelLMHead in vLLM 0.34")
     if c["model_type"] not in ENGINE_FAMILIES:
-        raise ValueError(f"config.model_type: the engine's parameters are modelled for "
-                         f"{sorted(ENGINE_FAMILIES)} only (docs/layouts.md#engine-side-vllm-034), got "
-                         f"{c['model_type']!r}")  # fmt: skip
+        raise ValueError(
+            f"config.model_type: the engine's parameters are modelled for "
+            f"{sorted(ENGINE_FAMILIES)} only (docs/layouts.md#engine-side-vllm-034), got "
+            f"{c['model_type']!r}"
+        )
     skip_topk_layers(c)  # the indexer schedule: refused when it is read two ways
     return c
 
@@ -98,7 +101,7 @@ def engine_params(
     entries (in plan order), ``model.norm.weight``, ``lm_head.weight``, then the MTP layer
     (``num_nextn_predict_layers`` 1): ``mtp_block.<sparse-layer names>``, then ``enorm``,
     ``hnorm``, ``eh_proj``, ``shared_head.norm`` and ``shared_head.head``; the routing bias only
-    with ``topk_method`` "noaux_tc" (``glm_fp8.models.has_routing_bias``). The drafter's
+    with ``topk_method`` "noaux_tc" (``glm_fp8.model.families.has_routing_bias``). The drafter's
     ``embed_tokens`` is the target's (aliased), so it is listed once; ``shared_head.head`` is
     listed, though a running engine makes it the target's ``lm_head`` too (docs/vllm.md).
     Raises ValueError where vLLM would refuse the layout or glm_fp8 does not support it (see
@@ -147,11 +150,4 @@ def engine_param_specs(
     }
 
 
-__all__ = [
-    "EngineParam",
-    "engine_dtype",
-    "engine_name",
-    "engine_param_specs",
-    "engine_params",
-    "mtp_layer_index",
-]
+__all__ = ["EngineParam", "engine_dtype", "engine_name", "engine_param_specs", "engine_params"]

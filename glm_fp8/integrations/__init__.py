@@ -1,3 +1,3 @@
-"""Integrations with the frameworks around us: prime-rl's trainer-side conversion
-(``prime_rl``). Each imports its framework lazily, if at all: nothing here is needed to import
-glm_fp8."""
+"""Integrations with the frameworks around glm_fp8: prime-rl's trainer-side conversion
+(``prime_rl``) and vLLM 0.34's weight-transfer backend and worker extension (``vllm/``). Each imports
+its framework lazily, if at all: nothing here is needed to import glm_fp8."""

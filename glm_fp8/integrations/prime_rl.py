@@ -7,18 +7,12 @@ from collections.abc import Mapping
 
 import torch
 
-from glm_fp8.config import as_config
-from glm_fp8.convert import convert_layer
-from glm_fp8.models import layer_kind
-from glm_fp8.plan import (
-    LayerPlan,
-    check_schedule,
-    layer_prefix,
-    plan_from_state_dict,
-    strip_layer,
-    unsent_keys,
-    warn_unsent,
-)
+from glm_fp8.kernels.convert import convert_layer
+from glm_fp8.model.config import as_config
+from glm_fp8.model.families import layer_kind
+from glm_fp8.model.layer_plan import LayerPlan
+from glm_fp8.model.plans import check_schedule, plan_from_state_dict, unsent_keys, warn_unsent
+from glm_fp8.model.trainer_layouts import layer_prefix, strip_layer
 
 _PLANS: dict[tuple, LayerPlan] = {}
 
@@ -33,12 +27,12 @@ def convert_tt_layer_to_vllm_kernel(
     """prime-rl's signature: one trainer layer in kernel format, as views into one buffer.
 
     Same names, order, shapes, dtypes and bits as "torch.cat, then the reference quantizer"
-    (``glm_fp8.reference.convert_layer_ref``). Plans are cached per layer shape. The buffer is
-    allocated per call; use ``glm_fp8.convert.convert_layer(..., out=slot)`` to reuse one.
+    (``glm_fp8.kernels.reference.convert_layer_ref``). Plans are cached per layer shape. The buffer is
+    allocated per call; use ``glm_fp8.kernels.convert.convert_layer(..., out=slot)`` to reuse one.
 
     The layer's entries follow its tensors (any trainer layout; passthrough entries in the
     tensors' dtypes): a layer without ``self_attn.indexer.*`` (an IndexShare "shared" layer)
-    gets no indexer entries. Given the model ``config`` (anything ``glm_fp8.config.as_config``
+    gets no indexer entries. Given the model ``config`` (anything ``glm_fp8.model.config.as_config``
     takes), tensors the engine has no parameter for (indexer tensors on a layer the schedule
     shares, a routing bias without ``topk_method`` "noaux_tc") are left out, said once per
     process, and a full layer without its indexer is refused (KeyError naming the layer's key)

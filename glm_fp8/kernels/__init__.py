@@ -1,13 +1,31 @@
-"""The quantization kernels and their launchers, one module each: the Triton kernel
-(``triton_quantize``) and its launcher (``triton_launch``), the compiled CUDA C++ op built from
-``csrc/`` (``cuda``), and the eager reference as a launcher (``torch_ref``). Every launcher has
-the signature of ``glm_fp8.backends.Launcher``; ``glm_fp8.backends`` registers them."""
+"""The kernels and everything that runs them: the PyTorch reference every backend equals bit for
+bit (``reference``), the Triton kernel beside its launcher (``triton_quantize``), the delta kernels
+(``triton_delta``), the CUDA C++ op built from ``csrc/`` (``cuda``), the reference as a backend
+(``torch_ref``), the wire checksum (``checksum``); one resolver for dense and delta kernels
+(``backends``), validated jobs every backend runs (``jobs``), and the public functions over them:
+``quantize`` (``quantize_blockwise``, ``quantize_experts``), ``delta`` (``quantize_compare``,
+``apply_delta``), ``delta_cut`` and ``convert`` (one trainer layer into one kernel-format buffer).
+Imports ``glm_fp8.core`` and ``glm_fp8.model``."""
 
-from __future__ import annotations
+from glm_fp8.kernels.backends import available_backends, get_default_backend, set_default_backend
+from glm_fp8.kernels.convert import convert_layer
+from glm_fp8.kernels.delta import BlockDelta, apply_delta, compare_bytes, quantize_compare
+from glm_fp8.kernels.quantize import ExpertsFP8, quantize_blockwise, quantize_experts
+from glm_fp8.kernels.triton_quantize import DEFAULT_CONFIG, LaunchConfig, default_config
 
-import os
-
-
-def interpreting() -> bool:
-    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = [
+    "DEFAULT_CONFIG",
+    "BlockDelta",
+    "ExpertsFP8",
+    "LaunchConfig",
+    "apply_delta",
+    "available_backends",
+    "compare_bytes",
+    "convert_layer",
+    "default_config",
+    "get_default_backend",
+    "quantize_blockwise",
+    "quantize_compare",
+    "quantize_experts",
+    "set_default_backend",
+]

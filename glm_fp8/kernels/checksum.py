@@ -79,5 +79,13 @@ def checksum_torch(words: torch.Tensor) -> torch.Tensor:
     return total
 
 
-__all__ = ["K1", "K2", "K3", "ROW_WORDS", "checksum_rows", "checksum_rows_kernel", "checksum_torch",
-           "checksum_triton"]  # fmt: skip
+__all__ = [
+    "K1",
+    "K2",
+    "K3",
+    "ROW_WORDS",
+    "checksum_rows",
+    "checksum_rows_kernel",
+    "checksum_torch",
+    "checksum_triton",
+]

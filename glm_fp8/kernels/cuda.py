@@ -1,5 +1,5 @@
 """The CUDA C++ backend's Python side: loading the compiled extension ``glm_fp8._C`` (built
-from ``csrc/`` by setup.py) and ``launch``, its entry in ``glm_fp8.backends.LAUNCHERS``.
+from ``csrc/`` by setup.py) and ``launch``, its entry in ``glm_fp8.kernels.backends.LAUNCHERS``.
 
 Its op is ``torch.ops.glm_fp8.quantize_blockwise_(q[], scale[], sources[], num_sources[],
 ue8m0, nonfinite)``: a group of jobs of one input dtype as one grid, so quantize_experts and a
@@ -39,6 +39,10 @@ def launch(work, ue8m0: bool, nonfinite: torch.Tensor | None, config: object = N
         by_dtype.setdefault(item[0][0].dtype, []).append(item)
     for items in by_dtype.values():
         torch.ops.glm_fp8.quantize_blockwise_(
-            [q for _, q, _ in items], [s for _, _, s in items], [t for srcs, _, _ in items for t in srcs],
-            [len(srcs) for srcs, _, _ in items], ue8m0, nonfinite,
-        )  # fmt: skip
+            [q for _, q, _ in items],
+            [s for _, _, s in items],
+            [t for srcs, _, _ in items for t in srcs],
+            [len(srcs) for srcs, _, _ in items],
+            ue8m0,
+            nonfinite,
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from glm_fp8.reference import quantize_concat_ref
+from glm_fp8.kernels.reference import quantize_concat_ref
 
 
 def launch(work, ue8m0: bool, nonfinite: torch.Tensor | None, config: object = None) -> None:

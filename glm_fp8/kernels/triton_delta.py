@@ -9,7 +9,7 @@
   transfer, any entry's bytes seen as uint8 rows): new against kept, the kept copy moved to the new
   bytes, the count and the bitmap; no quantization.
 - ``delta_offsets_kernel``: one program per piece, the pack kernel's per-block offsets on the
-  device, laid out as the wire's payload (``glm_fp8.transfer.delta_wire``) and the payload's running
+  device, laid out as the wire's payload (``glm_fp8.transfer.delta.wire``) and the payload's running
   length updated, so that a sender packs a segment with no host read (``pack_bytes_delta``).
 - ``delta_pack_kernel``: turns the bitmap into the wire's sorted int16 offsets and the uint8
   values (read back from the updated kept copy) at offsets given by a prefix sum of the counts;
@@ -32,15 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from glm_fp8.kernels import interpreting
-from glm_fp8.kernels.triton_launch import _launch_args, _stores_vectorize
+from glm_fp8.core.numerics import BLOCK, ceil_blocks
 from glm_fp8.kernels.triton_quantize import (
-    _NO_ALIGN_KW,
-    _SOURCE_POINTERS,
-    _block_scale_code,
-    _load_concat,
+    NO_ALIGN_KW,
+    SOURCE_POINTERS,
+    block_scale_code,
+    interpreting,
+    launch_args,
+    load_concat,
+    stores_vectorize,
 )
-from glm_fp8.numerics import BLOCK, ceil_blocks
 
 WORD = 16  # bits per bitmap word: int16 words, so no sum of shifted bits ever overflows
 BITMAP_WORDS = BLOCK * BLOCK // WORD  # per block
@@ -49,12 +50,50 @@ OFFSETS_CHUNK = 1024  # blocks one step of the offsets kernel's loops scans
 
 
 def _delta_compare(
-    p_kq, p_ks, p_bits, p_cnt, p_sch, p_flag, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R, C,
-    s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c,
-    s_ke, s_kr, s_kc, s_se, s_sr, s_sc, n_rb, n_cb,
-    NUM_SRC: tl.constexpr, UE8M0: tl.constexpr, SOFT_FP8: tl.constexpr, NAN_MAX: tl.constexpr,
-    FLAG: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
-):  # fmt: skip
+    p_kq,
+    p_ks,
+    p_bits,
+    p_cnt,
+    p_sch,
+    p_flag,
+    p_x0,
+    p_x1,
+    p_x2,
+    p_x3,
+    r1,
+    r2,
+    r3,
+    R,
+    C,
+    s_x0e,
+    s_x0r,
+    s_x0c,
+    s_x1e,
+    s_x1r,
+    s_x1c,
+    s_x2e,
+    s_x2r,
+    s_x2c,
+    s_x3e,
+    s_x3r,
+    s_x3c,
+    s_ke,
+    s_kr,
+    s_kc,
+    s_se,
+    s_sr,
+    s_sc,
+    n_rb,
+    n_cb,
+    NUM_SRC: tl.constexpr,
+    UE8M0: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
+    NAN_MAX: tl.constexpr,
+    FLAG: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    WBITS: tl.constexpr,
+):
     i_b = tl.program_id(0).to(tl.int64)
     i_e = i_b // (n_rb * n_cb)
     i_rb = (i_b // n_cb) % n_rb
@@ -63,16 +102,50 @@ def _delta_compare(
     o_c = i_cb * BC + tl.arange(0, BC).to(tl.int64)
     m_c = o_c < C
     m_t = (o_r < R)[:, None] & m_c[None, :]
-    b_x = _load_concat(
-        i_e, o_r, o_c, m_c, p_x0, p_x1, p_x2, p_x3, r1, r2, r3, R,
-        s_x0e, s_x0r, s_x0c, s_x1e, s_x1r, s_x1c, s_x2e, s_x2r, s_x2c, s_x3e, s_x3r, s_x3c, NUM_SRC, BR, BC,
-    )  # fmt: skip
+    b_x = load_concat(
+        i_e,
+        o_r,
+        o_c,
+        m_c,
+        p_x0,
+        p_x1,
+        p_x2,
+        p_x3,
+        r1,
+        r2,
+        r3,
+        R,
+        s_x0e,
+        s_x0r,
+        s_x0c,
+        s_x1e,
+        s_x1r,
+        s_x1c,
+        s_x2e,
+        s_x2r,
+        s_x2c,
+        s_x3e,
+        s_x3r,
+        s_x3c,
+        NUM_SRC,
+        BR,
+        BC,
+    )
 
     # The scale and the bytes from quantize_blockwise_kernel's own code, with its default config's
     # division (fma_div, signed_quotient); one element per cvt (PAIRED_CVT off): the kept copy may
     # be a view of any strides, where the paired cvt was miscompiled (triton_quantize.py says how).
-    b_s, b_q = _block_scale_code(b_x, p_flag, UE8M0, SOFT_FP8, FMA_DIV=True, NAN_MAX=NAN_MAX, FLAG=FLAG,
-                                 SIGNED_Y=True, PAIRED_CVT=False)  # fmt: skip
+    b_s, b_q = block_scale_code(
+        b_x,
+        p_flag,
+        UE8M0,
+        SOFT_FP8,
+        FMA_DIV=True,
+        NAN_MAX=NAN_MAX,
+        FLAG=FLAG,
+        SIGNED_Y=True,
+        PAIRED_CVT=False,
+    )
     b_ok = (b_s == b_s) & (b_s < float("inf"))
 
     p_kt = p_kq + i_e * s_ke + o_r[:, None] * s_kr + o_c[None, :] * s_kc
@@ -99,14 +172,29 @@ delta_compare_kernel = triton.jit(_delta_compare)
 # Without assuming 16-byte-aligned sources, for a kept copy whose rows cannot take vector stores:
 # on the H200 vectorized source loads with unaligned byte stores wrote wrong bytes in the
 # quantize kernel (triton_quantize.py), so this kernel takes the same precaution.
-delta_compare_kernel_unaligned_out = triton.jit(**{_NO_ALIGN_KW: _SOURCE_POINTERS})(_delta_compare)
+delta_compare_kernel_unaligned_out = triton.jit(**{NO_ALIGN_KW: SOURCE_POINTERS})(_delta_compare)
 
 
 @triton.jit
 def delta_bytes_kernel(
-    p_new, p_kq, p_bits, p_cnt, R, C, s_ne, s_nr, s_nc, s_ke, s_kr, s_kc, n_rb, n_cb,
-    BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
-):  # fmt: skip
+    p_new,
+    p_kq,
+    p_bits,
+    p_cnt,
+    R,
+    C,
+    s_ne,
+    s_nr,
+    s_nc,
+    s_ke,
+    s_kr,
+    s_kc,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    WBITS: tl.constexpr,
+):
     i_b = tl.program_id(0).to(tl.int64)
     i_e = i_b // (n_rb * n_cb)
     o_r = ((i_b // n_cb) % n_rb) * BR + tl.arange(0, BR).to(tl.int64)
@@ -141,8 +229,9 @@ def _program_block(p_cnt, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr,
-                  CHUNK: tl.constexpr):  # fmt: skip
+def _block_fields(
+    p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr
+):
     """Blocks ``start + [0, CHUNK)``: their offsets and values on the wire (a block with more than
     a third of its valid bytes changed goes whole: no offsets, every valid byte), their indices."""
     o_k = start + tl.arange(0, CHUNK).to(tl.int64)
@@ -157,9 +246,20 @@ def _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR: tl.constexpr, BC
 
 @triton.jit
 def delta_offsets_kernel(
-    p_cnt, p_poff, p_voff, p_len, n_blocks, R, C, n_rb, n_cb,
-    BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr,
-):  # fmt: skip
+    p_cnt,
+    p_poff,
+    p_voff,
+    p_len,
+    n_blocks,
+    R,
+    C,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
     """The payload fields of an unscaled piece at byte ``*p_len`` (the segment's earlier pieces):
     its offsets (int16) there, its values after them at the next multiple of ALIGN, each block's
     start in them (positions in int16 units, values in bytes, from the payload's start); then
@@ -188,9 +288,24 @@ def delta_offsets_kernel(
 
 @triton.jit
 def delta_pack_kernel(
-    p_kq, p_bits, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_ke, s_kr, s_kc, n_rb, n_cb,
-    BR: tl.constexpr, BC: tl.constexpr, WBITS: tl.constexpr,
-):  # fmt: skip
+    p_kq,
+    p_bits,
+    p_cnt,
+    p_poff,
+    p_voff,
+    p_pos,
+    p_val,
+    R,
+    C,
+    s_ke,
+    s_kr,
+    s_kc,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    WBITS: tl.constexpr,
+):
     i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
     if n > 0:
         p_kt = p_kq + i_e * s_ke + (r0 + o_r)[:, None] * s_kr + (c0 + o_c)[None, :] * s_kc
@@ -213,9 +328,23 @@ def delta_pack_kernel(
 
 @triton.jit
 def delta_check_kernel(
-    p_q, p_cnt, p_poff, p_pos, p_bad, n_pos, R, C, s_qe, s_qr, s_qc, n_rb, n_cb,
-    BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    p_q,
+    p_cnt,
+    p_poff,
+    p_pos,
+    p_bad,
+    n_pos,
+    R,
+    C,
+    s_qe,
+    s_qr,
+    s_qc,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Per sparse block, how many of its offsets fall outside its valid rows and columns (into
     ``p_bad``, zeroed; ``p_q`` and its strides, unread, keep the per-block launcher's order). Reads
     only offsets in [0, n_pos): counts that do not match the offsets
@@ -235,9 +364,23 @@ def delta_check_kernel(
 
 @triton.jit
 def delta_apply_kernel(
-    p_q, p_cnt, p_poff, p_voff, p_pos, p_val, R, C, s_qe, s_qr, s_qc, n_rb, n_cb,
-    BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    p_q,
+    p_cnt,
+    p_poff,
+    p_voff,
+    p_pos,
+    p_val,
+    R,
+    C,
+    s_qe,
+    s_qr,
+    s_qc,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
     if n > 0:
         v0 = tl.load(p_voff + i_b)
@@ -272,20 +415,36 @@ def launch_compare(
 ) -> None:
     """Checked 3-D views: sources [E, R_k, C], kept_q fp8 [E, R, C], kept_s [E, Rb, Cb]; outputs
     bits int16 [blocks * BITMAP_WORDS], counts int32 [blocks], scale_changed int8 [blocks]."""
-    tensors, ints = _launch_args(sources, kept_q, kept_s, nonfinite)  # the quantize kernel's order
+    tensors, ints = launch_args(sources, kept_q, kept_s, nonfinite)  # the quantize kernel's order
     q, s, flag, *padded = tensors
     e, n_rb, n_cb = ints[-3:]
     if e * n_rb * n_cb == 0:
         return
     interpret = interpreting()
-    kernel = delta_compare_kernel if _stores_vectorize(q) else delta_compare_kernel_unaligned_out
+    kernel = delta_compare_kernel if stores_vectorize(q) else delta_compare_kernel_unaligned_out
     with _on_device(q):
         kernel[(e * n_rb * n_cb,)](
-            q.view(torch.uint8), s, bits, counts, scale_changed, flag, *padded, *ints[:-3], n_rb, n_cb,
-            NUM_SRC=len(sources), UE8M0=ue8m0, SOFT_FP8=interpret, NAN_MAX=not interpret,
-            FLAG=nonfinite is not None, BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
+            q.view(torch.uint8),
+            s,
+            bits,
+            counts,
+            scale_changed,
+            flag,
+            *padded,
+            *ints[:-3],
+            n_rb,
+            n_cb,
+            NUM_SRC=len(sources),
+            UE8M0=ue8m0,
+            SOFT_FP8=interpret,
+            NAN_MAX=not interpret,
+            FLAG=nonfinite is not None,
+            BR=BLOCK,
+            BC=BLOCK,
+            WBITS=WORD,
+            num_warps=8,
             enable_fp_fusion=False,  # no contraction may change a rounding docs/numerics.md fixes
-        )  # fmt: skip
+        )
 
 
 def launch_compare_bytes(
@@ -297,9 +456,21 @@ def launch_compare_bytes(
         e, n_rb, n_cb = _grid_dims(kept)
         if e * n_rb * n_cb:
             delta_bytes_kernel[(e * n_rb * n_cb,)](
-                new, kept, bits, counts, kept.shape[1], kept.shape[2], *new.stride(), *kept.stride(), n_rb,
-                n_cb, BR=BLOCK, BC=BLOCK, WBITS=WORD, num_warps=8,
-            )  # fmt: skip
+                new,
+                kept,
+                bits,
+                counts,
+                kept.shape[1],
+                kept.shape[2],
+                *new.stride(),
+                *kept.stride(),
+                n_rb,
+                n_cb,
+                BR=BLOCK,
+                BC=BLOCK,
+                WBITS=WORD,
+                num_warps=8,
+            )
 
 
 class Wire(NamedTuple):
@@ -317,8 +488,14 @@ def launch_pack(kept_q: torch.Tensor, bits: torch.Tensor, wire: Wire) -> None:
     _launch_per_block(delta_pack_kernel, kept_q, (bits, *wire), WBITS=WORD, num_warps=8)
 
 
-def launch_offsets(shape: tuple[int, int, int], counts: torch.Tensor, pos_offsets: torch.Tensor,
-                   val_offsets: torch.Tensor, length: torch.Tensor, align: int) -> None:  # fmt: skip
+def launch_offsets(
+    shape: tuple[int, int, int],
+    counts: torch.Tensor,
+    pos_offsets: torch.Tensor,
+    val_offsets: torch.Tensor,
+    length: torch.Tensor,
+    align: int,
+) -> None:
     """A piece of ``shape`` [E, R, C] with its block ``counts`` (int32): fill ``pos_offsets`` and
     ``val_offsets`` (int64 [blocks]) at payload byte ``length`` (int64 [1], on the device), which
     moves past the piece's fields (``delta_offsets_kernel``)."""
@@ -326,17 +503,39 @@ def launch_offsets(shape: tuple[int, int, int], counts: torch.Tensor, pos_offset
     n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
     with _on_device(counts):
         delta_offsets_kernel[(1,)](
-            counts, pos_offsets, val_offsets, length, e * n_rb * n_cb, r, c, n_rb, n_cb,
-            BR=BLOCK, BC=BLOCK, CHUNK=OFFSETS_CHUNK, ALIGN=align, num_warps=4,
-        )  # fmt: skip
+            counts,
+            pos_offsets,
+            val_offsets,
+            length,
+            e * n_rb * n_cb,
+            r,
+            c,
+            n_rb,
+            n_cb,
+            BR=BLOCK,
+            BC=BLOCK,
+            CHUNK=OFFSETS_CHUNK,
+            ALIGN=align,
+            num_warps=4,
+        )
 
 
-def launch_check(q: torch.Tensor, counts: torch.Tensor, pos_offsets: torch.Tensor, positions: torch.Tensor,
-                 bad: torch.Tensor) -> None:  # fmt: skip
+def launch_check(
+    q: torch.Tensor,
+    counts: torch.Tensor,
+    pos_offsets: torch.Tensor,
+    positions: torch.Tensor,
+    bad: torch.Tensor,
+) -> None:
     """``bad`` (int32 [blocks], zeroed): per sparse block of q [E, R, C], its offsets outside its
     valid rows and columns (``delta_check_kernel``)."""
-    _launch_per_block(delta_check_kernel, q, (counts, pos_offsets, positions, bad, positions.numel()),
-                      CHUNK=APPLY_CHUNK, num_warps=4)  # fmt: skip
+    _launch_per_block(
+        delta_check_kernel,
+        q,
+        (counts, pos_offsets, positions, bad, positions.numel()),
+        CHUNK=APPLY_CHUNK,
+        num_warps=4,
+    )
 
 
 def launch_apply(q: torch.Tensor, wire: Wire) -> None:
@@ -352,9 +551,17 @@ def _launch_per_block(kernel, q: torch.Tensor, tensors: Sequence[torch.Tensor], 
         return
     with _on_device(q):
         kernel[(e * n_rb * n_cb,)](
-            q.view(torch.uint8), *tensors, q.shape[1], q.shape[2], *q.stride(), n_rb, n_cb,
-            BR=BLOCK, BC=BLOCK, **meta,
-        )  # fmt: skip
+            q.view(torch.uint8),
+            *tensors,
+            q.shape[1],
+            q.shape[2],
+            *q.stride(),
+            n_rb,
+            n_cb,
+            BR=BLOCK,
+            BC=BLOCK,
+            **meta,
+        )
 
 
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -362,7 +569,21 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-__all__ = ["APPLY_CHUNK", "BITMAP_WORDS", "WORD", "Wire", "delta_apply_kernel", "delta_bytes_kernel",
-           "delta_check_kernel", "delta_compare_kernel", "delta_offsets_kernel", "delta_pack_kernel",
-           "launch_apply", "launch_check", "launch_compare", "launch_compare_bytes", "launch_offsets",
-           "launch_pack"]  # fmt: skip
+__all__ = [
+    "APPLY_CHUNK",
+    "BITMAP_WORDS",
+    "WORD",
+    "Wire",
+    "delta_apply_kernel",
+    "delta_bytes_kernel",
+    "delta_check_kernel",
+    "delta_compare_kernel",
+    "delta_offsets_kernel",
+    "delta_pack_kernel",
+    "launch_apply",
+    "launch_check",
+    "launch_compare",
+    "launch_compare_bytes",
+    "launch_offsets",
+    "launch_pack",
+]

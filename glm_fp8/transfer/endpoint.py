@@ -5,25 +5,27 @@ vote and the step votes (protocol: ``glm_fp8.transfer.wire``)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from glm_fp8._checks import check_int
-from glm_fp8.config import as_config
-from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.models import REST, mtp_layer_index
-from glm_fp8.numerics import SCALE_FMTS
-from glm_fp8.plan import LayerPlan, plans_for_model
-from glm_fp8.transfer.link import as_link
+from glm_fp8.core.checks import check_int
+from glm_fp8.core.errors import ManifestMismatch, UpdateAborted
+from glm_fp8.model.config import as_config
+from glm_fp8.model.families import REST, mtp_layer_index
+from glm_fp8.model.layer_plan import LayerPlan
+from glm_fp8.model.plans import plans_for_model
+from glm_fp8.model.trainer_layouts import layer_prefix
+from glm_fp8.transfer.link import Link, as_link
+from glm_fp8.transfer.options import UpdateOptions
 from glm_fp8.transfer.pack import FULL, ShardPack
 from glm_fp8.transfer.routes import TransferPlan, transfer_plan
 from glm_fp8.transfer.votes import (
     StepVotes,
-    _bytes_of,
     default_device,
     explain_refusal,
+    host_bytes,
     resolve_device,
 )
 from glm_fp8.transfer.wire import (
@@ -32,9 +34,6 @@ from glm_fp8.transfer.wire import (
     MAGIC,
     PROTOCOL_VERSION,
     REFUSED_PRELUDE,
-    WIRE_FORMATS,
-    ManifestMismatch,
-    UpdateAborted,
     describe_refusal,
     encode_manifest,
     header_words,
@@ -43,11 +42,9 @@ from glm_fp8.transfer.wire import (
     message_checksum,
     refusal_code,
 )
-from glm_fp8.transfer.wire import MODES as MODES  # the old path of the wire formats
 
 # Ring slots: 2 overlap conversion (or arrival) with the wire; more only cost memory. The bound keeps
 # a typo (ring=10**6) from allocating until the device is out of memory, one layer slot at a time.
-MAX_RING = 16
 
 
 @dataclass
@@ -130,10 +127,28 @@ class Ring:
         self.used = [False] * self.size
 
 
+@dataclass(frozen=True)
+class Side:
+    """What an endpoint's collaborators (the delta sender and receiver, ``glm_fp8.transfer.delta``)
+    use of the endpoint they serve: its link and rank there, the transfer plan, the device and the
+    link's stream (None on the CPU). Handed to them explicitly: they hold no reference to the
+    endpoint and read nothing else of it."""
+
+    link: Link
+    rank: int
+    routes: TransferPlan
+    device: torch.device
+    link_stream: torch.cuda.Stream | None
+
+    @property
+    def senders(self) -> list[int]:
+        return self.routes.senders
+
+
 class Endpoint:
     """The shared setup of ``Sender`` and ``Receiver``.
 
-    ``layer_ids`` (default: every decoder layer; ``glm_fp8.plan.model_layer_ids`` adds the MTP
+    ``layer_ids`` (default: every decoder layer; ``glm_fp8.model.plans.model_layer_ids`` adds the MTP
     layer) are the update's layers in order, then ``REST`` (-1: the embeddings, final norm and
     lm_head, which travel last) when ``rest``; ``plans[k]`` is the plan of ``layer_ids[k]``.
     ``senders``: the link ranks that send (default ``[src]``: one sender); ``engines``: one entry per
@@ -145,32 +160,11 @@ class Endpoint:
 
     link_stream: torch.cuda.Stream | None = None
 
-    def __init__(
-        self,
-        comm: object | None,
-        src: int,
-        *,
-        config: Mapping | None,
-        plans: Sequence[LayerPlan] | None,
-        layer_ids: Sequence[int] | None,
-        ring: int,
-        wire: str,
-        device: torch.device | str | None,
-        rest: bool = False,
-        scale_fmt: str | None = None,
-        engines: Sequence[EngineLayout | str | None] | None = None,
-        senders: Sequence[int] | None = None,
-        checksum: bool = True,
-    ):
-        if wire not in WIRE_FORMATS:
-            raise ValueError(f"wire: expected one of {WIRE_FORMATS}, got {wire!r}")
-        if (config is None) == (plans is None):
-            raise ValueError("config / plans: pass exactly one of them")
-        if scale_fmt not in (None, *SCALE_FMTS):
-            raise ValueError(f"scale_fmt: expected one of {SCALE_FMTS}, got {scale_fmt!r}")
-        check_int("ring", ring, 1, MAX_RING, " (buffers of one layer each)")
-        if not isinstance(checksum, bool):
-            raise ValueError(f"checksum: expected True or False, got {checksum!r}")
+    def __init__(self, comm: object | None, src: int, options: UpdateOptions):
+        self.options = options
+        config, plans, layer_ids, rest = options.config, options.plans, options.layer_ids, options.rest
+        wire, checksum, scale_fmt, device = options.wire, options.checksum, options.scale_fmt, options.device
+        senders, engines = options.senders, options.engines
         self.wire, self.checksum = wire, checksum
         self.config = as_config(config) if config is not None else None
         self._layers(plans, layer_ids, rest, scale_fmt)
@@ -178,8 +172,6 @@ class Endpoint:
         self.link = as_link(comm)
         self.rank = self.link.rank
         self.src = check_int("src", src, 0, self.link.size - 1, f" (a rank of the link of {self.link.size})")
-        if senders is not None and (isinstance(senders, (str, bytes)) or not isinstance(senders, Iterable)):
-            raise ValueError(f"senders: expected a list of link ranks, got {type(senders).__name__}")
         senders = (
             [self.src]
             if senders is None
@@ -189,10 +181,6 @@ class Endpoint:
             raise ValueError(f"src: expected one of the senders {senders} (it leads), got {self.src}")
         if engines is None:
             engines = [None if r in senders else FULL for r in range(self.link.size)]
-        elif isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence):
-            raise ValueError(
-                f"engines: expected a list of one entry per link rank, got {type(engines).__name__}"
-            )
         elif len(engines) != self.link.size:
             raise ValueError(
                 f"engines: expected one entry per rank of the link ({self.link.size}), got {len(engines)}"
@@ -208,15 +196,13 @@ class Endpoint:
         self._headers = self.header_table()
         self._payload: bytes | None = None
 
+    def side(self) -> Side:
+        """This endpoint as its collaborators see it (``Side``)."""
+        return Side(self.link, self.rank, self.routes, self.device, self.link_stream)
+
     def _layers(self, plans, layer_ids, rest: bool, scale_fmt: str | None) -> None:
         config = self.config
         if plans is not None:
-            if rest:
-                raise ValueError("rest: needs config= (the non-layer tensors' plan is built from it)")
-            if scale_fmt is not None:
-                raise ValueError(
-                    "scale_fmt: with plans=, the plans' own scale_fmt is used; pass config= instead"
-                )
             known, mtp = list(range(len(plans))), None
         else:
             mtp = mtp_layer_index(config)
@@ -224,10 +210,6 @@ class Endpoint:
         if layer_ids is None:
             self.layer_ids = list(range(len(plans) if plans is not None else config["num_hidden_layers"]))
         else:
-            if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Iterable):
-                raise ValueError(
-                    f"layer_ids: expected a list of layer indices, got {type(layer_ids).__name__}"
-                )
             self.layer_ids = [check_int(f"layer_ids[{k}]", i, 0) for k, i in enumerate(layer_ids)]
             bad = [i for i in self.layer_ids if i not in known]
             if bad:
@@ -338,7 +320,7 @@ class Endpoint:
                     else torch.empty(n, dtype=torch.uint8, device=self.device)
                 )
                 self.link.broadcast(data, self.src)
-                got = ours if leader else _bytes_of(data)
+                got = ours if leader else host_bytes(data)
         except Exception as exc:
             raise link_failure("receiving the manifest failed", exc) from exc
         self._settle_manifest(*check(got))
@@ -360,16 +342,37 @@ class Endpoint:
 
     # --- segments ---------------------------------------------------------------------------------
 
-    def segment_checksums_bad(
-        self, buf: torch.Tensor, segments: Sequence[ShardPack], scratch
-    ) -> torch.Tensor | None:
-        """A device boolean: some segment's checksum differs from its word (None: none to check)."""
-        bad = [
-            message_checksum(buf[s.recv_offset : s.recv_offset + s.data_nbytes], scratch)
-            != s.checksum_word(buf[s.recv_offset : s.recv_offset + s.nbytes])
-            for s in segments
-        ]
-        return torch.stack(bad).any() if bad else None
+
+def checksums_bad(
+    buf: torch.Tensor, segments: Sequence[ShardPack], scratch: torch.Tensor
+) -> torch.Tensor | None:
+    """A device boolean: some of ``segments`` (received into ``buf``) has a checksum other than its
+    word (None: none to check). ``scratch``: ``checksum_scratch`` of the largest."""
+    bad = [
+        message_checksum(buf[s.recv_offset : s.recv_offset + s.data_nbytes], scratch)
+        != s.checksum_word(buf[s.recv_offset : s.recv_offset + s.nbytes])
+        for s in segments
+    ]
+    return torch.stack(bad).any() if bad else None
+
+
+def segment_views(
+    buf: torch.Tensor, layer_idx: int, plan: LayerPlan, segments: Sequence[ShardPack]
+) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
+    """The entry views of ``segments`` of layer ``layer_idx`` received into ``buf`` (a ring slot),
+    in ``plan``'s entry order: (the entry's prefixed name, its view, the rows it holds or None for
+    the whole entry)."""
+    prefix = layer_prefix(layer_idx)
+    views = []
+    for s in segments:
+        region = buf[s.recv_offset : s.recv_offset + s.nbytes]
+        if s.direct:
+            views += [(prefix + name, view, None) for name, view in plan.views(region)]
+        else:
+            views += [(p.name, p.view(region), p.rows) for p in s.pieces]
+    order = {prefix + e.name: k for k, e in enumerate(plan.entries)}
+    views.sort(key=lambda v: order[v[0]])  # stable: a split entry's pieces stay in sender order
+    return views
 
 
 def pack_segments(

@@ -15,19 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from glm_fp8.convert import check_adapted_layer, check_finite_entries, convert_checked
-from glm_fp8.plan import (
-    LayerPlan,
-    adapt_plan,
-    layer_prefix,
-    plans_for_model,
-    strip_layer,
-    unsent_keys,
-    warn_unsent,
-)
-from glm_fp8.quantize import quantize_blockwise
-from glm_fp8.transfer.endpoint import default_device, resolve_device
+from glm_fp8.core.vocab import GATHERS, check_choice
+from glm_fp8.kernels.convert import check_adapted_layer, check_finite_entries, convert_checked
+from glm_fp8.kernels.quantize import quantize_blockwise
+from glm_fp8.model.layer_plan import LayerPlan
+from glm_fp8.model.plans import plans_for_model, unsent_keys, warn_unsent
+from glm_fp8.model.trainer_layouts import adapt_plan, layer_prefix, strip_layer
 from glm_fp8.transfer.owners import chunk_bounds
+from glm_fp8.transfer.votes import default_device, resolve_device
 
 
 @dataclass(frozen=True)
@@ -126,13 +121,10 @@ def move(piece: torch.Tensor | None, target: torch.Tensor | None, owner: int, ds
             target.copy_(tmp)
 
 
-GATHERS = ("auto", "full", "chunked", "quantize_then_gather")
-
-
 def trainer_view(
     plan: LayerPlan, layer: Mapping[str, torch.Tensor], layer_idx: int
 ) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
-    """``plan`` read in the trainer layout of ``layer`` (short names; ``glm_fp8.plan.adapt_plan``),
+    """``plan`` read in the trainer layout of ``layer`` (short names; ``glm_fp8.model.plans.adapt_plan``),
     and ``layer`` without the tensors the engine has no parameter for (``unsent_keys``: said once).
     Every trainer rank decides alike, so the gathers that follow pair up."""
     prefix = layer_prefix(layer_idx)
@@ -182,9 +174,17 @@ def contribute_shards(
     for pos, (layer_idx, sd) in enumerate(layers):
         plan, layer = trainer_view(plans[pos], strip_layer(sd, layer_idx), layer_idx)
         collect_layer(
-            plan, layer, layer_idx, None, wire="fp8", gather=gather, chunk_experts=chunk_experts,
-            gather_dtype=gather_dtype, sender=sender, device=dev,
-        )  # fmt: skip
+            plan,
+            layer,
+            layer_idx,
+            None,
+            wire="fp8",
+            gather=gather,
+            chunk_experts=chunk_experts,
+            gather_dtype=gather_dtype,
+            sender=sender,
+            device=dev,
+        )
 
 
 def collect_layer(
@@ -253,8 +253,10 @@ def collect_layer(
             ]
             for a in range(0, n, chunk_experts):
                 b = min(n, a + chunk_experts)
-                got = [gather_rows(t, a, b, sender, c[: b - a] if sending else None, dt)
-                       for t, c, dt in zip(srcs, chunks, dtypes)]  # fmt: skip
+                got = [
+                    gather_rows(t, a, b, sender, c[: b - a] if sending else None, dt)
+                    for t, c, dt in zip(srcs, chunks, dtypes)
+                ]
                 if sending:
                     quantize_blockwise(got, out=q[a:b], scale_out=sc[a:b], scale_fmt=fmt, check_finite=False)
             continue
@@ -285,8 +287,7 @@ def _choose_gather(
 ) -> str:
     from torch.distributed.tensor import DTensor
 
-    if gather not in GATHERS:
-        raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
+    check_choice("gather", gather, GATHERS)
     sharded = any(isinstance(t, DTensor) for t in layer.values())
     stacks = [e for e in plan.entries if e.op == "quantize" and len(e.shape) == 3]
     if gather == "full" or not sharded or not stacks:
@@ -306,8 +307,9 @@ def _choose_gather(
             return "full"
         raise ValueError(f"gather={gather!r}: {why}")
     whole = [lay for lay in layouts.values()]
-    can_qtg = all(lay.dim == 0 and lay.bounds == whole[0].bounds and lay.ranks == whole[0].ranks
-                  for lay in whole)  # fmt: skip
+    can_qtg = all(
+        lay.dim == 0 and lay.bounds == whole[0].bounds and lay.ranks == whole[0].ranks for lay in whole
+    )
     if gather == "quantize_then_gather" and not can_qtg:
         raise ValueError(
             "gather='quantize_then_gather': the expert stacks must be sharded on the expert dim "

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_fp8 import _checks
+from glm_fp8.core import checks
+from glm_fp8.core.numerics import blocks_shape
 from glm_fp8.engine.layout import copy_shard_into
 from glm_fp8.engine.specs import EngineParam
-from glm_fp8.numerics import blocks_shape
-from glm_fp8.plan import LayerPlan, layer_prefix
-from glm_fp8.quantize import quantize_blockwise
+from glm_fp8.kernels.quantize import quantize_blockwise
+from glm_fp8.model.layer_plan import LayerPlan
+from glm_fp8.model.trainer_layouts import layer_prefix
 
 # (engine dtype, wire dtype) pairs a landing converts exactly: plans given by the caller may carry
 # a float32 engine parameter (indexer.k_norm, e_score_correction_bias) in bf16 or fp16.
@@ -69,7 +70,7 @@ def check_param(
             f"params[{name!r}]: requires grad; an in-place update needs plain tensors (pass "
             "p.detach() or the module's parameters under torch.no_grad() as .data)"
         )
-    _checks.check_no_self_overlap(f"params[{name!r}]", p)
+    checks.check_no_self_overlap(f"params[{name!r}]", p)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,7 +108,7 @@ def check_params(
             raise KeyError(f"params: missing {e.name!r} ({e.dtype}, {e.shape})")
         check_param(e.name, params[e.name], e.dtype, e.shape, device)
         if e.name not in aliases and params[e.name].numel():
-            spans.append((*_checks.byte_span(params[e.name]), e.name))
+            spans.append((*checks.byte_span(params[e.name]), e.name))
     spans.sort()
     for (lo, hi, name), (olo, ohi, other) in zip(spans, spans[1:]):
         if olo < hi:
@@ -138,8 +139,13 @@ def land_layer(
         if key in aliases:
             continue
         if target is None and quantize_fmt is not None and name + "_scale_inv" in params:
-            quantize_blockwise(view, out=params[name], scale_out=params[name + "_scale_inv"],
-                               scale_fmt=quantize_fmt, check_finite=False)  # fmt: skip
+            quantize_blockwise(
+                view,
+                out=params[name],
+                scale_out=params[name + "_scale_inv"],
+                scale_fmt=quantize_fmt,
+                check_finite=False,
+            )
         elif target is None:
             land_full(params[name], view, rows)
         elif full:

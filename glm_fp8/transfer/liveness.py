@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from glm_fp8.errors import LinkLost
+from glm_fp8.core.errors import LinkLost
 
 #: Seconds a rank's beat may stand still before the rank is lost. Long enough for a process
 #: starved of CPU (2 cores, many processes, Triton's interpreter) to beat; short enough that every

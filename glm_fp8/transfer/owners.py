@@ -13,8 +13,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from glm_fp8.engine.layout import Shard
-from glm_fp8.models import REST
-from glm_fp8.plan import LayerPlan, PlanEntry, align, layer_prefix
+from glm_fp8.model.families import REST
+from glm_fp8.model.layer_plan import LayerPlan, PlanEntry, align
+from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.transfer.pack import LayerScatter, ShardPack, ShardPiece
 
 _WHOLE = Shard("replicated")
@@ -112,7 +113,7 @@ def sender_plan(
     t: int,
 ) -> LayerPlan:
     """What sender ``t`` converts of a layer of ``plan`` (in any trainer layout, see
-    ``glm_fp8.plan.adapt_plan``): its rows of every split entry (an expert stack with its scale)
+    ``glm_fp8.model.plans.adapt_plan``): its rows of every split entry (an expert stack with its scale)
     and the entries it owns, laid out afresh; the plan itself when it owns everything."""
     owned = {name[len(prefix) :] for name, o in owners.items() if o == t}
     if not splits and len(owned) == len(plan.entries):

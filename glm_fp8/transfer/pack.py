@@ -29,8 +29,10 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard, copy_shard_into
 from glm_fp8.engine.rules import ShardRules
-from glm_fp8.models import REST, model_layer_ids
-from glm_fp8.plan import LayerPlan, align, layer_prefix, plans_for_model
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.layer_plan import LayerPlan, align
+from glm_fp8.model.plans import plans_for_model
+from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.transfer.wire import CHECKSUM_BYTES, message_checksum
 
 FULL = "full"  # an ``engines`` entry: this rank receives every entry whole (kernel format)
@@ -217,8 +219,14 @@ def layer_scatter(
     and where their packs lie in the sender's buffer. ``per_piece`` (default: when ``engines``
     names at most one sender): classes by piece (``piece_classes``, with ``groups``), else by
     whole region (``scatter_classes``, many senders)."""
-    packs = [None if lay is None else full_pack(plan, layer_idx) if lay == FULL
-             else shard_pack(plan, layer_idx, config, lay) for lay in engines]  # fmt: skip
+    packs = [
+        None
+        if lay is None
+        else full_pack(plan, layer_idx)
+        if lay == FULL
+        else shard_pack(plan, layer_idx, config, lay)
+        for lay in engines
+    ]
     if per_piece is None:
         per_piece = sum(lay is None for lay in engines) <= 1
     if per_piece:
@@ -345,7 +353,6 @@ def layout_words(layout: EngineLayout | None) -> list | None:
 
 
 __all__ = [
-    "CHECKSUM_BYTES",
     "FULL",
     "check_engines",
     "check_replicas",

@@ -8,34 +8,33 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from glm_fp8._checks import check_int
+from glm_fp8.core.errors import ManifestMismatch, UpdateAborted
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.specs import EngineParam, engine_params
-from glm_fp8.plan import LayerPlan, layer_prefix
-from glm_fp8.transfer.delta_receive import ReceiverDelta, Unland
+from glm_fp8.model.trainer_layouts import layer_prefix
+from glm_fp8.transfer.delta.receive import ReceiverDelta, Unland, check_receiver_delta
 from glm_fp8.transfer.endpoint import (
-    MAX_RING,
     Endpoint,
     LayerStats,
     Ring,
     UpdateStats,
+    checksums_bad,
     on_stream,
+    segment_views,
     step_name,
 )
 from glm_fp8.transfer.land import WIDENING, check_params, expected_params, land_layer, zero_padding
+from glm_fp8.transfer.options import ReceiveOptions, device_of
 from glm_fp8.transfer.pack import FULL
 from glm_fp8.transfer.votes import refusal_is_voted
 from glm_fp8.transfer.wire import (
     BAD_CHECKSUM,
     CONSUMER_FAILED,
     HEADER_WORDS,
-    MAX_MANIFEST_BYTES,
     REFUSED_HEADER,
     REFUSED_MANIFEST,
     REFUSED_PARAMS,
     RESEND_DENSE,
-    ManifestMismatch,
-    UpdateAborted,
     checksum_scratch,
     compare_manifest,
     decode_manifest,
@@ -44,7 +43,6 @@ from glm_fp8.transfer.wire import (
     link_failure,
     refusal_code,
     refusal_reason,
-    wire_arg,
 )
 
 
@@ -52,71 +50,32 @@ class Receiver(Endpoint):
     """An engine rank: receives its segments of every layer into a ring and lands them.
 
     Args:
-        comm, src, config / plans, layer_ids, rest, scale_fmt, engines, senders, wire: as for
-            ``Sender`` (``mode=``: the old name of ``wire=``), the same on every rank; a manifest
-            that differs is refused before any parameter is touched.
-        layout: this engine rank's ``EngineLayout`` (needs ``config``): ``load_into`` lands each
-            entry's shard under vLLM's name and dtype (``glm_fp8.engine.engine_params``), with no
-            full-size temporary. With ``engines``, this rank's entry must be this layout (it
-            receives only its shard) or "full" (it receives every entry whole and cuts its shard;
-            one sender only). A layout vLLM refuses is refused at the first vote (every rank stops
-            there; this one raises the ValueError). None: full-size parameters under the
-            kernel-format names.
-        ring: receive buffers, at least 2 (default): layer i waits for its vote while layer i+1
-            arrives.
-        checksum: require every segment's checksum (default): a manifest without them is refused.
-            False: verify them when the sender sends them.
-        max_manifest_bytes: the longest manifest accepted (default 64 MiB); a longer announced
-            length is refused before anything is allocated from it.
-        device: where the ring lives and parameters are expected (default: the current CUDA
-            device, else the CPU).
-        delta: take the layers a ``Sender(delta=DeltaOptions())`` sends as changes: each is rebuilt
-            from the parameters, changed, checked and landed (``load_into`` only; landing must be a
-            plain copy: kernel-format parameters, or this rank's layout in engines; docs/delta.md).
+        comm, src: as for ``Sender``, the same on every rank.
+        options: a ``ReceiveOptions`` (``glm_fp8.transfer.options``: every field and its default),
+            a mapping of its fields, or None; ``**fields`` as keywords on top of it
+            (``Receiver(comm, 0, config=config, layout=layout)``). What every rank passes alike
+            must agree with the senders', or the manifest is refused before any parameter is
+            touched. A ``layout`` vLLM refuses is refused at the first vote (every rank stops
+            there; this one raises the ValueError).
     """
 
     def __init__(
         self,
         comm: object | None,
         src: int = 0,
-        *,
-        config: Mapping | None = None,
-        plans: Sequence[LayerPlan] | None = None,
-        layer_ids: Sequence[int] | None = None,
-        ring: int = 2,
-        wire: str = "fp8",
-        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
-        layout: EngineLayout | None = None,
-        rest: bool = False,
-        scale_fmt: str | None = None,
-        engines: Sequence[EngineLayout | str | None] | None = None,
-        senders: Sequence[int] | None = None,
-        device: torch.device | str | None = None,
-        checksum: bool = True,
-        mode: str | None = None,
-        delta: bool = False,
+        options: ReceiveOptions | Mapping | None = None,
+        **fields: object,
     ):
-        with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
-            wire = wire_arg(wire, mode)
-            if layout is not None and not isinstance(layout, EngineLayout):
-                raise TypeError(f"layout: expected an EngineLayout or None, got {type(layout).__name__}")
-            check_int("ring", ring, 2, MAX_RING,
-                      " buffers (a layer waits for its vote while the next one arrives)")  # fmt: skip
-            check_int("max_manifest_bytes", max_manifest_bytes, 1, 1 << 40)
-            if layout is not None and (config is None or wire != "fp8"):
-                raise ValueError(
-                    "layout: a sharded engine needs config= (its sharding rules read it) and "
-                    "wire='fp8'; use layout=None for wire='bf16'"
-                )
-            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, wire=wire,
-                             device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
-                             checksum=checksum)  # fmt: skip
+        with refusal_is_voted(comm, src, device_of(options, fields)):  # a refusal here reaches every rank
+            opts = ReceiveOptions.of(options, fields)
+            super().__init__(comm, src, opts)
+            layout, delta = opts.layout, opts.delta
             if self.rank in self.senders:
                 raise ValueError(f"senders: this process (link rank {self.rank}) is a sender; build a Sender")
             entry = self.routes.engines[self.rank]
             self.full = entry == FULL
             self.layout = layout
-            self.max_manifest_bytes = int(max_manifest_bytes)
+            self.max_manifest_bytes = int(opts.max_manifest_bytes)
             self.targets: dict[str, EngineParam] | None = None  # kernel-format name -> engine parameter
             # A layout other than this rank's entry of engines, or one vLLM refuses: raised by load_into
             # after every rank voted on it, so that the senders and the other engine ranks stop too
@@ -138,15 +97,34 @@ class Receiver(Endpoint):
                 except ValueError as exc:
                     self._layout_error = exc
             # This rank's segments per layer (from each of its classes), where each lies in its buffer.
-            self._mine = [lay.of_rank(self.rank) for lay in self.routes.layers]
-            self.ring = Ring(ring, self.routes.receive_slot(self.rank), self.device)
+            self.mine = [lay.of_rank(self.rank) for lay in self.routes.layers]
+            self.ring = Ring(opts.ring, self.routes.receive_slot(self.rank), self.device)
             self.scratch = checksum_scratch(self.routes.receive_slot(self.rank), self.device)
             self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             self._header_bufs = torch.empty(2, HEADER_WORDS, dtype=torch.int64, device=self.device)
             self._flags: list[tuple] = [(None, None), (None, None)]
             self._params_error: Exception | None = None
             self._sums = True
-            self.delta = ReceiverDelta.of(self, delta)
+            self.delta = None
+            if delta:
+                check_receiver_delta(
+                    wire=self.wire,
+                    checksum=self.checksum,
+                    full=self.full,
+                    layout=self.layout,
+                    rank=self.rank,
+                    layer_ids=self.layer_ids,
+                    plans=self.plans,
+                    targets=self.targets,
+                )
+                self.delta = ReceiverDelta(
+                    self.side(),
+                    layer_ids=self.layer_ids,
+                    plans=self.plans,
+                    mine=self.mine,
+                    targets=self.targets,
+                    scratch=self.scratch,
+                )
 
     def _targets(self, layout: EngineLayout) -> dict[str, EngineParam]:
         targets = {p.kernel_name: p for p in engine_params(self.config, layout).values()}
@@ -165,8 +143,10 @@ class Receiver(Endpoint):
             compare_manifest(manifest, self.manifest(), self.layer_ids, require_checksum=self.checksum)
             want, got = self.delta is not None, manifest.get("delta", False)
             if got != want:
-                raise ManifestMismatch(f"manifest: expected delta={want} (this Receiver's), got {got!r} "
-                                       "(the Sender's delta=); both ends need the same")  # fmt: skip
+                raise ManifestMismatch(
+                    f"manifest: expected delta={want} (this Receiver's), got {got!r} "
+                    "(the Sender's delta=); both ends need the same"
+                )
         except ManifestMismatch as exc:
             return exc, REFUSED_MANIFEST
         self._sums = bool(manifest["checksum"])
@@ -231,7 +211,7 @@ class Receiver(Endpoint):
             # the link stream, its bytes included. The consumer's error (GeneratorExit too, when it
             # stops early) is caught here, not in a helper generator, so that the steps go on to
             # the vote that stops every rank.
-            views, slot = self._views(pos)
+            views, slot = self.segment_views(pos)
             try:
                 yield self.layer_ids[pos], views
             except BaseException as exc:  # noqa: BLE001 - voted on at the next step, then raised
@@ -267,7 +247,7 @@ class Receiver(Endpoint):
         every rank posts them (``glm_fp8.transfer.routes``, "Order"): the group broadcasts of its
         classes in class order, each class's in sender order, then one exchange for the
         point-to-point ones; a device boolean, set when a checksum differs (None: nothing checked)."""
-        segments = self._mine[pos]
+        segments = self.mine[pos]
         buf, slot = self.ring.slot(pos)
         self.ring.wait_free(slot, self.link_stream)  # the consumer's copies out of its last layer
         if self.delta is not None and self.delta.is_delta[pos]:
@@ -280,7 +260,7 @@ class Receiver(Endpoint):
             else:
                 recvs.append((data, self.senders[s.sender]))
         self.link.exchange([], recvs)
-        return self.segment_checksums_bad(buf, segments, self.scratch) if self._sums else None
+        return checksums_bad(buf, segments, self.scratch) if self._sums else None
 
     def _settle_step(self, pos: int, failure: BaseException | None) -> bool:
         """Read step ``pos``'s vote: True when its layer is to be resent dense (RESEND_DENSE);
@@ -312,26 +292,24 @@ class Receiver(Endpoint):
             )
         raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); the update was stopped")
 
-    def _views(self, pos: int, segments: Sequence | None = None) -> tuple[list[tuple], int]:
+    def segment_views(self, pos: int, segments: Sequence | None = None) -> tuple[list[tuple], int]:
         """The views of this rank's segments of the layer at ``pos`` (or of ``segments``, some of
-        them), in the plan's entry order, and its ring slot."""
+        them), in the plan's entry order (``segment_views``), and its ring slot."""
         buf, slot = self.ring.slot(pos)
-        prefix = layer_prefix(self.layer_ids[pos])
-        views = []
-        for s in self._mine[pos] if segments is None else segments:
-            region = buf[s.recv_offset : s.recv_offset + s.nbytes]
-            if s.direct:
-                views += [(prefix + name, view, None) for name, view in self.plans[pos].views(region)]
-            else:
-                views += [(p.name, p.view(region), p.rows) for p in s.pieces]
-        order = {prefix + e.name: k for k, e in enumerate(self.plans[pos].entries)}
-        views.sort(key=lambda v: order[v[0]])  # stable: a split entry's pieces stay in sender order
+        views = segment_views(
+            buf, self.layer_ids[pos], self.plans[pos], self.mine[pos] if segments is None else segments
+        )
         return views, slot
 
     # --- landing ------------------------------------------------------------------------------------
 
-    def load_into(self, params: Mapping[str, torch.Tensor], *, aliases: Mapping[str, str] | None = None,
-                  unland: Unland | None = None) -> UpdateStats:  # fmt: skip
+    def load_into(
+        self,
+        params: Mapping[str, torch.Tensor],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        unland: Unland | None = None,
+    ) -> UpdateStats:
         """Copy (wire 'fp8') or quantize (wire 'bf16': into an fp8 parameter with a ``_scale_inv`` beside
         it, else copied) every received entry into ``params``. ``aliases``: parameter names that
         hold the very tensor of another (alias -> name); they are not written. ``unland(name, dst,
@@ -358,7 +336,7 @@ class Receiver(Endpoint):
                     self._land(pos, views, params, aliases)
                 except BaseException as exc:
                     layers.throw(exc)  # refuses at the next vote, then re-raises exc
-                got = sum(s.nbytes for s in self._mine[pos])  # what arrived, without the buffer's padding
+                got = sum(s.nbytes for s in self.mine[pos])  # what arrived, without the buffer's padding
                 got = self.delta.received_nbytes(pos) if self.delta is not None else got
                 seconds = time.perf_counter() - t
                 stats.layers.append(LayerStats(layer_idx, got, seconds, self.plans[pos].nbytes, got))
@@ -376,8 +354,9 @@ class Receiver(Endpoint):
         """The first problem with ``params`` as an exception (not raised), or None."""
         try:
             bf16 = params if self.wire == "bf16" else None
-            check_params(params, expected_params(self.layer_ids, self.plans, self.targets, bf16), self.device,
-                         aliases)  # fmt: skip
+            check_params(
+                params, expected_params(self.layer_ids, self.plans, self.targets, bf16), self.device, aliases
+            )
         except Exception as exc:  # noqa: BLE001 - reported at the manifest vote, then raised
             return exc
         return None

@@ -2,7 +2,7 @@
 each layer of an update to which engine ranks. Every mode is one such plan:
 
 - **full broadcast**: one sender; every engine rank is ``FULL`` (it receives every entry whole,
-  as ``glm_fp8.convert`` lays the layer out) and they form one class;
+  as ``glm_fp8.kernels.convert`` lays the layer out) and they form one class;
 - **scatter**: one sender; each engine rank gives its ``EngineLayout`` and receives only its
   shard; each distinct piece (an entry's cut) goes once to the ranks that hold it, the pieces of
   one holder set as one segment (``glm_fp8.transfer.pack.piece_classes``);
@@ -47,10 +47,11 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.kernels.checksum import checksum_rows
-from glm_fp8.plan import LayerPlan, align, layer_prefix
+from glm_fp8.model.layer_plan import LayerPlan, align
+from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.transfer.owners import divide, sender_pieces, sender_plan
 from glm_fp8.transfer.pack import FULL, ShardPack, check_engines, layer_scatter, layout_words
-from glm_fp8.transfer.topology import GROUP_MIN_GAIN, class_groups, sender_groups_pay
+from glm_fp8.transfer.topology import class_groups, sender_groups_pay
 from glm_fp8.transfer.wire import CHECKSUM_BYTES
 
 
@@ -199,7 +200,7 @@ class TransferPlan:
 
     def gathered_bytes(self, t: int) -> list[int]:
         """Per layer, the trainer tensors sender ``t`` gathers (the sources of the entries it
-        owns there, whole, in their planned dtypes: ``glm_fp8.update_time`` plans them in the dtype
+        owns there, whole, in their planned dtypes: ``glm_fp8.planning.update_time`` plans them in the dtype
         they travel in, an input with none is counted as bf16); it holds one layer's at a time."""
         out = []
         for lay in self.layers:
@@ -315,8 +316,11 @@ def transfer_plan(
             send_nbytes[s.sender] = align(send_nbytes[s.sender] + s.nbytes)
         local_plans = []
         for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
-            key = (id(plan), tuple(b[t] for b in split.values()),
-                   frozenset(name[len(prefix) :] for name, o in owners[pos].items() if o == t))  # fmt: skip
+            key = (
+                id(plan),
+                tuple(b[t] for b in split.values()),
+                frozenset(name[len(prefix) :] for name, o in owners[pos].items() if o == t),
+            )
             if key not in local_cache:
                 local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t)
             local_plans.append(local_cache[key])
@@ -394,12 +398,4 @@ def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
         yield [tp.senders[t], f"{lo}..{hi - 1}" if hi > lo else "-", owned, sent[t], msgs, local, send]
 
 
-__all__ = [
-    "GROUP_MIN_GAIN",
-    "LayerRoutes",
-    "Segment",
-    "TransferPlan",
-    "describe",
-    "sender_groups_pay",
-    "transfer_plan",
-]
+__all__ = ["LayerRoutes", "Segment", "TransferPlan", "describe", "transfer_plan"]

@@ -6,15 +6,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from glm_fp8._checks import check_int
-from glm_fp8.convert import entry_norms, raise_if_non_finite
-from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.plan import LayerPlan, strip_layer
-from glm_fp8.transfer.delta_send import DeltaOptions, SenderDelta
+from glm_fp8.core.errors import ManifestMismatch, ReceiverRefused, UpdateAborted
+from glm_fp8.kernels.convert import entry_norms, raise_if_non_finite
+from glm_fp8.model.layer_plan import LayerPlan
+from glm_fp8.model.trainer_layouts import strip_layer
+from glm_fp8.transfer.delta.send import SenderDelta
 from glm_fp8.transfer.endpoint import (
     Endpoint,
     LayerStats,
@@ -25,7 +25,8 @@ from glm_fp8.transfer.endpoint import (
     pack_segments,
     step_name,
 )
-from glm_fp8.transfer.gather import GATHERS, collect_layer, trainer_view
+from glm_fp8.transfer.gather import collect_layer, trainer_view
+from glm_fp8.transfer.options import SendOptions, device_of
 from glm_fp8.transfer.share import check_own_layer, collect_own
 from glm_fp8.transfer.trainer_input import layers_arg, next_item
 from glm_fp8.transfer.votes import refusal_is_voted
@@ -35,14 +36,10 @@ from glm_fp8.transfer.wire import (
     REFUSED_MANIFEST,
     RESEND_DENSE,
     SENDER_FAILED,
-    ManifestMismatch,
-    ReceiverRefused,
-    UpdateAborted,
     checksum_scratch,
     describe_refusal,
     refusal_code,
     refusal_reason,
-    wire_arg,
 )
 
 
@@ -54,85 +51,41 @@ class Sender(Endpoint):
             or an object like vLLM's PyNcclCommunicator (``broadcast``, ``all_reduce``, ``send``,
             ``recv``, ``group_start``/``group_end``, ``rank``, ``world_size``).
         src: the link rank that leads (sends the manifest and the headers); a sender.
-        config / plans: the model config (plans for every layer are built from it) or one
-            ``LayerPlan`` per layer; the manifest needs them before the first layer is sent.
-        layer_ids: the layers of this update, in order (default: every decoder layer;
-            ``glm_fp8.plan.model_layer_ids(config)`` adds the MTP layer); every rank passes the same
-            list, and ``send_model`` must be handed exactly these layers in this order.
-        rest: the update also carries the non-layer tensors (``model.embed_tokens.weight``,
-            ``model.norm.weight``, ``lm_head.weight``), sent after the last layer.
-        scale_fmt: "fp32" (default) or "ue8m0": power-of-two block scales, as vLLM's DeepGEMM
-            kernels hold them (the default on Hopper in vLLM 0.34, and on Blackwell).
-        engines: one entry per link rank: None at each sender, the rank's ``EngineLayout`` (it
-            receives only its shard: scatter) or "full" (every entry whole). Default: every rank
-            but the senders "full", a full broadcast. The same list on every rank.
-        senders: the link ranks that send, in the order of the expert chunks they hold (default:
-            ``[src]``). With several, every one of them builds a Sender with the same arguments
-            and calls ``send_model`` with its own (sharded) layers; each converts and sends its
-            own experts and the entries it owns (docs/layouts.md#the-transfer-plan).
-        ring: conversion buffers (default 2: convert i+1 while i is sent; 1 serializes).
-        wire: the wire format: "fp8" ships kernel-format fp8 entries; "bf16" ships them
-            unquantized, for receivers that quantize on receive (one sender, full broadcast only).
-            ``mode=`` is its old name (a DeprecationWarning).
-        gather: how a single sender collects DTensor layers: "auto", "full", "chunked" or
-            "quantize_then_gather" (``glm_fp8.transfer.gather.collect_layer``); the trainer ranks
-            that do not send run ``contribute_shards`` with the same arguments.
-        chunk_experts: experts per chunk for "chunked".
-        gather_dtype: None (default): every tensor is gathered and quantized in the trainer's dtype,
-            so fp32 masters give the checkpoint's bytes in every mode (their gathers move twice a
-            bf16 gather's bytes). ``torch.bfloat16``: an opt-in that casts the sources of quantized
-            entries to be gathered first; for fp32 masters those entries' bytes then differ from the
-            checkpoint's (docs/trainers.md#gathers-of-float32-masters).
-        checksum: every segment carries a checksum its receivers verify; receivers that require it
-            refuse an update without.
-        device: where conversion runs (default: the current CUDA device, else the CPU).
-        delta: ``DeltaOptions``: send what changed since the update the engine ranks hold (wire
-            'fp8', checksums; ``Receiver(delta=True)``; docs/delta.md#in-the-transfer).
+        options: a ``SendOptions`` (``glm_fp8.transfer.options``: every field and its default), a
+            mapping of its fields, or None; ``**fields`` as keywords on top of it
+            (``Sender(comm, 0, config=config, ring=3)``). What every rank passes alike (config or
+            plans, layer_ids, rest, scale_fmt, engines, senders, wire, checksum) must agree across
+            the link, or the manifest vote refuses the update before anything is sent.
     """
 
     def __init__(
         self,
         comm: object | None,
         src: int = 0,
-        *,
-        config: Mapping | None = None,
-        plans: Sequence[LayerPlan] | None = None,
-        layer_ids: Sequence[int] | None = None,
-        ring: int = 2,
-        wire: str = "fp8",
-        gather: str = "auto",
-        chunk_experts: int = 8,
-        gather_dtype: torch.dtype | None = None,
-        checksum: bool = True,
-        rest: bool = False,
-        scale_fmt: str | None = None,
-        engines: Sequence[EngineLayout | str | None] | None = None,
-        senders: Sequence[int] | None = None,
-        device: torch.device | str | None = None,
-        mode: str | None = None,
-        delta: DeltaOptions | None = None,
+        options: SendOptions | Mapping | None = None,
+        **fields: object,
     ):
-        with refusal_is_voted(comm, src, device):  # a refusal here still reaches every rank
-            wire = wire_arg(wire, mode)
-            super().__init__(comm, src, config=config, plans=plans, layer_ids=layer_ids, ring=ring, wire=wire,
-                             device=device, rest=rest, scale_fmt=scale_fmt, engines=engines, senders=senders,
-                             checksum=checksum)  # fmt: skip
+        with refusal_is_voted(comm, src, device_of(options, fields)):  # a refusal here reaches every rank
+            opts = SendOptions.of(options, fields)
+            super().__init__(comm, src, opts)
             if self.rank not in self.senders:
                 raise ValueError(
                     f"senders: this process (link rank {self.rank}) is not one of the senders "
                     f"{list(self.senders)}; engine ranks build a Receiver"
                 )
-            if gather not in GATHERS:
-                raise ValueError(f"gather: expected one of {GATHERS}, got {gather!r}")
-            check_int("chunk_experts", chunk_experts, 1)
             self.me = self.senders.index(self.rank)
             # The senders' ranks in the trainer's default group, where their DTensors live.
             self.senders_global = [self.link.global_rank(r) for r in self.senders]
-            self.collect_args = dict(wire=wire, gather=gather, chunk_experts=chunk_experts,
-                                     gather_dtype=gather_dtype, device=self.device)  # fmt: skip
+            self.collect_args = dict(
+                wire=opts.wire,
+                gather=opts.gather,
+                chunk_experts=opts.chunk_experts,
+                gather_dtype=opts.gather_dtype,
+                device=self.device,
+            )
             conv, send = self.routes.sender_buffers(self.me)
-            self.conv_ring = Ring(ring, conv, self.device)
-            self.send_ring = Ring(ring, send, self.device) if send else None
+            self.conv_ring = Ring(opts.ring, conv, self.device)
+            self.send_ring = Ring(opts.ring, send, self.device) if send else None
             self.scratch = checksum_scratch(max(conv, send), self.device)
             cuda = self.device.type == "cuda"
             self.convert_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -142,7 +95,17 @@ class Sender(Endpoint):
             # flag on the device), and the event the link waits for (CUDA)
             self._checks: dict[int, tuple] = {}
             self._ready: dict[int, torch.cuda.Event] = {}
-            self.delta = SenderDelta.of(self, delta)
+            self.delta = None
+            if opts.delta is not None:
+                self.delta = SenderDelta(
+                    self.side(),
+                    opts.delta,
+                    me=self.me,
+                    conv_ring=self.conv_ring,
+                    send_ring=self.send_ring,
+                    convert_stream=self.convert_stream,
+                    scratch=self.scratch,
+                )
 
     def send_model(
         self,
@@ -175,9 +138,6 @@ class Sender(Endpoint):
         if self.device.type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
         return stats
-
-    # The old name: this class sends in every mode (broadcast, scatter, many senders).
-    broadcast_model = send_model
 
     def _check_manifest(self, got: bytes) -> tuple[Exception | None, int]:
         if got == self.payload():
@@ -233,8 +193,9 @@ class Sender(Endpoint):
             failed = err if failed is None else failed
             if pos >= lag:
                 self._advance(pos - lag, failed)
-            stats.layers.append(LayerStats(self.layer_ids[pos], 0, time.perf_counter() - t_layer,
-                                           self.plans[pos].nbytes))  # fmt: skip
+            stats.layers.append(
+                LayerStats(self.layer_ids[pos], 0, time.perf_counter() - t_layer, self.plans[pos].nbytes)
+            )
         for pos in range(max(n - lag, 0), n):
             self._advance(pos, failed)
         self._settle_step(n - 1, failed)
@@ -287,12 +248,27 @@ class Sender(Endpoint):
             self.conv_ring.wait_free(ci, self.convert_stream)
             if len(self.senders) == 1:
                 local = plan
-                views = collect_layer(plan, layer, layer_idx, buf[: plan.nbytes], sender=my_rank(),
-                                      check_finite=False, **self.collect_args)  # fmt: skip
+                views = collect_layer(
+                    plan,
+                    layer,
+                    layer_idx,
+                    buf[: plan.nbytes],
+                    sender=my_rank(),
+                    check_finite=False,
+                    **self.collect_args,
+                )
             else:
-                local, views = collect_own(lay, self.me, plan, layer, buf, senders=self.senders_global,
-                                           gather_dtype=self.collect_args["gather_dtype"], device=self.device,
-                                           check_finite=False)  # fmt: skip
+                local, views = collect_own(
+                    lay,
+                    self.me,
+                    plan,
+                    layer,
+                    buf,
+                    senders=self.senders_global,
+                    gather_dtype=self.collect_args["gather_dtype"],
+                    device=self.device,
+                    check_finite=False,
+                )
             # NaN/Inf shows in the scales and passthrough entries: decided on the device and voted
             # with the segments; the host reads the entries' norms only when that vote fails.
             norms = entry_norms(local, buf[: local.nbytes]) if views else ([], None)
@@ -308,8 +284,15 @@ class Sender(Endpoint):
             for s in (s for s in mine if s.direct and self.checksum):
                 s.seal(buf[: s.nbytes], self.scratch)
             if packed:
-                pack_segments(packed, [s.send_offset for s in packed], views, out, self.scratch,
-                              lay.starts(self.me), self.checksum)  # fmt: skip
+                pack_segments(
+                    packed,
+                    [s.send_offset for s in packed],
+                    views,
+                    out,
+                    self.scratch,
+                    lay.starts(self.me),
+                    self.checksum,
+                )
             if self.delta is not None:
                 self.delta.compare(pos, buf, out)
             if self.convert_stream is not None:
@@ -397,7 +380,3 @@ def cycle_collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# The old name, kept: the class sends in every mode, not only broadcasts (docs/map.md#words).
-Broadcaster = Sender

@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from glm_fp8.convert import check_adapted_keys, check_source_dtypes, convert_checked, layer_device
-from glm_fp8.plan import LayerPlan, layer_prefix, source_rows
+from glm_fp8.kernels.convert import check_adapted_keys, check_source_dtypes, convert_checked, layer_device
+from glm_fp8.model.layer_plan import LayerPlan
+from glm_fp8.model.trainer_layouts import layer_prefix, source_rows
 from glm_fp8.transfer.gather import full_value, gather_rows, shard_layout, travel_dtypes
 from glm_fp8.transfer.owners import sender_plan, split_entries, stack_entries
 from glm_fp8.transfer.routes import LayerRoutes
@@ -90,8 +91,12 @@ def collect_own(
 
     prefix = layer_prefix(routes.layer_idx)
     travel = travel_dtypes(plan, gather_dtype)
-    owner_of = {s: routes.owners[prefix + e.name] for e in plan.entries if prefix + e.name in routes.owners
-                for s in e.sources}  # fmt: skip
+    owner_of = {
+        s: routes.owners[prefix + e.name]
+        for e in plan.entries
+        if prefix + e.name in routes.owners
+        for s in e.sources
+    }
     inputs: dict[str, torch.Tensor] = {}
     for k in sorted(owner_of):  # the same order on every sender: the gathers pair up
         x, owner = layer[k], owner_of[k]

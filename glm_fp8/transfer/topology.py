@@ -71,4 +71,20 @@ def class_groups(
     return tuple(tuple(sorted((sender, *ranks))) if shared(ranks) else None for ranks in classes)
 
 
-__all__ = ["GROUP_MIN_GAIN", "MAX_GROUPS_PER_RANK", "class_groups", "sender_groups_pay"]
+def choose_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
+    """The transfer mode ``mode="auto"`` picks (the vLLM backend's ``TrainerSide``, ``glm-fp8 plan``)
+    and why, in a few words: many senders ("senders") when there are several trainer ranks and each
+    holds whole experts (every expert stack ``Shard(0)`` over the ranks in order), else "scatter"."""
+    if trainer_ranks > 1 and experts_whole:
+        return "senders", (
+            f"each of the {trainer_ranks} trainer ranks holds whole experts, so each "
+            "quantizes and sends its own"
+        )
+    if trainer_ranks <= 1:
+        return "scatter", "one trainer rank: it sends each engine rank its shard"
+    return "scatter", (
+        "the trainer's shards split experts: one rank gathers each layer and sends each engine rank its shard"
+    )
+
+
+__all__ = ["choose_mode", "GROUP_MIN_GAIN", "MAX_GROUPS_PER_RANK", "class_groups", "sender_groups_pay"]

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from glm_fp8.models import REST
-from glm_fp8.transfer.wire import LayerOrderError
+from glm_fp8.core.errors import LayerOrderError
+from glm_fp8.model.families import REST
 
 
 def layers_arg(layers: object) -> object:
@@ -51,9 +51,13 @@ def layer_item(item: object, pos: int, what: str = "layers") -> tuple[int, Mappi
 
 
 def next_item(
-    it: Iterator, pos: int, rest: Mapping[str, torch.Tensor] | None, layer_ids: Sequence[int], n_layers: int,
+    it: Iterator,
+    pos: int,
+    rest: Mapping[str, torch.Tensor] | None,
+    layer_ids: Sequence[int],
+    n_layers: int,
     has_rest: bool,
-) -> tuple[int, Mapping[str, torch.Tensor]] | None:  # fmt: skip
+) -> tuple[int, Mapping[str, torch.Tensor]] | None:
     """The ``(layer_idx, state dict)`` of step ``pos`` from ``it`` (``layers``), the rest at the
     step after the ``n_layers`` announced ones (``has_rest``), None at COMPLETE; raises
     ``LayerOrderError`` when ``layers`` / ``rest`` disagree with the manifest (``layer_ids``)."""

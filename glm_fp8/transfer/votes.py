@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from glm_fp8._checks import check_int
+from glm_fp8.core.checks import check_int
 from glm_fp8.transfer.link import Link, as_link
 from glm_fp8.transfer.wire import (
     MAGIC,
@@ -71,7 +71,7 @@ def explain_refusal(link: Link, verdict: int, own: BaseException | None, device:
         if raw:
             buf[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     link.broadcast(buf, who)
-    return _bytes_of(buf).rstrip(b"\0").decode("utf-8", "replace")
+    return host_bytes(buf).rstrip(b"\0").decode("utf-8", "replace")
 
 
 def refuse_agreement(comm: object | None, src: object, device: object, error: BaseException) -> None:
@@ -114,7 +114,7 @@ def refusal_is_voted(comm: object | None, src: object, device: object) -> Iterat
         raise
 
 
-def _bytes_of(data: torch.Tensor) -> bytes:
+def host_bytes(data: torch.Tensor) -> bytes:
     import ctypes
 
     raw = data.cpu()

@@ -1,5 +1,5 @@
 """The wire format of a weight update: the protocol's words, the manifest, the checksum, the
-refusal codes and the errors every rank raises (defined in ``glm_fp8.errors``, re-exported here;
+refusal codes and the errors every rank raises (defined in ``glm_fp8.core.errors``, re-exported here;
 docs/layouts.md#the-protocol).
 
 Protocol version 5 (4 until a delta layer could be resent dense, 3 until scatter classes became per
@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-from glm_fp8.errors import LayerOrderError, LinkLost, ManifestMismatch, ReceiverRefused, UpdateAborted
+from glm_fp8.core.errors import LinkLost, ManifestMismatch, UpdateAborted
 from glm_fp8.kernels.checksum import checksum_rows, checksum_torch, checksum_triton
-from glm_fp8.plan import LayerPlan
+from glm_fp8.model.layer_plan import LayerPlan
 
 PROTOCOL_VERSION = 5
 MAGIC = int.from_bytes(b"glm_fp8\x03", "little")  # first word of the prelude and of every header
@@ -129,19 +128,6 @@ def describe_refusal(code: int) -> str:
 
 # The wire format: what the entries travel as (kernel-format fp8, or unquantized bf16 for receivers
 # that quantize). "Mode" names how an update travels (broadcast, scatter, many senders).
-WIRE_FORMATS = ("fp8", "bf16")
-MODES = WIRE_FORMATS  # the old name (docs/map.md#words)
-
-
-def wire_arg(wire: str, mode: str | None) -> str:
-    """``wire=``, or the old keyword ``mode=`` for it (a DeprecationWarning): "mode" now names only
-    how an update travels (broadcast, scatter, many senders; docs/map.md#words)."""
-    if mode is None:
-        return wire
-    if wire != "fp8" and wire != mode:
-        raise ValueError(f"mode / wire: two wire formats given ({mode!r}, {wire!r}); pass wire= only")
-    warnings.warn("mode= is now wire= (the wire format, 'fp8' or 'bf16')", DeprecationWarning, stacklevel=3)
-    return mode
 
 
 def header_words(status: int, layer_idx: int, pos: int, nbytes: int = 0) -> list[int]:
@@ -261,8 +247,6 @@ __all__ = [
     "MAGIC",
     "MAX_MANIFEST_BYTES",
     "PROTOCOL_VERSION",
-    "WIRE_FORMATS",
-    "wire_arg",
     "REASON_BYTES",
     "REFUSED_ARGUMENTS",
     "REFUSED_HEADER",
@@ -271,11 +255,6 @@ __all__ = [
     "REFUSED_PRELUDE",
     "RESEND_DENSE",
     "SENDER_FAILED",
-    "LayerOrderError",
-    "ManifestMismatch",
-    "ReceiverRefused",
-    "UpdateAborted",
-    "LinkLost",
     "checksum_scratch",
     "compare_manifest",
     "decode_manifest",

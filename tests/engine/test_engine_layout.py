@@ -21,16 +21,24 @@ from glm_fp8.engine import (
     shard_for,
     take_shard,
 )
-from glm_fp8.models import PRESETS, TINY_GLM5
+from glm_fp8.model.presets import PRESETS, TINY_GLM5
 
 GLM5 = PRESETS["glm-5"]
 
 # GLM-4.5 shrunk: 8 query heads, 2 KV heads of 128, so TP=4 replicates each KV head twice.
 TINY_GLM45 = {
-    **PRESETS["glm-4.5"], "hidden_size": 256, "num_hidden_layers": 2, "first_k_dense_replace": 1,
-    "n_routed_experts": 4, "moe_intermediate_size": 512, "intermediate_size": 512,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1000,
-}  # fmt: skip
+    **PRESETS["glm-4.5"],
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "moe_intermediate_size": 512,
+    "intermediate_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "vocab_size": 1000,
+}
 
 FP8, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 P3, P0, MTP = "model.layers.3.", "model.layers.0.", "model.layers.78."
@@ -154,8 +162,12 @@ def test_glm5_rank_elements_sum_to_full(ranks: list[EngineLayout]) -> None:
 def test_expert_placement_linear() -> None:
     assert [lay.expert_range(256) for lay in EngineLayout.all_ranks(1, 8, True)][3] == (96, 128)
     assert [lay.expert_range(5) for lay in EngineLayout.all_ranks(2, 1, True)] == [(0, 3), (3, 5)]
-    assert [lay.expert_range(7) for lay in EngineLayout.all_ranks(1, 4, True)] == [(0, 2), (2, 4), (4, 6),
-                                                                                     (6, 7)]  # fmt: skip
+    assert [lay.expert_range(7) for lay in EngineLayout.all_ranks(1, 4, True)] == [
+        (0, 2),
+        (2, 4),
+        (4, 6),
+        (6, 7),
+    ]
     assert EngineLayout(tp_size=2, tp_rank=1).expert_range(5) == (0, 5)
 
 
@@ -189,13 +201,16 @@ LAYOUTS = {
 
 _TP = {"replicated", "cols", "merged_rows", "vocab"}
 KINDS = {  # the shard kinds each case must exercise
-    ("tp2", "glm5"): _TP | {"rows"}, ("tp2", "glm45"): _TP | {"qkv_rows"},
-    ("ep2", "glm5"): {"replicated", "experts", "vocab"}, ("ep2", "glm45"): {"replicated", "experts", "vocab"},
-    ("tp2dp2", "glm5"): _TP | {"rows"}, ("tp2dp2", "glm45"): _TP | {"qkv_rows"},
+    ("tp2", "glm5"): _TP | {"rows"},
+    ("tp2", "glm45"): _TP | {"qkv_rows"},
+    ("ep2", "glm5"): {"replicated", "experts", "vocab"},
+    ("ep2", "glm45"): {"replicated", "experts", "vocab"},
+    ("tp2dp2", "glm5"): _TP | {"rows"},
+    ("tp2dp2", "glm45"): _TP | {"qkv_rows"},
     # GLM-5 under sequence-parallel MoE: dense and shared MLP replicated (no merged_rows left)
     ("tp2dp2ep", "glm5"): {"replicated", "rows", "cols", "experts", "vocab"},
     ("tp2dp2ep", "glm45"): _TP | {"qkv_rows", "experts"},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("model", ["glm5", "glm45"])
@@ -259,14 +274,19 @@ def test_tiny_glm5_tp2_direct_slices() -> None:
     got = take_shard(w13, shard_for("model.layers.2.mlp.experts.w13_weight", w13.shape, TINY_GLM5, t3))
     assert torch.equal(got, torch.cat([w13[:, 384:512], w13[:, 896:1024]], dim=1))
     ep1 = EngineLayout.from_vllm(1, 0, 2, 1, enable_expert_parallel=True)
-    got = take_shard(w13, shard_for("model.layers.2.mlp.experts.routed_experts.w13_weight", w13.shape,
-                                    TINY_GLM5, ep1))  # fmt: skip
+    got = take_shard(
+        w13, shard_for("model.layers.2.mlp.experts.routed_experts.w13_weight", w13.shape, TINY_GLM5, ep1)
+    )
     assert got.data_ptr() == w13[2:].data_ptr() and got.shape == (2, 1024, 256)  # a view
     s = shard_for("model.layers.2.mlp.experts.w2_weight_scale_inv", (4, 2, 4), TINY_GLM5, t3)
     assert (s.kind, s.dim, s.parts) == ("cols", -1, ((3, 4),))
     # GLM-4.5 qkv at tp=4: q rows r/4; KV head r // 2 (replicated twice).
-    qkv = shard_for("model.layers.0.self_attn.qkv_proj.weight", (1536, 256), TINY_GLM45,
-                    EngineLayout(tp_size=4, tp_rank=3))  # fmt: skip
+    qkv = shard_for(
+        "model.layers.0.self_attn.qkv_proj.weight",
+        (1536, 256),
+        TINY_GLM45,
+        EngineLayout(tp_size=4, tp_rank=3),
+    )
     assert qkv.parts == ((768, 1024), (1152, 1280), (1408, 1536))
 
 
@@ -288,7 +308,8 @@ def test_engine_names_and_dtypes() -> None:
     assert engine_name("model.layers.3.mlp.experts.w13_weight") == P3 + E + "w13_weight"
     assert engine_name(P3 + E + "w2_weight_scale_inv") == P3 + E + "w2_weight_scale_inv"
     assert engine_name("model.layers.78.self_attn.q_b_proj.weight", GLM5) == (
-        "model.layers.78.mtp_block.self_attn.q_b_proj.weight")  # fmt: skip
+        "model.layers.78.mtp_block.self_attn.q_b_proj.weight"
+    )
     assert (
         engine_name("model.layers.78.mlp.experts.w13_weight", GLM5) == MTP + "mtp_block." + E + "w13_weight"
     )
@@ -315,8 +336,9 @@ def test_refuses_unaligned_fp8_shards() -> None:
     with pytest.raises(
         ValueError, match=r"shared_experts\.gate_up_proj\.weight_scale_inv: .* multiple of 128"
     ):
-        shard_for(P3 + "mlp.shared_experts.gate_up_proj.weight_scale_inv", (32, 48), GLM5,
-                  EngineLayout(tp_size=32))  # fmt: skip
+        shard_for(
+            P3 + "mlp.shared_experts.gate_up_proj.weight_scale_inv", (32, 48), GLM5, EngineLayout(tp_size=32)
+        )
     with pytest.raises(ValueError, match=r"self_attn\.o_proj\.weight: full size 256 .* tp size 4"):
         engine_param_specs(TINY_GLM5, EngineLayout(tp_size=4, tp_rank=1))
     # Without fp8 there is no block rule: the same layout is fine.

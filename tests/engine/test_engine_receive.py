@@ -12,7 +12,8 @@ GLM-5: two dense and two sparse layers, an MTP layer, vocab 1000, padded to 1024
 import pytest
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import launch, synthetic_layer
 
 FILL = 0x5A  # every parameter starts as this byte: an unwritten one shows
@@ -53,8 +54,9 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def _rank(rank, world, case, fault, scale_fmt, scatter=False):
     from glm_fp8.engine import EngineLayout, engine_params, take_shard
-    from glm_fp8.plan import plan_from_config, strip_layer
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.model.trainer_layouts import strip_layer
     from glm_fp8.transfer import Receiver, Sender
 
     kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, scale_fmt=scale_fmt, device="cpu")

@@ -26,7 +26,8 @@ from functools import cached_property
 import pytest
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5
+from glm_fp8.model.families import REST
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_port, launch, moved_layer, reference_engine_params, synthetic_layer
 
 NO_MTP = {**TINY_GLM5, "num_nextn_predict_layers": 0}
@@ -48,8 +49,11 @@ class QueueClient:
     def _rpc(self, cmd, *args):
         for inbox, _ in self.boxes:
             inbox.put((cmd, args))
-        errors = [f"worker {w}: {msg}" for w, (status, msg) in
-                  enumerate(out.get(timeout=120) for _, out in self.boxes) if status != "ok"]  # fmt: skip
+        errors = [
+            f"worker {w}: {msg}"
+            for w, (status, msg) in enumerate(out.get(timeout=120) for _, out in self.boxes)
+            if status != "ok"
+        ]
         if errors:
             raise RuntimeError("; ".join(errors))
 
@@ -262,9 +266,11 @@ def _hf_like_module(mesh_params: dict) -> torch.nn.Module:
 def _rank(rank, world, trainers, port, boxes, case, opts):
     from test_vllm_worker import _engine, _finalize
 
-    from glm_fp8.integrations.vllm.probe import EngineNotSupported, engine_postload_plan
+    from glm_fp8.core.errors import EngineNotSupported
+    from glm_fp8.integrations.vllm.probe import engine_postload_plan
     from glm_fp8.integrations.vllm.sources import LayerSource
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.integrations.vllm.trainer import TrainerSide
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
     from glm_fp8.integrations.vllm.updater import EngineUpdater
     from glm_fp8.integrations.vllm.worker import WorkerSide
 
@@ -277,7 +283,7 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
     mesh_params = _module_params(config, trainers, layout_name, dtype) if module else None
     delta = opts.get("delta", False)
     if delta:  # the transfer is under test, not the kernels (tests/kernels): the torch backend, faster
-        from glm_fp8.backends import set_default_backend
+        from glm_fp8.kernels.backends import set_default_backend
 
         set_default_backend("torch")
     at = [0]  # the trainer's step: its layers change with it when delta is on
@@ -300,16 +306,29 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
 
             source = ModuleStateSource(_hf_like_module(mesh_params))
         else:
-            source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST),
-                                 mtp=bool(opts.get("mtp")), experts_whole=True)  # fmt: skip
+            source = LayerSource(
+                lambda ids: ((i, layer(i)) for i in ids),
+                rest=lambda: layer(REST),
+                mtp=bool(opts.get("mtp")),
+                experts_whole=True,
+            )
         client = None
         if rank == 0:
             draft = opts.get("draft") != "stream"
             client = SkippingClient(boxes) if opts.get("skip") else QueueClient(boxes, draft=draft)
-        options = TrainerOptions("127.0.0.1", port, engine_ranks=world - trainers, config=config,
-                                 mode=opts.get("mode", "auto"), draft=opts.get("draft", "auto"), rank=rank,
-                                 trainer_ranks=trainers, timeout_s=60, delta=delta,
-                                 delta_resync_every=opts.get("resync"))  # fmt: skip
+        options = TrainerOptions(
+            "127.0.0.1",
+            port,
+            engine_ranks=world - trainers,
+            config=config,
+            mode=opts.get("mode", "auto"),
+            draft=opts.get("draft", "auto"),
+            rank=rank,
+            trainer_ranks=trainers,
+            timeout_s=60,
+            delta=delta,
+            delta_resync_every=opts.get("resync"),
+        )
         try:
             side = TrainerSide(options, client, source, torch.device("cpu")).connect()
             results = []
@@ -320,8 +339,13 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
                     out = side.send()
                     results.append(("ok", [(o["session"], o["bytes"]) for o in out], side.mode, out))
                 except Exception as exc:  # noqa: BLE001 - the test reads every rank's outcome
-                    results.append((type(exc).__name__, str(exc) + "".join(getattr(exc, "__notes__", [])),
-                                    time.monotonic() - t0))  # fmt: skip
+                    results.append(
+                        (
+                            type(exc).__name__,
+                            str(exc) + "".join(getattr(exc, "__notes__", [])),
+                            time.monotonic() - t0,
+                        )
+                    )
             return results
         finally:
             if rank == 0:
@@ -411,7 +435,7 @@ def _landed(results, trainers):
         (1, "tp2xdp2", "scatter"),
         (2, "ep2", "senders"),
         (3, "tp2xdp2", "senders"),
-    ],  # fmt: skip
+    ],
 )
 def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
     results = _run(trainers, case, mode=mode)
@@ -427,7 +451,7 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
         (2, "senders", "TRITON"),
         (2, "senders", "FLASHINFER_CUTLASS"),
         (1, "scatter", "DEEPGEMM"),
-    ],  # fmt: skip
+    ],
 )
 def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed(
     trainers, mode, backend
@@ -576,7 +600,8 @@ def test_auto_draft_says_so_when_the_client_cannot_send_the_mtp_layer():
     import warnings
 
     from glm_fp8.integrations.vllm import LayerSource
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.integrations.vllm.trainer import TrainerSide
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 
     source = LayerSource(layers=lambda ids: iter(()), mtp=True)
     opts = dict(master_address="127.0.0.1", master_port=1, engine_ranks=1, config=TINY_GLM5, rank=0)
@@ -640,14 +665,16 @@ def _hf_module(dtype=torch.float32) -> torch.nn.Module:
         def full_tensor(self):
             return self.t
 
-    module = _hf_like_module({k: Plain(t) if k.endswith("e_score_correction_bias") else t
-                              for k, t in params.items()})  # fmt: skip
+    module = _hf_like_module(
+        {k: Plain(t) if k.endswith("e_score_correction_bias") else t for k, t in params.items()}
+    )
     module.register_buffer("rotary_inv_freq", torch.ones(4), persistent=False)  # never sent
     return module
 
 
 def _trainer_side(source, **kw):
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.integrations.vllm.trainer import TrainerSide
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 
     opts = dict(master_address="127.0.0.1", master_port=1, engine_ranks=1, config=NO_MTP, rank=0)
     return TrainerSide(TrainerOptions(**{**opts, **kw}), _NoDraftClient(), source, torch.device("cpu"))
@@ -721,9 +748,13 @@ def test_trainer_init_info_numbers_are_refused_naming_the_field(field, value, ma
 
 @pytest.mark.parametrize(
     "layer_ids, match",
-    [([1.9], r"source\.layer_ids\[0\]: expected an integer in \[0, 3\]"), ([True], "source.layer_ids"),
-     ([0, 4], r"source\.layer_ids\[1\]: expected an integer in \[0, 3\]"), ("01", "source.layer_ids")],
-)  # fmt: skip
+    [
+        ([1.9], r"source\.layer_ids\[0\]: expected an integer in \[0, 3\]"),
+        ([True], "source.layer_ids"),
+        ([0, 4], r"source\.layer_ids\[1\]: expected an integer in \[0, 3\]"),
+        ("01", "source.layer_ids"),
+    ],
+)
 def test_layer_source_layer_ids_are_integers_of_the_model(layer_ids, match):
     from glm_fp8.integrations.vllm import LayerSource
 
@@ -770,8 +801,9 @@ def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
     type and range, a ValueError naming it, before the worker joins anything."""
     from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
 
-    good = SyncInit("127.0.0.1", 29500, world_size=3, senders=1, mode="scatter", link_backend="gloo",
-                    layer_ids=[0, 1]).to_dict()  # fmt: skip
+    good = SyncInit(
+        "127.0.0.1", 29500, world_size=3, senders=1, mode="scatter", link_backend="gloo", layer_ids=[0, 1]
+    ).to_dict()
     assert SyncInit.from_dict(good) == SyncInit.from_dict(__import__("json").dumps(good))
     for key, value, match in [
         ("layer_ids", [1.9], r"init_info\.layer_ids\[0\]: expected an integer >= 0"),
@@ -819,6 +851,6 @@ def test_worker_link_index_refuses_what_is_not_an_index():
 
 def test_gather_dtype_default_is_no_cast():
     """fp32 masters are quantized from fp32 in every mode unless bf16 gathers are asked for."""
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 
     assert TrainerOptions.__dataclass_fields__["gather_dtype"].default is None

@@ -38,12 +38,14 @@ pytest.importorskip("vllm.distributed.weight_transfer.base")
 import vllm  # noqa: E402
 
 if not vllm.__version__.startswith("0.34."):
-    pytest.skip(f"written against vLLM 0.34's weight-transfer API, found {vllm.__version__}",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        f"written against vLLM 0.34's weight-transfer API, found {vllm.__version__}", allow_module_level=True
+    )
 
 from test_vllm_backend import MTP, NO_MTP, QueueClient, _as_module, _layouts, _module_params  # noqa: E402
 
-from glm_fp8.models import REST, TINY_GLM5  # noqa: E402
+from glm_fp8.model.families import REST
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_port, launch, synthetic_layer  # noqa: E402
 
 BACKEND = "glm_fp8"
@@ -181,7 +183,7 @@ def test_trainer_init_info_is_a_vllm_trainer_init_info():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo, GlmFp8TrainerWeightTransferEngine
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 
     info = GlmFp8TrainerInitInfo("127.0.0.1", 29500, 2, TINY_GLM5, rank=1)
     assert isinstance(info, TrainerInitInfo) and isinstance(info, TrainerOptions)
@@ -353,9 +355,12 @@ def _trainer(rank, world, trainers, port, boxes, config, dtype, steps, mesh_para
     if mesh_params is not None:
         source = ModuleSource(_as_module(mesh_params))
     else:
-        source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, dtype)) for i in ids),
-                             rest=lambda: synthetic_layer(config, REST, dtype), mtp=bool(opts.get("mtp")),
-                             experts_whole=True)  # fmt: skip
+        source = LayerSource(
+            lambda ids: ((i, synthetic_layer(config, i, dtype)) for i in ids),
+            rest=lambda: synthetic_layer(config, REST, dtype),
+            mtp=bool(opts.get("mtp")),
+            experts_whole=True,
+        )
     client = QueueClient(boxes) if rank == 0 else None
     engine_ranks, fleet = world - trainers, {}
     if opts.get("fleet"):  # one client per server, each over its own workers' queues
@@ -365,9 +370,17 @@ def _trainer(rank, world, trainers, port, boxes, config, dtype, steps, mesh_para
         fleet = {"server_names": list(opts["fleet"])}
         client = clients if rank == 0 else None
     hf_config = _hf_config(config) if opts.get("hf_trainer_config") else config
-    info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=engine_ranks, config=hf_config,
-                                 mode=opts.get("mode", "auto"), trainer_ranks=trainers, timeout_s=60,
-                                 rank=rank, **fleet)  # fmt: skip
+    info = GlmFp8TrainerInitInfo(
+        "127.0.0.1",
+        port,
+        engine_ranks=engine_ranks,
+        config=hf_config,
+        mode=opts.get("mode", "auto"),
+        trainer_ranks=trainers,
+        timeout_s=60,
+        rank=rank,
+        **fleet,
+    )
     try:
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         assert type(engine) is GlmFp8TrainerWeightTransferEngine
@@ -448,7 +461,7 @@ def _expected(config, layout, ids, dtype, *, module: bool):
     # no cast before quantizing (gather_dtype=None): fp32 masters give the bytes of the fp32 values
     want = reference_engine_params(
         config, layout, ids, dtype=dtype, bias_dtype=torch.float32 if module else None
-    )  # fmt: skip
+    )
     for name in list(want):
         if "routed_experts.w13_weight" in name:
             want[name] = _vllm_swap_w13_to_w31(want[name])

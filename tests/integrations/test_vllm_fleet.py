@@ -32,7 +32,7 @@ import pytest
 import torch
 from test_vllm_backend import NO_MTP, QueueClient, _expected, _layouts, _serve
 
-from glm_fp8.models import REST
+from glm_fp8.model.families import REST
 from glm_fp8.testing import free_port, launch, synthetic_layer
 
 # (name, layouts case): three layouts, each server's workers in link order; c is DP 2 with EP 2 over
@@ -75,11 +75,20 @@ def _source(trainers, kind="layers", mesh_params=None, layer=None):
 
 
 def _trainer_side(rank, trainers, port, mode, servers, clients, source=None):
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.integrations.vllm.trainer import TrainerSide
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 
-    options = TrainerOptions("127.0.0.1", port, engine_ranks=[n for _, n in servers], config=NO_MTP,
-                             mode=mode, rank=rank, trainer_ranks=trainers, timeout_s=60,
-                             server_names=[s for s, _ in servers])  # fmt: skip
+    options = TrainerOptions(
+        "127.0.0.1",
+        port,
+        engine_ranks=[n for _, n in servers],
+        config=NO_MTP,
+        mode=mode,
+        rank=rank,
+        trainer_ranks=trainers,
+        timeout_s=60,
+        server_names=[s for s, _ in servers],
+    )
     client = clients if rank == 0 else None
     source = _source(trainers) if source is None else source
     return TrainerSide(options, client, source, torch.device("cpu")).connect()
@@ -368,11 +377,18 @@ class _AsyncLLM(_HTTPClient):
 
 def _side(client, **kw):
     from glm_fp8.integrations.vllm import LayerSource
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
-    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.integrations.vllm.trainer import TrainerSide
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
+    from glm_fp8.model.presets import TINY_GLM5
 
-    opts = dict(master_address="127.0.0.1", master_port=1, engine_ranks=[2, 4], config=TINY_GLM5, rank=0,
-                server_names=["prefill", "decode"])  # fmt: skip
+    opts = dict(
+        master_address="127.0.0.1",
+        master_port=1,
+        engine_ranks=[2, 4],
+        config=TINY_GLM5,
+        rank=0,
+        server_names=["prefill", "decode"],
+    )
     source = LayerSource(layers=lambda ids: iter(()), mtp=True)
     return TrainerSide(TrainerOptions(**{**opts, **kw}), client, source, torch.device("cpu"))
 
@@ -474,8 +490,17 @@ def test_a_worker_beyond_its_servers_declared_workers_is_refused_naming_the_serv
     from glm_fp8.integrations.vllm.sync import SyncInit
     from glm_fp8.integrations.vllm.worker import WorkerSide
 
-    init = SyncInit("127.0.0.1", 1, world_size=5, senders=1, mode="scatter", link_backend="gloo",
-                    layer_ids=[0], servers=[["prefill", 1, 2], ["decode", 3, 2]], rank_offset=3)  # fmt: skip
+    init = SyncInit(
+        "127.0.0.1",
+        1,
+        world_size=5,
+        senders=1,
+        mode="scatter",
+        link_backend="gloo",
+        layer_ids=[0],
+        servers=[["prefill", 1, 2], ["decode", 3, 2]],
+        rank_offset=3,
+    )
     side = WorkerSide(None, lambda offset: offset + 2, has_drafter=False, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"link rank 5, outside its server's ranks 3\.\.4 \(server 'decode'"):
         side.init(init.to_dict())
@@ -550,10 +575,10 @@ def _delta_worker(rank, boxes, first_step):
     parameter against the reference of the trainer's step then (its first: ``first_step``)."""
     from test_vllm_worker import _engine, _finalize
 
-    from glm_fp8.backends import set_default_backend
     from glm_fp8.integrations.vllm.probe import engine_postload_plan
     from glm_fp8.integrations.vllm.updater import EngineUpdater
     from glm_fp8.integrations.vllm.worker import WorkerSide
+    from glm_fp8.kernels.backends import set_default_backend
     from glm_fp8.testing import moved_layer, reference_engine_params
 
     set_default_backend("torch")  # the transfer is under test, not the kernels (tests/kernels)
@@ -578,8 +603,12 @@ def _delta_worker(rank, boxes, first_step):
     def checked_receive(info):
         out = receive(info)
         step = first_step + len(got)
-        want = reference_engine_params(NO_MTP, layout, [*range(NO_MTP["num_hidden_layers"]), REST],
-                                       layer=lambda j: moved_layer(NO_MTP, j, step))  # fmt: skip
+        want = reference_engine_params(
+            NO_MTP,
+            layout,
+            [*range(NO_MTP["num_hidden_layers"]), REST],
+            layer=lambda j: moved_layer(NO_MTP, j, step),
+        )
         params = side.updater.engine.params
         same = {n: torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in want.items()}
         got.append((out["bytes"], [n for n, ok in same.items() if not ok]))
@@ -596,18 +625,29 @@ DELTA_FLEET = [("a", "tp2"), ("b", "ep2")]  # b joins after a's second update
 def _delta_rank(rank, world, boxes):
     if rank > 0:
         return _delta_worker(rank, boxes, first_step=0 if rank <= 2 else 2)
-    from glm_fp8.backends import set_default_backend
     from glm_fp8.integrations.vllm.clients import VllmServer
     from glm_fp8.integrations.vllm.sources import LayerSource
-    from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+    from glm_fp8.integrations.vllm.trainer import TrainerSide
+    from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
+    from glm_fp8.kernels.backends import set_default_backend
     from glm_fp8.testing import moved_layer
 
     set_default_backend("torch")
     at = [0]
     layer = lambda i: moved_layer(NO_MTP, i, at[0])  # noqa: E731
     source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST))
-    options = TrainerOptions("127.0.0.1", free_port(), engine_ranks=[2], server_names=["a"], config=NO_MTP,
-                             mode="scatter", rank=0, trainer_ranks=1, timeout_s=60, delta=True)  # fmt: skip
+    options = TrainerOptions(
+        "127.0.0.1",
+        free_port(),
+        engine_ranks=[2],
+        server_names=["a"],
+        config=NO_MTP,
+        mode="scatter",
+        rank=0,
+        trainer_ranks=1,
+        timeout_s=60,
+        delta=True,
+    )
     sent = []
     try:
         side = TrainerSide(options, [QueueClient(boxes[0:2])], source, torch.device("cpu")).connect()
@@ -629,7 +669,7 @@ def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
     """delta=True, one sender scattering: server a (TP 2) takes updates 1 (dense) and 2 (a delta);
     ``add_server(b)`` (EP 2) rebuilds the link, then ``set_fleet`` again, and both ends carry their
     delta state over
-    (glm_fp8.transfer.delta_carry): in update 3 a's workers take their own expert pieces as deltas
+    (glm_fp8.transfer.delta.carry): in update 3 a's workers take their own expert pieces as deltas
     and only what they share with b (attention, by group broadcast) dense, b everything dense; in
     update 4 every worker takes a delta. After every update every parameter of every worker equals
     the reference of that step's weights, bit for bit."""

@@ -52,10 +52,13 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 if not importlib.metadata.version("vllm").startswith("0.34."):
-    pytest.skip(f"written against vLLM 0.34's model classes, found {importlib.metadata.version('vllm')}",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        f"written against vLLM 0.34's model classes, found {importlib.metadata.version('vllm')}",
+        allow_module_level=True,
+    )
 
-from glm_fp8.models import REST, TINY_GLM5  # noqa: E402
+from glm_fp8.model.families import REST
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_port, launch, moved_layer, synthetic_layer  # noqa: E402
 
 # The tiny GLM-5 as a checkpoint's config.json: what vLLM reads beyond glm_fp8's keys.
@@ -64,15 +67,37 @@ CONFIG = {
     "num_nextn_predict_layers": 0,
     "architectures": ["GlmMoeDsaForCausalLM"],
     "torch_dtype": "bfloat16",
-    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                            "weight_block_size": [128, 128]},
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-    "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "index_topk": 64, "num_key_value_heads": 4,
-}  # fmt: skip
+    "quantization_config": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    },
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "index_topk": 64,
+    "num_key_value_heads": 4,
+}
 # Checkpoint tensors stored in block FP8 (the rest travel in their own dtype).
-_FP8_IN_CHECKPOINT = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj", "wq_b",
-                      "gate_proj", "up_proj", "down_proj")  # fmt: skip
+_FP8_IN_CHECKPOINT = (
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "kv_b_proj",
+    "o_proj",
+    "wq_b",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 def _checkpoint(config: dict, dtype: torch.dtype, weights=None):
@@ -81,8 +106,8 @@ def _checkpoint(config: dict, dtype: torch.dtype, weights=None):
     step), under Hugging Face's per-expert names, each FP8 weight quantized alone by glm_fp8's
     reference, its scales beside it as ``weight_scale_inv``; the MTP layer under
     ``model.layers.{num_hidden_layers}``."""
-    from glm_fp8.models import model_layer_ids
-    from glm_fp8.reference import quantize_blockwise_ref
+    from glm_fp8.kernels.reference import quantize_blockwise_ref
+    from glm_fp8.model.families import model_layer_ids
 
     for i in [*model_layer_ids(config), REST]:
         layer = _per_expert(weights(i)) if weights else synthetic_layer(config, i, dtype, "hf_checkpoint")
@@ -140,14 +165,18 @@ def _vllm_config(tmp: str, config: dict, layout, moe_backend: str = "auto"):
     )
     spec = None
     if config["num_nextn_predict_layers"]:
-        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model,
-                                 target_parallel_config=parallel)  # fmt: skip
+        spec = SpeculativeConfig(
+            method="mtp", num_speculative_tokens=1, target_model_config=model, target_parallel_config=parallel
+        )
     return VllmConfig(
-        model_config=model, parallel_config=parallel, speculative_config=spec,
-        load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig(device="cpu"),
+        model_config=model,
+        parallel_config=parallel,
+        speculative_config=spec,
+        load_config=LoadConfig(load_format="dummy"),
+        device_config=DeviceConfig(device="cpu"),
         weight_transfer_config=WeightTransferConfig(backend="glm_fp8"),
         kernel_config=KernelConfig(moe_backend=moe_backend),
-    )  # fmt: skip
+    )
 
 
 def _poisoned(vllm_config, model_config=None) -> torch.nn.Module:
@@ -199,8 +228,23 @@ def _models(vllm_config, checkpoint: list | None):
     return target, drafter, unloaded
 
 
-def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, dtype, source,
-          steps=1, delta=False, moe_backend="auto"):  # fmt: skip
+def _rank(
+    rank,
+    world,
+    trainers,
+    port,
+    vllm_port,
+    boxes,
+    case,
+    mode,
+    mtp,
+    tmp,
+    dtype,
+    source,
+    steps=1,
+    delta=False,
+    moe_backend="auto",
+):
     """``steps`` > 1: the trainer sends that many updates, its weights ``moved_layer`` at each step, and
     the reference is vLLM's own load of the last step's weights."""
     import vllm_standin
@@ -208,7 +252,7 @@ def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, d
     vllm_standin.install()
     config = {**CONFIG, "num_nextn_predict_layers": int(mtp)}
     if delta:  # the transfer is under test, not the kernels (tests/kernels): the torch backend, faster
-        from glm_fp8.backends import set_default_backend
+        from glm_fp8.kernels.backends import set_default_backend
 
         set_default_backend("torch")
     weights = None if steps == 1 else (lambda i: moved_layer(config, i, steps - 1, dtype, "hf"))
@@ -218,10 +262,21 @@ def _rank(rank, world, trainers, port, vllm_port, boxes, case, mode, mtp, tmp, d
 
         mesh = DeviceMesh("cpu", torch.arange(trainers))
     if rank < trainers:
-        return _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source, mesh, steps=steps,
-                        delta=delta)  # fmt: skip
-    return _engine(rank - trainers, world - trainers, vllm_port, boxes, case, config, tmp, dtype,
-                   moe_backend=moe_backend, weights=weights)  # fmt: skip
+        return _trainer(
+            rank, world, trainers, port, boxes, config, mode, dtype, source, mesh, steps=steps, delta=delta
+        )
+    return _engine(
+        rank - trainers,
+        world - trainers,
+        vllm_port,
+        boxes,
+        case,
+        config,
+        tmp,
+        dtype,
+        moe_backend=moe_backend,
+        weights=weights,
+    )
 
 
 def _hf_model(config: dict, dtype: torch.dtype, mesh) -> torch.nn.Module:
@@ -246,8 +301,9 @@ def _hf_model(config: dict, dtype: torch.dtype, mesh) -> torch.nn.Module:
     return model
 
 
-def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kind, mesh, *, steps=1,
-             delta=False):  # fmt: skip
+def _trainer(
+    rank, world, trainers, port, boxes, config, mode, dtype, source_kind, mesh, *, steps=1, delta=False
+):
     """``steps`` updates (more than one: the layers ``moved_layer`` at each step). Returns (the mode used,
     the first update's sessions, per update {session: bytes this rank sent})."""
     from test_vllm_backend import QueueClient
@@ -266,10 +322,23 @@ def _trainer(rank, world, trainers, port, boxes, config, mode, dtype, source_kin
             layer = lambda i: synthetic_layer(config, i, dtype, "hf")  # noqa: E731
         else:
             layer = lambda i: moved_layer(config, i, at[0], dtype, "hf")  # noqa: E731
-        source = LayerSource(lambda ids: ((i, layer(i)) for i in ids), rest=lambda: layer(REST),
-                             mtp=bool(config["num_nextn_predict_layers"]), experts_whole=True)  # fmt: skip
-    info = GlmFp8TrainerInitInfo("127.0.0.1", port, engine_ranks=world - trainers, config=config, mode=mode,
-                                 trainer_ranks=trainers, timeout_s=120, rank=rank, delta=delta)  # fmt: skip
+        source = LayerSource(
+            lambda ids: ((i, layer(i)) for i in ids),
+            rest=lambda: layer(REST),
+            mtp=bool(config["num_nextn_predict_layers"]),
+            experts_whole=True,
+        )
+    info = GlmFp8TrainerInitInfo(
+        "127.0.0.1",
+        port,
+        engine_ranks=world - trainers,
+        config=config,
+        mode=mode,
+        trainer_ranks=trainers,
+        timeout_s=120,
+        rank=rank,
+        delta=delta,
+    )
     try:
         client = QueueClient(boxes) if rank == 0 else None
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
@@ -391,8 +460,18 @@ def test_an_update_lands_in_vllms_glm5_model_as_vllms_own_load_weights(
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     with open(os.path.join(tmp_path, "config.json"), "w") as f:  # written once, read by every engine rank
         json.dump({**CONFIG, "num_nextn_predict_layers": int(mtp)}, f)
-    args = (trainers, free_port(), free_port(), boxes, case, mode, mtp, str(tmp_path), getattr(torch, dtype),
-            source)  # fmt: skip
+    args = (
+        trainers,
+        free_port(),
+        free_port(),
+        boxes,
+        case,
+        mode,
+        mtp,
+        str(tmp_path),
+        getattr(torch, dtype),
+        source,
+    )
     results = launch(trainers + engines, _rank, args, timeout_s=240)
     for r, (status, out) in results.items():
         assert status == "ok", (r, status, out)
@@ -434,8 +513,21 @@ def test_delta_updates_land_in_vllms_glm5_model_and_drafter_as_vllms_own_load_we
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     with open(os.path.join(tmp_path, "config.json"), "w") as f:  # read by every engine rank
         json.dump({**CONFIG, "num_nextn_predict_layers": 1}, f)
-    args = (trainers, free_port(), free_port(), boxes, "ep2", mode, True, str(tmp_path), torch.bfloat16,
-            "layers", steps, True, DELTA_MOE_BACKEND)  # fmt: skip
+    args = (
+        trainers,
+        free_port(),
+        free_port(),
+        boxes,
+        "ep2",
+        mode,
+        True,
+        str(tmp_path),
+        torch.bfloat16,
+        "layers",
+        steps,
+        True,
+        DELTA_MOE_BACKEND,
+    )
     results = launch(trainers + engines, _rank, args, timeout_s=240)
     for r, (status, out) in results.items():
         assert status == "ok", (r, status, out)
@@ -500,9 +592,12 @@ def _fleet_trainer(rank, trainers, boxes, config):
     from glm_fp8.integrations.vllm import LayerSource, VllmServer
     from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
 
-    source = LayerSource(lambda ids: ((i, synthetic_layer(config, i, torch.bfloat16, "hf")) for i in ids),
-                         rest=lambda: synthetic_layer(config, REST, torch.bfloat16, "hf"),
-                         mtp=FLEET_MTP, experts_whole=True)  # fmt: skip
+    source = LayerSource(
+        lambda ids: ((i, synthetic_layer(config, i, torch.bfloat16, "hf")) for i in ids),
+        rest=lambda: synthetic_layer(config, REST, torch.bfloat16, "hf"),
+        mtp=FLEET_MTP,
+        experts_whole=True,
+    )
     servers, at = [], 0
     for name, case in [*FLEET, NEW_SERVER]:
         n = len(_server_layouts(case))
@@ -517,10 +612,17 @@ def _fleet_trainer(rank, trainers, boxes, config):
     out = []
     try:
         for mode in ("broadcast", "scatter", "senders"):
-            info = GlmFp8TrainerInitInfo("127.0.0.1", _port(rank, mode), config=config, mode=mode,
-                                         engine_ranks=[s.engine_ranks for s in fleet],
-                                         server_names=[s.name for s in fleet],
-                                         trainer_ranks=trainers, timeout_s=120, rank=rank)  # fmt: skip
+            info = GlmFp8TrainerInitInfo(
+                "127.0.0.1",
+                _port(rank, mode),
+                config=config,
+                mode=mode,
+                engine_ranks=[s.engine_ranks for s in fleet],
+                server_names=[s.name for s in fleet],
+                trainer_ranks=trainers,
+                timeout_s=120,
+                rank=rank,
+            )
             client = [s.client for s in fleet] if rank == 0 else None
             engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
             out.append(sent(engine))
@@ -558,7 +660,7 @@ def _fleet_engine(w, vllm_ports, boxes, config, tmp):
     layouts = _server_layouts(case)
     worker, theirs, ours, spec_mismatch = _build(
         i, len(layouts), vllm_ports[k], layouts[i], config, tmp, torch.bfloat16
-    )  # fmt: skip
+    )
     start, update, finish = worker.start_weight_update, worker.update_weights, worker.finish_weight_update
     checks, steps = [], [0]
 
@@ -628,8 +730,9 @@ def test_a_fleet_of_vllms_glm5_models_gets_every_byte_in_every_mode_and_through_
         json.dump({**CONFIG, "num_nextn_predict_layers": int(FLEET_MTP)}, f)
     vllm_ports = [free_port() for _ in range(len(FLEET) + 1)]
     t0 = time.monotonic()
-    results = launch(trainers + workers, _fleet_rank, (trainers, vllm_ports, boxes, str(tmp_path)),
-                     timeout_s=400)  # fmt: skip
+    results = launch(
+        trainers + workers, _fleet_rank, (trainers, vllm_ports, boxes, str(tmp_path)), timeout_s=400
+    )
     sessions = ["target", "draft"] if FLEET_MTP else ["target"]
     names = [n for n, _ in FLEET]
     died = min(
@@ -640,8 +743,9 @@ def test_a_fleet_of_vllms_glm5_models_gets_every_byte_in_every_mode_and_through_
         assert status == "ok", (t, status, out)
         modes, (kind, text, raised), removed, added = out[:3], out[3], out[4], out[5]
         # one sender (broadcast, scatter): 1 + 8 link ranks; two senders: 2 + 8
-        assert modes == [("ok", m, names, sessions, w) for m, w in
-                         [("broadcast", 9), ("scatter", 9), ("senders", 10)]], modes  # fmt: skip
+        assert modes == [
+            ("ok", m, names, sessions, w) for m, w in [("broadcast", 9), ("scatter", 9), ("senders", 10)]
+        ], modes
         # the link's watch: LinkLost, its message naming the server and what to call
         assert kind == "LinkLost" and raised - died < 10, (t, kind, raised - died, text)
         message = text.split(" | ")[0] if " | " in text else text

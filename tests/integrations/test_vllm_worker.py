@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import launch, synthetic_layer
 
 MTP = TINY_GLM5["num_hidden_layers"]  # 4
@@ -70,8 +71,8 @@ def test_swap_w13_halves_refuses_halves_that_straddle_a_block_row():
 
 
 def test_clamp_scales_is_vllms_clamp_bit_for_bit():
+    from glm_fp8.core.numerics import SCALE_FLOOR_BITS
     from glm_fp8.engine.postload import clamp_scales_
-    from glm_fp8.numerics import SCALE_FLOOR_BITS
 
     floor = torch.tensor([SCALE_FLOOR_BITS], dtype=torch.int32).view(torch.float32)  # glm_fp8's 1e-12
     s = torch.cat([floor, torch.tensor([0.0, 5e-11, 1e-10, 2e-10, 3.5, float("nan")])])
@@ -135,7 +136,7 @@ def test_postload_inverse_gives_back_the_bytes_that_landed(scale_fmt, tp):
     is not recovered: the delta's checksum catches it."""
     from glm_fp8.engine import EngineLayout, engine_param_specs
     from glm_fp8.engine.postload import apply_postload_, postload_inverse, postload_plan
-    from glm_fp8.quantize import quantize_blockwise
+    from glm_fp8.kernels.quantize import quantize_blockwise
 
     specs = engine_param_specs(TINY_GLM5, EngineLayout(tp_size=tp, tp_rank=tp - 1))
     plan = postload_plan(TINY_GLM5, moe_backend="FLASHINFER_CUTLASS")
@@ -247,8 +248,9 @@ def _engine(layout, backend="FLASHINFER_CUTLASS", deepgemm_linear=False):
     del head.head  # load_eagle_model: del sh.head; sh.head = draft_head (the target's lm_head)
     head.head = target.lm_head
     drafter.lm_head = target.lm_head
-    mpc = SimpleNamespace(ep_size=layout.ep_size, ep_rank=layout.ep_rank, tp_size=layout.moe_tp_size,
-                          tp_rank=layout.moe_tp_rank)  # fmt: skip
+    mpc = SimpleNamespace(
+        ep_size=layout.ep_size, ep_rank=layout.ep_rank, tp_size=layout.moe_tp_size, tp_rank=layout.moe_tp_rank
+    )
     for model in (target, drafter):
         for name, module in model.named_modules():
             if isinstance(module, StandInMLA):
@@ -306,18 +308,21 @@ def test_collect_params_finds_every_spec_name_in_target_and_drafter():
 
 
 def test_layout_and_moe_parallel_checks():
+    from glm_fp8.core.errors import EngineNotSupported
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm.probe import (
-        EngineNotSupported,
-        check_moe_parallel,
-        layout_from_parallel_config,
-    )
+    from glm_fp8.integrations.vllm.probe import check_moe_parallel, layout_from_parallel_config
 
-    pc = SimpleNamespace(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
-                         all2all_backend="allgather_reducescatter", pipeline_parallel_size=1)  # fmt: skip
+    pc = SimpleNamespace(
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend="allgather_reducescatter",
+        pipeline_parallel_size=1,
+    )
     lay = layout_from_parallel_config(pc, tp_rank=1, dp_rank=1)
-    assert lay == EngineLayout(tp_size=2, tp_rank=1, dp_size=2, dp_rank=1, ep_size=4, ep_rank=3,
-                               sequence_parallel_moe=True)  # fmt: skip
+    assert lay == EngineLayout(
+        tp_size=2, tp_rank=1, dp_size=2, dp_rank=1, ep_size=4, ep_rank=3, sequence_parallel_moe=True
+    )
     target, _ = _engine(lay)
     assert check_moe_parallel(lay, target) == 2  # the two sparse decoder layers
     with pytest.raises(EngineNotSupported, match="moe_parallel_config: the engine built"):
@@ -333,9 +338,9 @@ def test_layout_and_moe_parallel_checks():
 
 
 def test_backend_detection_and_the_plan_it_gives():
+    from glm_fp8.core.errors import EngineNotSupported
     from glm_fp8.engine import EngineLayout
     from glm_fp8.integrations.vllm.probe import (
-        EngineNotSupported,
         deepgemm_requantized_linears,
         engine_postload_plan,
         moe_backends,
@@ -357,8 +362,9 @@ def test_backend_detection_and_the_plan_it_gives():
 
 
 def test_packed_scales_are_refused_with_their_name():
+    from glm_fp8.core.errors import EngineNotSupported
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.integrations.vllm.probe import EngineNotSupported, engine_postload_plan
+    from glm_fp8.integrations.vllm.probe import engine_postload_plan
     from glm_fp8.integrations.vllm.updater import EngineUpdater
 
     target, drafter = _engine(EngineLayout(), "DEEPGEMM")
@@ -382,8 +388,9 @@ def _rank(rank, world, case):
     import glm_fp8
     from glm_fp8.engine import engine_params, take_shard
     from glm_fp8.engine.postload import mla_absorbed_ref
-    from glm_fp8.plan import plan_from_config, strip_layer
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.model.trainer_layouts import strip_layer
     from glm_fp8.transfer import Sender
 
     whole = model_layer_ids(TINY_GLM5)

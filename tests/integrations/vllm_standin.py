@@ -22,16 +22,34 @@ import types
 
 # What imports but cannot load without CUDA (libcuda / a CUDA build of torch), or is not installed.
 _STUBBED = (
-    "vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C", "vllm._moe_C_stable_libtorch",
-    "vllm._flashmla_C", "vllm._flashmla_extension_C", "vllm._deepselect_C", "vllm._flashkda_C",
-    "vllm.cumem_allocator", "vllm.fs_io_C", "vllm.spinloop", "vllm.vllm_flash_attn",
-    "compressed_tensors", "deep_gemm",
-)  # fmt: skip
+    "vllm._C",
+    "vllm._C_stable_libtorch",
+    "vllm._moe_C",
+    "vllm._moe_C_stable_libtorch",
+    "vllm._flashmla_C",
+    "vllm._flashmla_extension_C",
+    "vllm._deepselect_C",
+    "vllm._flashkda_C",
+    "vllm.cumem_allocator",
+    "vllm.fs_io_C",
+    "vllm.spinloop",
+    "vllm.vllm_flash_attn",
+    "compressed_tensors",
+    "deep_gemm",
+)
 # torch.ops namespaces the extensions would have registered.
 _OP_NAMESPACES = (
-    "_C", "_moe_C", "_C_cache_ops", "_C_custom_ar", "_C_utils", "_flashmla_C", "_flashmla_extension_C",
-    "_deepselect_C", "_C_stable_libtorch", "_moe_C_stable_libtorch",
-)  # fmt: skip
+    "_C",
+    "_moe_C",
+    "_C_cache_ops",
+    "_C_custom_ar",
+    "_C_utils",
+    "_flashmla_C",
+    "_flashmla_extension_C",
+    "_deepselect_C",
+    "_C_stable_libtorch",
+    "_moe_C_stable_libtorch",
+)
 
 
 class _Op:

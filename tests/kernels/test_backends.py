@@ -10,8 +10,8 @@ import torch
 from conftest import BACKENDS, GPU_BACKENDS, ON_GPU, assert_same_bits, poisoned_f32, poisoned_fp8
 
 from glm_fp8 import ExpertsFP8, available_backends, quantize_blockwise, quantize_experts
-from glm_fp8.backends import resolve_backend
-from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
+from glm_fp8.kernels.backends import resolve_backend
+from glm_fp8.kernels.reference import quantize_concat_ref, quantize_experts_ref
 
 needs_cuda_backend = pytest.mark.skipif("cuda" not in BACKENDS, reason="the CUDA extension is not built here")
 

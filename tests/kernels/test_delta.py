@@ -1,4 +1,4 @@
-"""FP8 delta updates (glm_fp8.delta) against the reference, bit for bit, on every backend here.
+"""FP8 delta updates (glm_fp8.kernels.delta) against the reference, bit for bit, on every backend here.
 
 Invariant: for kept bytes and scales ``(kq, ks)`` and new sources ``x``,
 ``d = quantize_compare(x, kq, ks)`` equals ``delta_encode_ref((kq, ks), quantize_concat_ref(x))``
@@ -12,11 +12,16 @@ import pytest
 import torch
 from conftest import BACKENDS, backend_id, poisoned_f32, poisoned_fp8
 
-import glm_fp8.delta as delta_mod
+import glm_fp8.kernels.delta as delta_mod
 from glm_fp8 import NonFiniteError
-from glm_fp8.delta import BlockDelta, apply_delta, compare_bytes, quantize_compare
-from glm_fp8.delta_cut import cut_delta
-from glm_fp8.reference import delta_apply_ref, delta_block_sizes, delta_encode_ref, quantize_concat_ref
+from glm_fp8.kernels.delta import BlockDelta, apply_delta, compare_bytes, quantize_compare
+from glm_fp8.kernels.delta_cut import cut_delta
+from glm_fp8.kernels.reference import (
+    delta_apply_ref,
+    delta_block_sizes,
+    delta_encode_ref,
+    quantize_concat_ref,
+)
 
 DELTA_BACKENDS = ["triton", "torch"] if "triton" in BACKENDS else ["torch"]
 
@@ -214,7 +219,7 @@ def test_arguments_checked_before_any_write(device, dbackend):
                 d.shape, d.counts, d.positions.clone().fill_(16383), d.values, d.scale_index, d.scale_values
             ),
             "positions",
-        ),  # fmt: skip
+        ),
         (
             BlockDelta(
                 d.shape, d.counts, d.positions.clone().fill_(-1), d.values, d.scale_index, d.scale_values
@@ -331,8 +336,9 @@ def test_cut_delta_is_the_delta_of_the_cut(device, shape, change, dbackend):
         d = cut_delta(whole, experts=(e0, e1) if len(shape) == 3 else None, rows=(r0, r1), cols=(c0, c1))
         assert d.shape == tuple(prev_q[sl].shape), what
         want = delta_encode_ref(prev_q[sl], prev_s[sl_s], new_q[sl], new_s[sl_s])
-        for name, got, ref in zip(("counts", "positions", "values", "scale_index", "scale_values"),
-                                  d.tensors(), want):  # fmt: skip
+        for name, got, ref in zip(
+            ("counts", "positions", "values", "scale_index", "scale_values"), d.tensors(), want
+        ):
             _same(got, ref, f"{what}: {name}")
         if k == 1 and change == "step":
             assert d.counts.numel() == e * (-(-r // 128) - 1), what

@@ -1,4 +1,4 @@
-"""Seeded differential fuzz of the delta kernels (glm_fp8.delta), on test_fuzz.py's case generator:
+"""Seeded differential fuzz of the delta kernels (glm_fp8.kernels.delta), on test_fuzz.py's case generator:
 random shapes (E = 0 and 1 included, partial 128-blocks), dtypes, magnitudes, rounding ties,
 zero blocks, strided sources and strided kept copies (the generator's output layouts, poisoned
 around the view).
@@ -62,12 +62,12 @@ from test_fuzz import (
     make_case,
 )
 
-from glm_fp8.delta import apply_delta, compare_bytes, quantize_compare
-from glm_fp8.delta_cut import cut_delta
-from glm_fp8.numerics import BLOCK, blocks_shape
-from glm_fp8.reference import delta_encode_ref, quantize_concat_ref
-from glm_fp8.transfer.delta_plan import SegmentDelta, segment_rows
-from glm_fp8.transfer.delta_wire import (
+from glm_fp8.core.numerics import BLOCK, blocks_shape
+from glm_fp8.kernels.delta import apply_delta, compare_bytes, quantize_compare
+from glm_fp8.kernels.delta_cut import cut_delta
+from glm_fp8.kernels.reference import delta_encode_ref, quantize_concat_ref
+from glm_fp8.transfer.delta.segments import SegmentDelta, segment_rows
+from glm_fp8.transfer.delta.wire import (
     counts_numel,
     pack_bytes_delta,
     payload_layout,
@@ -145,15 +145,24 @@ def run_case(seed: int, profile, backend: str, device: torch.device) -> list[str
         errors += [_diff(f"{job.name} kept fp8", b.q, new_q), _diff(f"{job.name} kept scales", b.s, new_s)]
         errors += [_diff(f"{job.name} delta.{f}", getattr(d, f), w) for f, w in zip(FIELDS, want)]
         errors += [_outside_changed(n, buf, before, view) for n, buf, before, view in b.out_bufs]
-        errors += [f"{job.name} source {k} changed" for k, (a, c) in enumerate(zip(b.src_bufs, src_before))
-                   if not torch.equal(a.view(torch.uint8), c.view(torch.uint8))]  # fmt: skip
+        errors += [
+            f"{job.name} source {k} changed"
+            for k, (a, c) in enumerate(zip(b.src_bufs, src_before))
+            if not torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+        ]
         apply_delta(d, engine_q, engine_s, backend=backend)
-        errors += [_diff(f"{job.name} applied fp8", engine_q, new_q),
-                   _diff(f"{job.name} applied scales", engine_s, new_s)]  # fmt: skip
+        errors += [
+            _diff(f"{job.name} applied fp8", engine_q, new_q),
+            _diff(f"{job.name} applied scales", engine_s, new_s),
+        ]
         cut = _block_cut(tuple(new_q.shape), rng)
         got = cut_delta(d, **cut)
-        part = delta_encode_ref(_view(old_q, cut, False), _view(old_s, cut, True),
-                                _view(new_q, cut, False), _view(new_s, cut, True))  # fmt: skip
+        part = delta_encode_ref(
+            _view(old_q, cut, False),
+            _view(old_s, cut, True),
+            _view(new_q, cut, False),
+            _view(new_s, cut, True),
+        )
         errors += [_diff(f"{job.name} cut {cut} .{f}", getattr(got, f), w) for f, w in zip(FIELDS, part)]
     return [f"seed={seed}: {e}" for e in errors if e]
 
@@ -378,9 +387,14 @@ def _run_seeds(
 
 
 def _fuzz(
-    backend: str, device: str, profile, default_cases: int, budget_s: float, workers: int = 1,
+    backend: str,
+    device: str,
+    profile,
+    default_cases: int,
+    budget_s: float,
+    workers: int = 1,
     jobs: tuple[str, ...] = ("quantize",),
-) -> None:  # fmt: skip
+) -> None:
     """With ``workers`` > 1 the seeds go to spawned processes in chunks (test_fuzz.py's reason: a
     cold Triton compiles the delta kernels' specializations of each case, seconds per case, and
     the processes compile in parallel)."""
@@ -408,9 +422,12 @@ def _fuzz(
                     results.append((len(chunk), [f"seeds {chunk}: worker died: {type(exc).__name__}: {exc}"]))
     for n, errs in results:
         done, failures = done + n, failures + errs
-    print(f"\ndelta fuzz: backend={backend} device={device} jobs={'+'.join(jobs)} cases={done}/{cases} "
-          f"failures={len(failures)} seconds={time.perf_counter() - t0:.1f} workers={workers} "
-          f"seeds={base}..{base + cases - 1}", flush=True)  # fmt: skip
+    print(
+        f"\ndelta fuzz: backend={backend} device={device} jobs={'+'.join(jobs)} cases={done}/{cases} "
+        f"failures={len(failures)} seconds={time.perf_counter() - t0:.1f} workers={workers} "
+        f"seeds={base}..{base + cases - 1}",
+        flush=True,
+    )
     if failures:
         test = os.environ.get("PYTEST_CURRENT_TEST", "tests/kernels/test_delta_fuzz.py").split(" ")[0]
         seed = re.search(r"\d+", failures[0]).group()  # a line starts with its seed (or its chunk's)
@@ -458,8 +475,11 @@ def test_compare_bytes_takes_a_contiguous_nonunit_last_stride(shape, backend, de
     rows, cols = shape
     new = torch.arange(rows * cols, device=device).to(torch.bfloat16).view(shape)
     zeros = lambda *s: torch.zeros(*s, dtype=torch.bfloat16, device=device)  # noqa: E731
-    kept = {(256, 1): lambda: zeros(1, 256).t(), (0, 33): lambda: zeros(0, 66)[:, ::2],
-            (1, 1): lambda: zeros(2, 2)[::2, ::2]}[shape]()  # fmt: skip
+    kept = {
+        (256, 1): lambda: zeros(1, 256).t(),
+        (0, 33): lambda: zeros(0, 66)[:, ::2],
+        (1, 1): lambda: zeros(2, 2)[::2, ::2],
+    }[shape]()
     assert kept.is_contiguous() and kept.stride(-1) != 1
     d = compare_bytes(new, kept, backend=backend)
     assert d.shape == (rows, 2 * cols) and torch.equal(kept, new)
@@ -520,5 +540,7 @@ def _changes(seed: int) -> bool:
     rng, gen = random.Random(seed ^ 0x5EED), torch.Generator().manual_seed(seed)
     b = _build(case.jobs[0], case, gen, "cpu")
     old = _previous(b.views, rng, gen)
-    return not torch.equal(quantize_concat_ref(old, case.scale_fmt)[0].view(torch.uint8),
-                           quantize_concat_ref(b.views, case.scale_fmt)[0].view(torch.uint8))  # fmt: skip
+    return not torch.equal(
+        quantize_concat_ref(old, case.scale_fmt)[0].view(torch.uint8),
+        quantize_concat_ref(b.views, case.scale_fmt)[0].view(torch.uint8),
+    )

@@ -12,7 +12,7 @@ from glm_fp8 import (
     quantize_experts,
     set_default_backend,
 )
-from glm_fp8.reference import quantize_concat_ref
+from glm_fp8.kernels.reference import quantize_concat_ref
 
 
 def _raises(exc, match, fn, *watch):
@@ -166,7 +166,7 @@ def test_backend_errors(device):
 
 
 def test_default_backend_is_used(device, monkeypatch):
-    import glm_fp8.backends as backends
+    import glm_fp8.kernels.backends as backends
     from glm_fp8.kernels import torch_ref
 
     calls = []
@@ -201,8 +201,9 @@ def test_outputs_that_overlap_themselves_are_refused(device):
         r"out: expected an output whose elements cannot overlap, got shape \(2, 130, 140\) with strides "
         r"\(18071, 139, 1\): dimension 1 steps 139 elements, inside the 140",
         lambda: quantize_blockwise(x, out=rows, scale_out=sc),
-        rows_base, sc,
-    )  # fmt: skip
+        rows_base,
+        sc,
+    )
     # An [8, 8] view of 64 elements with strides (1, 1).
     diag, diag_base = _overlapping((8, 8), (1, 1), torch.float8_e4m3fn, device, 0xFF)
     _raises(
@@ -217,8 +218,9 @@ def test_outputs_that_overlap_themselves_are_refused(device):
         ValueError,
         r"scale_out: expected an output whose elements cannot overlap",
         lambda: quantize_blockwise(x, out=out, scale_out=scales),
-        out, s_base,
-    )  # fmt: skip
+        out,
+        s_base,
+    )
     # Permuted and sliced outputs never overlap: accepted, and the result is exact.
     perm = poisoned_fp8((140, 2, 130), device).permute(1, 2, 0)
     q, s = quantize_blockwise(x, out=perm, scale_out=sc, backend="torch")
@@ -238,16 +240,22 @@ def test_experts_outputs_that_overlap_themselves_are_refused(device):
         r"out.w13: expected an output whose elements cannot overlap, got shape \(2, 128, 96\) with "
         r"strides \(96, 96, 1\): dimension 1 steps 96 elements",
         lambda: quantize_experts(w1, w1, w2, out=bad),
-        base, out.w13_scale_inv, out.w2, out.w2_scale_inv,
-    )  # fmt: skip
+        base,
+        out.w13_scale_inv,
+        out.w2,
+        out.w2_scale_inv,
+    )
     w2_out, base = _overlapping((2, 96, 64), (96 * 64, 32, 1), torch.float8_e4m3fn, device, 0xFF)
     bad = ExpertsFP8(out.w13, out.w13_scale_inv, w2_out, out.w2_scale_inv)
     _raises(
         ValueError,
         r"out.w2: expected an output whose elements cannot overlap",
         lambda: quantize_experts(w1, w1, w2, out=bad),
-        base, out.w13, out.w13_scale_inv, out.w2_scale_inv,
-    )  # fmt: skip
+        base,
+        out.w13,
+        out.w13_scale_inv,
+        out.w2_scale_inv,
+    )
 
 
 def test_outputs_that_cannot_be_written_are_refused(device):
@@ -260,8 +268,9 @@ def test_outputs_that_cannot_be_written_are_refused(device):
         r"^scale_out: expected a tensor that does not require grad \(it is written outside autograd\), "
         r"got requires_grad=True; pass scale_out.detach\(\)$",
         q(out=out, scale_out=needs_grad),
-        out, needs_grad.detach(),
-    )  # fmt: skip
+        out,
+        needs_grad.detach(),
+    )
     with torch.inference_mode():
         frozen_q = poisoned_fp8((2, 130, 140), device)
         frozen_s = poisoned_f32((2, 2, 2), device)
@@ -299,14 +308,16 @@ def test_sparse_and_meta_tensors_are_refused(device):
         TypeError,
         r"^sources\[1\]: expected a strided \(dense\) tensor, got layout torch.sparse_coo$",
         q([x[0], x[1].to_sparse()], out=out2, scale_out=sc2),
-        out2, sc2,
-    )  # fmt: skip
+        out2,
+        sc2,
+    )
     _raises(
         ValueError,
         r"^sources: expected a tensor with data, got a meta tensor$",
         q(x.to("meta"), out=out, scale_out=sc),
-        out, sc,
-    )  # fmt: skip
+        out,
+        sc,
+    )
     _raises(
         TypeError,
         r"^scale_out: expected a strided \(dense\) tensor, got layout torch.sparse_coo$",
@@ -333,17 +344,20 @@ def test_sparse_and_meta_tensors_are_refused(device):
         lambda: quantize_experts(w1, w1.to_sparse(), w2),
     )
     _raises(
-        ValueError, r"^w2: expected a tensor with data, got a meta tensor$",
+        ValueError,
+        r"^w2: expected a tensor with data, got a meta tensor$",
         lambda: quantize_experts(w1, w1, w2.to("meta")),
-    )  # fmt: skip
+    )
     out = ExpertsFP8.empty(2, 96, 64, device=device)
     bad = ExpertsFP8(out.w13, out.w13_scale_inv, out.w2, out.w2_scale_inv.to("meta"))
     _raises(
         ValueError,
         r"^out.w2_scale_inv: expected a tensor with data, got a meta tensor$",
         lambda: quantize_experts(w1, w1, w2, out=bad),
-        out.w13, out.w13_scale_inv, out.w2,
-    )  # fmt: skip
+        out.w13,
+        out.w13_scale_inv,
+        out.w2,
+    )
 
 
 @pytest.mark.parametrize(
@@ -364,7 +378,7 @@ def test_sparse_and_meta_tensors_are_refused(device):
         ({"signed_quotient": None}, TypeError, r"^config.signed_quotient: expected a bool, got None"),
         ({"soft_fp8": "yes"}, TypeError, r"^config.soft_fp8: expected a bool or None, got 'yes' \(str\)$"),
     ],
-)  # fmt: skip
+)
 def test_launch_config_out_of_range_is_refused(kw, exc, match):
     with pytest.raises(exc, match=match):
         LaunchConfig(**kw)
@@ -375,8 +389,16 @@ def test_launch_config_out_of_range_is_refused(kw, exc, match):
 
 
 def test_launch_config_range_edges_are_accepted(device):
-    for kw in ({"num_warps": 1}, {"num_warps": 32}, {"maxnreg": 16}, {"maxnreg": 255}, {"maxnreg": None},
-               {"programs_per_sm": 0}, {"soft_fp8": None}, {"soft_fp8": False}):  # fmt: skip
+    for kw in (
+        {"num_warps": 1},
+        {"num_warps": 32},
+        {"maxnreg": 16},
+        {"maxnreg": 255},
+        {"maxnreg": None},
+        {"programs_per_sm": 0},
+        {"soft_fp8": None},
+        {"soft_fp8": False},
+    ):
         LaunchConfig(**kw)
     x = torch.randn(4, 4, device=device)
     out = poisoned_fp8((4, 4), device)
@@ -423,19 +445,23 @@ def test_a_tp_size_vllm_refuses_names_the_sizes_that_fit():
     this model (computed from its shapes, at the layout's DP size and EP choice) and what to set;
     expert parallelism is offered only where it lifts the routed experts' limit."""
     from glm_fp8 import EngineLayout, engine_param_specs
-    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.model.presets import TINY_GLM5
 
     # TINY_GLM5: o_proj's 256 columns allow TP 1 and 2 only (a multiple of 128 per rank).
-    match = (r"o_proj\.weight: .* multiple of 128 .*; for this model \(data_parallel_size 1, expert "
-             r"parallelism off\) the valid tensor-parallel sizes are 1, 2: set vLLM's --tensor-parallel-size "
-             r"\(EngineLayout tp_size\) to one of them$")  # fmt: skip
+    match = (
+        r"o_proj\.weight: .* multiple of 128 .*; for this model \(data_parallel_size 1, expert "
+        r"parallelism off\) the valid tensor-parallel sizes are 1, 2: set vLLM's --tensor-parallel-size "
+        r"\(EngineLayout tp_size\) to one of them$"
+    )
     with pytest.raises(ValueError, match=match):
         engine_param_specs(TINY_GLM5, EngineLayout(tp_size=4, tp_rank=1))
     # moe_intermediate 512 over TP 2 x DP 4 without EP: 64 per rank. At DP 4 only TP 1 fits (MoE
     # TP 4: 128 per rank); with EP, TP 2 fits too.
-    match = (r"w13_weight: .* 512 / 8 = 64 .*data_parallel_size 4, expert parallelism off\) the valid "
-             r"tensor-parallel sizes are 1: .*, or turn on expert parallelism \(--enable-expert-parallel\), "
-             r"with which tensor-parallel sizes 2 fit too$")  # fmt: skip
+    match = (
+        r"w13_weight: .* 512 / 8 = 64 .*data_parallel_size 4, expert parallelism off\) the valid "
+        r"tensor-parallel sizes are 1: .*, or turn on expert parallelism \(--enable-expert-parallel\), "
+        r"with which tensor-parallel sizes 2 fit too$"
+    )
     with pytest.raises(ValueError, match=match):
         engine_param_specs(TINY_GLM5, EngineLayout(tp_size=2, dp_size=4))
     # The sizes named are accepted.

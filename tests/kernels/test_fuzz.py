@@ -1,5 +1,5 @@
 """Seeded differential fuzz test: random shapes, dtypes, strided source layouts and output
-views, every result compared bit for bit against ``glm_fp8.reference``.
+views, every result compared bit for bit against ``glm_fp8.kernels.reference``.
 
 Why: a layout-specific Triton bug (float32 sources stored column-major within each expert gave
 wrong fp8 bytes on the H200, Triton 3.6) passed every CPU test, because Triton's interpreter
@@ -36,7 +36,8 @@ import torch
 from conftest import BACKENDS, GPU_BACKENDS, ON_GPU, assert_same_bits, poisoned_f32, poisoned_fp8
 
 from glm_fp8 import ExpertsFP8, quantize_blockwise, quantize_experts
-from glm_fp8.reference import BLOCK, ceil_blocks, quantize_concat_ref, quantize_experts_ref
+from glm_fp8.core.numerics import BLOCK, ceil_blocks
+from glm_fp8.kernels.reference import quantize_concat_ref, quantize_experts_ref
 
 DEFAULT_SEED = 20261203
 GPU_DEFAULT_CASES = 400
@@ -574,10 +575,14 @@ def _run_case(case: Case, backend: str, device: torch.device) -> tuple[list[str]
             phase = "call"
             results = [
                 quantize_blockwise(
-                    b.views[0] if case.bare else b.views, out=b.q, scale_out=b.s, scale_fmt=case.scale_fmt,
-                    check_finite=case.check_finite, backend=backend,
+                    b.views[0] if case.bare else b.views,
+                    out=b.q,
+                    scale_out=b.s,
+                    scale_fmt=case.scale_fmt,
+                    check_finite=case.check_finite,
+                    backend=backend,
                 )
-            ]  # fmt: skip
+            ]
         phase = "check"
         errors = []
         for job, b, (q, s), (q_ref, s_ref) in zip(case.jobs, built, results, refs):
@@ -588,9 +593,10 @@ def _run_case(case: Case, backend: str, device: torch.device) -> tuple[list[str]
             errors += [_outside_changed(n, buf, before, view) for n, buf, before, view in b.out_bufs]
         bufs_after = [buf for b in built for buf in b.src_bufs]
         errors += [
-            f"source buffer {k} changed" for k, (a, c) in enumerate(zip(bufs_after, src_before))
+            f"source buffer {k} changed"
+            for k, (a, c) in enumerate(zip(bufs_after, src_before))
             if not torch.equal(_bits_raw(a), _bits_raw(c))
-        ]  # fmt: skip
+        ]
         return [e for e in errors if e], _categories(case, results)
     except Exception as exc:  # noqa: BLE001 - every exception is a failing case, reported with it
         where = "harness error (fix the test) " if phase in ("build", "reference") else ""
@@ -606,11 +612,37 @@ def _bits_raw(t: torch.Tensor) -> torch.Tensor:
 
 
 CATEGORY_ORDER = [
-    "blockwise", "experts", "2d", "e0", "e1", "e2+", "bf16", "f16", "f32", "fmt_ue8m0", "unchecked",
-    "multi_source", "straddle", "partial_block", "transposed", "f32_transposed", "src_slice", "src_offset",
-    "src_offset_odd", "expert_step2", "step2", "outputs_allocated", "outputs_given", "out_view",
-    "out_aligned", "out_unaligned", "zero_block", "neg_zero_rows", "neg_zero_block", "ties",
-]  # fmt: skip
+    "blockwise",
+    "experts",
+    "2d",
+    "e0",
+    "e1",
+    "e2+",
+    "bf16",
+    "f16",
+    "f32",
+    "fmt_ue8m0",
+    "unchecked",
+    "multi_source",
+    "straddle",
+    "partial_block",
+    "transposed",
+    "f32_transposed",
+    "src_slice",
+    "src_offset",
+    "src_offset_odd",
+    "expert_step2",
+    "step2",
+    "outputs_allocated",
+    "outputs_given",
+    "out_view",
+    "out_aligned",
+    "out_unaligned",
+    "zero_block",
+    "neg_zero_rows",
+    "neg_zero_block",
+    "ties",
+]
 PROFILES = {p.name: p for p in (GPU_PROFILE, CPU_PROFILE)}
 CHUNK = 4  # seeds per task handed to a worker process
 
@@ -787,15 +819,27 @@ def test_case_generator_is_reproducible_and_covers_the_categories():
                     seen["f32_transposed"] += job.dtype == torch.float32
                 if s.layout.offset % 2:
                     seen["src_offset_odd"] += 1
-    for tag in ["blockwise", "experts", "transposed", "f32_transposed", "src_offset_odd", "e0", "2d",
-                "out_byte_offset", "zero_block", "neg_zero_rows", "neg_zero_block", "ties"]:  # fmt: skip
+    for tag in [
+        "blockwise",
+        "experts",
+        "transposed",
+        "f32_transposed",
+        "src_offset_odd",
+        "e0",
+        "2d",
+        "out_byte_offset",
+        "zero_block",
+        "neg_zero_rows",
+        "neg_zero_block",
+        "ties",
+    ]:
         assert seen[tag] > 0, (tag, seen)
 
 
 @pytest.mark.parametrize("seed", [DEFAULT_SEED, DEFAULT_SEED + 1, DEFAULT_SEED + 8])
 def test_harness_reports_a_wrong_byte(monkeypatch, seed):
     """A backend that gets one fp8 byte wrong fails its case, with the byte's position."""
-    from glm_fp8 import backends
+    from glm_fp8.kernels import backends
 
     right = backends.LAUNCHERS["torch"]
 

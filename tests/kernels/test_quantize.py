@@ -12,8 +12,8 @@ import torch
 from conftest import GPU_BACKENDS, ON_GPU, assert_same_bits, poisoned_f32, poisoned_fp8
 
 from glm_fp8 import ExpertsFP8, LaunchConfig, NonFiniteError, quantize_blockwise, quantize_experts
-from glm_fp8.numerics import ceil_blocks
-from glm_fp8.reference import quantize_concat_ref, quantize_experts_ref
+from glm_fp8.core.numerics import ceil_blocks
+from glm_fp8.kernels.reference import quantize_concat_ref, quantize_experts_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FMTS = ["fp32", "ue8m0"]
@@ -165,16 +165,29 @@ def test_repeated_launches_keep_each_specialization(device, backend):
 
 def test_launch_arguments_follow_the_kernel_signature():
     """The direct launch passes every argument positionally: pointers, integers, constexprs."""
-    from glm_fp8.kernels.triton_launch import _launch_args
-    from glm_fp8.kernels.triton_quantize import quantize_blockwise_kernel
+    from glm_fp8.kernels.triton_quantize import _launch_args, quantize_blockwise_kernel
 
     srcs = [torch.randn(2, 100, 300), torch.randn(2, 60, 300)]
     q = torch.empty(2, 160, 300, dtype=torch.float8_e4m3fn)
     s = torch.empty(2, 2, 3)
     tensors, ints = _launch_args(srcs, q, s, None)
     names = quantize_blockwise_kernel.arg_names
-    constexprs = ["NUM_SRC", "ROW_GATHER", "CB_PER_PROG", "PERSISTENT", "STAGES", "UE8M0", "SOFT_FP8",
-                  "FMA_DIV", "NAN_MAX", "FLAG", "SIGNED_Y", "PAIRED_CVT", "BR", "BC"]  # fmt: skip
+    constexprs = [
+        "NUM_SRC",
+        "ROW_GATHER",
+        "CB_PER_PROG",
+        "PERSISTENT",
+        "STAGES",
+        "UE8M0",
+        "SOFT_FP8",
+        "FMA_DIV",
+        "NAN_MAX",
+        "FLAG",
+        "SIGNED_Y",
+        "PAIRED_CVT",
+        "BR",
+        "BC",
+    ]
     assert names[: len(tensors)] == ["p_q", "p_s", "p_flag", "p_x0", "p_x1", "p_x2", "p_x3"]
     assert names[len(tensors) + len(ints) :] == constexprs
     by_name = dict(zip(names[len(tensors) :], ints))
@@ -186,7 +199,7 @@ def test_launch_arguments_follow_the_kernel_signature():
 def test_unaligned_outputs_take_the_kernel_without_source_alignment():
     """Triton 3.6 on the H200 miscompiled vectorized source loads feeding unaligned byte
     stores; such outputs go to the twin kernel compiled without source-alignment assumptions."""
-    from glm_fp8.kernels.triton_launch import _stores_vectorize
+    from glm_fp8.kernels.triton_quantize import _stores_vectorize
 
     buf = torch.empty(2 * 300 * 272 + 16, dtype=torch.uint8)
     assert _stores_vectorize(buf[16:].view(2, 300, 272))
@@ -303,7 +316,7 @@ def test_non_finite_in_experts_names_the_weight(device, backend, weight):
 def test_flag_is_clean_for_the_next_call(device, backend):
     """The finite check's flag lives across calls (one per thread and device): a call that
     found NaN, or failed after its kernels ran, leaves it zero for the next one."""
-    from glm_fp8 import backends, jobs
+    from glm_fp8.kernels import backends, jobs
 
     x = torch.randn(256, 256, device=device)
     x[3, 3] = float("nan")

@@ -4,7 +4,7 @@ mistake. Expected bytes are worked out in the comments from docs/numerics.md, no
 import pytest
 import torch
 
-from glm_fp8.reference import (
+from glm_fp8.kernels.reference import (
     dequantize_blockwise_ref,
     quantize_blockwise_ref,
     quantize_concat_ref,

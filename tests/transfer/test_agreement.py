@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from glm_fp8.engine import EngineLayout
-from glm_fp8.models import SMALL_GLM5, TINY_GLM5
+from glm_fp8.model.presets import SMALL_GLM5, TINY_GLM5
 from glm_fp8.testing import launch, synthetic_layer
 from glm_fp8.transfer import HostSinkComm, Receiver, Sender
 
@@ -72,8 +72,11 @@ def test_engine_layouts_are_checked_as_a_whole():
     check_replicas([None, *tp2])
     check_replicas([None, *tp2, *tp2])  # two replicas of one layout
     check_replicas([None, *tp2, *EngineLayout.all_ranks(1, 2, True)])  # two servers, two layouts
-    with pytest.raises(ValueError, match=r"tp_rank 1, dp_rank 0 is held by no rank, tp_rank 0, dp_rank 0 "
-                                         r"by ranks \[1, 2\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"tp_rank 1, dp_rank 0 is held by no rank, tp_rank 0, dp_rank 0 "
+        r"by ranks \[1, 2\]",
+    ):
         check_replicas([None, tp2[0], tp2[0]])
     with pytest.raises(ValueError, match="do not form whole replicas"):
         check_replicas([None, *tp2, tp2[1]])

@@ -1,7 +1,7 @@
 """Multi-process broadcast over gloo (CPU) or NCCL: every received byte equals the reference,
 and every fault ends the update with an error on every rank within the timeout.
 
-Ranks run in spawned processes (glm_fp8.demo.launch); rank 0 sends, the others receive.
+Ranks run in spawned processes (glm_fp8.cli.demo.launch); rank 0 sends, the others receive.
 """
 
 import os
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from glm_fp8.demo import demo_rank
-from glm_fp8.models import SMALL_GLM5
+from glm_fp8.cli.demo import demo_rank
+from glm_fp8.model.presets import SMALL_GLM5
 from glm_fp8.testing import launch, sent_layer_mismatches, synthetic_layer
 from glm_fp8.transfer.link import Link
 
@@ -41,8 +41,8 @@ def test_ring_of_one_and_the_bf16_wire_format():
 
 def _load_into_rank(rank, world, wire):
     """Receivers land the update in fp8 parameters (wire 'bf16': they quantize on receive)."""
-    from glm_fp8.plan import plan_from_config
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
     from glm_fp8.transfer import Receiver, Sender
 
     if rank == 0:
@@ -156,8 +156,8 @@ def test_streams_single_gpu_with_poisoned_released_inputs(ring):
     """Each layer's inputs are overwritten with NaN on the caller's stream as soon as the
     broadcaster asks for the next layer; every byte that reached the wire must still be right
     (no read after release, no slot reused before its send finished)."""
-    from glm_fp8.plan import plan_from_config
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
     from glm_fp8.transfer import HostSinkComm, Sender
 
     config = {**SMALL_GLM5, "num_hidden_layers": 5}
@@ -190,7 +190,7 @@ def _many_senders_sink(fault: str | None):
     """Sender 1 of 2 into TP=2 on the GPU, its messages kept by a HostSinkComm; the caller
     overwrites each layer's inputs with NaN as soon as the sender asks for the next one."""
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.model.presets import TINY_GLM5
     from glm_fp8.transfer import HostSinkComm, Sender
 
     config = {**TINY_GLM5, "num_nextn_predict_layers": 0}
@@ -221,8 +221,9 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
     for (no read after release, and the finite check, decided on the device and voted with the
     layer's messages, sees the layer as converted); a header per layer, then COMPLETE, close the
     update."""
-    from glm_fp8.plan import layer_prefix, plan_from_config
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.model.trainer_layouts import layer_prefix
     from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
 
     config, n, sink, sender, layers = _many_senders_sink(None)
@@ -312,7 +313,7 @@ def test_many_senders_engine_rank_pipelines_on_the_gpu_behind_a_slow_consumer(mo
     parameters outside the update (embeddings, norm, head) are left as they were."""
     import glm_fp8.transfer.land as land_mod
     from glm_fp8.engine import EngineLayout, engine_params
-    from glm_fp8.models import TINY_GLM5
+    from glm_fp8.model.presets import TINY_GLM5
     from glm_fp8.testing import reference_engine_params
     from glm_fp8.transfer import Receiver, Sender
 

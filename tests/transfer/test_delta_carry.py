@@ -1,4 +1,4 @@
-"""Delta across links (glm_fp8.transfer.delta_carry, docs/delta.md#across-links).
+"""Delta across links (glm_fp8.transfer.delta.carry, docs/delta.md#across-links).
 
 Invariant: a fleet rebuilt between updates (a new link, a server added, the old ranks at other link
 ranks) keeps its deltas. Server A (TP 2, link ranks 1 and 2) takes two updates from one sender on
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from glm_fp8.engine import EngineLayout
-from glm_fp8.models import TINY_GLM5
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_port, launch, moved_layer, reference_engine_params
 
 CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
@@ -46,14 +46,21 @@ def _link(rank: int, key: str, link_rank: int | None, size: int):
     port = _port(rank, key)
     if link_rank is None:
         return None
-    return StoreLink("127.0.0.1", port, link_rank, size, backend="gloo", timeout=timedelta(seconds=60),
-                     device=torch.device(DEV))  # fmt: skip
+    return StoreLink(
+        "127.0.0.1",
+        port,
+        link_rank,
+        size,
+        backend="gloo",
+        timeout=timedelta(seconds=60),
+        device=torch.device(DEV),
+    )
 
 
 def _rank(rank, world):
-    from glm_fp8.backends import set_default_backend
+    from glm_fp8.kernels.backends import set_default_backend
     from glm_fp8.transfer import DeltaOptions, Receiver, Sender
-    from glm_fp8.transfer.delta_carry import adopt_held, adopt_kept, detach_held, detach_kept
+    from glm_fp8.transfer.delta.carry import adopt_held, adopt_kept, detach_held, detach_kept
 
     if DEV == "cpu":  # the transfer is under test, not the kernels (tests/kernels): the torch path
         set_default_backend("torch")
@@ -146,8 +153,9 @@ def test_a_regrouped_layer_is_assembled_piece_by_piece():
     offset, zeros between pieces and for a piece new to the link; a piece another sender sent on
     the old link leaves the layer uncarried."""
     from glm_fp8.engine.layout import Shard
-    from glm_fp8.transfer.delta_carry import KeptLayer, _assemble, _key
-    from glm_fp8.transfer.pack import CHECKSUM_BYTES, ShardPack, ShardPiece
+    from glm_fp8.transfer.delta.carry import KeptLayer, _assemble, _key
+    from glm_fp8.transfer.pack import ShardPack, ShardPiece
+    from glm_fp8.transfer.wire import CHECKSUM_BYTES
 
     def piece(name, offset, n=96):
         return ShardPiece(name, torch.uint8, (n,), offset, Shard("replicated"))
@@ -182,7 +190,7 @@ def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
     sender's version). A dropped Sender is freed at once. Runs the Senders' planning only: a
     stand-in link, kept copies of zeros."""
     from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
-    from glm_fp8.transfer.delta_carry import _key, adopt_kept, detach_kept
+    from glm_fp8.transfer.delta.carry import _key, adopt_kept, detach_kept
 
     config = {**CONFIG, "num_hidden_layers": 16}
     ids, n = list(range(16)), 3
@@ -193,8 +201,16 @@ def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
 
     def sender(engines, me):
         link = HostSinkComm(rank=me, size=len(engines))
-        return Sender(link, me, config=config, layer_ids=ids, engines=engines, senders=list(range(n)),
-                      device="cpu", delta=DeltaOptions())  # fmt: skip
+        return Sender(
+            link,
+            me,
+            config=config,
+            layer_ids=ids,
+            engines=engines,
+            senders=list(range(n)),
+            device="cpu",
+            delta=DeltaOptions(),
+        )
 
     dense = set()
     for me in range(n):

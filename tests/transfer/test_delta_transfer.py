@@ -10,7 +10,7 @@ a resync, and a layer to resend in an update where an engine rank fails
 while landing an earlier layer (every rank stops at the first resent step); after every update
 that passed, every engine byte equals the reference conversion of the current weights, and delta
 steps put a small fraction of a dense step's bytes on the link. Plus the pieces both ends derive alike
-(glm_fp8.transfer.delta_plan) and the refusals at construction."""
+(glm_fp8.transfer.delta.segments) and the refusals at construction."""
 
 import contextlib
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from glm_fp8.engine import EngineLayout
-from glm_fp8.models import TINY_GLM5
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import launch, moved_layer, reference_engine_params
-from glm_fp8.transfer.delta_plan import delta_layers, versions_row
-from glm_fp8.transfer.delta_versions import NONE
+from glm_fp8.transfer.delta.segments import delta_layers, versions_row
+from glm_fp8.transfer.delta.versions import NONE
 
 CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
 IDS = list(range(CONFIG["num_hidden_layers"]))  # two dense MLP layers, two MoE layers
@@ -29,8 +29,20 @@ NAN_LAYER = 2
 FAIL_LAYER = IDS[-2]  # an engine rank fails landing it while the last layer is to be resent
 REBUILD_LAYER = 1  # an engine rank's rebuild of it raises ("after tamper"): resent dense, then dense to it
 # (what happens at each update); the sender's update index is the position in this list
-SCRIPT = ["mismatch", "first", "delta", "restart", "delta", "nan", "after nan", "tamper", "after tamper",
-          "resync", "fail", "after fail"]  # fmt: skip
+SCRIPT = [
+    "mismatch",
+    "first",
+    "delta",
+    "restart",
+    "delta",
+    "nan",
+    "after nan",
+    "tamper",
+    "after tamper",
+    "resync",
+    "fail",
+    "after fail",
+]
 # On a GPU machine every rank works on the one GPU (the H200 run: bench/gpu_run.sh's GPU_TESTS),
 # with the Triton kernels; else on the CPU with the torch path.
 GPU = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,8 +65,9 @@ def _weights(step: int, layer_idx: int, nan: bool = False) -> dict[str, torch.Te
 def _reference(step: int, layout: EngineLayout | None) -> dict[str, torch.Tensor]:
     """What an engine rank holds after update ``step``: the reference conversion, whole under the
     kernel-format names (layout None), or cut by the rank's shards under vLLM's names."""
-    from glm_fp8.plan import plan_from_config, strip_layer
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.model.trainer_layouts import strip_layer
 
     if layout is not None:
         return reference_engine_params(CONFIG, layout, IDS, layer=lambda i: _weights(step, i))
@@ -83,9 +96,9 @@ def _trainer_layer(step: int, layer_idx: int, mesh, nan: bool) -> dict[str, torc
 
 
 def _rank(rank, world, mode):
-    from glm_fp8.backends import set_default_backend
+    from glm_fp8.kernels.backends import set_default_backend
     from glm_fp8.transfer import Receiver, Sender
-    from glm_fp8.transfer.delta_send import DeltaOptions
+    from glm_fp8.transfer.options import DeltaOptions
 
     global DEV
     # Two senders on one GPU would run their own collectives over gloo on CUDA tensors, which
@@ -174,7 +187,7 @@ def _failing_landing(layer_idx: int | None):
 @contextlib.contextmanager
 def _failing_rebuild(layer_idx: int | None):
     """The receiver's rebuild of layer ``layer_idx`` from its parameters raises (None: as usual)."""
-    from glm_fp8.transfer.delta_receive import ReceiverDelta
+    from glm_fp8.transfer.delta.receive import ReceiverDelta
 
     rebuild = ReceiverDelta._rebuild
 
@@ -282,8 +295,11 @@ def test_every_rank_decides_each_layer_from_the_versions_table():
     """Rank 0 sends (kept versions, update number last); ranks 1 and 2 hold. A layer goes as a
     delta to each engine rank that holds the sender's kept version, dense to the others; nowhere
     where the sender has no kept copy."""
-    rows = [versions_row(3, 0, [5, 5, NONE, 5, 9], "cpu"), versions_row(3, 1, [5, 5, 5, 4, NONE], "cpu"),
-            versions_row(3, 2, [5, NONE, 5, 5, NONE], "cpu")]  # fmt: skip
+    rows = [
+        versions_row(3, 0, [5, 5, NONE, 5, 9], "cpu"),
+        versions_row(3, 1, [5, 5, 5, 4, NONE], "cpu"),
+        versions_row(3, 2, [5, NONE, 5, 5, NONE], "cpu"),
+    ]
     table = torch.stack(rows).amax(dim=0)
     both, one, two, none = frozenset({1, 2}), frozenset({1}), frozenset({2}), frozenset()
     assert delta_layers(table, [0], [1, 2]) == (9, [both, one, none, two])
@@ -296,7 +312,7 @@ def test_a_segment_goes_as_a_delta_to_each_rank_that_holds_its_version():
     rank of its class holds the version."""
     from types import SimpleNamespace
 
-    from glm_fp8.transfer.delta_plan import delta_to
+    from glm_fp8.transfer.delta.segments import delta_to
 
     lay = SimpleNamespace(classes=[(1, 2, 3)])
     p2p, group = SimpleNamespace(cls=0, group=None), SimpleNamespace(cls=0, group=(0, 1, 2, 3))
@@ -310,8 +326,11 @@ def test_many_senders_agree_on_the_update_and_move_each_layer_together():
     """Senders 0 and 1 each propose an update number (the largest is the update's) and vote their
     kept versions; a layer is a delta only where both keep the same version and the engine rank
     holds it: one sender out of step (rebuilt: no kept copy; or behind) makes that layer dense."""
-    rows = [versions_row(3, 0, [5, 5, 5, NONE, 11], "cpu"), versions_row(3, 1, [5, NONE, 4, NONE, 12], "cpu"),
-            versions_row(3, 2, [5, 5, 5, NONE, NONE], "cpu")]  # fmt: skip
+    rows = [
+        versions_row(3, 0, [5, 5, 5, NONE, 11], "cpu"),
+        versions_row(3, 1, [5, NONE, 4, NONE, 12], "cpu"),
+        versions_row(3, 2, [5, 5, 5, NONE, NONE], "cpu"),
+    ]
     table = torch.stack(rows).amax(dim=0)
     one, none = frozenset({2}), frozenset()
     assert delta_layers(table, [0, 1], [2]) == (12, [one, none, none, none])
@@ -320,7 +339,7 @@ def test_many_senders_agree_on_the_update_and_move_each_layer_together():
 
 def test_delta_is_refused_where_it_is_not_built():
     from glm_fp8.transfer import HostSinkComm, Sender
-    from glm_fp8.transfer.delta_send import DeltaOptions
+    from glm_fp8.transfer.options import DeltaOptions
 
     with pytest.raises(ValueError, match="resync_every"):
         DeltaOptions(resync_every=0)
@@ -339,14 +358,22 @@ def test_an_engine_rank_whose_landing_converts_refuses_delta():
     from types import SimpleNamespace
 
     from glm_fp8.engine import engine_params
-    from glm_fp8.plan import layer_prefix, plan_from_config
+    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.model.trainer_layouts import layer_prefix
     from glm_fp8.transfer import HostSinkComm, Receiver
-    from glm_fp8.transfer.delta_receive import check_receiver_delta
+    from glm_fp8.transfer.delta.receive import check_receiver_delta
 
     layout = EngineLayout.all_ranks(2)[0]
     with pytest.raises(ValueError, match="'full' with a layout: landing cuts"):
-        Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, layout=layout, engines=[None, "full"],
-                 device="cpu", delta=True)  # fmt: skip
+        Receiver(
+            HostSinkComm(rank=1, size=2),
+            0,
+            config=CONFIG,
+            layout=layout,
+            engines=[None, "full"],
+            device="cpu",
+            delta=True,
+        )
     with pytest.raises(ValueError, match="wire='fp8'"):
         Receiver(HostSinkComm(rank=1, size=2), 0, config=CONFIG, wire="bf16", device="cpu", delta=True)
     with pytest.raises(ValueError, match="delta: expected True or False"):
@@ -356,8 +383,17 @@ def test_an_engine_rank_whose_landing_converts_refuses_delta():
     bias = next(e for e in plan.entries if e.name.endswith("e_score_correction_bias"))
     name = layer_prefix(3) + bias.name
     targets[name] = SimpleNamespace(name=targets[name].name, dtype=torch.float64)  # a widening landing
-    fake = SimpleNamespace(senders=(0,), wire="fp8", checksum=True, full=False, layout=layout, rank=1,
-                           layer_ids=[3], plans=[plan], targets=targets)  # fmt: skip
+    fake = SimpleNamespace(
+        senders=(0,),
+        wire="fp8",
+        checksum=True,
+        full=False,
+        layout=layout,
+        rank=1,
+        layer_ids=[3],
+        plans=[plan],
+        targets=targets,
+    )
     with pytest.raises(ValueError, match="lands widened"):
         check_receiver_delta(fake)
 
@@ -387,5 +423,8 @@ def test_a_resend_vote_is_outranked_by_every_refusal():
 
     assert RESEND_DENSE == min(REFUSAL_REASONS)
     highest_rank = (1 << 20) - 1
-    assert all(refusal_code(RESEND_DENSE, highest_rank) < refusal_code(r, 0) for r in REFUSAL_REASONS
-               if r != RESEND_DENSE)  # fmt: skip
+    assert all(
+        refusal_code(RESEND_DENSE, highest_rank) < refusal_code(r, 0)
+        for r in REFUSAL_REASONS
+        if r != RESEND_DENSE
+    )

@@ -1,13 +1,13 @@
-"""Which ranks take a layer as a delta (glm_fp8.transfer.delta_versions, decided by
-glm_fp8.transfer.delta_plan.delta_layers): a rank gets a delta only on the exact bytes it was
+"""Which ranks take a layer as a delta (glm_fp8.transfer.delta.versions, decided by
+glm_fp8.transfer.delta.segments.delta_layers): a rank gets a delta only on the exact bytes it was
 computed against; after a restart, a failed update or a bad checksum the layer goes dense, and a
 failed update needs no rollback."""
 
 import pytest
 import torch
 
-from glm_fp8.transfer.delta_plan import delta_layers, versions_row
-from glm_fp8.transfer.delta_versions import NONE, HeldVersions, KeptVersions
+from glm_fp8.transfer.delta.segments import delta_layers, versions_row
+from glm_fp8.transfer.delta.versions import NONE, HeldVersions, KeptVersions
 
 
 def _dense(kept, engines, update) -> list[frozenset[int]]:

@@ -1,4 +1,4 @@
-"""A delta segment on the wire (glm_fp8.transfer.delta_wire): what the sender packs, the receiver
+"""A delta segment on the wire (glm_fp8.transfer.delta.wire): what the sender packs, the receiver
 unpacks into deltas that, applied to the engine's old bytes, give exactly the new quantization;
 lengths come from the checked counts only, and never exceed the bound a receiver sizes from the plan."""
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import BACKENDS
 
-from glm_fp8.delta import apply_delta, compare_bytes, quantize_compare
-from glm_fp8.quantize import quantize_blockwise
-from glm_fp8.reference import delta_block_sizes
-from glm_fp8.transfer.delta_plan import SegmentDelta
-from glm_fp8.transfer.delta_wire import (
+from glm_fp8.kernels.delta import apply_delta, compare_bytes, quantize_compare
+from glm_fp8.kernels.quantize import quantize_blockwise
+from glm_fp8.kernels.reference import delta_block_sizes
+from glm_fp8.transfer.delta.segments import SegmentDelta
+from glm_fp8.transfer.delta.wire import (
     DeltaPiece,
     counts_numel,
     pack_bytes_delta,

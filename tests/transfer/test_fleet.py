@@ -3,7 +3,7 @@ different parallel layouts, in every mode.
 
 Invariant: with three servers on one link, A (TP 2), B (TP 2 with expert parallelism, EP 2) and
 C (TP 2 x DP 2 without EP), 8 engine ranks, every engine rank's parameters after ``load_into``
-equal the reference conversion of the trainer's own tensors (``glm_fp8.reference``) cut by that
+equal the reference conversion of the trainer's own tensors (``glm_fp8.kernels.reference``) cut by that
 rank's shard, bit for bit, after a full broadcast, a scatter and an update from 2 senders; and
 each sender puts on the link exactly the data bytes the transfer plan predicts for that fleet
 (``glm_fp8.transfer.pack``'s regions, ``glm_fp8.transfer.routes.transfer_plan``), counted at the
@@ -33,8 +33,9 @@ layer, a sparse layer and the non-layer tensors.
 
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5
-from glm_fp8.plan import layer_prefix
+from glm_fp8.model.families import REST
+from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.testing import free_port, launch
 
 FILL = 0x5A  # every parameter starts as this byte before each update: an unwritten one shows
@@ -101,10 +102,11 @@ def _count_conversions(calls: list) -> None:
 
 
 def _reference() -> dict[str, torch.Tensor]:
-    """The reference conversion (``glm_fp8.reference``) of the trainer's own tensors, whole, by
+    """The reference conversion (``glm_fp8.kernels.reference``) of the trainer's own tensors, whole, by
     kernel-format name: made once here, each engine rank cuts its shards from it."""
-    from glm_fp8.plan import plan_from_config, strip_layer
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.model.trainer_layouts import strip_layer
     from glm_fp8.testing import synthetic_layer
 
     out = {}
@@ -119,8 +121,8 @@ def _rank(rank, world, port, reference):
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    from glm_fp8.backends import set_default_backend
     from glm_fp8.engine import engine_params, take_shard
+    from glm_fp8.kernels.backends import set_default_backend
     from glm_fp8.testing import sharded_layer, synthetic_layer
     from glm_fp8.transfer import Receiver, Sender
     from glm_fp8.transfer.link import StoreLink, TorchLink
@@ -185,9 +187,10 @@ def _rank(rank, world, port, reference):
         link.log = []
         stats = Receiver(link, 0, layout=layout, engines=engines, senders=senders, **kw).load_into(params)
         differ = [
-            n for n, w in want.items()
+            n
+            for n, w in want.items()
             if not torch.equal(params[n].contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
-        ]  # fmt: skip
+        ]
         out[mode] = {"differ": differ, "received": sum(n for _, _, n in link.log), "stats": stats.nbytes}
     return out
 
@@ -197,7 +200,7 @@ def _predicted():
     the full broadcast its whole layers once (``full_pack``), the scatter each class's region once
     (``layer_scatter``: group broadcasts on a link that makes groups), many senders the transfer
     plan's segments (``TransferPlan.sent_bytes``), into A, B, C and into A, B, A', B'."""
-    from glm_fp8.plan import plans_for_model
+    from glm_fp8.model.plans import plans_for_model
     from glm_fp8.transfer.pack import full_pack, layer_scatter
     from glm_fp8.transfer.routes import transfer_plan
 
@@ -221,7 +224,8 @@ def _distinct() -> int:
     """What one sender sends for the scatter, counted from each rank's own shards (``shard_pack``):
     each distinct piece (``cut_key``: an entry's bytes, whatever the rule that cut them) once at a
     multiple of 256 bytes, plus a checksum word per set of ranks that hold the same pieces."""
-    from glm_fp8.plan import align, plans_for_model
+    from glm_fp8.model.layer_plan import align
+    from glm_fp8.model.plans import plans_for_model
     from glm_fp8.transfer.pack import cut_key, shard_pack
 
     layouts, _ = _fleet()
@@ -241,14 +245,16 @@ def _distinct() -> int:
 def _whole_regions() -> int:
     """The scatter's bytes when only ranks whose whole region is equal share a broadcast (before
     #32's per-piece classes: 10,896,480 bytes here; per piece 7,433,608)."""
-    from glm_fp8.plan import plans_for_model
+    from glm_fp8.model.plans import plans_for_model
     from glm_fp8.transfer.pack import layer_scatter
 
     layouts, _ = _fleet()
     ids = [*IDS, REST]
     plans = plans_for_model(TINY_GLM5, "fp8", layer_ids=ids)
-    return sum(layer_scatter(p, i, TINY_GLM5, [None, *layouts], per_piece=False).wire_nbytes
-               for p, i in zip(plans, ids))  # fmt: skip
+    return sum(
+        layer_scatter(p, i, TINY_GLM5, [None, *layouts], per_piece=False).wire_nbytes
+        for p, i in zip(plans, ids)
+    )
 
 
 def test_three_servers_of_different_layouts_in_every_mode():
@@ -315,8 +321,10 @@ def test_three_servers_of_different_layouts_in_every_mode():
     # segments to a class of one rank, once per rank.
     twins, twin_servers = _fleet(replicas=True)
     tp0, tp1 = (2, 4, 6, 8), (3, 5, 7, 9)  # link ranks 2..9 now
-    sparse = {"many senders": tuple((r,) for r in range(2, 10)),
-              "many senders, replicas": ((2, 6), (3, 7), (4, 8), (5, 9))}  # fmt: skip
+    sparse = {
+        "many senders": tuple((r,) for r in range(2, 10)),
+        "many senders, replicas": ((2, 6), (3, 7), (4, 8), (5, 9)),
+    }
     for mode, plan in many.items():
         assert [lay.classes for lay in plan.layers] == [(tp0, tp1), sparse[mode], (tp0, tp1)]
         for t in range(N_TRAINER):
@@ -332,8 +340,13 @@ def test_three_servers_of_different_layouts_in_every_mode():
             assert run["log"] == want, (t, mode, run["log"])
             assert len(set(want)) == len(want)  # one group broadcast per (sender, class) and layer
         for r in range(N_TRAINER, world):  # each engine rank: its class's segments, from both senders
-            mine = [s.nbytes for lay in plan.layers for k, ranks in enumerate(lay.classes) if r in ranks
-                    for s in lay.of_class(k)]  # fmt: skip
+            mine = [
+                s.nbytes
+                for lay in plan.layers
+                for k, ranks in enumerate(lay.classes)
+                if r in ranks
+                for s in lay.of_class(k)
+            ]
             assert results[r][1][mode]["received"] == sum(mine)
     # into A, B, A', B': the sparse layer's experts go once to the two servers that hold them alike
     log = [x for t in range(N_TRAINER) for x in sent[t]["many senders, replicas"]["log"]]
@@ -353,9 +366,10 @@ def test_scatter_sends_each_piece_once_per_holder_set():
     into prime-rl's fleet (prefill TP 8 x DP 4 with EP, decode DP 32 with EP, 2 of each) 1.03 times
     the model (722.3 GiB, was 2140.3 GiB: the attention's TP 8 cuts and the decode ranks' whole
     copies differ, the routed experts' EP 32 cut is the same in both)."""
-    from glm_fp8.fleet import fleet_preset
-    from glm_fp8.models import PRESETS, model_layer_ids
-    from glm_fp8.plan import plans_for_model
+    from glm_fp8.model.families import model_layer_ids
+    from glm_fp8.model.plans import plans_for_model
+    from glm_fp8.model.presets import PRESETS
+    from glm_fp8.planning.fleet import fleet_preset
     from glm_fp8.transfer.pack import cut_key, shard_pack
     from glm_fp8.transfer.routes import transfer_plan
 
@@ -395,7 +409,7 @@ def test_a_link_without_groups_takes_the_scatter_plan():
     group of some ranks is still refused."""
     import pytest
 
-    from glm_fp8.plan import plans_for_model
+    from glm_fp8.model.plans import plans_for_model
     from glm_fp8.transfer.link import ObjectLink
     from glm_fp8.transfer.routes import transfer_plan
 

@@ -8,7 +8,7 @@ Ranks 0..T-1 are trainers holding DTensor shards (rank 0 also sends); the last r
 import pytest
 import torch
 
-from glm_fp8.models import SMALL_GLM5
+from glm_fp8.model.presets import SMALL_GLM5
 from glm_fp8.testing import launch, synthetic_layer
 
 CONFIG = {**SMALL_GLM5, "num_hidden_layers": 3}  # one dense layer, two sparse; 11 experts
@@ -33,8 +33,8 @@ def _rank(rank, world, gather, expert_dim, dtype=torch.bfloat16):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from glm_fp8.plan import plan_from_config
-    from glm_fp8.reference import convert_layer_ref
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
     from glm_fp8.transfer import Receiver, Sender, contribute_shards
 
     trainers = world - 1

@@ -17,7 +17,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import launch
 
 WHOLE = model_layer_ids(TINY_GLM5)
@@ -38,8 +39,8 @@ def _engines(case: str, n: int):
 def _rank(rank, world, n_senders, case, link_kind, victim, port):
     from torch.distributed.device_mesh import DeviceMesh
 
+    from glm_fp8.core.errors import LinkLost
     from glm_fp8.engine import engine_params
-    from glm_fp8.errors import LinkLost
     from glm_fp8.testing import sharded_layer, synthetic_layer
     from glm_fp8.transfer import Receiver, Sender, StoreLink
 
@@ -155,7 +156,7 @@ def _serve_store(port: int, timeout_s: float = 10.0):
 
 
 def test_a_rank_whose_beat_stops_is_lost_after_the_lease_and_every_rank_reads_the_same_fault():
-    from glm_fp8.errors import LinkLost
+    from glm_fp8.core.errors import LinkLost
     from glm_fp8.transfer.liveness import Liveness
 
     store = _store()
@@ -193,7 +194,7 @@ def test_a_rank_that_leaves_on_purpose_is_never_lost():
 
 
 def test_a_wait_raises_at_the_fault_and_a_transport_error_is_pinned_on_the_lost_rank():
-    from glm_fp8.errors import LinkLost
+    from glm_fp8.core.errors import LinkLost
     from glm_fp8.transfer.liveness import Liveness
 
     class Never:  # a transport's work that waits for a peer that never comes

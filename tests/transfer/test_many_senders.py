@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import launch
 
 FILL = 0x5A
@@ -49,8 +50,14 @@ def _rank(rank, world, n_senders, case, fault=None):
     mesh = DeviceMesh("cpu", torch.arange(n_senders))  # every rank creates its groups
     layouts = _layouts(case, world - n_senders)
     engines = [None] * n_senders + layouts
-    kw = dict(config=TINY_GLM5, layer_ids=WHOLE, rest=True, device="cpu", engines=engines,
-              senders=list(range(n_senders)))  # fmt: skip
+    kw = dict(
+        config=TINY_GLM5,
+        layer_ids=WHOLE,
+        rest=True,
+        device="cpu",
+        engines=engines,
+        senders=list(range(n_senders)),
+    )
     if rank < n_senders:
         other = {"scale_fmt": "ue8m0"} if fault == "manifest" and rank == 1 else {}  # another manifest
         sender = Sender(None, 0, **kw, **other)
@@ -178,7 +185,7 @@ def _modes_rank(rank, world, dtypes):
     ``gather_dtype``: broadcast and scatter from rank 0 (rank 1 takes part in its gathers), then
     many senders; for fp32, also many senders with the bf16 gather opt-in. An engine rank returns,
     per run, each parameter's digest and the parameters that differ from the reference of the
-    trainer's own tensors (``glm_fp8.reference``, nothing cast)."""
+    trainer's own tensors (``glm_fp8.kernels.reference``, nothing cast)."""
     import hashlib
 
     import torch.distributed as dist
@@ -194,8 +201,11 @@ def _modes_rank(rank, world, dtypes):
     kw = dict(config=TINY_GLM5, layer_ids=IDS, device="cpu")
     out = {}
     for dtype in dtypes:
-        runs = [("broadcast", one, None, [0], None), ("scatter", one, [None, *layouts], [0], None),
-                ("many senders", None, [None, None, *layouts], [0, 1], None)]  # fmt: skip
+        runs = [
+            ("broadcast", one, None, [0], None),
+            ("scatter", one, [None, *layouts], [0], None),
+            ("many senders", None, [None, None, *layouts], [0, 1], None),
+        ]
         if dtype == torch.float32:
             runs.append(("bf16 gather", None, [None, None, *layouts], [0, 1], torch.bfloat16))
         if rank >= 2:
@@ -208,8 +218,9 @@ def _modes_rank(rank, world, dtypes):
             if rank < 2:
                 layers = ((i, sharded_layer(TINY_GLM5, i, mesh, dtype)) for i in IDS)
                 if rank in senders:
-                    Sender(link, 0, engines=engines, senders=senders, gather_dtype=gather_dtype,
-                                **kw).send_model(layers)  # fmt: skip
+                    Sender(
+                        link, 0, engines=engines, senders=senders, gather_dtype=gather_dtype, **kw
+                    ).send_model(layers)
                 else:
                     contribute_shards(layers, sender=0, gather_dtype=gather_dtype, **kw)
                 continue
@@ -280,8 +291,8 @@ def test_the_plan_balances_senders_and_covers_every_byte():
     (experts, vocabulary rows) from the sender that holds them; senders' bytes stay within 2 GiB
     of each other."""
     from glm_fp8.engine import EngineLayout
-    from glm_fp8.models import PRESETS
-    from glm_fp8.plan import plans_for_model
+    from glm_fp8.model.plans import plans_for_model
+    from glm_fp8.model.presets import PRESETS
     from glm_fp8.transfer.pack import layer_scatter
     from glm_fp8.transfer.routes import transfer_plan
 

@@ -17,20 +17,22 @@ from collections import Counter
 import pytest
 import torch
 
-import glm_fp8.convert
-import glm_fp8.trainer_layouts
-from glm_fp8.models import HF, PRIME_RL, TINY_GLM5
-from glm_fp8.plan import layer_prefix, plan_from_config
-from glm_fp8.reference import convert_layer_ref
+import glm_fp8.kernels.convert
+import glm_fp8.model.trainer_layouts
+from glm_fp8.kernels.reference import convert_layer_ref
+from glm_fp8.model.families import HF, PRIME_RL
+from glm_fp8.model.plans import plan_from_config
+from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.testing import sent_layer_mismatches, sharded_layer, synthetic_layer
 from glm_fp8.transfer import HostSinkComm, Sender
 
 CONFIG = {**TINY_GLM5, "num_nextn_predict_layers": 0}
 IDS = [1, 2]  # a dense layer and a sparse one (shared and routed experts)
 COUNTED = [
-    (glm_fp8.trainer_layouts, "strip_layer", lambda a, kw: layer_prefix(a[1])),
-    (glm_fp8.trainer_layouts, "adapt_plan", lambda a, kw: kw.get("prefix", "")),
-    (glm_fp8.convert, "check_adapted_keys", lambda a, kw: a[2]),
+    (glm_fp8.model.trainer_layouts, "strip_layer", lambda a, kw: layer_prefix(a[1])),
+    (glm_fp8.model.trainer_layouts, "adapt_plan", lambda a, kw: kw.get("prefix", "")),
+    (glm_fp8.kernels.convert, "check_adapted_keys", lambda a, kw: a[2]),
 ]
 
 

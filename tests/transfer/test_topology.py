@@ -14,8 +14,9 @@ rank's 90.28, a 0.9 % gain; 64: the engine ranks' NICs bound the update).
 import dataclasses
 
 from glm_fp8.engine import EngineLayout
-from glm_fp8.models import PRESETS, REST, model_layer_ids
-from glm_fp8.plan import plans_for_model
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.plans import plans_for_model
+from glm_fp8.model.presets import PRESETS
 from glm_fp8.transfer.routes import TransferPlan, transfer_plan
 from glm_fp8.transfer.topology import GROUP_MIN_GAIN, MAX_GROUPS_PER_RANK, sender_groups_pay
 
@@ -44,10 +45,13 @@ def test_the_rule_on_byte_counts():
 
 
 def _point_to_point(tp: TransferPlan) -> TransferPlan:
-    return dataclasses.replace(tp, layers=tuple(
-        dataclasses.replace(lay, segments=tuple(dataclasses.replace(s, group=None) for s in lay.segments))
-        for lay in tp.layers
-    ))  # fmt: skip
+    return dataclasses.replace(
+        tp,
+        layers=tuple(
+            dataclasses.replace(lay, segments=tuple(dataclasses.replace(s, group=None) for s in lay.segments))
+            for lay in tp.layers
+        ),
+    )
 
 
 def test_glm5_into_four_ep8_servers_takes_groups_only_where_the_senders_nics_bound_it():
@@ -56,8 +60,11 @@ def test_glm5_into_four_ep8_servers_takes_groups_only_where_the_senders_nics_bou
     plans = plans_for_model(glm5, "fp8", layer_ids=ids)
     servers = [lay for _ in range(4) for lay in EngineLayout.all_ranks(8, 1, True)]
     # (trainer GPUs, groups, busiest sender point to point, with the rule) in GiB: plan counts
-    for t, groups, p2p_gib, sent_gib in ((8, True, 361.71, 90.43), (32, False, 91.06, 91.06),
-                                         (64, False, None, None)):  # fmt: skip
+    for t, groups, p2p_gib, sent_gib in (
+        (8, True, 361.71, 90.43),
+        (32, False, 91.06, 91.06),
+        (64, False, None, None),
+    ):
         engines = [None] * t + servers
         tp = transfer_plan(glm5, plans, ids, engines, range(t))
         p2p = _point_to_point(tp)

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from glm_fp8.models import REST, TINY_GLM5, model_layer_ids
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import launch, synthetic_layer
 
 WHOLE = model_layer_ids(TINY_GLM5)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from glm_fp8.models import SMALL_GLM5
+from glm_fp8.model.presets import SMALL_GLM5
 from glm_fp8.testing import launch, synthetic_layer
 from glm_fp8.transfer.link import Link
 
@@ -30,7 +30,7 @@ def _layers(config=CONFIG, order=(0, 1, 2)):
 
 def _params(config=CONFIG, fill=7, requires_grad_at=None):
     """fp8-mode parameters of every layer, filled with ``fill`` so untouched ones show."""
-    from glm_fp8.plan import plan_from_config
+    from glm_fp8.model.plans import plan_from_config
 
     params = {}
     for i in range(config["num_hidden_layers"]):
@@ -195,9 +195,15 @@ def _params_rank(rank, world, problem):
     return _untouched(params)
 
 
-@pytest.mark.parametrize("problem, says", [("missing", "missing"), ("shape", "expected"),
-                                           ("requires_grad", "requires grad"),
-                                           ("shared", "shares memory")])  # fmt: skip
+@pytest.mark.parametrize(
+    "problem, says",
+    [
+        ("missing", "missing"),
+        ("shape", "expected"),
+        ("requires_grad", "requires grad"),
+        ("shared", "shares memory"),
+    ],
+)
 def test_a_receiver_refusing_its_params_stops_every_rank_before_any_layer(problem, says):
     t0 = time.monotonic()
     results = launch(3, _params_rank, (problem,), timeout_s=PG_TIMEOUT)
@@ -304,7 +310,8 @@ def test_nan_in_a_passthrough_tensor_stops_every_rank(entry):
 
 def test_the_manifest_is_decoded_without_numpy(monkeypatch):
     """The receive path needs no numpy: the manifest is read from the tensor's memory."""
-    from glm_fp8.transfer.wire import ManifestMismatch, decode_manifest
+    from glm_fp8.core.errors import ManifestMismatch
+    from glm_fp8.transfer.wire import decode_manifest
 
     def no_numpy(*a, **k):
         raise RuntimeError("numpy used")

@@ -32,10 +32,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
-from glm_fp8.integrations.vllm import engine_postload_plan, register, vllm_updater
 from glm_fp8.integrations.vllm.clients import VllmServer
+from glm_fp8.integrations.vllm.plugin import register, vllm_updater
+from glm_fp8.integrations.vllm.probe import engine_postload_plan
 from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
-from glm_fp8.integrations.vllm.trainer import TrainerOptions, TrainerSide
+from glm_fp8.integrations.vllm.trainer import TrainerSide
+from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
 from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from glm_fp8._checks import check_int
+from glm_fp8.core.checks import check_int
 from glm_fp8.integrations.vllm.sync import MAX_LINK_RANKS
 
 
@@ -36,7 +36,7 @@ class VllmServer:
     """One vLLM server of a fleet, as the trainer engine drives it: ``name`` (unique; errors name
     it), ``engine_ranks`` (its workers: TP x DP, every GPU of the server and its DP replicas) and
     ``client`` (a ``VLLMWeightSyncClient`` of it; trainer rank 0 calls it, every other rank may pass
-    None). Not ``glm_fp8.fleet.Server``: a server's layout, as ``glm-fp8 plan`` models it."""
+    None). Not ``glm_fp8.planning.fleet.Server``: a server's layout, as ``glm-fp8 plan`` models it."""
 
     name: str
     engine_ranks: int
@@ -45,8 +45,13 @@ class VllmServer:
     def check(self, what: str) -> VllmServer:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{what}.name: expected a non-empty string, got {self.name!r}")
-        check_int(f"{what}.engine_ranks", self.engine_ranks, 1, MAX_LINK_RANKS - 1,
-                  f" (server {self.name!r}'s workers: TP x DP)")  # fmt: skip
+        check_int(
+            f"{what}.engine_ranks",
+            self.engine_ranks,
+            1,
+            MAX_LINK_RANKS - 1,
+            f" (server {self.name!r}'s workers: TP x DP)",
+        )
         return self
 
 

@@ -20,9 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from glm_fp8.errors import GlmFp8Error, LinkLost
+from glm_fp8.core.errors import GlmFp8Error, LinkLost
 from glm_fp8.integrations.vllm.clients import VllmServer, client_kind, draft_starter
-from glm_fp8.integrations.vllm.sync import SyncInit, poll_ready
+from glm_fp8.integrations.vllm.gate import poll_ready
+from glm_fp8.integrations.vllm.sync import SyncInit
 from glm_fp8.transfer.link import StoreLink
 
 

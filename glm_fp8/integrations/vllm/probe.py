@@ -11,9 +11,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.postload import PostLoadPlan, postload_plan
-from glm_fp8.errors import EngineNotSupported
 
 # --- parallel layout ------------------------------------------------------------------------------
 
@@ -160,7 +160,6 @@ def engine_postload_plan(
 
 
 __all__ = [
-    "EngineNotSupported",
     "check_moe_parallel",
     "deepgemm_requantized_linears",
     "engine_postload_plan",

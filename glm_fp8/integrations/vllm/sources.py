@@ -25,9 +25,10 @@ from functools import cached_property
 
 import torch
 
-from glm_fp8.models import REST, REST_RULES, model_layer_ids, mtp_layer_index
-from glm_fp8.numerics import INPUT_DTYPES
-from glm_fp8.plan import adapt_plan, layer_prefix, plan_from_config, trainer_layout, unsent_keys
+from glm_fp8.core.numerics import INPUT_DTYPES
+from glm_fp8.model.families import REST, REST_RULES, model_layer_ids, mtp_layer_index
+from glm_fp8.model.plans import plan_from_config, unsent_keys
+from glm_fp8.model.trainer_layouts import adapt_plan, layer_prefix, trainer_layout
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _REST_NAMES = frozenset(r.out for r in REST_RULES)

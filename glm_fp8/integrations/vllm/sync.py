@@ -16,24 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
-from glm_fp8._checks import check_int, check_seconds
+from glm_fp8.core.checks import check_int, check_seconds
+from glm_fp8.core.vocab import DRAFTS, LINK_BACKENDS, SCALE_FORMATS, TRANSFER_MODES, check_choice
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.integrations.vllm.gate import (  # re-exported: the gate is part of the handshake
-    clear_gate,
-    gate_reads,
-    open_gate,
-    poll_ready,
-    publish_ready,
-    wait_gate,
-)
-from glm_fp8.numerics import SCALE_FMTS
-from glm_fp8.transfer.endpoint import MAX_RING  # checked at init, before any buffer is sized from it
+from glm_fp8.transfer.options import MAX_RING  # checked at init, before any buffer is sized from it
 
 # 2: every update passes the gate (``publish_ready`` / ``open_gate``) before the link is used.
 HANDSHAKE_VERSION = 2
-MODES = ("broadcast", "scatter", "senders")
-DRAFTS = ("session", "stream", "none")
-LINK_BACKENDS = ("nccl", "gloo")
 # Link ranks (trainer senders + engine workers): far above any cluster (one rank per GPU), and
 # small enough that nothing sized per rank (the store's keys, the engines list) can exhaust memory.
 MAX_LINK_RANKS = 1 << 16
@@ -65,22 +54,6 @@ def from_json(what: str, payload: object) -> Mapping:
     if not isinstance(payload, Mapping):
         raise ValueError(f"{what}: expected a mapping (or its JSON text), got {type(payload).__name__}")
     return payload
-
-
-def auto_mode(trainer_ranks: int, experts_whole: bool) -> tuple[str, str]:
-    """The mode the vLLM backend's ``mode="auto"`` picks (``TrainerSide``) and why, in a few
-    words: many senders ("senders") when there are several trainer ranks and each holds whole
-    experts (every expert stack ``Shard(0)`` over the ranks in order), else "scatter"."""
-    if trainer_ranks > 1 and experts_whole:
-        return "senders", (
-            f"each of the {trainer_ranks} trainer ranks holds whole experts, so each "
-            "quantizes and sends its own"
-        )
-    if trainer_ranks <= 1:
-        return "scatter", "one trainer rank: it sends each engine rank its shard"
-    return "scatter", (
-        "the trainer's shards split experts: one rank gathers each layer and sends each engine rank its shard"
-    )
 
 
 def check_delta(mode: str, checksum: bool) -> None:
@@ -153,12 +126,12 @@ class SyncInit:
             master_port=_field(d, "master_port", int, "the TCP store's port"),
             world_size=_field(d, "world_size", int, "the link's ranks (senders + engine workers)"),
             senders=_field(d, "senders", int, "the trainer ranks that send"),
-            mode=_field(d, "mode", str, f"one of {MODES}"),
+            mode=_field(d, "mode", str, f"one of {TRANSFER_MODES}"),
             link_backend=_field(d, "link_backend", str, f"one of {LINK_BACKENDS}"),
             layer_ids=list(_field(d, "layer_ids", list, "a list of layer indices")),
             rest=_field(d, "rest", bool, "a bool", True),
             draft=_field(d, "draft", str, f"one of {DRAFTS}", "session"),
-            scale_fmt=_field(d, "scale_fmt", (str, type(None)), f"None or one of {SCALE_FMTS}", None),
+            scale_fmt=_field(d, "scale_fmt", (str, type(None)), f"None or one of {SCALE_FORMATS}", None),
             checksum=_field(d, "checksum", bool, "a bool", True),
             ring=_field(d, "ring", int, "an int >= 2", 2),
             timeout_s=_field(d, "timeout_s", (int, float), "seconds", 600.0),
@@ -176,17 +149,24 @@ class SyncInit:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"init_info.master_address: expected a host name, got {self.master_address!r}")
         check_int("init_info.master_port", self.master_port, 1, 65535, " (a TCP port)")
-        check_int("init_info.world_size", self.world_size, 2, MAX_LINK_RANKS,
-                  " (the link's ranks: the senders, then every engine worker)")  # fmt: skip
-        check_int("init_info.senders", self.senders, 1, self.world_size - 1,
-                  f" (the trainer ranks that send, fewer than world_size={self.world_size})")  # fmt: skip
-        for key, allowed in (("mode", MODES), ("draft", DRAFTS), ("link_backend", LINK_BACKENDS)):
+        check_int(
+            "init_info.world_size",
+            self.world_size,
+            2,
+            MAX_LINK_RANKS,
+            " (the link's ranks: the senders, then every engine worker)",
+        )
+        check_int(
+            "init_info.senders",
+            self.senders,
+            1,
+            self.world_size - 1,
+            f" (the trainer ranks that send, fewer than world_size={self.world_size})",
+        )
+        for key, allowed in (("mode", TRANSFER_MODES), ("draft", DRAFTS), ("link_backend", LINK_BACKENDS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"init_info.{key}: expected one of {allowed}, got {getattr(self, key)!r}")
-        if self.scale_fmt not in (None, *SCALE_FMTS):
-            raise ValueError(
-                f"init_info.scale_fmt: expected None or one of {SCALE_FMTS}, got {self.scale_fmt!r}"
-            )
+        check_choice("init_info.scale_fmt", self.scale_fmt, SCALE_FORMATS, also=(None,))
         if not isinstance(self.layer_ids, (list, tuple)):
             raise ValueError(f"init_info.layer_ids: expected a list of layer indices, got {self.layer_ids!r}")
         for k, i in enumerate(self.layer_ids):
@@ -366,29 +346,19 @@ def read_trainer_init(store) -> SyncInit:
 
 
 __all__ = [
-    "DRAFTS",
     "MAX_LINK_RANKS",
-    "MAX_RING",
     "HANDSHAKE_VERSION",
-    "LINK_BACKENDS",
-    "MODES",
     "SESSIONS",
     "SyncInit",
     "SyncUpdate",
     "check_delta",
-    "clear_gate",
     "fleet_layouts",
     "fleet_mtp",
     "fleet_scale_fmt",
     "from_json",
-    "gate_reads",
-    "open_gate",
-    "poll_ready",
     "publish",
-    "publish_ready",
     "publish_trainer_init",
     "read_fleet",
     "read_trainer_init",
     "session_layers",
-    "wait_gate",
 ]

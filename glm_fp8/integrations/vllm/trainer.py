@@ -22,9 +22,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from glm_fp8.config import as_config
-from glm_fp8.errors import GlmFp8Error, LinkLost, ReceiverRefused
-from glm_fp8.integrations.vllm.clients import VllmServer
+from glm_fp8.core.errors import GlmFp8Error, LinkLost, ReceiverRefused
 from glm_fp8.integrations.vllm.fleet_link import (
     FleetCall,
     generation_store,
@@ -36,28 +34,27 @@ from glm_fp8.integrations.vllm.fleet_link import (
     start_sessions,
     wait_ready,
 )
-from glm_fp8.integrations.vllm.gate import GatherGate, gather_go
+from glm_fp8.integrations.vllm.gate import GatherGate, gather_go, open_gate, wait_gate
 from glm_fp8.integrations.vllm.sources import WeightSourceLayers
 from glm_fp8.integrations.vllm.sync import (
     SyncInit,
     SyncUpdate,
-    auto_mode,
     fleet_layouts,
     fleet_scale_fmt,
-    open_gate,
     publish_trainer_init,
     read_fleet,
     read_trainer_init,
     session_layers,
-    wait_gate,
 )
 from glm_fp8.integrations.vllm.trainer_fleet import FleetMembership, draft_decision
-from glm_fp8.integrations.vllm.trainer_options import _DTYPES, TrainerOptions, delta_options
+from glm_fp8.integrations.vllm.trainer_options import GATHER_DTYPES, TrainerOptions, delta_options
 from glm_fp8.integrations.vllm.trainer_source import contribute, trainer_source
-from glm_fp8.models import mtp_layer_index
-from glm_fp8.transfer.delta_carry import KeptCopy, adopt_kept, detach_each
+from glm_fp8.model.config import as_config
+from glm_fp8.model.families import mtp_layer_index
+from glm_fp8.transfer.delta.carry import KeptCopy, adopt_kept, detach_each
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.sender import Sender
+from glm_fp8.transfer.topology import choose_mode
 
 # How long trainer rank 0 waits, after a failed transfer whose error does not say why (an engine
 # rank refused; a transport failed with no rank to name), for the servers' update_weights to say
@@ -155,7 +152,7 @@ class TrainerSide(FleetMembership):
         mode = self.opts.mode
         whole = self.source.experts_whole and self.trainer_ranks > 1
         if mode == "auto":
-            return auto_mode(self.trainer_ranks, self.source.experts_whole)[0]
+            return choose_mode(self.trainer_ranks, self.source.experts_whole)[0]
         if mode == "senders" and not whole:
             raise ValueError(
                 "init_info.mode: 'senders' needs every trainer rank to hold whole experts (each expert stack "
@@ -177,8 +174,12 @@ class TrainerSide(FleetMembership):
         if self.mode == "senders" and isinstance(self.source, WeightSourceLayers):
             self.source.local = True  # each rank reads its own pieces: iter_local
         if self._root is None:
-            self._root = open_store(self.init.master_address, self.init.master_port, master=self.rank == 0,
-                                    timeout_s=self.init.timeout_s)  # fmt: skip
+            self._root = open_store(
+                self.init.master_address,
+                self.init.master_port,
+                master=self.rank == 0,
+                timeout_s=self.init.timeout_s,
+            )
         self.store = generation_store(self._root, self.init.generation)
         if not self.on_link:
             self._adopt(read_trainer_init(self.store))
@@ -217,8 +218,11 @@ class TrainerSide(FleetMembership):
         self.scale_fmt = fleet_scale_fmt(self.fleet, self.init.scale_fmt)
         if self.init.draft == "none":
             return
-        bare = [name or "the engine" for name, first, n in self.init.fleet()
-                if any(self.fleet[r].get("mtp") != self.mtp for r in range(first, first + n))]  # fmt: skip
+        bare = [
+            name or "the engine"
+            for name, first, n in self.init.fleet()
+            if any(self.fleet[r].get("mtp") != self.mtp for r in range(first, first + n))
+        ]
         if not bare:
             return
         if self.opts.draft != "auto":
@@ -227,8 +231,10 @@ class TrainerSide(FleetMembership):
                 "drafter (speculative decoding off); pass draft='none'"
             )
         if self.rank == 0:
-            warnings.warn(f"init_info.draft='auto': {bare} run(s) no MTP drafter; the MTP layer is not sent",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"init_info.draft='auto': {bare} run(s) no MTP drafter; the MTP layer is not sent",
+                stacklevel=3,
+            )
         self.init = replace(self.init, draft="none")
 
     def _adopt(self, leader: SyncInit) -> None:
@@ -267,7 +273,7 @@ class TrainerSide(FleetMembership):
                 rest=rest,
                 ring=self.init.ring,
                 gather=self.opts.gather,
-                gather_dtype=_DTYPES[self.opts.gather_dtype],
+                gather_dtype=GATHER_DTYPES[self.opts.gather_dtype],
                 checksum=self.init.checksum,
                 scale_fmt=self.scale_fmt,
                 engines=self.engines,
@@ -317,9 +323,15 @@ class TrainerSide(FleetMembership):
                 self._contribute(layers, rest_map, ids, gather_go(self.store, self.steps, session))
                 self._await_outcome(self.steps, session)
                 out.append(
-                    {"session": session, "seconds": time.perf_counter() - t0, "bytes": 0, "sender": False,
-                     "delivered_bytes": 0, "update_bytes": None}
-                )  # fmt: skip
+                    {
+                        "session": session,
+                        "seconds": time.perf_counter() - t0,
+                        "bytes": 0,
+                        "sender": False,
+                        "delivered_bytes": 0,
+                        "update_bytes": None,
+                    }
+                )
                 continue
             out.append(self._update(session, layers, rest_map, len(ids)))
         self.source.drain()
@@ -335,7 +347,7 @@ class TrainerSide(FleetMembership):
             ids,
             config=self.config,
             gather=self.opts.gather,
-            gather_dtype=_DTYPES[self.opts.gather_dtype],
+            gather_dtype=GATHER_DTYPES[self.opts.gather_dtype],
             device=self.device,
             go=go,
         )
@@ -364,9 +376,11 @@ class TrainerSide(FleetMembership):
             # for this account before raising.
             store, init = self.store, self.init
             call = FleetCall(
-                self.servers, "update_weights", [(SyncUpdate(session, step).to_dict(),)] * len(self.servers),
+                self.servers,
+                "update_weights",
+                [(SyncUpdate(session, step).to_dict(),)] * len(self.servers),
                 on_failure=lambda c: publish_failure(store, step, session, str(c.error(init))),
-            )  # fmt: skip
+            )
             wait_ready(self.store, step, session, self.init, call)
         except BaseException as exc:
             # Every other rank waits at the gate: it raises this at once, and nothing moves.
@@ -391,8 +405,9 @@ class TrainerSide(FleetMembership):
             names = name_ranks(exc, self.init)
             if err is None and not own:
                 late = [s.name for s, t in zip(self.servers, call.threads) if t.is_alive()]
-                err = RuntimeError(f"no server's update_weights said why within {wait:g} s; "
-                                   f"still running on {late}")  # fmt: skip
+                err = RuntimeError(
+                    f"no server's update_weights said why within {wait:g} s; still running on {late}"
+                )
             if err is not None and hasattr(exc, "add_note"):
                 exc.add_note(f"the engine's update_weights raised: {err}")
             # This rank's own error first: a trainer's NaN is the trainer's, whatever the servers say.
@@ -434,9 +449,14 @@ class TrainerSide(FleetMembership):
 
 def _stats(session: str, stats) -> dict:
     """What ``send()`` returns for one session on a rank of the link (see ``TrainerSide.send``)."""
-    return {"session": session, "seconds": stats.seconds, "bytes": stats.nbytes, "sender": True,
-            "delivered_bytes": stats.delivered_nbytes,
-            "update_bytes": sum(s.layer_nbytes for s in stats.layers)}  # fmt: skip
+    return {
+        "session": session,
+        "seconds": stats.seconds,
+        "bytes": stats.nbytes,
+        "sender": True,
+        "delivered_bytes": stats.delivered_nbytes,
+        "update_bytes": sum(s.layer_nbytes for s in stats.layers),
+    }
 
 
-__all__ = ["VllmServer", "TrainerOptions", "TrainerSide"]
+__all__ = ["TrainerSide"]

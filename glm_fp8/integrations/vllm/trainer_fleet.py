@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+from glm_fp8.core.errors import LinkLost, UpdateAborted
 from glm_fp8.integrations.vllm.clients import VllmServer, client_kind, draft_starter
 from glm_fp8.integrations.vllm.fleet_link import FleetCall, link_broke
 from glm_fp8.integrations.vllm.gate import (
@@ -22,7 +23,6 @@ from glm_fp8.integrations.vllm.gate import (
     publish_outcome,
     wait_outcome,
 )
-from glm_fp8.transfer.wire import LinkLost, UpdateAborted
 
 # How long trainer rank 0 waits for a removed server to release its link before going on without
 # its answer (a dead server never answers).

@@ -9,21 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm_fp8._checks import check_int, check_seconds
+from glm_fp8.core.checks import check_int, check_seconds
+from glm_fp8.core.vocab import DRAFTS, GATHERS, KEPT_COPIES, LINK_BACKENDS, TRANSFER_MODES, check_choice
 from glm_fp8.integrations.vllm.clients import VllmServer
-from glm_fp8.integrations.vllm.sync import (
-    DRAFTS,
-    LINK_BACKENDS,
-    MAX_LINK_RANKS,
-    MAX_RING,
-    MODES,
-    check_delta,
-)
-from glm_fp8.transfer.delta_send import DeltaOptions
-from glm_fp8.transfer.delta_versions import KEPT
-from glm_fp8.transfer.gather import GATHERS
+from glm_fp8.integrations.vllm.sync import MAX_LINK_RANKS, check_delta
+from glm_fp8.transfer.options import MAX_RING, DeltaOptions
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
+GATHER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
 
 
 @dataclass
@@ -88,28 +80,35 @@ class TrainerOptions:
         check_int("init_info.master_port", self.master_port, 1, 65535, " (a TCP port)")
         self.servers(None)  # each server's workers and name
         if self.trainer_ranks is not None:
-            check_int("init_info.trainer_ranks", self.trainer_ranks, 1, MAX_LINK_RANKS - 1,
-                      " (or None: torch.distributed's world size)")  # fmt: skip
+            check_int(
+                "init_info.trainer_ranks",
+                self.trainer_ranks,
+                1,
+                MAX_LINK_RANKS - 1,
+                " (or None: torch.distributed's world size)",
+            )
         check_int("init_info.rank", self.rank, 0, MAX_LINK_RANKS - 1, " (this trainer rank)")
-        if self.mode not in ("auto", *MODES):
-            raise ValueError(f"init_info.mode: expected 'auto' or one of {MODES}, got {self.mode!r}")
-        if self.draft not in ("auto", *DRAFTS):
-            raise ValueError(f"init_info.draft: expected 'auto' or one of {DRAFTS}, got {self.draft!r}")
+        check_choice("init_info.mode", self.mode, TRANSFER_MODES, also=("auto",))
+        check_choice("init_info.draft", self.draft, DRAFTS, also=("auto",))
         if self.link_backend not in ("auto", *LINK_BACKENDS):
             raise ValueError(
                 f"init_info.link_backend: expected 'auto' or one of {LINK_BACKENDS}, got "
                 f"{self.link_backend!r}"
             )
-        if self.gather not in GATHERS:
-            raise ValueError(f"init_info.gather: expected one of {GATHERS}, got {self.gather!r}")
-        if self.gather_dtype not in _DTYPES:
+        check_choice("init_info.gather", self.gather, GATHERS)
+        if self.gather_dtype not in GATHER_DTYPES:
             raise ValueError(
-                f"init_info.gather_dtype: expected one of {list(_DTYPES)}, got {self.gather_dtype!r}"
+                f"init_info.gather_dtype: expected one of {list(GATHER_DTYPES)}, got {self.gather_dtype!r}"
             )
         if not isinstance(self.checksum, bool):
             raise ValueError(f"init_info.checksum: expected True or False, got {self.checksum!r}")
-        check_int("init_info.ring", self.ring, 2, MAX_RING,
-                  " (layer buffers per rank: 2 overlap each layer with the wire)")  # fmt: skip
+        check_int(
+            "init_info.ring",
+            self.ring,
+            2,
+            MAX_RING,
+            " (layer buffers per rank: 2 overlap each layer with the wire)",
+        )
         check_seconds("init_info.timeout_s", self.timeout_s)
         self._check_delta()
 
@@ -118,15 +117,19 @@ class TrainerOptions:
         if not isinstance(self.delta, bool):
             raise ValueError(f"init_info.delta: expected True or False, got {self.delta!r}")
         if self.delta_resync_every is not None:
-            check_int("init_info.delta_resync_every", self.delta_resync_every, 1, None,
-                      " (every N-th update dense) or None")  # fmt: skip
+            check_int(
+                "init_info.delta_resync_every",
+                self.delta_resync_every,
+                1,
+                None,
+                " (every N-th update dense) or None",
+            )
             if not self.delta:
                 raise ValueError(
                     f"init_info.delta_resync_every: {self.delta_resync_every!r} without delta=True; "
                     "pass delta=True, or leave it None"
                 )
-        if self.delta_kept not in KEPT:
-            raise ValueError(f"init_info.delta_kept: expected one of {KEPT}, got {self.delta_kept!r}")
+        check_choice("init_info.delta_kept", self.delta_kept, KEPT_COPIES)
         if self.delta_kept != "gpu" and not self.delta:
             raise ValueError(f"init_info.delta_kept: {self.delta_kept!r} without delta=True; pass delta=True")
         if self.delta:
@@ -164,14 +167,24 @@ class TrainerOptions:
                 f"{len(counts)} clients in the same order, got {type(client).__name__}"
             )
         for k, (name, count) in enumerate(zip(names, counts)):
-            check_int("init_info.engine_ranks" + ("" if one else f"[{k}]"), count, 1, MAX_LINK_RANKS - 1,
-                      " (the engine workers: every GPU of the engine and its DP replicas)")  # fmt: skip
+            check_int(
+                "init_info.engine_ranks" + ("" if one else f"[{k}]"),
+                count,
+                1,
+                MAX_LINK_RANKS - 1,
+                " (the engine workers: every GPU of the engine and its DP replicas)",
+            )
             if not isinstance(name, str) or not name:
                 raise ValueError(f"init_info.server_names[{k}]: expected a non-empty string, got {name!r}")
         servers = [VllmServer(n, c, cl) for n, c, cl in zip(names, counts, clients)]
         total = sum(s.engine_ranks for s in servers)
-        check_int("init_info.engine_ranks", total, 1, MAX_LINK_RANKS - 1,
-                  " (the engine workers of every server together)")  # fmt: skip
+        check_int(
+            "init_info.engine_ranks",
+            total,
+            1,
+            MAX_LINK_RANKS - 1,
+            " (the engine workers of every server together)",
+        )
         return servers
 
 
@@ -183,4 +196,4 @@ def delta_options(opts: TrainerOptions) -> DeltaOptions | None:
     return DeltaOptions(resync_every=None if every is None else int(every), kept=opts.delta_kept)
 
 
-__all__ = ["TrainerOptions", "delta_options"]
+__all__ = ["GATHER_DTYPES", "TrainerOptions", "delta_options"]

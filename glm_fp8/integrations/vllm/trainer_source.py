@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from glm_fp8._checks import check_int
+from glm_fp8.core.checks import check_int
 from glm_fp8.integrations.vllm.sources import LayerSource, WeightSourceLayers
-from glm_fp8.models import REST
+from glm_fp8.model.families import REST
 from glm_fp8.transfer.gather import contribute_shards
 
 

@@ -15,15 +15,15 @@ from types import SimpleNamespace
 
 import torch
 
-from glm_fp8.config import as_config
+from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.postload import PostLoadPlan, apply_postload_, postload_inverse
-from glm_fp8.engine.specs import engine_param_specs, engine_params, mtp_layer_index
-from glm_fp8.errors import EngineNotSupported
-from glm_fp8.models import REST, model_layer_ids
-from glm_fp8.plan import plans_for_model
-from glm_fp8.transfer.delta_carry import HeldCopy, adopt_held, detach_held
-from glm_fp8.transfer.delta_receive import check_receiver_delta
+from glm_fp8.engine.specs import engine_param_specs, engine_params
+from glm_fp8.model.config import as_config
+from glm_fp8.model.families import REST, model_layer_ids, mtp_layer_index
+from glm_fp8.model.plans import plans_for_model
+from glm_fp8.transfer.delta.carry import HeldCopy, adopt_held, detach_held
+from glm_fp8.transfer.delta.receive import check_receiver_delta
 from glm_fp8.transfer.receiver import Receiver
 
 # --- the parameters -------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class EngineUpdater:
 
     def drop_link(self) -> None:
         """The link is gone (a new generation of the fleet): drop its receivers, keeping what each
-        delta session holds for the next link's (``glm_fp8.transfer.delta_carry``). The parameters
+        delta session holds for the next link's (``glm_fp8.transfer.delta.carry``). The parameters
         stay; a byte rewritten meanwhile fails its layer's checksum and is resent dense."""
         for (session, _), receiver in self._receivers.items():
             if receiver.delta is not None:
@@ -215,10 +215,16 @@ class EngineUpdater:
         ids = [*self.full_layer_ids, REST]
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         landing = SimpleNamespace(
-            senders=[0], wire="fp8", checksum=True, full=False, layout=self.layout, rank=None, layer_ids=ids,
+            senders=[0],
+            wire="fp8",
+            checksum=True,
+            full=False,
+            layout=self.layout,
+            rank=None,
+            layer_ids=ids,
             plans=plans_for_model(self.config, "fp8", layer_ids=ids, scale_fmt=fmt),
             targets={p.kernel_name: p for p in engine_params(self.config, self.layout).values()},
-        )  # fmt: skip
+        )
         try:
             check_receiver_delta(landing)
         except ValueError as exc:
@@ -350,4 +356,4 @@ class EngineUpdater:
         return ran
 
 
-__all__ = ["EngineNotSupported", "EngineParams", "EngineUpdater", "collect_params"]
+__all__ = ["EngineParams", "EngineUpdater", "collect_params"]

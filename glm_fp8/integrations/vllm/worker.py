@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from glm_fp8._checks import check_int
+from glm_fp8.core.checks import check_int
 from glm_fp8.integrations.vllm.fleet_link import open_link
+from glm_fp8.integrations.vllm.gate import publish_ready, wait_gate
 from glm_fp8.integrations.vllm.sync import (
     MAX_LINK_RANKS,
     SyncInit,
@@ -26,10 +27,8 @@ from glm_fp8.integrations.vllm.sync import (
     fleet_mtp,
     fleet_scale_fmt,
     publish,
-    publish_ready,
     read_fleet,
     session_layers,
-    wait_gate,
 )
 from glm_fp8.integrations.vllm.updater import EngineUpdater
 from glm_fp8.transfer.link import StoreLink

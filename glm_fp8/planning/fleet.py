@@ -1,0 +1,196 @@
+"""A fleet of vLLM servers behind one trainer: ``Server`` (one vLLM server's parallel layout, how
+many replicas of it run, its NIC) and ``Fleet`` (the trainer's GPUs and NIC, the servers), what
+``glm_fp8.planning.update_time`` predicts an update for and ``glm-fp8 plan`` sizes (docs/update_time.md).
+
+A vLLM server's ranks are TP x DP; with expert parallelism on, its EP size is TP x DP (vLLM's
+rule: the whole flattened MoE group). The fleet's engine ranks, in link order after the trainer's:
+server by server, replica by replica, each replica in vLLM's MoE-group order
+(``EngineLayout.all_ranks``). Named fleets: ``glm_fp8.model.presets.FLEETS``, built by ``fleet_preset``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from glm_fp8.core.checks import check_int
+from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.model.presets import FLEETS
+
+
+def _check_gbps(name: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name}: expected a finite number > 0 (Gb/s per GPU), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Server:
+    """One vLLM server: ``tp`` (``--tensor-parallel-size``), ``dp`` (``--data-parallel-size``),
+    ``ep`` (``--enable-expert-parallel``: experts split by EP over TP x DP ranks, else by MoE TP),
+    ``replicas`` (servers of this layout), ``name`` (None: "server K" by position in the fleet) and
+    ``link_gbps`` (each of its GPUs' NIC; None: the fleet's ``link_gbps``)."""
+
+    tp: int
+    dp: int = 1
+    ep: bool = False
+    replicas: int = 1
+    name: str | None = None
+    link_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "dp", "replicas"):
+            # plain ints: a fleet is written as JSON (check_int takes numpy's and torch's too)
+            object.__setattr__(self, field, check_int(f"Server.{field}", getattr(self, field), 1))
+        if not isinstance(self.ep, bool):
+            raise ValueError(
+                f"Server.ep: expected True or False (vLLM's --enable-expert-parallel), got {self.ep!r}"
+            )
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ValueError(f"Server.name: expected None or a non-empty string, got {self.name!r}")
+        if self.link_gbps is not None:
+            object.__setattr__(self, "link_gbps", _check_gbps("Server.link_gbps", self.link_gbps))
+
+    @property
+    def ranks(self) -> int:
+        """One replica's ranks: TP x DP."""
+        return self.tp * self.dp
+
+    def layouts(self) -> list[EngineLayout]:
+        """One replica's ranks, in vLLM's MoE-group order."""
+        return EngineLayout.all_ranks(self.tp, self.dp, self.ep)
+
+    def describe(self) -> str:
+        """ "TP 8 x DP 4, EP 32" or "TP 8 x DP 1, MoE TP 8"."""
+        experts = f"EP {self.ranks}" if self.ep else f"MoE TP {self.ranks}"
+        return f"TP {self.tp} x DP {self.dp}, {experts}"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Trainer GPUs, the vLLM servers they update, and each GPU's NIC (``link_gbps``: every trainer
+    GPU's, and every server GPU's where its ``Server.link_gbps`` is None).
+
+    Two ways to give the servers: ``servers`` (a sequence of ``Server``, or mappings of its fields),
+    or the one-layout form ``engines`` replicas of ``engine_tp`` x ``engine_dp`` (``engine_ep``),
+    which means ``servers=(Server(engine_tp, engine_dp, engine_ep, engines),)`` (defaults: 1
+    replica of TP 8 x DP 1 without EP). Not both. When every server has the same layout the
+    ``engine_*`` fields read that layout (``engines``: all the replicas), else None.
+
+    ``experts_whole``: the trainer's shards hold whole experts (FSDP2 or expert parallel,
+    ``Shard(0)`` on the expert dim), so each rank can quantize and send its own experts (many
+    senders); else the expert stacks are gathered like every other tensor and many senders do
+    not apply.
+    """
+
+    trainer_gpus: int
+    engines: int | None = None
+    engine_tp: int | None = None
+    engine_dp: int | None = None
+    engine_ep: bool | None = None
+    link_gbps: float = 400.0
+    experts_whole: bool = True
+    servers: tuple[Server, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trainer_gpus", check_int("Fleet.trainer_gpus", self.trainer_gpus, 1))
+        object.__setattr__(self, "link_gbps", _check_gbps("Fleet.link_gbps", self.link_gbps))
+        one = {"engines": self.engines, "engine_tp": self.engine_tp, "engine_dp": self.engine_dp}
+        for k, v in one.items():
+            if v is not None:
+                one[k] = check_int(f"Fleet.{k}", v, 1)
+        given = {**one, "engine_ep": None if self.engine_ep is None else bool(self.engine_ep)}
+        if self.servers:
+            if isinstance(self.servers, (str, bytes, Mapping)):
+                raise ValueError(f"Fleet.servers: expected a sequence of Server, got {self.servers!r}")
+            servers = tuple(s if isinstance(s, Server) else Server(**s) for s in self.servers)
+        else:
+            servers = (
+                Server(
+                    one["engine_tp"] or 8, one["engine_dp"] or 1, bool(self.engine_ep), one["engines"] or 1
+                ),
+            )
+        names = [s.name for s in servers if s.name is not None]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Fleet.servers: expected distinct server names, got {names}")
+        object.__setattr__(self, "servers", servers)
+        # The one-layout view: what engines / engine_tp / engine_dp / engine_ep read (None when the
+        # servers differ). Given alongside servers= (dataclasses.replace, a fleet read back from
+        # JSON) they must agree with it.
+        shapes = {(s.tp, s.dp, s.ep) for s in servers}
+        tp, dp, ep = next(iter(shapes)) if len(shapes) == 1 else (None, None, None)
+        view = {
+            "engines": sum(s.replicas for s in servers) if tp else None,
+            "engine_tp": tp,
+            "engine_dp": dp,
+            "engine_ep": ep,
+        }
+        clash = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != view[k]]
+        if self.servers and clash:
+            raise ValueError(
+                f"Fleet.servers: given with {', '.join(clash)}, which the servers contradict; describe "
+                "the servers with servers= or one layout with engines / engine_tp / engine_dp / "
+                "engine_ep, not both"
+            )
+        for k, v in view.items():
+            object.__setattr__(self, k, v)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """A trainer GPU's NIC, bytes/s."""
+        return self.link_gbps * 1e9 / 8
+
+    def server_link_bytes_per_s(self, k: int) -> float:
+        """A GPU of server ``k``'s NIC, bytes/s."""
+        return (self.servers[k].link_gbps or self.link_gbps) * 1e9 / 8
+
+    def server_names(self) -> list[str]:
+        return [s.name or f"server{k}" for k, s in enumerate(self.servers)]  # the vLLM backend's default too
+
+    def layouts(self) -> list[EngineLayout]:
+        """One replica of each server, server by server: every distinct engine rank (replicas hold
+        the same shards). With one server: one engine's ranks."""
+        return [lay for s in self.servers for lay in s.layouts()]
+
+    def distinct_ranges(self) -> list[range]:
+        """Each server's ranks in ``layouts()``."""
+        out, start = [], 0
+        for s in self.servers:
+            out.append(range(start, start + s.ranks))
+            start += s.ranks
+        return out
+
+    def engine_layouts(self) -> list[EngineLayout]:
+        """Every engine rank of the fleet in link order: server by server, replica by replica."""
+        return [lay for s in self.servers for _ in range(s.replicas) for lay in s.layouts()]
+
+    def engine_ranges(self) -> list[range]:
+        """Each server's ranks (all its replicas) in ``engine_layouts()``."""
+        out, start = [], 0
+        for s in self.servers:
+            out.append(range(start, start + s.ranks * s.replicas))
+            start += s.ranks * s.replicas
+        return out
+
+    @property
+    def engine_ranks(self) -> int:
+        """Every replica's ranks."""
+        return sum(s.ranks * s.replicas for s in self.servers)
+
+
+def fleet_preset(name: str, **overrides: object) -> Fleet:
+    """The named fleet of ``glm_fp8.model.presets.FLEETS`` ("prime-rl-glm-5.2", "glm-5-4xep8"), its
+    fields replaced by ``overrides`` (e.g. ``trainer_gpus=64``, ``link_gbps=200``)."""
+    if name not in FLEETS:
+        raise ValueError(f"fleet: expected one of {sorted(FLEETS)}, got {name!r}")
+    spec = FLEETS[name]
+    fleet = Fleet(spec["trainer_gpus"], link_gbps=spec["link_gbps"], servers=spec["servers"])
+    return replace(fleet, **overrides) if overrides else fleet
+
+
+__all__ = ["Fleet", "Server", "fleet_preset"]

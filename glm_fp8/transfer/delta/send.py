@@ -1,0 +1,263 @@
+"""The sender's side of a delta update (docs/delta.md#in-the-transfer): its kept copy of every
+segment it last sent, the versions exchange, and per layer either today's dense segments or, for
+each segment, its counts message and payload (``glm_fp8.transfer.delta.segments``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from glm_fp8.transfer.delta.segments import LayerSizes, SegmentDelta, delta_to, exchange_versions, zero_gaps
+from glm_fp8.transfer.delta.versions import NONE, KeptVersions
+from glm_fp8.transfer.delta.wire import pack_bytes_delta
+from glm_fp8.transfer.endpoint import Ring, Side, on_stream
+from glm_fp8.transfer.options import DeltaOptions
+
+
+class SenderDelta:
+    """A sender's delta state across updates: per (layer position, its segment) the bytes it last
+    sent (``kept``, persistent: the sender's whole share), their versions, the update counter.
+
+    The ``Sender`` owns one and calls it at fixed points of each update (``begin``; per layer
+    ``zero_gaps``, ``compare``, ``send``; ``resend`` / ``resends`` / ``restore`` for a layer to send
+    again, dense). It is given what it uses of the sender at construction: the sender's ``Side``,
+    its index among the senders (``me``), its two rings (the conversion slots and the send slots,
+    whose buffers the dense segments are read from), its conversion stream and checksum scratch.
+    """
+
+    def __init__(
+        self,
+        side: Side,
+        options: DeltaOptions,
+        *,
+        me: int,
+        conv_ring: Ring,
+        send_ring: Ring | None,
+        convert_stream: torch.cuda.Stream | None,
+        scratch: torch.Tensor,
+    ):
+        self.side, self.options, self.me = side, options, me
+        self.conv_ring, self.send_ring = conv_ring, send_ring
+        self.convert_stream, self.scratch = convert_stream, scratch
+        n = len(side.routes.layers)
+        self.versions = KeptVersions(n)
+        # Update numbers start at the clock, so that a rebuilt Sender never reuses one an engine
+        # rank may still hold from its predecessor; the senders agree on the largest proposed.
+        self.proposal, self.count, self.update = time.time_ns(), 0, NONE
+        self.segs = [[SegmentDelta.of(seg) for seg in lay.of_sender(me)] for lay in side.routes.layers]
+        self.kept: list[list[torch.Tensor] | None] = [None] * n
+        self.host = options.kept == "host"
+        sizes = [LayerSizes.of(segs) for segs in self.segs]
+        self.stage_nbytes = max((x.data for x in sizes), default=0) if self.host else 0
+        self.stage: torch.Tensor | None = None
+        # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
+        self.backend = "torch" if side.device.type == "cpu" else None
+        self.is_delta = [False] * n  # some engine rank takes the layer as a delta
+        self.fresh: list[frozenset[int]] = [frozenset()] * n  # which ones (delta_plan.delta_layers)
+        self.buf_nbytes = max((x.messages + x.bounds for x in sizes), default=0)
+        self.bufs: list[torch.Tensor | None] = [None] * conv_ring.size
+        self.lengths_host: list[torch.Tensor | None] = [None] * conv_ring.size
+        self.ready: dict[int, tuple[list, tuple]] = {}  # per layer: messages, their lengths
+        self.sent: dict[int, int] = {}
+        self.delivered: dict[int, int] = {}
+        self.resent: set[int] = set()
+
+    def begin(self) -> None:
+        """Before the first layer: the versions exchange, every layer's step (delta or dense)."""
+        self.count += 1
+        resync = self.options.resync_every is not None and (self.count - 1) % self.options.resync_every == 0
+        row = [NONE if resync else k for k in self.versions.kept] + [self.proposal]
+        self.update, self.fresh = exchange_versions(self.side, row)
+        self.is_delta = [bool(f) for f in self.fresh]
+        self.proposal = max(self.proposal, self.update + 1)
+        self.ready.clear()
+        self.sent.clear()
+        self.delivered.clear()
+        self.resent.clear()
+
+    def resend(self, pos: int) -> None:
+        """Layer ``pos``'s vote was RESEND_DENSE: an engine rank's rebuilt and changed segment
+        differed from its checksum; the layer goes again, dense, after the last layer."""
+        self.resent.add(pos)
+
+    def resends(self) -> list[int]:
+        """The layers to send again, dense (in order): from now on their steps are dense ones."""
+        for pos in self.resent:
+            self.is_delta[pos], self.fresh[pos] = False, frozenset()
+        return sorted(self.resent)
+
+    def restore(self, pos: int) -> torch.cuda.Event | None:
+        """Before resending ``pos`` dense: its segments' data bytes from the kept copy (which this
+        update's comparison moved to the new bytes: the dense segments' own) and their checksum
+        words, into the ring slots the dense send reads (conversion stream; its event, on CUDA)."""
+        s = self
+        conv, ci = s.conv_ring.slot(pos)
+        out, pi = s.send_ring.slot(pos) if s.send_ring is not None else (None, 0)
+        with on_stream(s.convert_stream):
+            s.conv_ring.wait_free(ci, s.convert_stream)
+            if out is not None:
+                s.send_ring.wait_free(pi, s.convert_stream)
+            for seg, kept in zip(self.side.routes.layers[pos].of_sender(self.me), self.kept[pos]):
+                region = (conv if seg.direct else out[seg.send_offset :])[: seg.nbytes]
+                region[: kept.numel()].copy_(kept, non_blocking=True)
+                seg.seal(region, s.scratch)
+            if s.convert_stream is None:
+                return None
+            ready = torch.cuda.Event()
+            ready.record(s.convert_stream)
+            return ready
+
+    def zero_gaps(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Zero the bytes between pieces of this sender's segments of ``pos``, before their
+        checksums are taken (both ends then hold zeros there)."""
+        for seg in self.side.routes.layers[pos].of_sender(self.me):
+            zero_gaps(conv if seg.direct else out[seg.send_offset :], seg)
+
+    def compare(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+        """After the layer was converted and packed (checksum words written): a delta step packs
+        the changes of each segment some rank takes as a delta against the kept copy (which
+        ``pack_bytes_delta`` moves to the new bytes), queued behind the conversion with no host
+        read; the other segments, and every segment of a dense step, copy the new bytes into the
+        kept copy."""
+        lay = self.side.routes.layers[pos]
+        segs = lay.of_sender(self.me)
+        datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
+        if self.kept[pos] is None:
+            self.kept[pos] = [self._new_kept(seg.data_nbytes) for seg in segs]
+        kept = self.kept[pos]
+        self.versions.kept[pos] = NONE  # until the copy below is whole
+        if not self.is_delta[pos]:
+            for k, data in zip(kept, datas):
+                k.copy_(data[: k.numel()], non_blocking=True)
+            self.versions.compared(pos, self.update)
+            return
+        staged = self._stage_in(kept) if self.host else kept
+        buf = self._buf(pos)
+        at, msgs, lengths = 0, [], []
+        for seg, sd, data, k in zip(segs, self.segs[pos], datas, staged):
+            msg = buf[at : at + sd.message_nbytes]
+            payload = buf[at + sd.message_nbytes : at + sd.message_nbytes + sd.bound]
+            at += sd.message_nbytes + sd.bound
+            if not delta_to(lay, seg, self.fresh[pos]):  # every rank of it takes it dense
+                k.copy_(data[: k.numel()])
+                msgs.append((msg, None))
+                continue
+            words = sd.words(msg)
+            # No host read here: the lengths are read once for the layer, when it is sent.
+            pack_bytes_delta(
+                sd.views(data),
+                sd.views(k),
+                sd.pieces,
+                sd.counts(msg),
+                words[:1],
+                payload,
+                backend=self.backend,
+            )
+            words[1].copy_(seg.checksum_word(data))
+            msgs.append((msg, payload))
+            lengths.append(words[:1])
+        if self.host:  # the staged copy now holds the new bytes: back to the host, stream-ordered
+            for k, st in zip(kept, staged):
+                k.copy_(st, non_blocking=True)
+        self.versions.compared(pos, self.update)
+        self.ready[pos] = (msgs, self._lengths(pos, lengths))
+
+    def _lengths(self, pos: int, lengths: list[torch.Tensor]) -> tuple[torch.Tensor | None, object]:
+        """The layer's payload lengths (int64 [1] each, on the device) on their way to the host:
+        a pinned buffer of the ring slot's and the event that tells they are there (CUDA)."""
+        if not lengths or self.convert_stream is None:
+            return (torch.cat(lengths) if lengths else None), None
+        i = pos % len(self.lengths_host)
+        if self.lengths_host[i] is None:
+            n = max(len(segs) for segs in self.segs)
+            self.lengths_host[i] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        host = self.lengths_host[i][: len(lengths)]
+        host.copy_(torch.cat(lengths), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.convert_stream)
+        return host, event
+
+    def _new_kept(self, nbytes: int) -> torch.Tensor:
+        if not self.host:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.side.device)
+        # Pinned, so that the copies in and out are asynchronous (pinning needs CUDA).
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def _stage_in(self, kept: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A layer's host-kept copy in the GPU staging buffer (one, reused layer after layer: the
+        copies and the comparison are ordered on the conversion stream)."""
+        if self.stage is None:
+            self.stage = torch.empty(self.stage_nbytes, dtype=torch.uint8, device=self.side.device)
+        out, at = [], 0
+        for k in kept:
+            st = self.stage[at : at + k.numel()]
+            st.copy_(k, non_blocking=True)
+            out.append(st)
+            at += k.numel()
+        return out
+
+    def _buf(self, pos: int) -> torch.Tensor:
+        i = pos % len(self.bufs)
+        if self.bufs[i] is None:
+            self.bufs[i] = torch.empty(self.buf_nbytes, dtype=torch.uint8, device=self.side.device)
+        return self.bufs[i]
+
+    def send(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Post a delta step's messages (link stream) as the dense segments travel: to each rank
+        that takes a segment as a delta (``delta_to``) its counts message, then its payload (none
+        when empty), to the others the dense segment (``conv`` / ``out``: the ring slots); the
+        group broadcasts in class order (every counts message or dense segment, then the payloads),
+        then one exchange of the counts messages and dense segments and one of the payloads. A
+        step that did not convert sends no change and its stale checksum word: its vote refuses
+        it."""
+        s = self.side
+        lay = s.routes.layers[pos]
+        msgs, (lengths, event) = self.ready.pop(pos, (None, (None, None)))
+        if msgs is None:
+            msgs = []
+            for sd in self.segs[pos]:
+                msg = torch.zeros(sd.message_nbytes, dtype=torch.uint8, device=s.device)
+                msgs.append((msg, msg[:0]))
+        else:
+            if event is not None:
+                event.synchronize()  # the layer's one host read: its payloads' lengths
+            ns = iter(lengths.tolist() if lengths is not None else ())
+            msgs = [(msg, msg[:0] if payload is None else payload[: next(ns)]) for msg, payload in msgs]
+        first, payloads, group_payloads, sent, delivered = [], [], [], 0, 0
+        for seg, (msg, payload) in zip(lay.of_sender(self.me), msgs):
+            to = delta_to(lay, seg, self.fresh[pos])
+            data = conv[: seg.nbytes] if seg.direct else out[seg.send_offset : seg.send_offset + seg.nbytes]
+            if seg.group is not None:
+                part = msg if to else data
+                s.link.group_broadcast(part, s.rank, seg.group)
+                sent += part.numel()
+                delivered += part.numel() * (len(seg.group) - 1)
+                group_payloads += [(payload, seg.group)] if to and payload.numel() else []
+                continue
+            for r in lay.classes[seg.cls]:
+                first.append((msg if r in to else data, r))
+                payloads += [(payload, r)] if r in to and payload.numel() else []
+                n = msg.numel() + payload.numel() if r in to else data.numel()
+                sent, delivered = sent + n, delivered + n
+        for payload, group in group_payloads:  # after every counts message: a receiver reads them at once
+            s.link.group_broadcast(payload, s.rank, group)
+            sent += payload.numel()
+            delivered += payload.numel() * (len(group) - 1)
+        s.link.exchange(first, [])
+        s.link.exchange(payloads, [])
+        self.sent[pos], self.delivered[pos] = sent, delivered
+
+    def sent_nbytes(self, pos: int) -> int:
+        """What this sender put on the link for ``pos``: its delta messages, or the dense segments."""
+        return self.sent[pos] if pos in self.sent else self.side.routes.layers[pos].sent_nbytes(self.me)
+
+    def delivered_nbytes(self, pos: int) -> int:
+        """What the engine ranks received of this sender for ``pos`` (a group broadcast once per
+        receiving rank): its delta messages, or the dense segments."""
+        if pos in self.delivered:
+            return self.delivered[pos]
+        return self.side.routes.layers[pos].delivered_nbytes(self.me)
+
+
+__all__ = ["SenderDelta"]

@@ -1,0 +1,120 @@
+"""The standalone benchmark scripts whose figures bench/RESULTS.md quotes still run, on a tiny
+model on the CPU (``--device cpu --model tiny``), and their own byte checks pass: the sender's
+first layer against the reference, the engine rank's every parameter. Nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "scripts" / script),
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+DELTA_ARGS = "--delta-lr 1e-5 --delta-steps 1 --delta-step sign adam --profile 4".split()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--mode", "broadcast"),
+        # with delta updates after the dense row (#33), after both stand-in steps: their own rows,
+        # their host profile and the kept copy's check
+        ("--mode", "scatter", "--tp", "2", *DELTA_ARGS),
+        ("--mode", "senders", "--tp", "2", "--ep", "--senders", "2", "--master", "bf16", "fp32"),
+        # a fleet: servers of different layouts in one link (#32)
+        ("--mode", "scatter", "--servers", "2xTP2", "EP2", "TP2xDP2"),
+        ("--mode", "senders", "--senders", "2", "--servers", "TP2", "2xEP2"),
+    ],
+)
+def test_pipeline_script_checks_its_bytes(args):
+    out = _run("pipeline.py", "--layers", "2", "--repeats", "1", *args)
+    profile = [ln for ln in out.splitlines() if ln.startswith("prof| ")]
+    out = "".join(ln + "\n" for ln in out.splitlines() if not ln.startswith("prof| "))
+    assert bool(profile) == ("--profile" in args) and ("sender.py" in "".join(profile) or not profile), out
+    checks = re.findall(r"\b(\d+)/(\d+)\s", out)
+    assert checks, out
+    assert all(int(checked) > 0 and int(differ) == 0 for checked, differ in checks), out
+    if "broadcast" not in args:
+        # The link carried the model's wire bytes plus the protocol's own words (prelude, votes).
+        ratios = [float(r) for r in re.findall(r"\s(\d+\.\d{5})\s+\d+/\d+\s", out)]
+        assert ratios and all(1 <= r < 1.05 for r in ratios), out
+    if "--delta-lr" in args:
+        # every layer went as a delta, on fewer bytes than the dense update; the kept copy of layer
+        # 0 was checked against the reference of the final masters (above: N/0) beside the dense one
+        rows = [ln for ln in out.split("delta updates", 1)[1].splitlines() if ln.startswith("scatter")]
+        assert len(rows) == 2 and all(" 2 of 2 " in r for r in rows) and len(checks) == 2, out
+        wires = [tuple(map(float, re.search(r"\s(\d+\.\d{3}) \((\d+\.\d{3})\)\s", r).groups())) for r in rows]
+        assert all(0 < median <= most < 100 for median, most in wires), out
+        # Adam's warm step moves a typical weight by a fifth of the sign step's lr: fewer changes
+        assert " sign " in rows[0] and " adam " in rows[1] and wires[1][0] < wires[0][0], out
+
+
+def test_engine_rank_script_lands_every_parameter():
+    # with delta updates after the dense ones (#33), in the same run: its own table
+    out = _run("engine_rank.py", "--layers", "2", "--tp", "2", "--repeats", "1", "--delta")
+    rows = re.findall(r"\b(\d+)/(\d+)\s*$", out, flags=re.M)
+    # TP and EP, dense (every parameter equal to W0's reference) then delta (to W1's)
+    assert len(rows) == 4, out
+    assert all(int(a) == int(b) > 0 for a, b in rows), out
+    # every layer went as a delta, W1 differs from W0, and the rank received under a tenth of the dense bytes
+    deltas = re.findall(
+        r"^(?:TP|EP)2 rank 0\s+2 of 2\s+(\d+\.\d+)\s+\d+\.\d+\s+(\d+\.\d+)\s",
+        out.split("delta updates", 1)[1],
+        flags=re.M,
+    )
+    assert len(deltas) == 2, out
+    assert all(float(changed) > 0 and float(ratio) < 0.1 for changed, ratio in deltas), out
+
+
+def test_delta_fraction_script_measures_real_adamw_steps(tmp_path):
+    """The #33 measurement on tiny shapes, through the delta kernel (checked against the reference
+    at every step): an AdamW step changes a few percent of the bytes at most, most fp32 scales of
+    fp32 masters, no ue8m0 scale, and the block encoding beats the naive one."""
+    out = _run(
+        "delta_fraction.py",
+        "--steps",
+        "2",
+        "--masters",
+        "fp32",
+        "--lrs",
+        "1e-5",
+        "--quantizer",
+        "kernel",
+        "--json",
+        str(tmp_path / "delta.json"),
+    )
+    runs = {r["scale_fmt"]: r["steps"] for r in json.loads((tmp_path / "delta.json").read_text())["results"]}
+    assert sorted(runs) == ["fp32", "ue8m0"] and all(len(s) == 2 for s in runs.values()), out
+    for fmt, steps in runs.items():
+        for s in steps:
+            assert 0 < s["bytes_changed"] < 0.05, out
+            assert s["scales_changed"] > 0.5 if fmt == "fp32" else s["scales_changed"] == 0.0, out
+            assert s["wire_block"] < s["wire_naive"], out
+    assert re.search(r"^\|\s*fp32\s*\|\s*1e-05\s*\|\s*ue8m0\s*\|", out, flags=re.M), out
