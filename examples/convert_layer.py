@@ -14,8 +14,7 @@ if not torch.cuda.is_available():
 
 from glm_fp8 import ExpertsFP8, convert_layer, plan_from_config, quantize_experts
 from glm_fp8.kernels.reference import convert_layer_ref, quantize_experts_ref
-from glm_fp8.model.presets import TINY_GLM5
-from glm_fp8.model.trainer_layouts import strip_layer
+from glm_fp8.model import TINY_GLM5, strip_layer
 from glm_fp8.testing import synthetic_layer
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

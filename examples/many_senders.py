@@ -16,8 +16,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 from glm_fp8 import EngineLayout, Receiver, Sender, engine_param_specs
-from glm_fp8.model.families import REST, model_layer_ids
-from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.model import REST, TINY_GLM5, model_layer_ids
 from glm_fp8.testing import free_port, reference_engine_params, sharded_layer
 
 CONFIG = TINY_GLM5

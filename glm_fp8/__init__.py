@@ -17,6 +17,9 @@ _EXPORTS = {
     "get_default_backend": "glm_fp8.kernels.backends",
     "set_default_backend": "glm_fp8.kernels.backends",
     "Sender": "glm_fp8.transfer",
+    "SendOptions": "glm_fp8.transfer",
+    "ReceiveOptions": "glm_fp8.transfer",
+    "DeltaOptions": "glm_fp8.transfer",
     "HostSinkComm": "glm_fp8.transfer",
     "Receiver": "glm_fp8.transfer",
     "contribute_shards": "glm_fp8.transfer",
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
     from glm_fp8.model.plans import plan_from_config, plan_from_state_dict
     from glm_fp8.transfer.gather import contribute_shards
     from glm_fp8.transfer.link import HostSinkComm
+    from glm_fp8.transfer.options import DeltaOptions, ReceiveOptions, SendOptions
     from glm_fp8.transfer.receiver import Receiver
     from glm_fp8.transfer.sender import Sender
 

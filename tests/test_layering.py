@@ -227,3 +227,17 @@ def test_each_package_says_what_it_holds(layer):
     )
     missing = [m for m in here if f"``{m}``" not in doc and f"``{m}/``" not in doc]
     assert not missing, f"glm_fp8/{layer}/__init__.py's docstring does not name {missing}"
+
+
+def test_the_map_names_every_module():
+    """docs/map.md lists every module in its layer's table (by its path inside the layer's folder)."""
+    text = (PACKAGE.parent / "docs" / "map.md").read_text()
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = path.relative_to(PACKAGE)
+        inside = Path(*rel.parts[1:]) if len(rel.parts) > 1 else rel
+        if f"`{inside.as_posix()}`" not in text:
+            missing.append(rel.as_posix())
+    assert not missing, f"docs/map.md does not name {sorted(missing)}"

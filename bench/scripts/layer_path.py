@@ -5,8 +5,13 @@ glm_fp8 to another (docs/map.md, "One layer's path").
 Two ranks over gloo on the CPU (TINY_GLM5, one sparse layer, scatter to one engine rank of TP 1):
 update 1 is dense, update 2 a delta of slightly moved weights. Each rank records every Python call
 into glm_fp8 (``sys.setprofile``) made inside ``send_model`` / ``load_into`` and prints, per
-update: the modules entered, the packages entered, and the package switches (consecutive calls
-whose modules lie in different packages; a module at glm_fp8's top counts as the package "top").
+update: the modules entered, the layers (``LAYERS``) they lie in, the calls that cross from one
+layer to another (caller and callee in different layers), and of those the calls up (to a layer
+above the caller's: a callback, e.g. a function the sender handed down).
+
+The layers are glm_fp8's folders. Run on a checkout from before the folders (glm_fp8's modules
+flat at its top), each flat module counts in the layer it moved to (``FLAT``), so that both trees
+are measured by the same partition.
 
     python bench/scripts/layer_path.py [--json PATH]
 """
@@ -17,21 +22,42 @@ import argparse
 import json
 import sys
 
+LAYERS = ["core", "model", "kernels", "engine", "transfer", "planning", "integrations", "testing", "cli"]
+# The layer each module of the flat layout lives in now.
+FLAT = {
+    module: layer
+    for layer, modules in {
+        "core": "errors numerics _checks",
+        "model": "config presets indexer models layer_plan trainer_layouts plan",
+        "kernels": "reference backends jobs quantize delta delta_cut convert",
+        "planning": "fleet memory update_time update_delta plan_request plan_summary plan_deployment "
+        "planning plan_text plan_text_parts",
+        "cli": "cli cli_args cli_plan bench demo",
+    }.items()
+    for module in modules.split()
+}
 
-def _package(module: str) -> str:
+
+def _layer(module: str) -> str:
     parts = module.split(".")[1:]  # without "glm_fp8"
-    return "top" if len(parts) <= 1 else parts[0]
+    if not parts:
+        return "top"
+    return parts[0] if parts[0] in LAYERS else FLAT.get(parts[0], parts[0])
 
 
 class _Trace:
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.crossings: list[tuple[str, str]] = []  # (caller's module, callee's module)
 
     def __call__(self, frame, event, arg) -> None:
         if event == "call":
             module = frame.f_globals.get("__name__", "")
             if module.startswith("glm_fp8.") or module == "glm_fp8":
                 self.calls.append(module)
+                caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+                if caller.startswith("glm_fp8.") and _layer(caller) != _layer(module):
+                    self.crossings.append((caller, module))
 
     def run(self, fn, *args, **kwargs):
         sys.setprofile(self)
@@ -41,13 +67,15 @@ class _Trace:
             sys.setprofile(None)
 
     def summary(self) -> dict:
-        packages = [_package(m) for m in self.calls]
-        switches = sum(a != b for a, b in zip(packages, packages[1:]))
+        rank = {name: k for k, name in enumerate(LAYERS)}
+        up = [(a, b) for a, b in self.crossings if rank.get(_layer(b), -1) > rank.get(_layer(a), -1)]
         return {
             "calls": len(self.calls),
             "modules": len(set(self.calls)),
-            "packages": sorted(set(packages)),
-            "package_switches": switches,
+            "layers": sorted({_layer(m) for m in self.calls}, key=lambda n: rank.get(n, -1)),
+            "crossings": len(self.crossings),
+            "up": len(up),
+            "up_pairs": sorted({f"{a} -> {b}" for a, b in up}),
             "module_list": sorted(set(self.calls)),
         }
 
@@ -104,9 +132,9 @@ def main() -> None:
         for rank, side in ((0, "sender"), (1, "engine rank")):
             s = results[rank][1][name]
             print(
-                f"{name:5} layer, {side:11}: {s['modules']:3} modules in {len(s['packages'])} packages "
-                f"({', '.join(s['packages'])}), {s['package_switches']:5} package switches, "
-                f"{s['calls']:6} calls"
+                f"{name:5} layer, {side:11}: {s['modules']:3} modules in {len(s['layers'])} layers "
+                f"({', '.join(s['layers'])}); {s['calls']:5} calls, {s['crossings']:4} across layers, "
+                f"{s['up']:3} up"
             )
     if args.json:
         with open(args.json, "w") as f:

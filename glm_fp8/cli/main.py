@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from glm_fp8.cli.args import SERVER_SYNTAX, int_at_least, int_in, positive_float, positive_int, server_spec
 from glm_fp8.cli.plan import add_delta_arguments, plan_command
+from glm_fp8.core.vocab import SCALE_FORMATS, WIRE_FORMATS
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -108,7 +109,6 @@ Run `glm-fp8 <subcommand> --help` for its options. Python API and docs: README.m
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from glm_fp8 import __version__
-    from glm_fp8.core.vocab import SCALE_FORMATS
     from glm_fp8.model.presets import FLEETS
     from glm_fp8.planning.request import MAX_ENGINE_RANKS, MAX_ENGINES, MAX_TRAINER_GPUS
 
@@ -147,12 +147,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     )
     d.add_argument(
         "--wire",
-        "--mode",
-        dest="wire",
-        choices=["fp8", "bf16"],
+        choices=WIRE_FORMATS,
         default="fp8",
         help="the wire format: fp8: send kernel-format fp8 entries; bf16: send them unquantized, "
-        "receivers quantize (default: fp8; --mode is its old name)",
+        "receivers quantize (default: fp8)",
     )
     d.set_defaults(func=_demo)
     p = sub.add_parser(

@@ -49,7 +49,7 @@ _OPTIONS = {
 
 
 def add_delta_arguments(p: argparse.ArgumentParser) -> None:
-    """``glm-fp8 plan``'s delta options (issue #33: send only what changed)."""
+    """``glm-fp8 plan``'s delta options (send only what changed)."""
     from glm_fp8.cli.args import fraction  # lazy, as the CLI's every glm_fp8 import
 
     p.add_argument(
@@ -59,7 +59,7 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
         help="also predict a delta update (only the changed fp8 bytes and scales travel) of each fp8 "
         "strategy, FRACTION of the e4m3 bytes changed per step, with --trainer-gpus: its time beside "
         "the dense one, its wire bytes, a sender's kept copy and each server's receiver; measured "
-        "median steps (issue #33): 0.0012 at lr 1e-6, 0.0031 at 3e-6, 0.009 at 1e-5 (default: none)",
+        "median steps (bench/RESULTS.md): 0.0012 at lr 1e-6, 0.0031 at 3e-6, 0.009 at 1e-5 (default: none)",
     )
     p.add_argument(
         "--delta-kept",

@@ -51,7 +51,7 @@ class LayerOrderError(GlmFp8Error, ValueError):
     """``send_model`` was handed a layer other than the one the manifest announced next."""
 
 
-# --- the conversion (glm_fp8.kernels.jobs) ----------------------------------------------------------------
+# --- the conversion (glm_fp8.kernels.jobs) --------------------------------------------------------
 
 
 class NonFiniteError(GlmFp8Error, ValueError):
@@ -65,7 +65,7 @@ class NonFiniteError(GlmFp8Error, ValueError):
         self.block = block
 
 
-# --- the engine (glm_fp8.integrations.vllm.engine) ------------------------------------------------
+# --- a vLLM worker (glm_fp8.integrations.vllm.probe, updater) -------------------------------------
 
 
 class EngineNotSupported(GlmFp8Error, ValueError):
@@ -73,7 +73,7 @@ class EngineNotSupported(GlmFp8Error, ValueError):
     the setting and the vLLM source it was read from)."""
 
 
-# --- sizing (glm_fp8.planning.report) --------------------------------------------------------------------
+# --- sizing (glm_fp8.planning.report) -------------------------------------------------------------
 
 
 class BackendUnavailable(GlmFp8Error, RuntimeError):

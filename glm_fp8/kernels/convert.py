@@ -164,8 +164,8 @@ def convert_layer(
             and the device's loads need, and the width of a vector access, which the kernels
             and copies take at full speed; the allocators align a buffer far beyond it.
         plan: a ``LayerPlan`` (any trainer layout: it is adapted to the state dict's,
-            ``glm_fp8.model.plans.adapt_plan``); inferred from ``state_dict`` if None (cache it across
-            updates).
+            ``glm_fp8.model.trainer_layouts.adapt_plan``); inferred from ``state_dict`` if None (cache
+            it across updates).
         target: "hopper" (float32 scales) or "blackwell" (ue8m0 scales packed for DeepGEMM
             SM100). With a plan, must match the plan's target or be None.
         check_finite: raise ``NonFiniteError`` naming the tensor and element for NaN/Inf in a

@@ -1,7 +1,7 @@
 """Model families: which trainer tensors a layer holds and which kernel-format entries they
 become (docs/layouts.md), the trainers' layouts of those tensors (docs/trainers.md), and the
 shapes and kind of a config's layers, read by ``glm_fp8.model.plans``. Presets and small test configs
-live in ``glm_fp8.model.presets``, the DSA indexer in ``glm_fp8.model.indexer`` (both re-exported here).
+live in ``glm_fp8.model.presets``, the DSA indexer's rules in ``glm_fp8.model.indexer``.
 Adding a model family is one table of ``Rule`` rows in ``FAMILIES``, a shape function in
 ``SHAPES`` and its keys in ``glm_fp8.model.config.FAMILY_TRAITS``; adding a trainer layout, one table
 in ``TRAINER_LAYOUTS``."""

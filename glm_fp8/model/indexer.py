@@ -1,8 +1,8 @@
 """The DSA indexer (GLM-5, DeepSeek-V3.2): the families whose layers carry one, its trainer
 tensors' shapes, and the schedule (IndexShare / IndexCache, docs/layouts.md#indexer-schedule) that
 decides which layers hold one. Pure rules over a config (validated by
-``glm_fp8.model.config.as_config``); ``glm_fp8.model.families`` builds a layer's shapes and kind from them and
-re-exports these names for older imports.
+``glm_fp8.model.config.as_config``); ``glm_fp8.model.families`` builds a layer's shapes and kind
+from them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ reused for every update. Its entries (names, order, shapes, dtypes, offsets: the
 depend on the model only; where they come from depends on the trainer's layout of its tensors
 (docs/trainers.md#trainer-layouts): ``adapt_plan`` gives the same plan reading another layout.
 Here: building plans, and which trainer tensors are not sent (``unsent_keys``); what a plan is,
-``glm_fp8.model.layer_plan``; trainer layouts, ``glm_fp8.model.trainer_layouts`` (both re-exported here).
+``glm_fp8.model.layer_plan``; trainer layouts, ``glm_fp8.model.trainer_layouts``.
 """
 
 from __future__ import annotations
@@ -291,7 +291,6 @@ def warn_unsent(unsent: Mapping[str, str], prefix: str) -> None:
             )
 
 
-# Old homes: the plan's data (glm_fp8.model.layer_plan) and trainer layouts (glm_fp8.model.trainer_layouts).
 __all__ = [
     "BIAS_ENTRY",
     "build_plan",

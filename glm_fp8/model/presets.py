@@ -3,7 +3,7 @@
 tests, the demo, the examples and the CPU benchmarks use (``TINY_GLM5``, ``SMALL_GLM5``,
 ``SMALL_CONFIGS``) and named fleets of vLLM servers (``FLEETS``, read by
 ``glm-fp8 plan --fleet``). Plain data validated by ``glm_fp8.model.config.as_config``; the rules that read a
-config are ``glm_fp8.model.families``, which re-exports these names for older imports.
+config are ``glm_fp8.model.families``'.
 """
 
 from __future__ import annotations

@@ -9,5 +9,15 @@ from glm_fp8.planning.report import plan_report
 from glm_fp8.planning.request import PlanRequest
 from glm_fp8.planning.text import format_plan_report
 from glm_fp8.planning.update_delta import Delta
+from glm_fp8.planning.update_time import predict
 
-__all__ = ["Delta", "Fleet", "PlanRequest", "Server", "fleet_preset", "format_plan_report", "plan_report"]
+__all__ = [
+    "Delta",
+    "Fleet",
+    "PlanRequest",
+    "Server",
+    "fleet_preset",
+    "format_plan_report",
+    "plan_report",
+    "predict",
+]

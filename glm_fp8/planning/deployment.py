@@ -2,7 +2,7 @@
 extra memory (``engine_section``, ``engine_extra``), every strategy's predicted update time and
 the many senders' transfer plan (``update_section``), for one engine layout or for every server of
 a fleet (``server_sections``); the summary drawn from them is ``glm_fp8.planning.summary``
-(``summary_section``, re-exported here). Each
+(``summary_section``). Each
 figure comes with a label saying what it counts (the ``*_COUNTS`` strings)."""
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from glm_fp8.model.families import REST, model_layer_ids, mtp_layer_index
 from glm_fp8.model.plans import plans_for_model
 from glm_fp8.planning.fleet import Fleet, Server
 from glm_fp8.planning.request import PlanRequest
-from glm_fp8.planning.summary import (  # their old home: re-exported
-    MODE_STRATEGY,
-)
+from glm_fp8.planning.summary import MODE_STRATEGY
 from glm_fp8.planning.update_time import STRATEGIES, many_senders_plan, predict
 from glm_fp8.transfer.pack import FULL, update_bytes
 from glm_fp8.transfer.routes import describe, transfer_plan

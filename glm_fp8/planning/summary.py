@@ -1,10 +1,10 @@
-"""The summary of ``glm_fp8.planning.report.plan_report`` (``summary_section``), drawn from the deployment
-sections (``glm_fp8.planning.deployment``, which re-exports it), and the labels of what each figure
-counts (``*_COUNTS``): the mode ``mode="auto"`` picks (``auto_mode``, the vLLM
-backend's rule, also given a ``Fleet``) and its predicted time, every trainer rank's and every
-server's ranks' extra memory, what each server's busiest rank receives and what each trainer rank
-sends the servers over its NIC; with a delta, the delta update beside the dense one
-(``delta_summary``). Each figure comes with a label saying what it counts."""
+"""The summary of ``glm_fp8.planning.report.plan_report`` (``summary_section``), drawn from the
+deployment sections (``glm_fp8.planning.deployment``), and the labels of what each figure counts
+(``*_COUNTS``): the mode ``mode="auto"`` picks (``auto_mode``: the rule of
+``glm_fp8.transfer.topology.choose_mode``, also given a ``Fleet``) and its predicted time, every
+trainer rank's and every server's ranks' extra memory, what each server's busiest rank receives and
+what each trainer rank sends the servers over its NIC; with a delta, the delta update beside the
+dense one (``delta_summary``). Each figure comes with a label saying what it counts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The delta mode of the update-time model (issue #33; docs/update_time.md#delta-updates): the bytes
+"""The delta mode of the update-time model (docs/update_time.md#delta-updates): the bytes
 a delta update puts on the wire, what a sender keeps of what it last sent, and what an engine
 rank's receiver holds, for ``glm_fp8.planning.update_time.predict(..., delta=Delta(...))``.
 
@@ -62,7 +62,7 @@ def _fraction(name: str, value: object) -> float:
 @dataclass(frozen=True)
 class Delta:
     """A delta update to predict: ``fraction`` of the e4m3 bytes changed since the last update
-    (issue #33's measured median steps: 0.0012 at lr 1e-6, 0.0031 at 3e-6, 0.0090 at 1e-5);
+    (the measured median steps, bench/RESULTS.md: 0.0012 at lr 1e-6, 0.0031 at 3e-6, 0.0090 at 1e-5);
     ``scales_changed``: the fraction of block scales changed (1: float32 scales from float32
     masters, which nearly all change, the default; 0: UE8M0 scales, which never did);
     ``kept``: where each sender keeps what it last sent, "gpu" or "host" (pinned, streamed layer by

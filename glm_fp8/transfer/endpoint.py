@@ -148,7 +148,7 @@ class Side:
 class Endpoint:
     """The shared setup of ``Sender`` and ``Receiver``.
 
-    ``layer_ids`` (default: every decoder layer; ``glm_fp8.model.plans.model_layer_ids`` adds the MTP
+    ``layer_ids`` (default: every decoder layer; ``glm_fp8.model.families.model_layer_ids`` adds the MTP
     layer) are the update's layers in order, then ``REST`` (-1: the embeddings, final norm and
     lm_head, which travel last) when ``rest``; ``plans[k]`` is the plan of ``layer_ids[k]``.
     ``senders``: the link ranks that send (default ``[src]``: one sender); ``engines``: one entry per

@@ -124,7 +124,8 @@ def move(piece: torch.Tensor | None, target: torch.Tensor | None, owner: int, ds
 def trainer_view(
     plan: LayerPlan, layer: Mapping[str, torch.Tensor], layer_idx: int
 ) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
-    """``plan`` read in the trainer layout of ``layer`` (short names; ``glm_fp8.model.plans.adapt_plan``),
+    """``plan`` read in the trainer layout of ``layer`` (short names;
+    ``glm_fp8.model.trainer_layouts.adapt_plan``),
     and ``layer`` without the tensors the engine has no parameter for (``unsent_keys``: said once).
     Every trainer rank decides alike, so the gathers that follow pair up."""
     prefix = layer_prefix(layer_idx)

@@ -113,8 +113,8 @@ def sender_plan(
     t: int,
 ) -> LayerPlan:
     """What sender ``t`` converts of a layer of ``plan`` (in any trainer layout, see
-    ``glm_fp8.model.plans.adapt_plan``): its rows of every split entry (an expert stack with its scale)
-    and the entries it owns, laid out afresh; the plan itself when it owns everything."""
+    ``glm_fp8.model.trainer_layouts.adapt_plan``): its rows of every split entry (an expert stack
+    with its scale) and the entries it owns, laid out afresh; the plan itself when it owns everything."""
     owned = {name[len(prefix) :] for name, o in owners.items() if o == t}
     if not splits and len(owned) == len(plan.entries):
         return plan

@@ -1,5 +1,5 @@
 """The wire format of a weight update: the protocol's words, the manifest, the checksum, the
-refusal codes and the errors every rank raises (defined in ``glm_fp8.core.errors``, re-exported here;
+refusal codes (the errors every rank raises are ``glm_fp8.core.errors``';
 docs/layouts.md#the-protocol).
 
 Protocol version 5 (4 until a delta layer could be resent dense, 3 until scatter classes became per

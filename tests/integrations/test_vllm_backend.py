@@ -782,7 +782,7 @@ def test_delta_is_refused_at_init_where_it_is_not_built():
         with pytest.raises(ValueError, match=match):
             _trainer_side(src, delta=True, **kw)
     for kw, match in [
-        (dict(delta_kept="disk"), r"init_info\.delta_kept: expected one of \('gpu', 'host'\)"),
+        (dict(delta_kept="disk"), r"init_info\.delta_kept: expected one of 'gpu', 'host', got 'disk'"),
         (dict(delta=False, delta_kept="host"), r"init_info\.delta_kept: 'host' without delta=True"),
     ]:
         with pytest.raises(ValueError, match=match):

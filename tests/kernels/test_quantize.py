@@ -165,12 +165,12 @@ def test_repeated_launches_keep_each_specialization(device, backend):
 
 def test_launch_arguments_follow_the_kernel_signature():
     """The direct launch passes every argument positionally: pointers, integers, constexprs."""
-    from glm_fp8.kernels.triton_quantize import _launch_args, quantize_blockwise_kernel
+    from glm_fp8.kernels.triton_quantize import launch_args, quantize_blockwise_kernel
 
     srcs = [torch.randn(2, 100, 300), torch.randn(2, 60, 300)]
     q = torch.empty(2, 160, 300, dtype=torch.float8_e4m3fn)
     s = torch.empty(2, 2, 3)
-    tensors, ints = _launch_args(srcs, q, s, None)
+    tensors, ints = launch_args(srcs, q, s, None)
     names = quantize_blockwise_kernel.arg_names
     constexprs = [
         "NUM_SRC",
@@ -199,13 +199,13 @@ def test_launch_arguments_follow_the_kernel_signature():
 def test_unaligned_outputs_take_the_kernel_without_source_alignment():
     """Triton 3.6 on the H200 miscompiled vectorized source loads feeding unaligned byte
     stores; such outputs go to the twin kernel compiled without source-alignment assumptions."""
-    from glm_fp8.kernels.triton_quantize import _stores_vectorize
+    from glm_fp8.kernels.triton_quantize import stores_vectorize
 
     buf = torch.empty(2 * 300 * 272 + 16, dtype=torch.uint8)
-    assert _stores_vectorize(buf[16:].view(2, 300, 272))
-    assert not _stores_vectorize(buf[3 : 3 + 2 * 300 * 272].view(2, 300, 272))  # 3 bytes in
-    assert not _stores_vectorize(buf[: 2 * 300 * 261].view(2, 300, 261))  # rows of 261 bytes
-    assert not _stores_vectorize(buf[: 2 * 300 * 272].view(2, 272, 300).transpose(1, 2))
+    assert stores_vectorize(buf[16:].view(2, 300, 272))
+    assert not stores_vectorize(buf[3 : 3 + 2 * 300 * 272].view(2, 300, 272))  # 3 bytes in
+    assert not stores_vectorize(buf[: 2 * 300 * 261].view(2, 300, 261))  # rows of 261 bytes
+    assert not stores_vectorize(buf[: 2 * 300 * 272].view(2, 272, 300).transpose(1, 2))
 
 
 def test_out_is_a_view_into_a_larger_buffer(device, backend):

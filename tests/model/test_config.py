@@ -228,7 +228,8 @@ def test_presets_and_small_configs_are_valid(name):
 
 
 def test_family_traits_agree_with_the_rule_tables():
-    """model/config.py's keys per family and model/families.py's tensors per family describe the same families."""
+    """model/config.py's keys per family and model/families.py's tensors per family describe the
+    same families."""
     assert set(FAMILY_TRAITS) == set(FAMILIES)
     assert INDEXER_FAMILIES == {t for t, f in FAMILY_TRAITS.items() if f.indexer}
     for t, (_, _, sparse) in FAMILIES.items():

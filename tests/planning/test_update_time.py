@@ -275,7 +275,7 @@ def test_prime_rl_glm52_fleet(capsys):
     assert f"to {many['sent'] / GIB:.2f} GiB (rank" in flat
 
 
-# --- Delta updates (issue #33): only the changed fp8 bytes and scales travel -----------------------
+# --- Delta updates: only the changed fp8 bytes and scales travel -----------------------
 # Model predictions (docs/update_time.md#delta-updates); the changed fractions are the H200's
 # measured median steps (bench/RESULTS.md, fp32 masters, float32 scales). TINY_GLM5 for the
 # arithmetic (milliseconds), GLM-5 for the target case.
@@ -423,7 +423,7 @@ def test_glm5_delta_update_32_into_four_ep8():
         ({"fraction": True}, r"Delta.fraction: expected a number in \[0, 1\]"),
         ({"fraction": 0.1, "scales_changed": 2}, r"Delta.scales_changed: expected a number in \[0, 1\]"),
         ({"fraction": 0.1, "passthrough": -1}, r"Delta.passthrough: expected a number in \[0, 1\]"),
-        ({"fraction": 0.1, "kept": "disk"}, r"Delta.kept: expected 'gpu' or 'host', got 'disk'"),
+        ({"fraction": 0.1, "kept": "disk"}, r"Delta.kept: expected one of 'gpu', 'host', got 'disk'"),
     ],
 )
 def test_bad_delta_is_refused(kwargs, match):

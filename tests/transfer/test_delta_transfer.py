@@ -192,7 +192,7 @@ def _failing_rebuild(layer_idx: int | None):
     rebuild = ReceiverDelta._rebuild
 
     def failing(self, pos, *args):
-        if layer_idx is not None and self.r.layer_ids[pos] == layer_idx:
+        if layer_idx is not None and self.layer_ids[pos] == layer_idx:
             raise RuntimeError(f"rebuilding layer {layer_idx} failed (injected)")
         return rebuild(self, pos, *args)
 
@@ -383,19 +383,17 @@ def test_an_engine_rank_whose_landing_converts_refuses_delta():
     bias = next(e for e in plan.entries if e.name.endswith("e_score_correction_bias"))
     name = layer_prefix(3) + bias.name
     targets[name] = SimpleNamespace(name=targets[name].name, dtype=torch.float64)  # a widening landing
-    fake = SimpleNamespace(
-        senders=(0,),
-        wire="fp8",
-        checksum=True,
-        full=False,
-        layout=layout,
-        rank=1,
-        layer_ids=[3],
-        plans=[plan],
-        targets=targets,
-    )
     with pytest.raises(ValueError, match="lands widened"):
-        check_receiver_delta(fake)
+        check_receiver_delta(
+            wire="fp8",
+            checksum=True,
+            full=False,
+            layout=layout,
+            rank=1,
+            layer_ids=[3],
+            plans=[plan],
+            targets=targets,
+        )
 
 
 def test_a_layer_with_an_aliased_parameter_goes_dense_once_its_rebuild_differed():

@@ -1,7 +1,6 @@
 """The gate of glm_fp8's vLLM backend (docs/vllm.md#what-a-step-does): every update's go / no-go,
 through the link's TCP store, before the link is used, and its outcome for the trainer ranks off
-the link. Re-exported by
-``glm_fp8.integrations.vllm.sync``, the handshake it is part of.
+the link. Part of the handshake (``glm_fp8.integrations.vllm.sync``).
 """
 
 from __future__ import annotations

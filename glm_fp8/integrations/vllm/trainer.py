@@ -1,7 +1,7 @@
 """The trainer side of glm_fp8's vLLM weight-transfer backend, without vLLM (docs/vllm.md#the-backend):
-``TrainerOptions`` (what ``GlmFp8TrainerInitInfo`` carries; ``trainer_options``, re-exported here)
-and ``TrainerSide``, which every trainer rank builds at init and calls each step (what it reads
-each step: ``trainer_source``). It drives each vLLM server through a client with vLLM's
+``TrainerSide``, which every trainer rank builds at init and calls each step (its options, what
+``GlmFp8TrainerInitInfo`` carries: ``trainer_options``; what it reads each step:
+``trainer_source``). It drives each vLLM server through a client with vLLM's
 ``VLLMWeightSyncClient`` methods (``clients``: ``LLM``, ``AsyncLLM``, HTTP, Ray; rank 0 only), one
 or several servers on one link (a fleet: ``trainer_fleet``, ``fleet_link``; docs/vllm.md#fleet).
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -214,19 +213,17 @@ class EngineUpdater:
         ``W_UK_T`` / ``W_UV`` are not updated tensors: vLLM's hook rebuilds them from ``kv_b_proj``."""
         ids = [*self.full_layer_ids, REST]
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
-        landing = SimpleNamespace(
-            senders=[0],
-            wire="fp8",
-            checksum=True,
-            full=False,
-            layout=self.layout,
-            rank=None,
-            layer_ids=ids,
-            plans=plans_for_model(self.config, "fp8", layer_ids=ids, scale_fmt=fmt),
-            targets={p.kernel_name: p for p in engine_params(self.config, self.layout).values()},
-        )
         try:
-            check_receiver_delta(landing)
+            check_receiver_delta(
+                wire="fp8",
+                checksum=True,
+                full=False,
+                layout=self.layout,
+                rank=0,
+                layer_ids=ids,
+                plans=plans_for_model(self.config, "fp8", layer_ids=ids, scale_fmt=fmt),
+                targets={p.kernel_name: p for p in engine_params(self.config, self.layout).values()},
+            )
         except ValueError as exc:
             return EngineNotSupported(str(exc))
         return None
