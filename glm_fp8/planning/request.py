@@ -11,7 +11,7 @@ import torch
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.core.errors import PlanArgumentError
-from glm_fp8.core.vocab import SCALE_FORMATS
+from glm_fp8.core.vocab import SCALE_FORMATS, ScaleFormat, Target
 from glm_fp8.planning.fleet import Fleet, Server
 
 # Bounds on the deployment, checked before anything is built from it. The transfer plan is
@@ -38,8 +38,8 @@ class PlanRequest:
     ``target`` and ``scale_fmt`` as ``plan_from_config`` takes them; vLLM's sections use its
     Hopper layout, so ``target="blackwell"`` goes with no deployment and no engine."""
 
-    target: str = "hopper"
-    scale_fmt: str | None = None
+    target: Target = "hopper"
+    scale_fmt: ScaleFormat | None = None
     master_dtype: torch.dtype = torch.float32
     gather_dtype: torch.dtype | None = None
     trainer_gpus: int | None = None

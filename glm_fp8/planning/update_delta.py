@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from glm_fp8.core.numerics import BLOCK
-from glm_fp8.core.vocab import KEPT_COPIES, check_choice
+from glm_fp8.core.vocab import KEPT_COPIES, KeptCopy, check_choice
 from glm_fp8.model.layer_plan import LayerPlan
 from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.transfer.delta.segments import LayerSizes, SegmentDelta
@@ -71,7 +71,7 @@ class Delta:
 
     fraction: float
     scales_changed: float = 1.0
-    kept: str = "gpu"
+    kept: KeptCopy = "gpu"
     passthrough: float | None = None
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ DELTA_ARGS = "--delta-lr 1e-5 --delta-steps 1 --delta-step sign adam --profile 4
         ("--mode", "senders", "--senders", "2", "--servers", "TP2", "2xEP2"),
     ],
 )
+@pytest.mark.slow
 def test_pipeline_script_checks_its_bytes(args):
     out = _run("pipeline.py", "--layers", "2", "--repeats", "1", *args)
     profile = [ln for ln in out.splitlines() if ln.startswith("prof| ")]
@@ -76,6 +77,7 @@ def test_pipeline_script_checks_its_bytes(args):
         assert " sign " in rows[0] and " adam " in rows[1] and wires[1][0] < wires[0][0], out
 
 
+@pytest.mark.slow
 def test_engine_rank_script_lands_every_parameter():
     # with delta updates after the dense ones (#33), in the same run: its own table
     out = _run("engine_rank.py", "--layers", "2", "--tp", "2", "--repeats", "1", "--delta")

@@ -453,6 +453,7 @@ def test_every_mode_lands_every_byte_step_after_step(trainers, case, mode):
         (1, "scatter", "DEEPGEMM"),
     ],
 )
+@pytest.mark.slow
 def test_delta_updates_through_the_backend_land_every_byte_and_send_only_what_changed(
     trainers, mode, backend
 ):
@@ -547,6 +548,7 @@ def test_a_refusal_before_the_transfer_stops_every_rank_at_once_and_the_link_sta
 
 
 @pytest.mark.parametrize("draft", ["auto", "stream"])
+@pytest.mark.slow
 def test_the_mtp_layer_travels_in_the_draft_session_or_with_the_target(draft):
     """draft="auto" with two trainer ranks (many senders), only rank 0 holding the client (rank 1
     passes client=None): rank 0 decides the draft session, for both ranks."""
@@ -799,12 +801,14 @@ def test_delta_is_refused_at_init_where_it_is_not_built():
 def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
     """What a worker is sent (a dict, or JSON text from the dev server's routes): every field's
     type and range, a ValueError naming it, before the worker joins anything."""
-    from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate
+    from glm_fp8.integrations.vllm.sync import SyncInit, SyncUpdate, from_json
 
     good = SyncInit(
         "127.0.0.1", 29500, world_size=3, senders=1, mode="scatter", link_backend="gloo", layer_ids=[0, 1]
     ).to_dict()
-    assert SyncInit.from_dict(good) == SyncInit.from_dict(__import__("json").dumps(good))
+    assert SyncInit.from_dict(good) == SyncInit.from_dict(
+        from_json("init_info", __import__("json").dumps(good))
+    )
     for key, value, match in [
         ("layer_ids", [1.9], r"init_info\.layer_ids\[0\]: expected an integer >= 0"),
         ("layer_ids", [-1], r"init_info\.layer_ids\[0\]: expected an integer >= 0"),
@@ -823,13 +827,19 @@ def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
     assert SyncInit.from_dict({**good, "delta": True, "mode": "senders", "senders": 2}).delta
     assert SyncInit.from_dict({**good, "delta": True}).delta
     with pytest.raises(ValueError, match=r"init_info: not valid JSON"):
-        SyncInit.from_dict('{"master_address": ')
+        from_json("init_info", '{"master_address": ')
     with pytest.raises(ValueError, match=r"init_info: expected a mapping"):
         SyncInit.from_dict([1, 2])
+    with pytest.raises(
+        ValueError, match=r"init_info: expected a mapping of glm_fp8's fields, got str \(JSON text"
+    ):
+        SyncInit.from_dict(__import__("json").dumps(good))
     with pytest.raises(ValueError, match=r"update_info\.step: expected an integer >= 0"):
         SyncUpdate.from_dict({"session": "target", "step": 1.5})
     with pytest.raises(ValueError, match=r"update_info: not valid JSON"):
-        SyncUpdate.from_dict("target")
+        from_json("update_info", "target")
+    with pytest.raises(ValueError, match=r"update_info: expected a mapping of glm_fp8's fields, got str"):
+        SyncUpdate.from_dict('{"session": "target"}')
 
 
 def test_worker_link_index_refuses_what_is_not_an_index():

@@ -198,6 +198,7 @@ def _modes_rank(rank, world, trainers, boxes):
             _stop(boxes)
 
 
+@pytest.mark.slow
 def test_three_servers_of_three_layouts_get_every_byte_in_every_mode():
     """TP 2, EP 2 and DP 2 x EP 2 servers (6 workers) behind two trainer ranks: one update in each
     mode, each on a trainer engine of its own (the workers re-run their init for each)."""
@@ -287,6 +288,7 @@ def _membership_rank(rank, world, trainers, boxes, mode, source):
         ("scatter", "module_state"),  # glm_fp8's ModuleStateSource over DTensors: the sender's gathers
     ],
 )
+@pytest.mark.slow
 def test_a_server_killed_mid_update_is_named_on_every_rank_removed_and_replaced(mode, source):
     """Servers a (TP 2) and b (EP 2), two trainer ranks: both sending their own experts, or rank 0
     alone (rank 1 off the link: its part of the sender's gathers, then rank 0's outcome). Update 1
@@ -665,6 +667,7 @@ def _delta_rank(rank, world, boxes):
         _stop(boxes)
 
 
+@pytest.mark.slow
 def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
     """delta=True, one sender scattering: server a (TP 2) takes updates 1 (dense) and 2 (a delta);
     ``add_server(b)`` (EP 2) rebuilds the link, then ``set_fleet`` again, and both ends carry their

@@ -22,6 +22,16 @@ FAST = 60.0  # seconds for a whole 3-process case, process start included; the t
 
 
 def _refusing_rank(rank, world, how):
+    """The rank's outcome and the seconds from its constructor to its return or raise."""
+    t0 = time.monotonic()
+    try:
+        out = _refusing_rank_run(rank, how)
+    except Exception as exc:  # noqa: BLE001 - reported with its class, as launch does
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "ok", out, time.monotonic() - t0
+
+
+def _refusing_rank_run(rank, how):
     from glm_fp8.transfer import Receiver, Sender
 
     kw = dict(config=CONFIG, device="cpu")
@@ -54,8 +64,14 @@ def _refusing_rank(rank, world, how):
 )
 def test_a_rank_refusing_its_own_arguments_stops_every_rank_naming_it(how, culprit, error, says):
     t0 = time.monotonic()
-    results = launch(3, _refusing_rank, (how,), timeout_s=120.0)
+    launched = launch(3, _refusing_rank, (how,), timeout_s=120.0)
     assert time.monotonic() - t0 < FAST, "a rank waited for the transport's timeout"
+    assert all(status == "ok" for status, _ in launched.values()), launched
+    results = {r: out[:2] for r, (_, out) in launched.items()}
+    # Every rank, the culprit too, raises as soon as the refusal is delivered: within seconds of
+    # its own constructor, never after the link's timeout (120 s here).
+    slow = {r: round(out[2], 1) for r, (_, out) in launched.items() if out[2] > 10.0}
+    assert not slow, f"ranks that took over 10 s to raise: {slow}"
     assert results[culprit][0] == error and says in results[culprit][1], results[culprit]
     for r in {0, 1, 2} - {culprit}:
         status, msg = results[r]

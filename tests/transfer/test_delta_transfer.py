@@ -212,6 +212,7 @@ def _layouts(mode: str) -> list[EngineLayout]:
 
 
 @pytest.mark.parametrize("mode", ["full", "scatter", "senders", "senders tp"])
+@pytest.mark.slow
 def test_delta_updates_land_exactly_the_dense_bytes(mode):
     n = SENDERS[mode]
     results = launch(n + 2, _rank, (mode,), timeout_s=120)

@@ -117,6 +117,7 @@ def _die() -> None:
         (2, "ep", "store"),
     ],
 )
+@pytest.mark.slow
 def test_a_rank_killed_mid_update_stops_every_rank_within_seconds_naming_it(n_senders, case, link_kind):
     from glm_fp8.testing import free_port
 

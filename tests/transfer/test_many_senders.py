@@ -244,6 +244,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+@pytest.mark.slow
 def test_every_mode_lands_the_trainers_own_bytes():
     """fp32 masters (and bf16 ones, the control): broadcast, scatter and many senders land the same
     bytes on every engine rank, and those are the reference's from the trainer's own tensors, never
@@ -405,6 +406,7 @@ def test_a_sender_queues_the_next_layer_before_it_waits_for_a_vote():
     assert events == want + [f"read {n - 1}", f"read {n}"]
 
 
+@pytest.mark.slow
 def test_a_refused_layer_stops_every_rank_and_the_next_update_lands():
     """An engine rank refuses layer 2 at its checksum vote: every rank stops at that vote (the
     senders raise ReceiverRefused, the other engine rank UpdateAborted, both naming rank 3), no

@@ -112,6 +112,7 @@ def test_a_rank_with_another_ranks_layout_stops_every_rank_at_the_manifest_vote(
         assert results[r][0] == "UpdateAborted" and "rank 2 refused its parameters" in results[r][1], results
 
 
+@pytest.mark.slow
 def test_rebuilt_receivers_against_a_reused_sender_land_the_next_update():
     """The first update fails (an engine rank's consumer); every engine rank builds a new
     Receiver, the sender keeps its Sender: the groups made for the first update serve the

@@ -16,6 +16,7 @@ from glm_fp8.integrations.vllm.probe import (
     engine_postload_plan,
     layout_from_parallel_config,
 )
+from glm_fp8.integrations.vllm.sync import from_json
 from glm_fp8.integrations.vllm.updater import EngineUpdater
 from glm_fp8.integrations.vllm.worker import WorkerSide, worker_index
 
@@ -85,7 +86,7 @@ class GlmFp8WorkerExtension:
     def glm_fp8_init(self, init_info: dict | str) -> dict:
         """``init_info`` may come as JSON text (the dev server's ``/collective_rpc`` passes strings);
         text that is not JSON is refused naming ``init_info``."""
-        return self._glm_fp8_side().init(init_info)
+        return self._glm_fp8_side().init(from_json("init_info", init_info))
 
     def glm_fp8_start(self) -> None:
         self._glm_fp8_side().start()
@@ -94,7 +95,7 @@ class GlmFp8WorkerExtension:
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config):
-            return self._glm_fp8_side().receive(update_info)
+            return self._glm_fp8_side().receive(from_json("update_info", update_info))
 
     def glm_fp8_finish(self) -> None:
         self._glm_fp8_side().finish()

@@ -17,7 +17,17 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 from glm_fp8.core.checks import check_int, check_seconds
-from glm_fp8.core.vocab import DRAFTS, LINK_BACKENDS, SCALE_FORMATS, TRANSFER_MODES, check_choice
+from glm_fp8.core.vocab import (
+    DRAFTS,
+    LINK_BACKENDS,
+    SCALE_FORMATS,
+    TRANSFER_MODES,
+    Draft,
+    LinkBackend,
+    ScaleFormat,
+    TransferMode,
+    check_choice,
+)
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.transfer.options import MAX_RING  # checked at init, before any buffer is sized from it
 
@@ -42,8 +52,10 @@ def _field(d: Mapping, key: str, kinds: type | tuple[type, ...], what: str, defa
 
 
 def from_json(what: str, payload: object) -> Mapping:
-    """A payload as a mapping: a mapping as it is, JSON text (the dev server's routes pass strings)
-    parsed; a ValueError naming ``what`` otherwise."""
+    """A payload that may come as JSON text (the dev server's ``/collective_rpc`` route passes
+    strings to the worker extension) as a mapping: a mapping as it is, JSON text parsed; a
+    ValueError naming ``what`` otherwise. Only the extension's entry points take text; everything
+    behind them takes mappings (``as_mapping``)."""
     if isinstance(payload, (str, bytes, bytearray)):
         try:
             payload = json.loads(payload)
@@ -53,6 +65,19 @@ def from_json(what: str, payload: object) -> Mapping:
             ) from None
     if not isinstance(payload, Mapping):
         raise ValueError(f"{what}: expected a mapping (or its JSON text), got {type(payload).__name__}")
+    return payload
+
+
+def as_mapping(what: str, payload: object) -> Mapping:
+    """``payload`` if it is a mapping; a ValueError naming ``what`` otherwise (text too: JSON is
+    parsed where it arrives, by the worker extension, not taken here in its place)."""
+    if not isinstance(payload, Mapping):
+        hint = (
+            " (JSON text: parse it first, e.g. with from_json)" if isinstance(payload, (str, bytes)) else ""
+        )
+        raise ValueError(
+            f"{what}: expected a mapping of glm_fp8's fields, got {type(payload).__name__}{hint}"
+        )
     return payload
 
 
@@ -95,12 +120,12 @@ class SyncInit:
     master_port: int
     world_size: int
     senders: int
-    mode: str
-    link_backend: str
+    mode: TransferMode
+    link_backend: LinkBackend
     layer_ids: list[int]
     rest: bool = True
-    draft: str = "session"
-    scale_fmt: str | None = None
+    draft: Draft = "session"
+    scale_fmt: ScaleFormat | None = None
     checksum: bool = True
     ring: int = 2
     timeout_s: float = 600.0
@@ -114,7 +139,7 @@ class SyncInit:
     def from_dict(cls, d: Mapping) -> SyncInit:
         """Parse and check a payload (from JSON: the HTTP route passes it unchanged); a ValueError
         names the key."""
-        d = from_json("init_info", d)
+        d = as_mapping("init_info", d)
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"init_info.{unknown[0]}: not a field of glm_fp8's init info")
@@ -164,8 +189,7 @@ class SyncInit:
             f" (the trainer ranks that send, fewer than world_size={self.world_size})",
         )
         for key, allowed in (("mode", TRANSFER_MODES), ("draft", DRAFTS), ("link_backend", LINK_BACKENDS)):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"init_info.{key}: expected one of {allowed}, got {getattr(self, key)!r}")
+            check_choice(f"init_info.{key}", getattr(self, key), allowed)
         check_choice("init_info.scale_fmt", self.scale_fmt, SCALE_FORMATS, also=(None,))
         if not isinstance(self.layer_ids, (list, tuple)):
             raise ValueError(f"init_info.layer_ids: expected a list of layer indices, got {self.layer_ids!r}")
@@ -254,7 +278,7 @@ class SyncUpdate:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SyncUpdate:
-        d = from_json("update_info", d)
+        d = as_mapping("update_info", d)
         session = d.get("session")
         if session not in SESSIONS:
             raise ValueError(f"update_info.session: expected one of {SESSIONS}, got {session!r}")

@@ -6,11 +6,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from glm_fp8.core.checks import check_int, check_seconds
-from glm_fp8.core.vocab import DRAFTS, GATHERS, KEPT_COPIES, LINK_BACKENDS, TRANSFER_MODES, check_choice
+from glm_fp8.core.vocab import (
+    DRAFTS,
+    GATHERS,
+    KEPT_COPIES,
+    LINK_BACKENDS,
+    TRANSFER_MODES,
+    Draft,
+    Gather,
+    KeptCopy,
+    LinkBackend,
+    ScaleFormat,
+    TransferMode,
+    check_choice,
+)
 from glm_fp8.integrations.vllm.clients import VllmServer
 from glm_fp8.integrations.vllm.sync import MAX_LINK_RANKS, check_delta
 from glm_fp8.transfer.options import MAX_RING, DeltaOptions
@@ -56,20 +70,20 @@ class TrainerOptions:
     master_port: int
     engine_ranks: int | Sequence[int]
     config: object
-    mode: str = "auto"
+    mode: TransferMode | Literal["auto"] = "auto"
     trainer_ranks: int | None = None
-    link_backend: str = "auto"
-    draft: str = "auto"
-    scale_fmt: str | None = None
+    link_backend: LinkBackend | Literal["auto"] = "auto"
+    draft: Draft | Literal["auto"] = "auto"
+    scale_fmt: ScaleFormat | None = None
     checksum: bool = True
     ring: int = 2
-    gather: str = "auto"
+    gather: Gather = "auto"
     gather_dtype: str | None = None
     timeout_s: float = 600.0
     server_names: Sequence[str] | None = None
     delta: bool = False
     delta_resync_every: int | None = None
-    delta_kept: str = "gpu"
+    delta_kept: KeptCopy = "gpu"
     rank: int = field(kw_only=True)
 
     def check(self) -> None:
@@ -90,11 +104,7 @@ class TrainerOptions:
         check_int("init_info.rank", self.rank, 0, MAX_LINK_RANKS - 1, " (this trainer rank)")
         check_choice("init_info.mode", self.mode, TRANSFER_MODES, also=("auto",))
         check_choice("init_info.draft", self.draft, DRAFTS, also=("auto",))
-        if self.link_backend not in ("auto", *LINK_BACKENDS):
-            raise ValueError(
-                f"init_info.link_backend: expected 'auto' or one of {LINK_BACKENDS}, got "
-                f"{self.link_backend!r}"
-            )
+        check_choice("init_info.link_backend", self.link_backend, LINK_BACKENDS, also=("auto",))
         check_choice("init_info.gather", self.gather, GATHERS)
         if self.gather_dtype not in GATHER_DTYPES:
             raise ValueError(

@@ -88,7 +88,7 @@ class WorkerSide:
         self.session: str | None = None
         self.results: list[dict] = []
 
-    def init(self, payload: Mapping | str) -> dict:
+    def init(self, payload: Mapping) -> dict:
         """Join the trainer's link (``SyncInit``) and learn the fleet; raises on this worker's
         refusal or any other rank's, naming it. Again (a new generation of the fleet: a server
         added, removed or replaced): the old link is torn down first."""
@@ -133,7 +133,7 @@ class WorkerSide:
             self.updater.attach_drafter(drafter)
         self.session = "draft" if drafter is not None else "target"
 
-    def receive(self, update_info: Mapping | str) -> dict:
+    def receive(self, update_info: Mapping) -> dict:
         """Land one update (the trainer sends at the same time). First the update's gate
         (``glm_fp8.integrations.vllm.sync``): this worker says it is ready, or why not (no session
         started, an update of another session), and waits for trainer rank 0's go; a refusal,
