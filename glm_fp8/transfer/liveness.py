@@ -116,7 +116,8 @@ class Liveness:
         """Wait for a gloo ``work``, raising ``LinkLost`` as soon as the link lost a rank; a transport
         error is pinned on the lost rank (``blame``). The work is waited for in a thread of its own
         (abandoned, blocked until the transport's timeout, once the link is lost): gloo's wait with
-        a timeout breaks the connection of a point-to-point message it times out on."""
+        a timeout breaks the connection of a point-to-point message it times out on. The caller's
+        current CUDA stream is ordered after the work as by ``work.wait()`` in its own thread."""
         self.check()
         done, failed = threading.Event(), []
 
@@ -133,6 +134,11 @@ class Liveness:
             self.check()
         if failed:
             raise self.blame(failed[0]) from failed[0]
+        # Once more in the caller's thread, where it returns at once: a gloo work on CUDA tensors
+        # orders the *current* stream after its copies back to the device, and the current stream
+        # is per thread: the thread's wait ordered only its own (the default) stream, so the
+        # caller's stream could read the tensors before they arrived.
+        work.wait()
 
     def blame(self, exc: BaseException) -> LinkLost:
         """A ``LinkLost`` for the transport error ``exc``: a peer that died closes its connections at

@@ -120,3 +120,28 @@ def test_delta_fraction_script_measures_real_adamw_steps(tmp_path):
             assert s["scales_changed"] > 0.5 if fmt == "fp32" else s["scales_changed"] == 0.0, out
             assert s["wire_block"] < s["wire_naive"], out
     assert re.search(r"^\|\s*fp32\s*\|\s*1e-05\s*\|\s*ue8m0\s*\|", out, flags=re.M), out
+
+
+def test_layer_path_goes_down_the_layers_as_docs_map_says(tmp_path):
+    """bench/scripts/layer_path.py: no call climbs a layer on a dense or a delta layer's path, and
+    the modules and layers each side enters are the "after" figures of docs/map.md's table."""
+    out = tmp_path / "path.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "bench" / "scripts" / "layer_path.py")
+    done = subprocess.run(
+        [sys.executable, script, "--json", str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    table = (ROOT / "docs" / "map.md").read_text()
+    for rank, side in (("0", "sender"), ("1", "engine rank")):
+        for kind in ("dense", "delta"):
+            s = got[rank][kind]
+            assert s["up"] == 0, (kind, side, s["up_pairs"])
+            row = re.search(rf"^\| {kind}, {side} \| \d+ -> (\d+) \| \d+ -> (\d+) \|", table, re.M)
+            assert row, f"docs/map.md has no row for {kind}, {side}"
+            assert (s["modules"], len(s["layers"])) == (int(row[1]), int(row[2])), (
+                kind,
+                side,
+                s["module_list"],
+            )
