@@ -25,6 +25,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from glm_fp8.core.errors import LinkLost
@@ -120,10 +121,18 @@ class Liveness:
         current CUDA stream is ordered after the work as by ``work.wait()`` in its own thread."""
         self.check()
         done, failed = threading.Event(), []
+        # A gloo work on CUDA tensors orders the waiting thread's *current* stream after its copies
+        # back to the device, and the current stream is per thread: the thread waits under the
+        # caller's, so the caller's stream reads the tensors only once they arrived.
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
         def run() -> None:
             try:
-                work.wait()
+                if stream is None:
+                    work.wait()
+                else:
+                    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                        work.wait()
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
                 failed.append(exc)
             finally:
@@ -134,11 +143,6 @@ class Liveness:
             self.check()
         if failed:
             raise self.blame(failed[0]) from failed[0]
-        # Once more in the caller's thread, where it returns at once: a gloo work on CUDA tensors
-        # orders the *current* stream after its copies back to the device, and the current stream
-        # is per thread: the thread's wait ordered only its own (the default) stream, so the
-        # caller's stream could read the tensors before they arrived.
-        work.wait()
 
     def blame(self, exc: BaseException) -> LinkLost:
         """A ``LinkLost`` for the transport error ``exc``: a peer that died closes its connections at
