@@ -220,10 +220,34 @@ def _worker(rank, world, port, backend, timeout_s, fn, args, queue):
         queue.put((rank, type(exc).__name__, f"{exc}\n{traceback.format_exc(limit=3)}"))
     finally:
         if dist.is_initialized():
+            _leave_last(rank, world)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a dead peer can make this fail too
                 pass
+
+
+# How long rank 0 waits for the other ranks to finish before its process ends.
+LEAVE_WAIT_S = 10.0
+
+
+def _leave_last(rank: int, world: int) -> None:
+    """Rank 0's process serves the default group's store, where every link over that group beats
+    (``glm_fp8.transfer.liveness``): it ends only after every other rank finished (or after
+    ``LEAVE_WAIT_S``, for a rank that died), so that a rank still reading the outcome of a failed
+    update is not told "rank 0 is lost" by the store going away."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("glm_fp8/testing/done", 1)
+        if rank != 0:
+            return
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while store.add("glm_fp8/testing/done", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - a store that is gone already: nothing to wait for
+        pass
 
 
 def launch(

@@ -431,8 +431,9 @@ class TrainerSide(FleetMembership):
 
     def _drop_link(self, keep: bool = True) -> None:
         """Close the link; with ``keep`` each delta session's kept copy stays for the next link's
-        sender (``delta_carry``: the servers that stay take deltas, new or restarted ones dense),
-        beside what an earlier drop kept and no update took yet (two fleet changes in a row)."""
+        sender (``glm_fp8.transfer.delta.carry``: the servers that stay take deltas, new or
+        restarted ones dense), beside what an earlier drop kept and no update took yet (two fleet
+        changes in a row)."""
         senders, self._senders_cache, self._gates = self._senders_cache, {}, []
         if self.link is not None:
             self.link.close()

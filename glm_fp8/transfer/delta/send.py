@@ -54,7 +54,7 @@ class SenderDelta:
         # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
         self.backend = "torch" if side.device.type == "cpu" else None
         self.is_delta = [False] * n  # some engine rank takes the layer as a delta
-        self.fresh: list[frozenset[int]] = [frozenset()] * n  # which ones (delta_plan.delta_layers)
+        self.fresh: list[frozenset[int]] = [frozenset()] * n  # which ones (delta.segments.delta_layers)
         self.buf_nbytes = max((x.messages + x.bounds for x in sizes), default=0)
         self.bufs: list[torch.Tensor | None] = [None] * conv_ring.size
         self.lengths_host: list[torch.Tensor | None] = [None] * conv_ring.size
