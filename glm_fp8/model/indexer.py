@@ -47,7 +47,7 @@ def _prime_rl_skips_topk(config: Mapping, layer_idx: int) -> bool:
     return layer_idx % (config.get("index_topk_freq") or 1) != 0
 
 
-def _vllm_skip_topk_layers(config: Mapping) -> set[int]:
+def vllm_skip_topk_layers(config: Mapping) -> set[int]:
     """vLLM 0.34's ``model_executor/models/utils.py::compute_skip_topk_layers`` (what
     ``deepseek_v32/attention.py`` builds from on CUDA). Precedence: ``indexer_types`` (one entry
     per layer, "full" or "shared"), then ``index_topk_pattern``, then
@@ -74,12 +74,12 @@ def skip_topk_layers(config: object) -> frozenset[int]:
     families without an indexer. The MTP layer (index ``num_hidden_layers``) always has one.
 
     The trainer (prime-rl) and the engine (vLLM 0.34) read the schedule with different rules
-    (``_prime_rl_skips_topk``, ``_vllm_skip_topk_layers``); an update can only land when they agree,
+    (``_prime_rl_skips_topk``, ``vllm_skip_topk_layers``); an update can only land when they agree,
     so a config on which they disagree is refused here, naming the first layer that differs."""
     c = as_config(config)
     if c["model_type"] not in INDEXER_FAMILIES:
         return frozenset()
-    engine = _vllm_skip_topk_layers(c)
+    engine = vllm_skip_topk_layers(c)
     for i in range(c["num_hidden_layers"]):
         trainer = _prime_rl_skips_topk(c, i)
         if trainer != (i in engine):

@@ -68,10 +68,10 @@ def test_glm52_preset_schedule():
     config = PRESETS["glm-5.2"]
     full = [i for i in range(78) if has_indexer(config, i)]
     assert full == [0, 1, 2, *range(6, 78, 4)] and len(full) == 21
-    from glm_fp8.model.indexer import _vllm_skip_topk_layers
+    from glm_fp8.model.indexer import vllm_skip_topk_layers
 
     no_types = {k: v for k, v in config.items() if k != "indexer_types"}
-    assert _vllm_skip_topk_layers(no_types) == set(range(78)) - set(full)
+    assert vllm_skip_topk_layers(no_types) == set(range(78)) - set(full)
     # prime-rl reads the frequency without the offset (i % 4): only indexer_types makes both agree
     for use_index_cache, layer in ((True, 1), (False, 3)):
         with pytest.raises(ValueError, match=rf"layer {layer} has"):

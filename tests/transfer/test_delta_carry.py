@@ -153,7 +153,7 @@ def test_a_regrouped_layer_is_assembled_piece_by_piece():
     offset, zeros between pieces and for a piece new to the link; a piece another sender sent on
     the old link leaves the layer uncarried."""
     from glm_fp8.engine.layout import Shard
-    from glm_fp8.transfer.delta.carry import KeptLayer, _assemble, _key
+    from glm_fp8.transfer.delta.carry import KeptLayer, assemble_kept, piece_key
     from glm_fp8.transfer.pack import ShardPack, ShardPiece
     from glm_fp8.transfer.wire import CHECKSUM_BYTES
 
@@ -168,18 +168,18 @@ def test_a_regrouped_layer_is_assembled_piece_by_piece():
     kept_xy = torch.randint(1, 256, (512,), dtype=torch.uint8)
     kept_xy[96:128], kept_xy[224:] = 0, 0  # between and after the pieces: zero, as a delta keeps them
     kept_z = torch.randint(0, 256, (512,), dtype=torch.uint8)
-    on_link = frozenset(_key(p) for p in (x, y, z, piece("v", 0)))  # v: another sender sent it
+    on_link = frozenset(piece_key(p) for p in (x, y, z, piece("v", 0)))  # v: another sender sent it
     old = KeptLayer(7, [(old_xy.pieces, kept_xy), (old_z.pieces, kept_z)], on_link)
     new_y_w = pack(piece("y", 256), piece("w", 0))  # y moved, w new to the link
     poisoned = lambda n: torch.full((n,), 0xFF, dtype=torch.uint8)  # noqa: E731
-    got = _assemble([old_xy, new_y_w, old_xy], old, poisoned)
+    got = assemble_kept([old_xy, new_y_w, old_xy], old, poisoned)
     assert got[0] is kept_xy
     assert got[2] is not kept_xy and torch.equal(got[2], kept_xy)
     want = torch.zeros(512, dtype=torch.uint8)
     want[256:352] = kept_xy[128:224]
     assert torch.equal(got[1], want)
     # a piece another sender sent on the old link (its owner moved): not carried, dense for all
-    assert _assemble([pack(piece("v", 0))], old, poisoned) is None
+    assert assemble_kept([pack(piece("v", 0))], old, poisoned) is None
 
 
 def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
@@ -190,7 +190,7 @@ def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
     sender's version). A dropped Sender is freed at once. Runs the Senders' planning only: a
     stand-in link, kept copies of zeros."""
     from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
-    from glm_fp8.transfer.delta.carry import _key, adopt_kept, detach_kept
+    from glm_fp8.transfer.delta.carry import adopt_kept, detach_kept, piece_key
 
     config = {**CONFIG, "num_hidden_layers": 16}
     ids, n = list(range(16)), 3
@@ -218,14 +218,14 @@ def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
         for pos, lay in enumerate(old.routes.layers):
             old.delta.kept[pos] = [torch.zeros(s.data_nbytes, dtype=torch.uint8) for s in lay.of_sender(me)]
             old.delta.versions.compared(pos, 5)
-        mine = [{_key(p) for s in lay.of_sender(me) for p in s.pieces} for lay in old.routes.layers]
-        sent = [{_key(p) for s in lay.segments for p in s.pieces} for lay in old.routes.layers]
+        mine = [{piece_key(p) for s in lay.of_sender(me) for p in s.pieces} for lay in old.routes.layers]
+        sent = [{piece_key(p) for s in lay.segments for p in s.pieces} for lay in old.routes.layers]
         new = sender(after, me)
         carried, dropped = adopt_kept(new, detach_kept(old)), weakref.ref(old)
         del old  # freed at once (its delta state holds it weakly): its rings do not outlive it
         assert dropped() is None
         for pos, lay in enumerate(new.routes.layers):
-            keys = {_key(p) for s in lay.of_sender(me) for p in s.pieces}
+            keys = {piece_key(p) for s in lay.of_sender(me) for p in s.pieces}
             stays = all(k in mine[pos] or k not in sent[pos] for k in keys)
             assert (lay.layer_idx in carried) == stays, (me, lay.layer_idx)
             assert new.delta.versions.kept[pos] == (5 if stays else -1)

@@ -33,7 +33,7 @@ from glm_fp8.transfer.pack import ShardPiece, cut_key
 PieceKey = tuple  # (dtype, shape, *cut_key): what a piece's bytes depend on
 
 
-def _key(p: ShardPiece) -> PieceKey:
+def piece_key(p: ShardPiece) -> PieceKey:
     return (p.dtype, p.shape, *cut_key(p))
 
 
@@ -86,7 +86,7 @@ def detach_kept(sender) -> KeptCopy:
         kept, version = d.kept[pos], d.versions.kept[pos]
         if kept is not None and version != NONE:
             segs = [(s.pieces, k) for s, k in zip(lay.of_sender(sender.me), kept)]
-            keys = frozenset(_key(p) for s in lay.segments for p in s.pieces)
+            keys = frozenset(piece_key(p) for s in lay.segments for p in s.pieces)
             out.layers[lay.layer_idx] = KeptLayer(version, segs, keys)
         d.kept[pos], d.versions.kept[pos] = None, NONE
     return out
@@ -134,7 +134,7 @@ def adopt_kept(sender, copy: KeptCopy) -> list[int]:
         old = copy.layers.pop(lay.layer_idx, None)
         if old is None:
             continue
-        kept = _assemble(lay.of_sender(sender.me), old, d._new_kept)
+        kept = assemble_kept(lay.of_sender(sender.me), old, d.new_kept)
         if kept is not None:
             d.kept[pos] = kept
             d.versions.compared(pos, old.version)
@@ -143,14 +143,14 @@ def adopt_kept(sender, copy: KeptCopy) -> list[int]:
     return carried
 
 
-def _assemble(segs, old: KeptLayer, new_kept) -> list[torch.Tensor] | None:
+def assemble_kept(segs, old: KeptLayer, new_kept) -> list[torch.Tensor] | None:
     """The kept bytes of ``segs`` (this sender's segments of the layer on the new link) from the
     old ones: an equal old segment as it is (once), else each piece an old segment holds copied in
     and zeros elsewhere; None when a piece is not in this sender's old segments but another
     sender sent it on the old link."""
     whole = {(pieces, t.numel()): t for pieces, t in old.segments}
-    where = {_key(p): (t, p) for pieces, t in old.segments for p in pieces}
-    if any(_key(p) not in where and _key(p) in old.on_link for s in segs for p in s.pieces):
+    where = {piece_key(p): (t, p) for pieces, t in old.segments for p in pieces}
+    if any(piece_key(p) not in where and piece_key(p) in old.on_link for s in segs for p in s.pieces):
         return None
     out, taken = [], set()
     for s in segs:
@@ -163,8 +163,8 @@ def _assemble(segs, old: KeptLayer, new_kept) -> list[torch.Tensor] | None:
         zero_gaps(t, s)  # the bytes between pieces: zero on both ends in a delta update
         for p in s.pieces:
             piece = t[p.offset : p.offset + p.nbytes]
-            if _key(p) in where:
-                src, q = where[_key(p)]
+            if piece_key(p) in where:
+                src, q = where[piece_key(p)]
                 piece.copy_(src[q.offset : q.offset + q.nbytes])
             else:  # a piece new to the link: only ranks that hold no version take it, dense
                 piece.zero_()
@@ -212,6 +212,8 @@ def _delta_of(end, what: str, build: str):
 
 
 __all__ = [
+    "assemble_kept",
+    "piece_key",
     "HeldCopy",
     "KeptCopy",
     "KeptLayer",

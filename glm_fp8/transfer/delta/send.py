@@ -124,7 +124,7 @@ class SenderDelta:
         segs = lay.of_sender(self.me)
         datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
         if self.kept[pos] is None:
-            self.kept[pos] = [self._new_kept(seg.data_nbytes) for seg in segs]
+            self.kept[pos] = [self.new_kept(seg.data_nbytes) for seg in segs]
         kept = self.kept[pos]
         self.versions.kept[pos] = NONE  # until the copy below is whole
         if not self.is_delta[pos]:
@@ -178,7 +178,7 @@ class SenderDelta:
         event.record(self.convert_stream)
         return host, event
 
-    def _new_kept(self, nbytes: int) -> torch.Tensor:
+    def new_kept(self, nbytes: int) -> torch.Tensor:
         if not self.host:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.side.device)
         # Pinned, so that the copies in and out are asynchronous (pinning needs CUDA).
