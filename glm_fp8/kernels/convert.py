@@ -51,12 +51,13 @@ def check_adapted_layer(
 def check_source_dtypes(
     entries: Collection[PlanEntry], layer: Mapping[str, torch.Tensor], prefix: str
 ) -> None:
-    """The sources of the passthrough ``entries`` (of a plan adapted to ``layer``) are of a floating
-    dtype: each is converted to its entry's dtype as it is copied. TypeError naming ``prefix + key``."""
+    """The sources of the passthrough ``entries`` (of a plan adapted to ``layer``) that ``layer``
+    holds are of a floating dtype: each is converted to its entry's dtype as it is copied.
+    TypeError naming ``prefix + key``."""
     for e in entries:
         if e.op in ("copy", "concat"):
             for s in e.sources:
-                if layer[s].dtype not in INPUT_DTYPES:
+                if s in layer and layer[s].dtype not in INPUT_DTYPES:
                     raise TypeError(
                         f"{prefix}{s}: expected a floating dtype (bfloat16, float16 or float32; written to "
                         f"{e.name} as {e.dtype}), got {layer[s].dtype}"
@@ -85,12 +86,17 @@ def check_layer_keys(
 
 
 def check_adapted_keys(
-    plan: LayerPlan, layer: Mapping[str, torch.Tensor], prefix: str, only: Collection[str] | None = None
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    prefix: str,
+    only: Collection[str] | None = None,
+    needed: Collection[str] | None = None,
 ) -> list[PlanEntry]:
     """``check_layer_keys`` for a ``plan`` already adapted to ``layer``'s trainer layout and a
-    layer under short names: it adapts nothing."""
+    layer under short names: it adapts nothing. ``needed``: the keys that must be present (a
+    sender of many that reads only its share), instead of every source of the wanted entries."""
     wanted = wanted_entries(plan, only)
-    needed = {s for e in wanted for s in e.sources}
+    needed = {s for e in wanted for s in e.sources} if needed is None else set(needed)
     missing = [k for k in plan.inputs if k in needed and k not in layer]
     if missing:
         shape = plan.inputs[missing[0]][0]

@@ -188,13 +188,56 @@ class Endpoint:
         if wire != "fp8" and (len(senders) > 1 or any(e not in (None, FULL) for e in engines)):
             raise ValueError("wire: engine layouts and many senders need wire='fp8'")
         self.routes: TransferPlan = transfer_plan(
-            self.config, self.plans, self.layer_ids, engines, senders, groups=self.link.groups_supported
+            self.config,
+            self.plans,
+            self.layer_ids,
+            engines,
+            senders,
+            groups=self.link.groups_supported,
+            holders=None if options.holders is None else self._holders(options.holders, senders),
         )
         self.senders = self.routes.senders
         self.step_votes = StepVotes(self.device)
         self.vote_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._headers = self.header_table()
         self._payload: bytes | None = None
+
+    def _holders(self, holders: Mapping, senders: list[int]) -> list:
+        """``holders`` (link ranks, by layer index) as the transfer plan takes them: per layer of
+        the update, sender indices. ValueError for a rank that is not a sender, a layer or an entry
+        that is not in the update."""
+        if len(senders) < 2:
+            raise ValueError("holders: needs several senders (one sender holds every layer)")
+        known = set(self.layer_ids)  # REST included when the update carries it
+        bad = sorted(set(holders) - known)
+        if bad:
+            raise ValueError(f"holders: layer {bad[0]} is not in the update (its layers: {sorted(known)})")
+
+        def index(where: str, ranks) -> tuple[int, ...]:
+            out = []
+            for r in ranks:
+                if r not in senders:
+                    raise ValueError(f"{where}: link rank {r} is not a sender (senders: {senders})")
+                out.append(senders.index(r))
+            return tuple(out)
+
+        per_layer = []
+        for idx, plan in zip(self.layer_ids, self.plans):
+            held = holders.get(idx)
+            if held is None:
+                per_layer.append(None)
+            elif isinstance(held, Mapping):
+                names = {e.name for e in plan.entries}
+                for name in held:
+                    if name not in names:
+                        raise ValueError(
+                            f"holders[{idx}][{name!r}]: not an entry of that layer's plan "
+                            f"(its entries: {sorted(names)})"
+                        )
+                per_layer.append({name: index(f"holders[{idx}][{name!r}]", r) for name, r in held.items()})
+            else:
+                per_layer.append(index(f"holders[{idx}]", held))
+        return per_layer
 
     def side(self) -> Side:
         """This endpoint as its collaborators see it (``Side``)."""

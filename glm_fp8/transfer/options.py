@@ -86,6 +86,15 @@ class UpdateOptions:
     """The link ranks that send, in the order of the expert chunks they hold (default: ``[src]``).
     With several, each converts and sends its own experts and the entries it owns
     (docs/layouts.md#the-transfer-plan)."""
+    holders: Mapping[int, Sequence[int] | Mapping[str, Sequence[int]]] | None = None
+    """Which senders hold which layers, for a trainer whose ranks hold different layers (pipeline
+    stages: docs/trainers.md#megatron-core): layer index (``glm_fp8.model.families.REST``, -1, for
+    the non-layer tensors) to the link ranks of the senders that hold it, in the order of the
+    expert chunks they hold; or, for a layer whose entries are held apart (the embeddings on the
+    first stage, the head on the last), kernel-format entry name to those link ranks. A layer's
+    expert stacks (and its largest matrices) are divided among its holders, every other entry is
+    owned by one of them; a sender hands ``send_model`` only what it holds (nothing of a layer it
+    does not hold). Layers and entries not named: every sender holds them. Many senders only."""
     wire: WireFormat = "fp8"
     """The wire format: "fp8" ships kernel-format fp8 entries; "bf16" ships them unquantized, for
     receivers that quantize on receive (one sender, full broadcast only)."""
@@ -121,6 +130,8 @@ class UpdateOptions:
             isinstance(self.senders, (str, bytes)) or not isinstance(self.senders, Iterable)
         ):
             raise ValueError(f"senders: expected a list of link ranks, got {type(self.senders).__name__}")
+        if self.holders is not None:
+            check_holders(self.holders)
         if self.engines is not None and (
             isinstance(self.engines, (str, bytes)) or not isinstance(self.engines, Sequence)
         ):
@@ -150,6 +161,30 @@ class UpdateOptions:
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown option(s) {unknown}; known: {sorted(known)}")
         return cls(**given)
+
+
+def check_holders(holders: object) -> None:
+    """``holders``' shape (its ranks are checked against the senders once the link is known)."""
+    if not isinstance(holders, Mapping):
+        raise ValueError(
+            f"holders: expected a mapping of layer index to link ranks, got {type(holders).__name__}"
+        )
+    for idx, held in holders.items():
+        check_int("holders: a layer index", idx, -1)
+        groups = held.items() if isinstance(held, Mapping) else [(None, held)]
+        for name, ranks in groups:
+            where = f"holders[{idx}]" + (f"[{name!r}]" if name is not None else "")
+            if name is not None and not isinstance(name, str):
+                raise ValueError(f"{where}: expected an entry name (str) as the key")
+            if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+                raise ValueError(f"{where}: expected a list of link ranks, got {type(ranks).__name__}")
+            ranks = list(ranks)
+            if not ranks:
+                raise ValueError(f"{where}: expected at least one link rank (a sender that holds it)")
+            for k, r in enumerate(ranks):
+                check_int(f"{where}[{k}]", r, 0)
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"{where}: a link rank is named twice in {ranks}")
 
 
 def device_of(options: object, fields: Mapping) -> object:
@@ -236,4 +271,12 @@ class ReceiveOptions(UpdateOptions):
             raise ValueError(f"delta: expected True or False, got {self.delta!r}")
 
 
-__all__ = ["MAX_RING", "device_of", "DeltaOptions", "ReceiveOptions", "SendOptions", "UpdateOptions"]
+__all__ = [
+    "MAX_RING",
+    "check_holders",
+    "device_of",
+    "DeltaOptions",
+    "ReceiveOptions",
+    "SendOptions",
+    "UpdateOptions",
+]

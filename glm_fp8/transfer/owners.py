@@ -49,39 +49,84 @@ def split_entries(plan: LayerPlan) -> list[PlanEntry]:
     return stack_entries(plan) + big
 
 
+Holders = tuple[int, ...] | Mapping[str, tuple[int, ...]] | None
+"""Which senders (their indices) hold a layer: None, every sender; a tuple, those senders, every
+entry; a mapping, per entry name (short), the senders that hold it (an entry not named: every
+sender). Pipeline stages: each layer is held by its stage's senders."""
+
+
+def entry_holders(holders: Holders, name: str, n_senders: int) -> tuple[int, ...]:
+    """The senders (indices, in order) that hold entry ``name`` (short) of a layer held by
+    ``holders``."""
+    if holders is None:
+        return tuple(range(n_senders))
+    if isinstance(holders, tuple):
+        return holders
+    return holders.get(name, tuple(range(n_senders)))
+
+
 def divide(
-    plans: Sequence[LayerPlan], layer_ids: Sequence[int], scatters: Sequence[LayerScatter], n_senders: int
+    plans: Sequence[LayerPlan],
+    layer_ids: Sequence[int],
+    scatters: Sequence[LayerScatter],
+    n_senders: int,
+    holders: Sequence[Holders] | None = None,
 ) -> tuple[Rows, list[dict[str, Rows]], list[dict[str, int]]]:
     """The division of an update of ``layer_ids`` (``plans[k]`` and the classes' regions
     ``scatters[k]`` of ``layer_ids[k]``) among ``n_senders``: each sender's routed-expert rows
-    (``bounds``), per layer every split entry's rows per sender (by prefixed name) and the owner of
-    every other entry. One sender owns everything. Raises ValueError for layers with different
-    numbers of routed experts (one expert-parallel cut serves every layer)."""
+    (``bounds``: in the layers it holds), per layer every split entry's rows per sender (by
+    prefixed name: ``torch.chunk`` over the entry's holders, in their order; none for the other
+    senders) and the owner of every other entry (one of its holders). ``holders[k]``: who holds
+    ``layer_ids[k]`` (``Holders``; default every sender). One sender owns everything. Raises
+    ValueError for layers with different numbers of routed experts (one expert-parallel cut
+    serves every layer)."""
+    holders = list(holders) if holders is not None else [None] * len(plans)
     experts = {e.shape[0] for p in plans for e in stack_entries(p)}
     if len(experts) > 1:
         raise ValueError(
             f"plans: expected one number of routed experts in every layer, got {sorted(experts)}"
         )
-    bounds = chunk_bounds(experts.pop() if experts else 0, n_senders)
     if n_senders == 1:
+        bounds = chunk_bounds(experts.pop() if experts else 0, 1)
         splits: list[dict] = [{} for _ in plans]
         owners = [{layer_prefix(i) + e.name: 0 for e in p.entries} for p, i in zip(plans, layer_ids)]
-    else:
-        splits = [
-            {layer_prefix(i) + e.name: chunk_bounds(e.shape[0], n_senders) for e in split_entries(p)}
-            for p, i in zip(plans, layer_ids)
-        ]
-        owners = _owners(plans, layer_ids, scatters, splits, n_senders)
-    return bounds, splits, owners
+        return bounds, splits, owners
+    splits = []
+    for p, i, h in zip(plans, layer_ids, holders):
+        splits.append(
+            {
+                layer_prefix(i) + e.name: held_bounds(
+                    e.shape[0], entry_holders(h, e.name, n_senders), n_senders
+                )
+                for e in split_entries(p)
+            }
+        )
+    owners = _owners(plans, layer_ids, scatters, splits, holders, n_senders)
+    bounds = [(0, 0)] * n_senders
+    for p, i, split in zip(plans, layer_ids, splits):
+        for e in stack_entries(p):
+            for t, rows in enumerate(split[layer_prefix(i) + e.name]):
+                if rows[1] > rows[0] and bounds[t] == (0, 0):
+                    bounds[t] = rows
+    return tuple(bounds), splits, owners
 
 
-def _owners(plans, layer_ids, scatters, splits, n_senders: int) -> list[dict[str, int]]:
-    """Each entry that is not split gets one owner: a decoder layer's go together (one gather
-    per layer), the non-layer tensors one by one. Largest group first, each to the sender that
-    sends the fewest bytes so far, counting its rows of the split entries (greedy,
-    deterministic)."""
+def held_bounds(n: int, held: Sequence[int], n_senders: int) -> Rows:
+    """[lo, hi) of ``n`` rows per sender: ``torch.chunk`` over the senders ``held`` (indices, in
+    their order), (0, 0) for the others."""
+    out = [(0, 0)] * n_senders
+    for t, rows in zip(held, chunk_bounds(n, len(held))):
+        out[t] = rows
+    return tuple(out)
+
+
+def _owners(plans, layer_ids, scatters, splits, holders, n_senders: int) -> list[dict[str, int]]:
+    """Each entry that is not split gets one owner among its holders: a decoder layer's entries
+    of one holder set go together (one gather per layer), the non-layer tensors one by one.
+    Largest group first, each to the holder that sends the fewest bytes so far, counting its rows
+    of the split entries (greedy, deterministic)."""
     load = [0] * n_senders
-    groups: list[tuple[int, int, list[str]]] = []  # (bytes sent, position, names)
+    groups: list[tuple[int, int, tuple[int, ...], list[str]]] = []  # (bytes sent, position, holders, names)
     for pos, (plan, layer_idx, scatter) in enumerate(zip(plans, layer_ids, scatters)):
         prefix = layer_prefix(layer_idx)
         sent: dict[str, int] = {}
@@ -89,16 +134,20 @@ def _owners(plans, layer_ids, scatters, splits, n_senders: int) -> list[dict[str
             for p in pack.pieces:
                 sent[p.name] = sent.get(p.name, 0) + p.nbytes * len(ranks)
         for name, bounds in splits[pos].items():
-            rows = max(bounds[-1][1], 1)
+            rows = max(max(hi for _, hi in bounds), 1)
             for t, (lo, hi) in enumerate(bounds):
                 load[t] += sent.get(name, 0) * (hi - lo) // rows
-        others = [prefix + e.name for e in plan.entries if prefix + e.name not in splits[pos]]
-        for names in [[x] for x in others] if layer_idx == REST else [others]:
-            if names:
-                groups.append((sum(sent.get(x, 0) for x in names), pos, names))
+        by_holders: dict[tuple[int, ...], list[str]] = {}
+        for e in plan.entries:
+            if prefix + e.name not in splits[pos]:
+                held = entry_holders(holders[pos], e.name, n_senders)
+                by_holders.setdefault(held, []).append(prefix + e.name)
+        for held, others in by_holders.items():
+            for names in [[x] for x in others] if layer_idx == REST else [others]:
+                groups.append((sum(sent.get(x, 0) for x in names), pos, held, names))
     owners: list[dict[str, int]] = [{} for _ in plans]
-    for nbytes, pos, names in sorted(groups, key=lambda g: (-g[0], g[1])):
-        t = min(range(n_senders), key=lambda i: (load[i], i))
+    for nbytes, pos, held, names in sorted(groups, key=lambda g: (-g[0], g[1])):
+        t = min(held, key=lambda i: (load[i], i))
         load[t] += nbytes
         for name in names:
             owners[pos][name] = t
@@ -160,8 +209,11 @@ def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece 
 
 __all__ = [
     "SPLIT_MIN_BYTES",
+    "Holders",
     "chunk_bounds",
     "divide",
+    "entry_holders",
+    "held_bounds",
     "sender_pieces",
     "sender_plan",
     "split_entries",

@@ -49,7 +49,7 @@ from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.kernels.checksum import checksum_rows
 from glm_fp8.model.layer_plan import LayerPlan, align
 from glm_fp8.model.trainer_layouts import layer_prefix
-from glm_fp8.transfer.owners import divide, sender_pieces, sender_plan
+from glm_fp8.transfer.owners import Holders, divide, sender_pieces, sender_plan
 from glm_fp8.transfer.pack import FULL, ShardPack, check_engines, layer_scatter, layout_words
 from glm_fp8.transfer.topology import class_groups, sender_groups_pay
 from glm_fp8.transfer.wire import CHECKSUM_BYTES
@@ -141,12 +141,14 @@ class LayerRoutes:
 class TransferPlan:
     """Routes of one update: ``senders`` (link ranks, in expert-chunk order), ``engines`` (one entry
     per link rank: None at a sender, an ``EngineLayout`` or ``FULL``), each sender's routed-expert
-    ``bounds`` and every layer's routes (in the update's order)."""
+    ``bounds`` (in the layers it holds), every layer's routes (in the update's order) and who holds
+    each layer (``holders``, per layer; empty: every sender holds every layer)."""
 
     senders: tuple[int, ...]
     engines: tuple[EngineLayout | str | None, ...]
     bounds: tuple[tuple[int, int], ...]
     layers: tuple[LayerRoutes, ...]
+    holders: tuple[Holders, ...] = ()
 
     def class_of(self, pos: int, rank: int) -> int:
         """The first class of ``rank`` in the layer at ``pos`` (its only one with many senders)."""
@@ -228,6 +230,14 @@ class TransferPlan:
             "senders": list(self.senders),
             "engines": [lay if lay in (None, FULL) else layout_words(lay) for lay in self.engines],
             "bounds": [list(b) for b in self.bounds],
+            "holders": [
+                h
+                if h is None
+                else list(h)
+                if isinstance(h, tuple)
+                else [[k, list(v)] for k, v in sorted(h.items())]
+                for h in self.holders
+            ],
             "layers": [
                 [
                     [s.sender, list(lay.classes[s.cls]), s.nbytes, s.group and list(s.group), s.direct]
@@ -253,14 +263,16 @@ def transfer_plan(
     senders: Sequence[int],
     *,
     groups: bool = True,
+    holders: Sequence[Holders] | None = None,
 ) -> TransferPlan:
     """The routes of an update of ``layer_ids`` (``plans[k]`` the plan of ``layer_ids[k]``) from
     ``senders`` (link ranks) into ``engines`` (one entry per link rank, see
     ``glm_fp8.transfer.pack.check_engines``; ``config`` is needed when some are ``EngineLayout``).
     ``groups``: the link can make groups, so a single sender broadcasts once to a class of several
     ranks, and many senders each once to each such class where ``sender_groups_pay`` says so.
-    Raises ValueError for a plan the senders cannot carry out, or where vLLM would refuse an
-    engine layout."""
+    ``holders``: per layer, the senders (indices) that hold it (``glm_fp8.transfer.owners.Holders``:
+    pipeline stages); default every sender every layer. Raises ValueError for a plan the senders
+    cannot carry out, or where vLLM would refuse an engine layout."""
     senders, engines = tuple(int(s) for s in senders), tuple(engines)
     check_engines(engines, senders)
     n = len(senders)
@@ -276,7 +288,9 @@ def transfer_plan(
             cache[id(plan)] = (layer_idx, layer_scatter(plan, layer_idx, config, engines, groups=groups))
         first, scatter = cache[id(plan)]
         scatters.append(_renamed(scatter, layer_prefix(first), layer_prefix(layer_idx)))
-    bounds, splits, owners = divide(plans, layer_ids, scatters, n)
+    if holders is not None and n == 1:
+        raise ValueError("holders: one sender holds every layer; holders are for many senders")
+    bounds, splits, owners = divide(plans, layer_ids, scatters, n, holders)
     local_cache: dict[tuple, LayerPlan] = {}
     layers = []
     for pos, (plan, layer_idx) in enumerate(zip(plans, layer_ids)):
@@ -336,7 +350,7 @@ def transfer_plan(
                 tuple(recv_nbytes),
             )
         )
-    tp = TransferPlan(senders, engines, bounds, tuple(layers))
+    tp = TransferPlan(senders, engines, bounds, tuple(layers), tuple(holders or ()))
     return _sender_groups(tp) if n > 1 and groups else tp
 
 

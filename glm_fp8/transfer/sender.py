@@ -178,7 +178,9 @@ class Sender(Endpoint):
                     layer_idx, sd = next_item(it, pos, rest, self.layer_ids, n - self.rest, self.rest)
                     plan, layer = trainer_view(self.plans[pos], strip_layer(sd, layer_idx), layer_idx)
                     if len(self.senders) > 1:
-                        check_own_layer(plan, layer, layer_idx, self.senders_global, self.routes.bounds)
+                        holders = self.routes.holders[pos] if self.routes.holders else None
+                        lay = self.routes.layers[pos]
+                        check_own_layer(plan, layer, lay, holders, self.me, self.senders_global)
                     item = (layer_idx, plan, layer)
                 except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
                     err = exc
@@ -267,6 +269,7 @@ class Sender(Endpoint):
                     senders=self.senders_global,
                     gather_dtype=self.collect_args["gather_dtype"],
                     device=self.device,
+                    holders=self.routes.holders[pos] if self.routes.holders else None,
                     check_finite=False,
                 )
             # NaN/Inf shows in the scales and passthrough entries: decided on the device and voted

@@ -12,54 +12,80 @@ from glm_fp8.kernels.convert import check_adapted_keys, check_source_dtypes, con
 from glm_fp8.model.layer_plan import LayerPlan
 from glm_fp8.model.trainer_layouts import layer_prefix, source_rows
 from glm_fp8.transfer.gather import full_value, gather_rows, shard_layout, travel_dtypes
-from glm_fp8.transfer.owners import sender_plan, split_entries, stack_entries
+from glm_fp8.transfer.owners import Holders, entry_holders, sender_plan, split_entries, stack_entries
 from glm_fp8.transfer.routes import LayerRoutes
+
+
+def needed_sources(plan: LayerPlan, routes: LayerRoutes, t: int) -> set[str]:
+    """The trainer tensors (short names, ``plan`` adapted to the layer) sender ``t`` reads of a
+    layer: the sources of its rows of each split entry (of a per-expert stack, its own experts'
+    tensors only) and of each entry it owns. What it holds besides (a DTensor piece another sender
+    gathers) it may pass too."""
+    prefix = layer_prefix(routes.layer_idx)
+    out: set[str] = set()
+    for e in plan.entries:
+        name = prefix + e.name
+        if name in routes.splits:
+            lo, hi = routes.splits[name][t]
+            if hi > lo:
+                out.update(s for g in e.groups()[lo:hi] for s in g) if e.per_expert else out.update(e.sources)
+        elif routes.owners.get(name) == t:
+            out.update(e.sources)
+    return out
 
 
 def check_own_layer(
     plan: LayerPlan,
     layer: Mapping[str, torch.Tensor],
-    layer_idx: int,
+    routes: LayerRoutes,
+    holders: Holders,
+    t: int,
     senders: Sequence[int],
-    bounds: Sequence[tuple[int, int]],
 ) -> None:
-    """What every sender checks of a layer before any gather, so that all of them gather or
-    none does (``plan`` and ``layer`` as ``trainer_view`` gives them: nothing is adapted again):
-    keys and global shapes (``check_adapted_keys``), passthrough sources of a floating dtype
-    (``check_source_dtypes``), expert stacks that are plain tensors or DTensors sharded on the
-    expert dim over the senders (global ranks ``senders``) in their order, other DTensors on a
-    mesh of the senders. ``collect_own`` then checks only what its own share adds: one device."""
+    """What sender ``t`` checks of its layer before any gather, so that all of them gather or none
+    does (``plan`` and ``layer`` as ``trainer_view`` gives them: nothing is adapted again; ``routes``
+    the layer's, ``holders`` who holds it, ``senders`` the senders' global ranks): every tensor it
+    reads present (``needed_sources``: a sender hands only what it holds, nothing of a layer it does
+    not hold), no unknown key, global shapes as planned (``check_adapted_keys``), passthrough
+    sources of a floating dtype (``check_source_dtypes``); expert stacks that are plain tensors or
+    DTensors sharded on the expert dim over the stack's holders in their order; other DTensors on
+    a mesh of senders (gathered among the mesh's ranks when the entry's owner is one of them).
+    ``collect_own`` then checks only what its own share adds: one device."""
     from torch.distributed.tensor import DTensor
 
-    prefix = layer_prefix(layer_idx)
-    check_source_dtypes(check_adapted_keys(plan, layer, prefix), layer, prefix)
-    stacks = {s for e in stack_entries(plan) for s in e.sources}
-    per_expert = {s for e in stack_entries(plan) if e.per_expert for s in e.sources}
-    for k, t in sorted(layer.items()):
-        if not isinstance(t, DTensor):
+    prefix = layer_prefix(routes.layer_idx)
+    entries = check_adapted_keys(plan, layer, prefix, needed=needed_sources(plan, routes, t))
+    check_source_dtypes(entries, layer, prefix)
+    stacks = {s: e for e in stack_entries(plan) if e.op != "scale" for s in e.sources}
+    for k, x in sorted(layer.items()):
+        if not isinstance(x, DTensor):
             continue
-        ranks = tuple(int(r) for r in t.device_mesh.mesh.flatten().tolist())
-        if k in per_expert:
+        ranks = tuple(int(r) for r in x.device_mesh.mesh.flatten().tolist())
+        e = stacks.get(k)
+        if e is not None and e.per_expert:
             raise ValueError(
                 f"{prefix}{k}: a per-expert DTensor; many senders read each sender's own experts, so "
                 "per-expert tensors must be plain tensors on the senders that hold them (or send from "
                 "one rank, which gathers them)"
             )
-        if k in stacks:
-            lay = shard_layout(t)
-            if lay is None or lay.dim != 0 or lay.ranks != tuple(senders) or lay.bounds != tuple(bounds):
+        if e is not None:
+            held = entry_holders(holders, e.name, len(senders))
+            want_ranks = tuple(senders[u] for u in held)
+            want_bounds = tuple(routes.splits[prefix + e.name][u] for u in held)
+            lay = shard_layout(x)
+            if lay is None or lay.dim != 0 or lay.ranks != want_ranks or lay.bounds != want_bounds:
                 got = (
                     "no 1-D Shard placement" if lay is None else f"dim {lay.dim} over ranks {list(lay.ranks)}"
                 )
                 raise ValueError(
                     f"{prefix}{k}: many senders need each expert stack sharded on the expert dim (Shard(0)) "
-                    f"over the senders {list(senders)} in this order, each holding experts "
-                    f"{[list(b) for b in bounds]}; got {got}"
+                    f"over the senders that hold it {list(want_ranks)} in this order, each holding experts "
+                    f"{[list(b) for b in want_bounds]}; got {got}"
                 )
-        elif sorted(ranks) != sorted(senders):
+        elif not set(ranks) <= set(senders):
             raise ValueError(
                 f"{prefix}{k}: a DTensor on ranks {list(ranks)}; many senders gather it on its owner among "
-                f"the senders {list(senders)}, so its mesh must be theirs"
+                f"the senders {list(senders)}, so its mesh must be made of senders"
             )
 
 
@@ -73,11 +99,13 @@ def collect_own(
     senders: Sequence[int],
     gather_dtype: torch.dtype | None,
     device: torch.device,
+    holders: Holders = None,
     check_finite: bool = True,
 ) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
     """Sender ``t``'s share of one layer (``check_own_layer`` passed on every sender; ``plan`` and
-    ``layer`` as ``trainer_view`` gives them): gather the sources of the entries each sender owns
-    onto it (collective over the senders, in the same order on each), then convert ``t``'s own
+    ``layer`` as ``trainer_view`` gives them; ``holders`` who holds the layer): gather the sources
+    of the entries each sender owns onto it (collective over each DTensor's mesh of senders, in the
+    same order on each; a copy on a mesh without the owner stays where it is), then convert ``t``'s own
     entries and its rows of every split entry (its experts of every stack, its vocabulary slice)
     into ``buf``. Returns the plan it converted (``glm_fp8.transfer.owners.sender_plan``: the
     layout of ``routes.local_plans[t]``) and the converted views by prefixed name (none when ``t``
@@ -99,8 +127,12 @@ def collect_own(
     }
     inputs: dict[str, torch.Tensor] = {}
     for k in sorted(owner_of):  # the same order on every sender: the gathers pair up
-        x, owner = layer[k], owner_of[k]
+        x, owner = layer.get(k), owner_of[k]
+        if x is None:  # not held here (checked on the owner: ``check_own_layer``)
+            continue
         if isinstance(x, DTensor):
+            if senders[owner] not in x.device_mesh.mesh.flatten().tolist():
+                continue  # a copy another mesh of senders gathers (a replica the owner is not in)
             dtype = travel.get(k)
             if shard_layout(x) is not None:
                 out = torch.empty(x.shape, dtype=dtype or x.dtype, device=device) if owner == t else None
@@ -119,14 +151,18 @@ def collect_own(
         lo, hi = rows[t]
         if e.op == "scale":
             continue
-        if not any(isinstance(layer[k], DTensor) for k in e.sources):
+        if not any(isinstance(layer.get(k), DTensor) for k in e.sources):
             if hi > lo:
                 inputs.update(source_rows(plan, e.name, layer, lo, hi))
             continue
+        held = entry_holders(holders, e.name, len(senders))
+        split_alike = (tuple(senders[u] for u in held), tuple(rows[u] for u in held))
         for k in e.sources:
-            x = layer[k]
+            x = layer.get(k)
+            if x is None:
+                continue
             lay = shard_layout(x)
-            if lay is not None and lay.dim == 0 and lay.ranks == tuple(senders) and lay.bounds == rows:
+            if lay is not None and lay.dim == 0 and (lay.ranks, lay.bounds) == split_alike:
                 if hi > lo:
                     inputs[k] = x.to_local()  # its own rows: read in the dtype it holds, nothing travels
                 continue

@@ -1,0 +1,462 @@
+"""Megatron-Core trainers (docs/trainers.md#megatron-core): a rank's ``GPTModel`` (or its
+virtual-pipeline chunks) as the layers ``Sender.send_model`` takes, and who sends what.
+
+Every rank that holds a piece sends it: the ranks of expert-data-parallel rank 0 are the senders;
+each pipeline stage's senders hold that stage's layers (``SendOptions.holders``), each its own
+experts (contiguous, ``ep_rank * E / EP + j``: per-expert tensors, views of Megatron's own, never
+stacked or gathered); a tensor-parallel tensor travels as a ``DTensor`` over Megatron's TP group,
+gathered onto the one sender that owns its entry. Megatron's names become the checkpoint's here
+(``MEGATRON_NAMES``); nothing is converted to Hugging Face tensors first. Megatron-Core is imported
+only by ``MegatronParallel.current`` (its ``parallel_state``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from glm_fp8.model.config import as_config
+from glm_fp8.model.families import REST, is_sparse_layer, layer_shapes, model_layer_ids, mtp_layer_index
+from glm_fp8.model.plans import plan_from_config
+
+# A decoder layer's Megatron-Core tensors (names inside the layer module) and the checkpoint's names
+# (inside ``model.layers.{i}.``). Several Megatron names for one tensor: Transformer Engine's specs
+# fuse a norm into the linear that follows it (``*.layer_norm_weight``), the local specs keep it
+# separate. Sources: megatron/core/models/gpt/gpt_layer_specs.py (its ``sharded_state_dict_keys_map``
+# ties the fused names to the separate ones) and multi_latent_attention.py, megatron-core 0.19.2;
+# the checkpoint's names: transformers' DeepSeek-V3 / GLM-5 modules.
+MEGATRON_NAMES: dict[str, str] = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_q_down_proj.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_q_proj.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+}
+# [gate; up] stacked on dim 0 (each TP shard holds [gate_i; up_i]): split into the two checkpoint
+# tensors, each a view of its half of the shard.
+MEGATRON_GATE_UP: dict[str, tuple[str, str]] = {
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+    ),
+}
+# The MTP layer's own tensors (``mtp.layers.{i}.*``; its decoder layer is ``mtp_model_layer.*``).
+MEGATRON_MTP_NAMES: dict[str, str] = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+# Local experts: TEGroupedMLP's ``linear_fc1.weight{j}``, SequentialMLP's ``local_experts.{j}.*``.
+_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:linear_fc([12])\.weight(\d+)|local_experts\.(\d+)\.linear_fc([12])\.weight)$"
+)
+# Megatron tensors the engine has no parameter for, or that Megatron keeps twice.
+_SKIPPED = ("self_attention.linear_kv_down_proj.layer_norm_weight",)
+
+
+@dataclass(frozen=True)
+class MegatronParallel:
+    """One Megatron-Core rank's place: its tensor-parallel group, pipeline stage, expert-parallel
+    rank, and expert-data-parallel rank (which replica of the experts it holds)."""
+
+    tp_group: object
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    ep_rank: int
+    ep_size: int
+    etp_size: int
+    edp_rank: int
+
+    @classmethod
+    def current(cls) -> MegatronParallel:
+        """This rank's place as Megatron-Core's ``parallel_state`` holds it (initialized)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            edp_rank=ps.get_expert_data_parallel_rank(),
+        )
+
+
+@dataclass(frozen=True)
+class _Place:
+    """What every rank learns of every other at ``MegatronSource``'s construction."""
+
+    rank: int
+    tp_group: tuple[int, ...]
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    edp_rank: int
+    layers: tuple[int, ...]
+    embedding: bool
+    head: bool
+
+
+class MegatronSource:
+    """A Megatron-Core rank's model as glm_fp8's layers. Collective: every rank of the trainer's
+    default group builds one, with the same ``config``.
+
+    Args:
+        model: the rank's ``GPTModel``, or its virtual-pipeline chunks (a list; DDP / Float16
+            wrappers are unwrapped through ``.module``).
+        config: the checkpoint's config (``glm_fp8.model.config``): names, shapes and layer kinds
+            are checked against it.
+        parallel: this rank's ``MegatronParallel`` (default: ``MegatronParallel.current()``).
+
+    Attributes: ``senders`` (the trainer ranks that send, ascending: expert-data-parallel rank 0),
+    ``is_sender``, ``layer_ids`` (every decoder layer, then the MTP layer the model holds),
+    ``holders`` (``SendOptions.holders``: by layer, the senders of its stage, in expert order;
+    per entry for the non-layer tensors and the MTP layer's head). A sender passes
+    ``senders=source.senders, layer_ids=source.layer_ids, holders=source.holders, rest=True`` to
+    its ``Sender`` and ``source.layers()``, ``rest=source.rest()`` to ``send_model``; the link's
+    ranks of the senders must be their trainer ranks (``StoreLink`` with the senders first).
+
+    Refused at construction, naming the Megatron option: expert tensor parallelism
+    (``expert_tensor_parallel_size`` > 1: not mapped yet), a shared-expert gate
+    (``moe_shared_expert_gate``), experts not divisible by expert parallelism, a layer whose MoE /
+    dense kind differs from the config's (``moe_layer_freq`` against ``first_k_dense_replace``),
+    tied embeddings (``share_embeddings_and_output_weights``) against an untied config.
+    """
+
+    def __init__(self, model: object, config: Mapping, parallel: MegatronParallel | None = None):
+        self.config = as_config(config)
+        self.parallel = parallel if parallel is not None else MegatronParallel.current()
+        p = self.parallel
+        chunks = [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+        n_layers = self.config["num_hidden_layers"]
+        self.n_experts = _experts(self.config)
+        if p.etp_size > 1:
+            raise ValueError(
+                f"expert_tensor_parallel_size: {p.etp_size}; glm_fp8 maps whole experts per rank: "
+                "train with --expert-tensor-parallel-size 1"
+            )
+        if self.n_experts and self.n_experts % p.ep_size:
+            raise ValueError(
+                f"expert_model_parallel_size: {p.ep_size} does not divide the {self.n_experts} routed experts"
+            )
+        self._layers: dict[int, torch.nn.Module] = {}
+        self._mtp: dict[int, torch.nn.Module] = {}
+        self._embedding = self._head = self._norm = None
+        self._tp_mesh = None
+        mtp_idx = mtp_layer_index(self.config)
+        for c in chunks:
+            mc = getattr(c, "config", None)
+            if mc is not None and getattr(mc, "moe_shared_expert_gate", False):
+                raise ValueError(
+                    "moe_shared_expert_gate: a shared-expert gate has no parameter in the engine"
+                )
+            if getattr(c, "share_embeddings_and_output_weights", False) and not self.config.get(
+                "tie_word_embeddings", False
+            ):
+                raise ValueError(
+                    "share_embeddings_and_output_weights: Megatron ties the embeddings and the head, "
+                    "the config (tie_word_embeddings) does not"
+                )
+            decoder = getattr(c, "decoder", None)
+            for layer in getattr(decoder, "layers", []):
+                idx = int(layer.layer_number) - 1
+                if not 0 <= idx < n_layers:
+                    raise ValueError(
+                        f"decoder layer {layer.layer_number}: beyond the config's {n_layers} layers"
+                    )
+                self._layers[idx] = layer
+            if decoder is not None and getattr(decoder, "final_layernorm", None) is not None:
+                self._norm = decoder.final_layernorm.weight
+            mtp = getattr(c, "mtp", None)
+            for i, layer in enumerate(getattr(mtp, "layers", [])):
+                if mtp_idx is None or i > 0:
+                    raise ValueError(
+                        f"mtp_num_layers: the model has MTP layer {i}, the config "
+                        f"(num_nextn_predict_layers) {'none' if mtp_idx is None else 'one'}"
+                    )
+                self._mtp[mtp_idx] = layer
+            emb = getattr(c, "embedding", None)
+            if emb is not None and getattr(c, "pre_process", True):
+                self._embedding = emb.word_embeddings.weight
+            if getattr(c, "output_layer", None) is not None and getattr(c, "post_process", True):
+                self._head = c.output_layer.weight
+        for idx, layer in self._layers.items():
+            sparse = any(n.startswith("mlp.router.") for n, _ in layer.named_parameters())
+            if sparse != is_sparse_layer(self.config, idx):
+                raise ValueError(
+                    f"moe_layer_freq: Megatron's layer {idx} is {'an MoE' if sparse else 'a dense'} layer, "
+                    f"the config's is {'sparse' if not sparse else 'dense'} (first_k_dense_replace / "
+                    "mlp_layer_types)"
+                )
+        self._places = self._exchange()
+        self._plan_senders()
+
+    # -- who sends what --------------------------------------------------------------------
+
+    def _exchange(self) -> list[_Place]:
+        p = self.parallel
+        tp_ranks = tuple(dist.get_process_group_ranks(p.tp_group)) if p.tp_size > 1 else (dist.get_rank(),)
+        mine = _Place(
+            dist.get_rank(),
+            tp_ranks,
+            p.tp_rank,
+            p.pp_rank,
+            p.ep_rank,
+            p.edp_rank,
+            tuple(sorted(self._layers) + sorted(self._mtp)),
+            self._embedding is not None,
+            self._head is not None,
+        )
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, mine)
+        return out
+
+    def _plan_senders(self) -> None:
+        places = self._places
+        senders = [q for q in places if q.edp_rank == 0]
+        self.senders = [q.rank for q in senders]
+        self.is_sender = dist.get_rank() in self.senders
+        for q in senders:
+            missing = [r for r in q.tp_group if r not in self.senders]
+            if missing:
+                raise ValueError(
+                    f"tensor_model_parallel_size / expert_model_parallel_size: trainer rank {q.rank} sends "
+                    f"but its TP group's ranks {missing} do not (expert-data-parallel rank > 0); glm_fp8 "
+                    "gathers a TP tensor among senders only: use TP <= EP with EP a multiple of TP"
+                )
+        n_layers = self.config["num_hidden_layers"]
+        self.layer_ids = model_layer_ids(
+            self.config, mtp=any(q.layers and max(q.layers) >= n_layers for q in places)
+        )
+        by_layer: dict[int, list[_Place]] = {}
+        for q in senders:
+            for idx in q.layers:
+                by_layer.setdefault(idx, []).append(q)
+        holders: dict[int, object] = {}
+        for idx in self.layer_ids:
+            held = sorted(by_layer.get(idx, []), key=lambda q: (q.ep_rank, q.rank))
+            if not held:
+                raise ValueError(f"layer {idx}: no trainer rank holds it (pipeline stages)")
+            holders[idx] = [q.rank for q in held]
+        mtp_idx = mtp_layer_index(self.config)
+        if mtp_idx in holders:  # the head on its stage's TP group, whole or split by rows
+            stage = holders[mtp_idx]
+            head = self._tp_ranks(lambda q: q.head and q.rank in stage, "the MTP layer's head")
+            holders[mtp_idx] = {
+                e.name: head if e.name == "shared_head.head.weight" else stage
+                for e in plan_from_config(self.config, mtp_idx).entries
+            }
+        holders[REST] = {
+            "model.embed_tokens.weight": self._tp_ranks(lambda q: q.embedding, "the embeddings"),
+            "model.norm.weight": self._tp_ranks(lambda q: q.head, "the final norm")[:1],
+            "lm_head.weight": self._tp_ranks(lambda q: q.head, "the output layer"),
+        }
+        self.holders = holders
+
+    def _tp_ranks(self, pred, what: str) -> list[int]:
+        """The TP group (by TP rank) of the first sender ``pred`` holds: where a vocabulary-parallel
+        tensor lies whole."""
+        q = next((q for q in self._places if q.edp_rank == 0 and pred(q)), None)
+        if q is None:
+            raise ValueError(f"{what}: no sending trainer rank holds it")
+        return list(q.tp_group)
+
+    # -- the tensors ------------------------------------------------------------------------
+
+    def layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """``(layer_idx, tensors)`` for every layer of ``layer_ids`` in order: this rank's share
+        under the checkpoint's names (nothing of a layer it does not hold, or when it does not send)."""
+        for idx in self.layer_ids:
+            if not self.is_sender:
+                yield idx, {}
+            elif idx in self._layers:
+                yield idx, self._layer(self._layers[idx], "")
+            elif idx in self._mtp:
+                yield idx, self._mtp_layer(self._mtp[idx], idx)
+            else:
+                yield idx, {}
+
+    def rest(self) -> dict[str, torch.Tensor]:
+        """The non-layer tensors this rank sends: the embeddings (first stage), the final norm and
+        the head (last stage); a vocabulary-parallel tensor as a DTensor over the TP group, or
+        gathered whole and cut to the config's vocabulary when Megatron padded it."""
+        out: dict[str, torch.Tensor] = {}
+        if not self.is_sender:
+            return out
+        me, held = dist.get_rank(), self.holders[REST]
+        if self._embedding is not None and me in held["model.embed_tokens.weight"]:
+            out["model.embed_tokens.weight"] = self._vocab(self._embedding)
+        if self._norm is not None and me in held["model.norm.weight"]:
+            out["model.norm.weight"] = self._norm.detach()
+        if self._head is not None and me in held["lm_head.weight"]:
+            out["lm_head.weight"] = self._vocab(self._head)
+        return out
+
+    def _layer(self, module: torch.nn.Module, prefix: str, idx: int | None = None) -> dict[str, torch.Tensor]:
+        """A decoder layer's tensors under the checkpoint's names: this rank's experts as
+        per-expert views, the rest as they are or (split over TP) DTensors."""
+        idx = int(module.layer_number) - 1 if idx is None else idx
+        shapes = _checkpoint_shapes(self.config, idx)
+        out: dict[str, torch.Tensor] = {}
+        e_local = self.n_experts // self.parallel.ep_size if self.n_experts else 0
+        for name, t in _tensors(module):
+            t = t.detach()
+            m = _EXPERT.match(name)
+            if m is not None:
+                fc = m.group(1) or m.group(4)
+                g = self.parallel.ep_rank * e_local + int(
+                    m.group(2) if m.group(2) is not None else m.group(3)
+                )
+                if fc == "1":  # [gate; up], whole (no expert tensor parallelism)
+                    gate, up = t.chunk(2, dim=0)
+                    out[f"mlp.experts.{g}.gate_proj.weight"] = gate
+                    out[f"mlp.experts.{g}.up_proj.weight"] = up
+                else:
+                    out[f"mlp.experts.{g}.down_proj.weight"] = t
+            elif name in MEGATRON_GATE_UP:
+                gate, up = t.chunk(2, dim=0)  # this TP shard's [gate_i; up_i]
+                for key, half in zip(MEGATRON_GATE_UP[name], (gate, up)):
+                    out[key] = self._placed(prefix + name, key, half, shapes)
+            elif name in MEGATRON_NAMES:
+                key = MEGATRON_NAMES[name]
+                if key not in out:  # a norm Megatron holds twice (fused and plain) goes once
+                    out[key] = self._placed(prefix + name, key, t, shapes)
+            elif name in _SKIPPED:
+                continue
+            else:
+                raise KeyError(
+                    f"{prefix}{name}: a Megatron-Core tensor glm_fp8 does not map "
+                    "(docs/trainers.md#megatron-core)"
+                )
+        return out
+
+    def _mtp_layer(self, module: torch.nn.Module, idx: int) -> dict[str, torch.Tensor]:
+        shapes = _checkpoint_shapes(self.config, idx)
+        out = self._layer(module.mtp_model_layer, "mtp_model_layer.", idx)
+        for name, t in _tensors(module):
+            if name in MEGATRON_MTP_NAMES:
+                key = MEGATRON_MTP_NAMES[name]
+                out[key] = self._placed(name, key, t.detach(), shapes)
+        head = self.holders[idx]["shared_head.head.weight"]
+        if self._head is not None and dist.get_rank() in head:
+            out["shared_head.head.weight"] = self._vocab(self._head)
+        return out
+
+    def _placed(self, name: str, key: str, t: torch.Tensor, shapes: Mapping[str, tuple[int, ...]]):
+        """``t`` (this rank's piece of ``key``) as it is when whole, else a DTensor over the TP
+        group, split along the one dim where it is ``1 / TP`` of the checkpoint's shape."""
+        want = tuple(shapes[key])
+        if tuple(t.shape) == want:
+            return t
+        tp = self.parallel.tp_size
+        dims = [d for d in range(t.dim()) if t.shape[d] != want[d]] if t.dim() == len(want) else []
+        if tp == 1 or len(dims) != 1 or t.shape[dims[0]] * tp != want[dims[0]]:
+            raise ValueError(
+                f"{name}: Megatron holds {tuple(t.shape)} of {key} {want} at tensor-parallel size {tp}; "
+                "expected the whole tensor or 1/TP of one dim (docs/trainers.md#megatron-core)"
+            )
+        return self._tp(t, dims[0])
+
+    def _tp(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The local shard ``t`` of a tensor split evenly along ``dim`` over the TP group, as a
+        DTensor (no copy)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = list(t.shape)
+        shape[dim] *= self.parallel.tp_size
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            t, self._mesh(), [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=stride
+        )
+
+    def _mesh(self):
+        if self._tp_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            nccl = dist.get_backend(self.parallel.tp_group) == "nccl"
+            self._tp_mesh = DeviceMesh.from_group(self.parallel.tp_group, "cuda" if nccl else "cpu")
+        return self._tp_mesh
+
+    def _vocab(self, t: torch.Tensor) -> torch.Tensor:
+        """A vocabulary-parallel tensor (rows split over TP): a DTensor when the split is of the
+        config's vocabulary, else gathered on every TP rank and cut to it (Megatron pads the
+        vocabulary to a multiple of its TP size: ``make_vocab_size_divisible_by``)."""
+        t = t.detach()
+        vocab, tp = self.config["vocab_size"], self.parallel.tp_size
+        if t.shape[0] * tp == vocab:
+            return t if tp == 1 else self._tp(t, 0)
+        if t.shape[0] * tp < vocab:
+            raise ValueError(
+                f"vocab_size: Megatron's vocabulary holds {t.shape[0] * tp} rows, the config's {vocab}"
+            )
+        if tp == 1:
+            return t[:vocab]
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.parallel.tp_group)
+        return torch.cat(parts)[:vocab]
+
+
+# The checkpoint's names of the tensors whose prime-rl names (``layer_shapes``) differ.
+_PRIME_RL_NAMES = {
+    "mlp.gate.weight": "mlp.router.gate.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.expert_bias",
+    "mlp.shared_experts.gate_proj.weight": "mlp.shared_expert.w1",
+    "mlp.shared_experts.up_proj.weight": "mlp.shared_expert.w3",
+    "mlp.shared_experts.down_proj.weight": "mlp.shared_expert.w2",
+}
+
+
+def _checkpoint_shapes(config, layer_idx: int) -> dict[str, tuple[int, ...]]:
+    """A layer's global tensor shapes under the checkpoint's names (the shared expert unstacked)."""
+    shapes = layer_shapes(config, layer_idx)
+    out = dict(shapes)
+    for key, prime in _PRIME_RL_NAMES.items():
+        if prime in shapes:
+            shape = shapes[prime]
+            out[key] = shape[1:] if prime.startswith("mlp.shared_expert.") else shape
+    return out
+
+
+def _unwrap(m: object) -> torch.nn.Module:
+    while hasattr(m, "module") and not hasattr(m, "decoder"):
+        m = m.module
+    return m
+
+
+def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's parameters, and the buffers that are weights (``expert_bias``): Megatron's other
+    buffers are routing statistics (``local_tokens_per_expert``), not sent."""
+    yield from module.named_parameters()
+    yield from ((n, b) for n, b in module.named_buffers() if n.endswith("expert_bias"))
+
+
+def _experts(config) -> int:
+    return int(config.get("n_routed_experts") or config.get("num_experts") or 0)
+
+
+__all__ = ["MEGATRON_GATE_UP", "MEGATRON_MTP_NAMES", "MEGATRON_NAMES", "MegatronParallel", "MegatronSource"]

@@ -1,0 +1,333 @@
+"""Megatron-Core's own ``GPTModel`` sends through glm_fp8: every sending rank its own share.
+
+A tiny DeepSeek-V3-shaped model (MLA, two dense and two MoE layers of 4 routed experts with a
+shared expert and ``expert_bias``, one MTP layer) is built by Megatron-Core 0.19 on gloo ranks,
+over TP 2 x EP 2 (4 ranks: DP 2, so only expert-data-parallel rank 0 sends) and over PP 2 (each
+stage its layers); ``MegatronSource`` hands each rank's tensors to a ``Sender`` of many senders
+(``holders``: the stages), and two engine ranks (TP 2, or EP 2) land them.
+
+Invariant: every engine byte equals the reference conversion of the checkpoint that an
+independent path builds from the same Megatron tensors: this test's own name table, TP shards
+joined along Megatron's ``partition_dim``, fc1's per-shard [gate_i; up_i] reordered, experts
+numbered ``ep_rank * E / EP + j`` and stacked in prime-rl's layout.
+
+What Megatron-Core cannot build on a CPU, and how this test stands in: Transformer Engine's
+modules (TEGroupedMLP, TE linears with fused norms) need CUDA, so the local specs build the
+model (SequentialMLP's ``local_experts.{j}`` names; the TE names are mapped by the same table,
+tested by name in ``test_te_names``); the local MLA spec passes ``k_channels`` to
+``DotProductAttention``, which does not take it, so the parameter-free core attention is replaced;
+MLA's rotary embedding asks ``torch.cuda.current_device()``, answered "cpu"; with PP and MTP
+the last stage's copy of the embeddings is synced through ``.cuda()``, made a no-op.
+"""
+
+import io
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+
+from glm_fp8.model.families import REST
+from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.testing import free_port, launch
+
+megatron = pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
+
+CONFIG = {k: v for k, v in TINY_GLM5.items() if not k.startswith("index_")} | {"model_type": "deepseek_v3"}
+E, H = CONFIG["n_routed_experts"], CONFIG["hidden_size"]
+
+
+def _build(tp: int, pp: int, ep: int, vocab: int):
+    """Megatron-Core's GPTModel for ``CONFIG`` on this rank (local specs), weights in bfloat16."""
+    torch.cuda.current_device = lambda: "cpu"  # MLA's RotaryEmbedding asks, even with CPU init
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the embedding copies' sync (PP with MTP)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    c = CONFIG
+    cfg = MLATransformerConfig(
+        num_layers=c["num_hidden_layers"],
+        hidden_size=H,
+        num_attention_heads=c["num_attention_heads"],
+        ffn_hidden_size=c["intermediate_size"],
+        q_lora_rank=c["q_lora_rank"],
+        kv_lora_rank=c["kv_lora_rank"],
+        qk_head_dim=c["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=c["qk_rope_head_dim"],
+        v_head_dim=c["v_head_dim"],
+        rope_type="rope",
+        num_moe_experts=E,
+        moe_ffn_hidden_size=c["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=c["moe_intermediate_size"] * c["n_shared_experts"],
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+        moe_router_topk=2,
+        moe_layer_freq=[0] * c["first_k_dense_replace"]
+        + [1] * (c["num_hidden_layers"] - c["first_k_dense_replace"]),
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        qk_layernorm=True,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        mtp_num_layers=1,
+        moe_grouped_gemm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=False,  # torch norms refuse it; it moves activations, not weights
+        pipeline_dtype=torch.bfloat16,
+    )
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+
+    class NoCoreAttention(torch.nn.Module):  # parameter-free; the local DotProductAttention refuses MLA
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    for layer_spec in spec.layer_specs:
+        layer_spec.submodules.self_attention.submodules.core_attention = NoCoreAttention
+    mtp = get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False)
+    torch.manual_seed(0)
+    model = GPTModel(
+        cfg,
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        mtp_block_spec=mtp,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # norms, router and bias off their ones and zeros, alike on every rank
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or "router" in name or "expert_bias" in name:
+                g = torch.Generator().manual_seed(sum(map(ord, name)))
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5 + 1.0)
+            elif "experts" in name:  # SequentialMLP's experts start alike: make each rank's its own
+                t.add_(
+                    torch.randn(t.shape, generator=gen).to(t.dtype)
+                    * 0.01
+                    * (ps.get_expert_model_parallel_rank() + 1)
+                )
+    return model
+
+
+# The checkpoint's names (prime-rl's layout) of Megatron's tensors: this test's own table.
+OWN = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.router.gate.weight",
+    "mlp.router.expert_bias": "mlp.expert_bias",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+
+
+def _rank(rank, world, *args):
+    """``_update``'s result as bytes: tensors in a queue's message are shared memory that a process
+    which has ended no longer serves."""
+    buf = io.BytesIO()
+    torch.save(_update(rank, world, *args), buf)
+    return buf.getvalue()
+
+
+def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
+    import torch.distributed as dist
+
+    from glm_fp8.integrations.megatron import MegatronSource
+    from glm_fp8.model.plans import plans_for_model
+    from glm_fp8.model.trainer_layouts import layer_prefix
+    from glm_fp8.transfer import Receiver, Sender
+    from glm_fp8.transfer.link import StoreLink
+
+    dist.destroy_process_group()  # the launcher's world holds the engine ranks too: Megatron's holds trainers
+    coord = dist.TCPStore("127.0.0.1", ports[0], world, rank == 0, timeout=timedelta(seconds=120))
+    n_engines = len(layouts)
+    if rank < trainers:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
+        )
+        model = _build(tp, pp, ep, vocab)
+        source = MegatronSource(model, CONFIG)
+        if rank == 0:
+            coord.set(
+                "plan", json.dumps({"senders": source.senders, "holders": list(source.holders.items())})
+            )
+        local = {}
+        buffers = [(n, b) for n, b in model.named_buffers() if n.endswith("expert_bias")]  # not routing stats
+        for name, t in [*model.named_parameters(), *buffers]:
+            if "_extra_state" not in name:
+                local[name] = (
+                    t.detach().clone(),
+                    getattr(t, "partition_dim", None),
+                    getattr(t, "tensor_model_parallel", False),
+                )
+        from megatron.core import parallel_state as ps
+
+        place = dict(
+            offset=ps.get_pipeline_model_parallel_rank() * CONFIG["num_hidden_layers"] // pp,  # an even split
+            tp=ps.get_tensor_model_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_rank(),
+            ep=ps.get_expert_model_parallel_rank(),
+        )
+        if not source.is_sender:
+            list(source.layers()), source.rest()  # a replica: nothing to send, nothing gathered from it
+            return "replica", place, local
+    plan = json.loads(coord.get("plan"))
+    senders, holders = plan["senders"], {int(k): v for k, v in plan["holders"]}
+    n_senders = len(senders)
+    assert senders == list(range(n_senders))  # link rank = trainer rank, as the source asks
+    link_rank = rank if rank < trainers else n_senders + rank - trainers
+    link = StoreLink(
+        "127.0.0.1",
+        ports[2],
+        link_rank,
+        n_senders + n_engines,
+        backend="gloo",
+        timeout=timedelta(seconds=120),
+    )
+    kw = dict(
+        config=CONFIG,
+        layer_ids=[*range(CONFIG["num_hidden_layers"]), CONFIG["num_hidden_layers"]],
+        rest=True,
+        device="cpu",
+        engines=[None] * n_senders + list(layouts),
+        senders=list(range(n_senders)),
+        holders=holders,
+    )
+    plan_ids = [*kw["layer_ids"], REST]
+    if rank < trainers:
+        stats = Sender(link, 0, **kw).send_model(source.layers(), rest=source.rest())
+        return "sender", place, local, stats.nbytes
+    params = {}
+    for pos, plan in enumerate(plans_for_model(CONFIG, "fp8", layer_ids=[*kw["layer_ids"], REST])):
+        for e in plan.entries:
+            name = layer_prefix(plan_ids[pos]) + e.name
+            params[name] = torch.empty(e.shape, dtype=e.dtype)
+            params[name].view(torch.uint8).fill_(0x5A)  # what no update wrote shows
+    Receiver(link, 0, **kw).load_into(params)
+    return "engine", None, params
+
+
+def _checkpoint(results, tp: int):
+    """The checkpoint, by layer (prime-rl's names), joined from the senders' Megatron tensors."""
+    n = CONFIG["num_hidden_layers"]
+    pieces: dict[str, dict] = {}  # Megatron name -> {tp rank: tensor} and its partition dim
+    experts: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, global expert, fc) -> tensor
+    e_local = None
+    for status, res in results.values():
+        assert status == "ok", res
+        if res[0] != "sender":
+            continue
+        place, local = res[1], res[2]
+        for name, (t, dim, split) in local.items():
+            if ".local_experts." in name:
+                parts = name.split(".")
+                layer = n if name.startswith("mtp.") else place["offset"] + int(parts[2])
+                j = int(parts[parts.index("local_experts") + 1])
+                e_local = len(
+                    {
+                        k
+                        for k in local
+                        if k.startswith(name.split("local_experts.")[0] + "local_experts.")
+                        and k.endswith("linear_fc2.weight")
+                    }
+                )
+                experts[(layer, place["ep"] * e_local + j, int(name[-8]))] = t
+                continue
+            if name.startswith("decoder.layers."):  # the stage's own numbering, from 0
+                parts = name.split(".")
+                name = ".".join([*parts[:2], str(place["offset"] + int(parts[2])), *parts[3:]])
+            pieces.setdefault(name, {"dim": dim if split else None, "tp": {}})["tp"][place["tp"]] = t
+    full = {}
+    for name, p in pieces.items():
+        shards = [p["tp"][r] for r in sorted(p["tp"])]
+        if p["dim"] is None or len(shards) == 1:
+            full[name] = shards[0]
+        elif name.endswith("linear_fc1.weight"):  # each shard [gate_i; up_i]: all gates, then all ups
+            halves = [s.chunk(2) for s in shards]
+            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            full[name] = torch.cat(shards, dim=p["dim"])
+    layers = {i: {} for i in [*range(n), n, REST]}
+    for name, t in full.items():
+        if name.startswith("decoder.layers."):
+            i, short = int(name.split(".")[2]), name.split(".", 3)[3]
+        elif name.startswith("mtp.layers.0."):
+            i, short = n, name[len("mtp.layers.0.") :].removeprefix("mtp_model_layer.")
+        else:
+            rest = {
+                "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                "decoder.final_layernorm.weight": "model.norm.weight",
+                "output_layer.weight": "lm_head.weight",
+            }
+            layers[REST][rest[name]] = t[: CONFIG["vocab_size"]] if t.shape[0] > H else t
+            continue
+        if short in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+            gate, up = t.chunk(2)
+            if "shared" in short:
+                layers[i]["mlp.shared_expert.w1"], layers[i]["mlp.shared_expert.w3"] = gate[None], up[None]
+            else:
+                layers[i]["mlp.gate_proj.weight"], layers[i]["mlp.up_proj.weight"] = gate, up
+        elif short == "mlp.shared_experts.linear_fc2.weight":
+            layers[i]["mlp.shared_expert.w2"] = t[None]
+        else:
+            layers[i][OWN[short]] = t
+    layers[n]["shared_head.head.weight"] = layers[REST]["lm_head.weight"]
+    for i in range(n + 1):
+        if (i, 0, 1) in experts:
+            fc1 = torch.stack([experts[(i, g, 1)] for g in range(E)])
+            layers[i]["mlp.experts.w1"], layers[i]["mlp.experts.w3"] = fc1.chunk(2, dim=1)
+            layers[i]["mlp.experts.w2"] = torch.stack([experts[(i, g, 2)] for g in range(E)])
+    return layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(dict(trainers=4, tp=2, pp=1, ep=2, vocab=1000), id="tp2 x ep2"),
+        pytest.param(dict(trainers=2, tp=1, pp=2, ep=1, vocab=1024), id="pp2, padded vocab"),
+    ],
+)
+def test_megatron_model_lands_exactly(case):
+    from glm_fp8.kernels.reference import convert_layer_ref
+    from glm_fp8.model.plans import plan_from_config
+
+    layouts = ["full", "full"]
+    trainers = case["trainers"]
+    ports = [free_port() for _ in range(3)]
+    args = (trainers, case["tp"], case["pp"], case["ep"], case["vocab"], layouts, ports)
+    results = launch(trainers + len(layouts), _rank, args, timeout_s=240)
+    assert all(status == "ok" for status, _ in results.values()), results
+    results = {r: (status, torch.load(io.BytesIO(res))) for r, (status, res) in results.items()}
+    layers = _checkpoint(results, case["tp"])
+    ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
+    want = {}
+    for i in ids:
+        want.update(convert_layer_ref(layers[i], i, plan_from_config(CONFIG, i)))
+    for r in range(len(layouts)):
+        params = results[trainers + r][1][2]
+        assert set(want) == set(params)
+        for name, ref in want.items():
+            got = params[name]
+            assert got.dtype == ref.dtype and got.shape == ref.shape, name
+            assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    if case["trainers"] == 4:  # DP 2: the replicas sent nothing
+        assert [results[r][1][0] for r in range(4)] == ["sender", "sender", "replica", "replica"]
