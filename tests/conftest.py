@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """``GLM_FP8_REQUIRE_VLLM=1`` (CI's run of the real-vLLM tests): a test skipped there fails the
-    run, so that a vLLM that did not install or import cannot pass as green."""
+    """``GLM_FP8_REQUIRE_VLLM=1`` (CI's run of the real-vLLM and real-Megatron-Core tests): a test
+    skipped there fails the run, so that a framework that did not install or import cannot pass as
+    green."""
     if not os.environ.get("GLM_FP8_REQUIRE_VLLM"):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -234,7 +234,16 @@ class Endpoint:
                             f"holders[{idx}][{name!r}]: not an entry of that layer's plan "
                             f"(its entries: {sorted(names)})"
                         )
-                per_layer.append({name: index(f"holders[{idx}][{name!r}]", r) for name, r in held.items()})
+                # every entry named: a scale goes with its weight (one job writes both), an entry
+                # not named is every sender's
+                full, last = {}, tuple(range(len(senders)))
+                for e in plan.entries:
+                    if e.name in held:
+                        full[e.name] = index(f"holders[{idx}][{e.name!r}]", held[e.name])
+                    else:
+                        full[e.name] = last if e.op == "scale" else tuple(range(len(senders)))
+                    last = full[e.name]
+                per_layer.append(full)
             else:
                 per_layer.append(index(f"holders[{idx}]", held))
         return per_layer

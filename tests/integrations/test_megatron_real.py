@@ -13,8 +13,8 @@ numbered ``ep_rank * E / EP + j`` and stacked in prime-rl's layout.
 
 What Megatron-Core cannot build on a CPU, and how this test stands in: Transformer Engine's
 modules (TEGroupedMLP, TE linears with fused norms) need CUDA, so the local specs build the
-model (SequentialMLP's ``local_experts.{j}`` names; the TE names are mapped by the same table,
-tested by name in ``test_te_names``); the local MLA spec passes ``k_channels`` to
+model (SequentialMLP's ``local_experts.{j}`` names; TEGroupedMLP's ``linear_fc1.weight{j}`` and the
+TE linears' fused ``*.layer_norm_weight`` are mapped by the same table but not built here); the local MLA spec passes ``k_channels`` to
 ``DotProductAttention``, which does not take it, so the parameter-free core attention is replaced;
 MLA's rotary embedding asks ``torch.cuda.current_device()``, answered "cpu"; with PP and MTP
 the last stage's copy of the embeddings is synced through ``.cuda()``, made a no-op.

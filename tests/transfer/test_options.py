@@ -127,3 +127,52 @@ def test_the_vocabularies_and_their_one_check():
         check_choice("x", 3, WIRE_FORMATS, also=("auto",))
     with pytest.raises(ValueError):
         check_choice("wire", torch.float8_e4m3fn, WIRE_FORMATS)
+
+
+@pytest.mark.parametrize(
+    "holders, match",
+    [
+        ([0, 1], "holders: expected a mapping"),
+        ({0: []}, r"holders\[0\]: expected at least one"),
+        ({0: [0, 0]}, "named twice"),
+        ({0: "01"}, "expected a list of link ranks"),
+        ({-2: [0]}, "a layer index"),
+    ],
+)
+def test_bad_holders_are_refused_naming_them(holders, match):
+    with pytest.raises(ValueError, match=match):
+        SendOptions(config=TINY_GLM5, holders=holders)
+
+
+def test_holders_split_a_stage_s_layers_among_its_senders_only():
+    """Pipeline stages: senders 0, 1 hold layers 0..1, senders 2, 3 layers 2..3 and the MTP layer;
+    each layer's experts are split among its holders in their order and its other entries owned by
+    one of them; a sender sends nothing of a layer it does not hold. Holders that name a rank which
+    is not a sender, or a layer outside the update, are refused before anything moves."""
+    from glm_fp8.model.families import model_layer_ids
+    from glm_fp8.model.trainer_layouts import layer_prefix
+    from glm_fp8.transfer.pack import FULL
+
+    ids = model_layer_ids(TINY_GLM5)
+    holders = {i: ([0, 1] if i < 2 else [3, 2]) for i in ids}
+    kw = dict(
+        config=TINY_GLM5, layer_ids=ids, device="cpu", senders=[0, 1, 2, 3], engines=[None] * 4 + [FULL]
+    )
+    sender = Sender(HostSinkComm(rank=0, size=5), 0, holders=holders, **kw)
+    routes = sender.routes
+    for pos, i in enumerate(ids):
+        lay, held = routes.layers[pos], holders[i]
+        for name, rows in lay.splits.items():
+            if name.endswith("w13_weight"):  # 4 experts: two each, in the holders' order
+                assert [rows[t] for t in held] == [(0, 2), (2, 4)], (name, rows)
+            assert all(rows[t] == (0, 0) for t in range(4) if t not in held), (name, rows)
+        assert set(lay.owners.values()) <= set(held), lay.owners
+        assert all(lay.sent_nbytes(t) == 0 for t in range(4) if t not in held)
+        assert all(not lay.local_plans[t].entries for t in range(4) if t not in held)
+        assert all(name.startswith(layer_prefix(i)) for name in lay.owners)
+    other = Sender(HostSinkComm(rank=0, size=5), 0, **kw)  # every sender holds every layer
+    assert other.payload() != sender.payload()  # the holders are part of the agreed manifest
+    with pytest.raises(ValueError, match=r"holders\[2\]: link rank 4 is not a sender"):
+        Sender(HostSinkComm(rank=0, size=5), 0, holders={2: [4]}, **kw)
+    with pytest.raises(ValueError, match="holders: layer 9 is not in the update"):
+        Sender(HostSinkComm(rank=0, size=5), 0, holders={9: [0]}, **kw)
