@@ -50,6 +50,21 @@ MEGATRON_NAMES: dict[str, str] = {
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# The DSA indexer (experimental_attention_variant "dsa"), inside ``self_attention.core_attention``.
+# Its rows are [rope; nope] per head in megatron-core 0.19.2 (dsa.py: "x_pe is placed at the
+# front"), as in transformers' GlmMoeDsaIndexer and vLLM's indexer: no row permutation.
+MEGATRON_NAMES.update(
+    {
+        f"self_attention.core_attention.indexer.{megatron}": f"self_attn.indexer.{checkpoint}"
+        for megatron, checkpoint in [
+            ("linear_wq_b.weight", "wq_b.weight"),
+            ("linear_wk.weight", "wk.weight"),
+            ("k_norm.weight", "k_norm.weight"),
+            ("k_norm.bias", "k_norm.bias"),
+            ("linear_weights_proj.weight", "weights_proj.weight"),
+        ]
+    }
+)
 # [gate; up] stacked on dim 0 (each TP shard holds [gate_i; up_i]): split into the two checkpoint
 # tensors, each a view of its half of the shard.
 MEGATRON_GATE_UP: dict[str, tuple[str, str]] = {

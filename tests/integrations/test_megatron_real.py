@@ -1,10 +1,11 @@
 """Megatron-Core's own ``GPTModel`` sends through glm_fp8: every sending rank its own share.
 
-A tiny DeepSeek-V3-shaped model (MLA, two dense and two MoE layers of 4 routed experts with a
-shared expert and ``expert_bias``, one MTP layer) is built by Megatron-Core 0.19 on gloo ranks,
+A tiny GLM-5 (``TINY_GLM5``: MLA with the DSA indexer, two dense and two MoE layers of 4 routed
+experts with a shared expert and ``expert_bias``, one MTP layer) is built by Megatron-Core 0.19 on gloo ranks,
 over TP 2 x EP 2 (4 ranks: DP 2, so only expert-data-parallel rank 0 sends) and over PP 2 (each
 stage its layers); ``MegatronSource`` hands each rank's tensors to a ``Sender`` of many senders
-(``holders``: the stages), and two engine ranks (TP 2, or EP 2) land them.
+(``holders``: the stages), and two engine ranks land their shards of it (TP 2, or EP 2: the
+vLLM parameters ``glm_fp8.engine.engine_params`` models).
 
 Invariant: every engine byte equals the reference conversion of the checkpoint that an
 independent path builds from the same Megatron tensors: this test's own name table, TP shards
@@ -13,13 +14,19 @@ numbered ``ep_rank * E / EP + j`` and stacked in prime-rl's layout.
 
 What Megatron-Core cannot build on a CPU, and how this test stands in: Transformer Engine's
 modules (TEGroupedMLP, TE linears with fused norms) need CUDA, so the local specs build the
-model (SequentialMLP's ``local_experts.{j}`` names; TEGroupedMLP's ``linear_fc1.weight{j}`` and the
-TE linears' fused ``*.layer_norm_weight`` are mapped by the same table but not built here); the local MLA spec passes ``k_channels`` to
-``DotProductAttention``, which does not take it, so the parameter-free core attention is replaced;
-MLA's rotary embedding asks ``torch.cuda.current_device()``, answered "cpu"; with PP and MTP
-the last stage's copy of the embeddings is synced through ``.cuda()``, made a no-op.
+model (SequentialMLP's ``local_experts.{j}`` names; TEGroupedMLP's ``linear_fc1.weight{j}`` and
+the TE linears' fused ``*.layer_norm_weight`` are mapped by the same table but not built here).
+The DSA attention's spec functions build with Transformer Engine only, so the local decoder spec
+gets Megatron's DSA attention over local linears (the indexer's duplicated linears are Megatron's
+own local ``Linear``, which ``absorbed_mla`` imports only beside Transformer Engine); its torch
+norms refuse sequence parallelism, which AbsorbedMLA requires with TP, so they are built as
+without it (it concerns activations and gradients, not the weights). MLA's rotary embedding
+asks ``torch.cuda.current_device()``, answered "cpu"; with PP and MTP the last stage's copy of
+the embeddings is synced through ``.cuda()``, made a no-op.
 """
 
+import copy
+import dataclasses
 import io
 import json
 from datetime import timedelta
@@ -33,7 +40,7 @@ from glm_fp8.testing import free_port, launch
 
 megatron = pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
 
-CONFIG = {k: v for k, v in TINY_GLM5.items() if not k.startswith("index_")} | {"model_type": "deepseek_v3"}
+CONFIG = TINY_GLM5
 E, H = CONFIG["n_routed_experts"], CONFIG["hidden_size"]
 
 
@@ -41,9 +48,15 @@ def _build(tp: int, pp: int, ep: int, vocab: int):
     """Megatron-Core's GPTModel for ``CONFIG`` on this rank (local specs), weights in bfloat16."""
     torch.cuda.current_device = lambda: "cpu"  # MLA's RotaryEmbedding asks, even with CPU init
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the embedding copies' sync (PP with MTP)
+    import megatron.core.transformer.experimental_attention_variant.absorbed_mla as absorbed_mla
     from megatron.core import parallel_state as ps
+    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsa_module_spec_for_backend,
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -75,21 +88,47 @@ def _build(tp: int, pp: int, ep: int, vocab: int):
         params_dtype=torch.bfloat16,
         bf16=True,
         mtp_num_layers=1,
+        experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=c["index_n_heads"],
+        dsa_indexer_head_dim=c["index_head_dim"],
+        dsa_indexer_topk=64,
+        dsa_indexer_rope_interleaved=True,  # GLM-5's indexer RoPE (MegatronSource refuses False)
+        dsa_indexer_loss_coeff=0.0,
         moe_grouped_gemm=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
-        sequence_parallel=False,  # torch norms refuse it; it moves activations, not weights
+        sequence_parallel=tp > 1,  # AbsorbedMLA requires it with TP (it moves activations, not weights)
         pipeline_dtype=torch.bfloat16,
     )
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    # The DSA spec functions build with Transformer Engine only: the local decoder spec, its attention
+    # replaced by Megatron's DSA attention (AbsorbedMLASelfAttention, DSAttention, DSAIndexer) over
+    # local linears, the indexer's duplicated ones Megatron's own local ``Linear`` (which
+    # absorbed_mla imports only beside Transformer Engine).
+    absorbed_mla.Linear = Linear
+    # The torch norms refuse sequence parallelism (its gradient reduction, not their weights): they
+    # are built as without it.
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    class NoCoreAttention(torch.nn.Module):  # parameter-free; the local DotProductAttention refuses MLA
-        def __init__(self, *args, **kwargs):
-            super().__init__()
+    build_norm = WrappedTorchNorm.__new__
+    if not getattr(build_norm, "sequence_parallel_off", False):
 
+        def norm_without_sp(cls, config, *args, **kwargs):
+            config = copy.copy(config)
+            config.sequence_parallel = False
+            return build_norm(cls, config, *args, **kwargs)
+
+        norm_without_sp.sequence_parallel_off = True
+        WrappedTorchNorm.__new__ = staticmethod(norm_without_sp)
+
+    class Local(LocalSpecProvider):
+        def linear(self):
+            return Linear
+
+    plain = dataclasses.replace(cfg, experimental_attention_variant=None)
+    spec = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
     for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = NoCoreAttention
+        layer_spec.submodules.self_attention = get_dsa_module_spec_for_backend(cfg, Local())
     mtp = get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False)
     torch.manual_seed(0)
     model = GPTModel(
@@ -128,6 +167,13 @@ OWN = {
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.core_attention.indexer.linear_wq_b.weight": "self_attn.indexer.wq_b.weight",
+    "self_attention.core_attention.indexer.linear_wk.weight": "self_attn.indexer.wk.weight",
+    "self_attention.core_attention.indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "self_attention.core_attention.indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "self_attention.core_attention.indexer.linear_weights_proj.weight": (
+        "self_attn.indexer.weights_proj.weight"
+    ),
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.router.gate.weight",
@@ -150,9 +196,8 @@ def _rank(rank, world, *args):
 def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
     import torch.distributed as dist
 
+    from glm_fp8.engine import engine_params
     from glm_fp8.integrations.megatron import MegatronSource
-    from glm_fp8.model.plans import plans_for_model
-    from glm_fp8.model.trainer_layouts import layer_prefix
     from glm_fp8.transfer import Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
 
@@ -211,18 +256,16 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
         senders=list(range(n_senders)),
         holders=holders,
     )
-    plan_ids = [*kw["layer_ids"], REST]
     if rank < trainers:
         stats = Sender(link, 0, **kw).send_model(source.layers(), rest=source.rest())
         return "sender", place, local, stats.nbytes
+    layout = layouts[rank - trainers]
     params = {}
-    for pos, plan in enumerate(plans_for_model(CONFIG, "fp8", layer_ids=[*kw["layer_ids"], REST])):
-        for e in plan.entries:
-            name = layer_prefix(plan_ids[pos]) + e.name
-            params[name] = torch.empty(e.shape, dtype=e.dtype)
-            params[name].view(torch.uint8).fill_(0x5A)  # what no update wrote shows
-    Receiver(link, 0, **kw).load_into(params)
-    return "engine", None, params
+    for name, p in engine_params(CONFIG, layout).items():
+        params[name] = torch.empty(p.shape, dtype=p.dtype)
+        params[name].view(torch.uint8).fill_(0x5A)  # what no update wrote shows
+    Receiver(link, 0, layout=layout, **kw).load_into(params)
+    return "engine", layout, params
 
 
 def _checkpoint(results, tp: int):
@@ -302,28 +345,33 @@ def _checkpoint(results, tp: int):
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(dict(trainers=4, tp=2, pp=1, ep=2, vocab=1000), id="tp2 x ep2"),
-        pytest.param(dict(trainers=2, tp=1, pp=2, ep=1, vocab=1024), id="pp2, padded vocab"),
+        pytest.param(dict(trainers=4, tp=2, pp=1, ep=2, vocab=1000, engine="tp2"), id="tp2 x ep2 into tp2"),
+        pytest.param(
+            dict(trainers=2, tp=1, pp=2, ep=1, vocab=1024, engine="ep2"), id="pp2, padded vocab, into ep2"
+        ),
     ],
 )
 def test_megatron_model_lands_exactly(case):
-    from glm_fp8.kernels.reference import convert_layer_ref
-    from glm_fp8.model.plans import plan_from_config
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.testing import reference_engine_params
 
-    layouts = ["full", "full"]
+    if case["engine"] == "tp2":
+        layouts = [EngineLayout(tp_size=2, tp_rank=r) for r in range(2)]
+    else:
+        layouts = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
     trainers = case["trainers"]
     ports = [free_port() for _ in range(3)]
     args = (trainers, case["tp"], case["pp"], case["ep"], case["vocab"], layouts, ports)
     results = launch(trainers + len(layouts), _rank, args, timeout_s=240)
     assert all(status == "ok" for status, _ in results.values()), results
-    results = {r: (status, torch.load(io.BytesIO(res))) for r, (status, res) in results.items()}
+    results = {
+        r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
+    }
     layers = _checkpoint(results, case["tp"])
     ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
-    want = {}
-    for i in ids:
-        want.update(convert_layer_ref(layers[i], i, plan_from_config(CONFIG, i)))
-    for r in range(len(layouts)):
+    for r, layout in enumerate(layouts):
         params = results[trainers + r][1][2]
+        want = reference_engine_params(CONFIG, layout, ids, layer=lambda i: layers[i])
         assert set(want) == set(params)
         for name, ref in want.items():
             got = params[name]
