@@ -258,6 +258,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         "memory for an update into --engines replicas of the --engine-* layout (default: none)",
     )
     p.add_argument(
+        "--trainer",
+        metavar="megatron:tpN,ppN,cpN,epN",
+        help="a Megatron-Core trainer's parallel sizes (e.g. megatron:tp4,pp8,cp2,ep16): with many "
+        "senders, each pipeline stage's expert-parallel ranks send its layers (default: every "
+        "trainer GPU holds its share of every layer, FSDP2 / EP)",
+    )
+    p.add_argument(
         "--engines",
         type=int_in(1, MAX_ENGINES, "each replica is a destination of the many senders' plan"),
         help="engine replicas, with --trainer-gpus (default: 1)",

@@ -34,6 +34,7 @@ def load_config_arg(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 # PlanRequest fields -> the options that set them, for errors.
 _OPTIONS = {
     "trainer_gpus": "--trainer-gpus",
+    "trainer": "--trainer",
     "engines": "--engines",
     "engine_tp": "--engine-tp",
     "engine_dp": "--engine-dp",
@@ -131,6 +132,14 @@ def plan_request_of(args: argparse.Namespace, parser: argparse.ArgumentParser):
             )
         trainer_gpus = world
     servers, link_gbps = tuple(args.server or ()), args.link_gbps
+    trainer = None
+    if args.trainer is not None:
+        from glm_fp8.planning.fleet import MegatronTrainer
+
+        try:
+            trainer = MegatronTrainer.parse(args.trainer)
+        except ValueError as e:
+            parser.error(f"argument --trainer: {e}")
     if args.fleet is not None:
         from glm_fp8.planning.fleet import fleet_preset
 
@@ -143,6 +152,9 @@ def plan_request_of(args: argparse.Namespace, parser: argparse.ArgumentParser):
         trainer_gpus = trainer_gpus or fleet.trainer_gpus
         link_gbps = link_gbps or fleet.link_gbps
         servers = fleet.servers
+        trainer = trainer or fleet.trainer
+    if trainer is not None and trainer_gpus is None:
+        parser.error("argument --trainer: describes the deployment and needs --trainer-gpus N (or --nodes)")
     if servers:
         which = f"--fleet {args.fleet}" if args.fleet else "--server"
         one = (
@@ -193,6 +205,7 @@ def plan_request_of(args: argparse.Namespace, parser: argparse.ArgumentParser):
         experts_whole=not args.experts_split,
         entries=args.entries,
         servers=servers,
+        trainer=trainer,
         **{k: v for k, v in given.items() if v is not None},  # the rest: PlanRequest's defaults
     )
 

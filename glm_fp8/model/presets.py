@@ -182,6 +182,17 @@ FLEETS: dict[str, dict] = {
             {"name": "decode", "tp": 1, "dp": 32, "ep": True, "replicas": 2},
         ),
     },
+    # miles' GLM-5 deployment (radixark/miles docs/advanced/p2p-weight-transfer.md: 58.3 s with NCCL
+    # broadcast, 8.48 s with RDMA P2P, H100 + InfiniBand): Megatron-Core on 16 nodes of 8 H100, TP 4,
+    # PP 8, CP 2, EP 16; 16 serving nodes as TP 64 / EP 64 (SGLang, attention DP), here vLLM's
+    # equivalent: 2 servers of TP 8 x DP 8 with EP 64.
+    "miles-glm-5": {
+        "model": "glm-5",
+        "trainer_gpus": 128,
+        "link_gbps": 400.0,
+        "trainer": "megatron:tp4,pp8,cp2,ep16",
+        "servers": ({"tp": 8, "dp": 8, "ep": True, "replicas": 2},),
+    },
     # GLM-5 from 32 trainer H200 into 4 servers of one node each at EP 8 (docs/update_time.md).
     "glm-5-4xep8": {
         "model": "glm-5",

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.model.families import REST, mtp_layer_index
+from glm_fp8.model.plans import plan_from_config
 from glm_fp8.model.presets import FLEETS
 
 
@@ -72,6 +74,96 @@ class Server:
 
 
 @dataclass(frozen=True)
+class MegatronTrainer:
+    """A Megatron-Core trainer's parallel sizes (``glm-fp8 plan --trainer megatron:tp4,pp8,cp2,ep16``):
+    tensor, pipeline, context and expert parallel, expert tensor parallel 1 (what
+    ``glm_fp8.integrations.megatron.MegatronSource`` maps). Its senders are the ranks of
+    expert-data-parallel rank 0: each pipeline stage's ``ep`` expert-parallel ranks (Megatron's
+    rank order tp-cp-ep-dp-pp, experts ep-dp-pp: a stage's first ``ep`` ranks), each sending its
+    stage's layers' own experts and the entries it owns; a stage's layers are split as evenly as
+    ``torch.chunk`` splits them (the MTP layer and the head on the last stage, the embeddings on
+    the first)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "pp", "cp", "ep"):
+            object.__setattr__(self, field, check_int(f"MegatronTrainer.{field}", getattr(self, field), 1))
+
+    @classmethod
+    def parse(cls, text: str) -> MegatronTrainer:
+        """``"megatron:tp4,pp8,cp2,ep16"`` (sizes not named are 1)."""
+        kind, _, sizes = text.partition(":")
+        if kind != "megatron" or not sizes:
+            raise ValueError(
+                f"expected megatron:tpN,ppN,cpN,epN (e.g. megatron:tp4,pp8,cp2,ep16), got {text!r}"
+            )
+        given: dict[str, int] = {}
+        for part in sizes.split(","):
+            key, digits = part[:2], part[2:]
+            if key not in ("tp", "pp", "cp", "ep") or not digits.isdigit() or key in given:
+                raise ValueError(f"{part!r}: expected one of tpN, ppN, cpN, epN once each, in {text!r}")
+            given[key] = int(digits)
+        return cls(**given)
+
+    def describe(self) -> str:
+        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}"
+
+    def check(self, gpus: int) -> None:
+        """ValueError where ``gpus`` trainer GPUs cannot hold this layout, or where a sender's TP
+        group would hold ranks that do not send."""
+        if gpus % (self.tp * self.pp * self.cp):
+            raise ValueError(
+                f"trainer: {gpus} GPUs are not a multiple of TP {self.tp} x PP {self.pp} x CP {self.cp}"
+            )
+        if gpus % (self.pp * self.ep):
+            raise ValueError(f"trainer: {gpus} GPUs are not a multiple of PP {self.pp} x EP {self.ep}")
+        replicas = gpus // (self.pp * self.ep)  # expert data parallel
+        if replicas > 1 and self.ep % self.tp:
+            raise ValueError(
+                f"trainer: EP {self.ep} with expert-data-parallel replicas needs a multiple of TP {self.tp} "
+                "(a sender's TP group must send too)"
+            )
+
+    @property
+    def senders(self) -> int:
+        return self.pp * self.ep
+
+    def holders(self, config: object, layer_ids) -> list:
+        """Per layer of ``layer_ids`` (``REST`` included), the senders (indices) that hold it:
+        its stage's, in expert order; the non-layer tensors and the MTP layer's head per entry."""
+        n = config["num_hidden_layers"]
+        size = -(-n // self.pp)
+        stage_of = {i: min(i // size, self.pp - 1) for i in range(n)}
+        mtp = mtp_layer_index(config)
+        if mtp is not None:
+            stage_of[mtp] = self.pp - 1
+        stage = lambda p: tuple(range(p * self.ep, (p + 1) * self.ep))  # noqa: E731
+        group = lambda p: tuple(range(p * self.ep, p * self.ep + self.tp))  # noqa: E731 - a TP group of stage p
+        out: list = []
+        for i in layer_ids:
+            if i == REST:
+                out.append(
+                    {
+                        "model.embed_tokens.weight": group(0),
+                        "model.norm.weight": group(self.pp - 1)[:1],
+                        "lm_head.weight": group(self.pp - 1),
+                    }
+                )
+            elif i == mtp:
+                held = stage(self.pp - 1)
+                entries = plan_from_config(config, i).entries
+                head = group(self.pp - 1)
+                out.append({e.name: head if e.name == "shared_head.head.weight" else held for e in entries})
+            else:
+                out.append(stage(stage_of[i]))
+        return out
+
+
+@dataclass(frozen=True)
 class Fleet:
     """Trainer GPUs, the vLLM servers they update, and each GPU's NIC (``link_gbps``: every trainer
     GPU's, and every server GPU's where its ``Server.link_gbps`` is None).
@@ -86,6 +178,9 @@ class Fleet:
     ``Shard(0)`` on the expert dim), so each rank can quantize and send its own experts (many
     senders); else the expert stacks are gathered like every other tensor and many senders do
     not apply.
+
+    ``trainer``: a ``MegatronTrainer`` (its parallel sizes decide which GPUs send which layers with
+    many senders), or None: every trainer GPU holds its share of every layer (FSDP2 / EP).
     """
 
     trainer_gpus: int
@@ -96,9 +191,16 @@ class Fleet:
     link_gbps: float = 400.0
     experts_whole: bool = True
     servers: tuple[Server, ...] = ()
+    trainer: MegatronTrainer | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trainer_gpus", check_int("Fleet.trainer_gpus", self.trainer_gpus, 1))
+        if isinstance(self.trainer, str):
+            object.__setattr__(self, "trainer", MegatronTrainer.parse(self.trainer))
+        if self.trainer is not None:
+            if not isinstance(self.trainer, MegatronTrainer):
+                raise ValueError(f"Fleet.trainer: expected a MegatronTrainer or None, got {self.trainer!r}")
+            self.trainer.check(self.trainer_gpus)
         object.__setattr__(self, "link_gbps", _check_gbps("Fleet.link_gbps", self.link_gbps))
         one = {"engines": self.engines, "engine_tp": self.engine_tp, "engine_dp": self.engine_dp}
         for k, v in one.items():
@@ -189,8 +291,13 @@ def fleet_preset(name: str, **overrides: object) -> Fleet:
     if name not in FLEETS:
         raise ValueError(f"fleet: expected one of {sorted(FLEETS)}, got {name!r}")
     spec = FLEETS[name]
-    fleet = Fleet(spec["trainer_gpus"], link_gbps=spec["link_gbps"], servers=spec["servers"])
+    fleet = Fleet(
+        spec["trainer_gpus"],
+        link_gbps=spec["link_gbps"],
+        servers=spec["servers"],
+        trainer=spec.get("trainer"),
+    )
     return replace(fleet, **overrides) if overrides else fleet
 
 
-__all__ = ["Fleet", "Server", "fleet_preset"]
+__all__ = ["Fleet", "MegatronTrainer", "Server", "fleet_preset"]

@@ -12,7 +12,7 @@ import torch
 from glm_fp8.core.checks import check_int
 from glm_fp8.core.errors import PlanArgumentError
 from glm_fp8.core.vocab import SCALE_FORMATS, ScaleFormat, Target
-from glm_fp8.planning.fleet import Fleet, Server
+from glm_fp8.planning.fleet import Fleet, MegatronTrainer, Server
 
 # Bounds on the deployment, checked before anything is built from it. The transfer plan is
 # computed sender by sender and engine rank by engine rank (about 0.02-0.05 s each on a CPU),
@@ -35,6 +35,7 @@ class PlanRequest:
     both. ``link_gbps``: every trainer GPU's NIC, and a server GPU's unless its server says.
     ``master_dtype``: the dtype the trainer holds its masters in; ``gather_dtype``:
     None (no cast, the library's default) or the dtype tensors are cast to before they travel.
+    ``trainer``: a Megatron-Core trainer's parallel sizes (``MegatronTrainer``), or None.
     ``target`` and ``scale_fmt`` as ``plan_from_config`` takes them; vLLM's sections use its
     Hopper layout, so ``target="blackwell"`` goes with no deployment and no engine."""
 
@@ -52,6 +53,7 @@ class PlanRequest:
     gpu_gib: float = 139.0
     entries: bool = False
     servers: tuple[Server, ...] = ()
+    trainer: MegatronTrainer | None = None
 
     def fleet(self) -> Fleet:
         """The deployment as the update-time model takes it (``trainer_gpus`` given)."""
@@ -61,6 +63,7 @@ class PlanRequest:
                 link_gbps=float(self.link_gbps),
                 experts_whole=self.experts_whole,
                 servers=self.servers,
+                trainer=self.trainer,
             )
         return Fleet(
             self.trainer_gpus,
@@ -70,6 +73,7 @@ class PlanRequest:
             self.engine_ep,
             float(self.link_gbps),
             self.experts_whole,
+            trainer=self.trainer,
         )
 
     def check(self) -> None:
@@ -104,6 +108,15 @@ class PlanRequest:
                 f"{MAX_ALL_ENGINE_RANKS} (each is a destination of the many senders' plan)",
             )
         self._check_servers()
+        if self.trainer is not None:
+            if not isinstance(self.trainer, MegatronTrainer) or self.trainer_gpus is None:
+                raise PlanArgumentError(
+                    "trainer", "expected a MegatronTrainer, with trainer_gpus (it describes the deployment)"
+                )
+            try:
+                self.trainer.check(self.trainer_gpus)
+            except ValueError as e:
+                raise PlanArgumentError("trainer", str(e).removeprefix("trainer: ")) from None
         if not (
             isinstance(self.link_gbps, (int, float)) and math.isfinite(self.link_gbps) and self.link_gbps > 0
         ):

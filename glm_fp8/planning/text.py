@@ -64,6 +64,12 @@ def deployment_lines(report: dict) -> list[str]:
     f = update["fleet"]
     gpus = f"{f['trainer_gpus']} trainer GPU{'s' if f['trainer_gpus'] > 1 else ''}"
     experts = f"experts {'whole' if f['experts_whole'] else 'split'} per trainer rank"
+    if f.get("trainer"):  # Megatron-Core: who sends is its stages' expert-parallel ranks
+        m = f["trainer"]
+        experts = (
+            f"Megatron-Core TP {m['tp']} x PP {m['pp']} x CP {m['cp']}, EP {m['ep']}: {m['pp'] * m['ep']} "
+            f"senders, each stage's {m['ep']} expert-parallel ranks sending its layers"
+        )
     if report["servers"] is None:
         assumed = " (TP 8 assumed: pass --engine-tp)" if a["engine_tp_assumed"] else ""
         # as a fleet of one server is written below: replicas x name (layout): ranks

@@ -332,25 +332,29 @@ def predict(
     if fleet.experts_whole:
         tp = transfer or many_senders_plan(config, fleet, scale_fmt=scale_fmt, plans=plans)
         # sender_peak: 2 x (conversion slot + send slot) + one layer's owned tensors, gathered
+        n_send = len(tp.senders)  # every trainer GPU, or a Megatron trainer's senders
+        # an owner gathers what the other ranks hold: the other FSDP shards, or the other TP ranks'
+        held_by = fleet.trainer.tp if fleet.trainer is not None else t_gpus
+        owned = lambda n: n * (held_by - 1) // held_by  # noqa: E731
         each = tp.sent_bytes()
         got = tp.received_bytes()
-        loads = _loads(fleet, tp.receiver_bytes, fleet.engine_ranges(), t_gpus, got.__getitem__)
-        gathered = max(gather(sum(tp.gathered_bytes(s))) for s in range(t_gpus))
-        fill = max(tp.sender_buffers(s)[0] for s in range(t_gpus))
+        loads = _loads(fleet, tp.receiver_bytes, fleet.engine_ranges(), n_send, got.__getitem__)
+        gathered = max(owned(sum(tp.gathered_bytes(s))) for s in range(n_send))
+        fill = max(tp.sender_buffers(s)[0] for s in range(n_send))
         t, text = _time(fleet, max(each), gathered, [x.received for x in loads], fill)
-        peak = max(tp.sender_peak(s) for s in range(t_gpus))
+        peak = max(tp.sender_peak(s) for s in range(n_send))
         received = max(x.received for x in loads)
         dp = None
         if spec is not None:
             tr = traffic(tp, plans, spec)
-            dloads = _delta_loads(fleet, tp, tr, fleet.engine_ranges(), t_gpus)
-            per = [shares(tp, s, [lay.local_plans[s] for lay in tp.layers]) for s in range(t_gpus)]
+            dloads = _delta_loads(fleet, tp, tr, fleet.engine_ranges(), n_send)
+            per = [shares(tp, s, [lay.local_plans[s] for lay in tp.layers]) for s in range(n_send)]
             share = SenderShare(*(max(getattr(x, f) for x in per) for f in SenderShare.__dataclass_fields__))
             dp = _delta(fleet, spec, tr.sent, dloads, gathered, fill, share, peak, tuple(each))
         out.append(
             Prediction(
                 "fp8 many senders",
-                t_gpus,
+                n_send,
                 max(each),
                 received,
                 gathered,
@@ -389,10 +393,17 @@ def many_senders_plan(
     """The transfer plan of a whole-model update into ``fleet`` from its trainer GPUs (link ranks
     0..T-1, then every server's ranks: server by server, replica by replica); ``plans``: the
     update's fp8 plans, if built already (else built with their inputs in the dtypes they travel
-    in: ``predict``)."""
+    in: ``predict``). A Megatron trainer (``fleet.trainer``): its senders only (link ranks 0..S-1),
+    each stage's holding its layers (``MegatronTrainer.holders``)."""
     config = as_config(config)
     ids = [*model_layer_ids(config), REST]
     plans = plans or _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
+    if fleet.trainer is not None:  # Megatron: each stage's senders hold its layers
+        n = fleet.trainer.senders
+        engines = [None] * n + fleet.engine_layouts()
+        return transfer_plan(
+            config, plans, ids, engines, range(n), holders=fleet.trainer.holders(config, ids)
+        )
     engines = [None] * fleet.trainer_gpus + fleet.engine_layouts()
     return transfer_plan(config, plans, ids, engines, range(fleet.trainer_gpus))
 

@@ -1,0 +1,85 @@
+"""A Megatron-Core trainer in the plan (``MegatronTrainer``, ``glm-fp8 plan --trainer``): its
+senders are each pipeline stage's expert-parallel ranks (expert-data-parallel rank 0), each stage
+holds its layers; the many senders' transfer plan sends every layer from its stage's senders only,
+and miles' GLM-5 deployment is a named fleet."""
+
+import json
+
+import pytest
+
+from glm_fp8.cli.main import main
+from glm_fp8.model.families import REST, model_layer_ids
+from glm_fp8.model.presets import PRESETS, TINY_GLM5
+from glm_fp8.planning.fleet import Fleet, MegatronTrainer, Server, fleet_preset
+from glm_fp8.planning.update_time import many_senders_plan, predict
+
+
+def test_parse_and_check():
+    m = MegatronTrainer.parse("megatron:tp4,pp8,cp2,ep16")
+    assert (m.tp, m.pp, m.cp, m.ep, m.senders) == (4, 8, 2, 16, 128)
+    assert MegatronTrainer.parse("megatron:pp2") == MegatronTrainer(pp=2)
+    m.check(128)
+    for text in ("fsdp:tp2", "megatron:", "megatron:tp2,tp2", "megatron:xx3", "megatron:tp0"):
+        with pytest.raises(ValueError):
+            MegatronTrainer.parse(text)
+    with pytest.raises(ValueError, match="not a multiple of TP 4 x PP 8 x CP 2"):
+        m.check(96)
+    with pytest.raises(ValueError, match="a sender's TP group must send too"):
+        MegatronTrainer(tp=4, pp=8).check(32)  # EP 1, DP 4: each stage's one expert rank's TP group
+    with pytest.raises(ValueError, match="Fleet.trainer"):
+        Fleet(8, trainer=object())
+
+
+def test_each_layer_goes_from_its_stage():
+    """PP 2 x EP 2 on 8 GPUs (TP 2, DP 2): 4 senders; layers 0-1 from senders 0-1, layers 2-3 and
+    the MTP layer from senders 2-3; the embeddings from stage 0's TP group, the head from the last
+    stage's; no sender sends a byte of a layer it does not hold."""
+    trainer = MegatronTrainer(tp=2, pp=2, ep=2)
+    fleet = Fleet(8, servers=(Server(tp=2),), trainer=trainer)
+    tp = many_senders_plan(TINY_GLM5, fleet)
+    assert tp.senders == (0, 1, 2, 3)
+    ids = [*model_layer_ids(TINY_GLM5), REST]
+    for pos, i in enumerate(ids):
+        lay = tp.layers[pos]
+        stage = (0, 1) if i in (0, 1) else (2, 3)
+        if i == REST:
+            embed, head = "model.embed_tokens.weight", "lm_head.weight"
+            assert lay.owners.get(embed, 0) in (0, 1) and lay.owners.get(head, 2) in (2, 3)
+            continue
+        assert all(lay.sent_nbytes(t) == 0 for t in range(4) if t not in stage), i
+        assert set(lay.owners.values()) <= set(stage), (i, lay.owners)
+    assert sum(tp.sent_bytes()) > 0
+
+
+def test_miles_glm5_fleet_predicts_beside_their_measured_times(capsys):
+    """miles' GLM-5 deployment (they measured 58.3 s with an NCCL broadcast, 8.48 s with RDMA P2P):
+    128 senders, each sending its stage's layers' own experts; every mode predicted, the NIC bytes
+    of each sender said."""
+    fleet = fleet_preset("miles-glm-5")
+    assert fleet.trainer == MegatronTrainer(tp=4, pp=8, cp=2, ep=16) and fleet.trainer_gpus == 128
+    main(["plan", "--fleet", "miles-glm-5", "--master-dtype", "bf16", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    strategies = {p["strategy"]: p for p in report["update"]["strategies"]}
+    many = strategies["fp8 many senders"]
+    assert many["senders"] == 128
+    assert report["summary"]["auto_mode"] == "senders"
+    assert len(report["summary"]["sender_bytes"]) == 128 and min(report["summary"]["sender_bytes"]) > 0
+    assert many["seconds"] < strategies["fp8 scatter"]["seconds"] < strategies["bf16 broadcast"]["seconds"]
+    main(["plan", "--fleet", "miles-glm-5", "--master-dtype", "bf16"])
+    assert "Megatron-Core TP 4 x PP 8 x CP 2, EP 16: 128 senders" in capsys.readouterr().out
+    # The same trainer into 4 servers of EP 8 (one node each): every rank of a server receives
+    # the whole model's experts once between them.
+    four = Fleet(128, servers=(Server(tp=8, ep=True, replicas=4),), trainer=fleet.trainer)
+    preds = {p.strategy: p for p in predict(PRESETS["glm-5"], four)}
+    assert preds["fp8 many senders"].senders == 128
+
+
+def test_cli_refuses_a_bad_trainer(capsys):
+    for argv, match in (
+        (["--trainer", "megatron:tp4,pp8"], "needs --trainer-gpus"),
+        (["--trainer-gpus", "100", "--trainer", "megatron:tp4,pp8"], "not a multiple"),
+        (["--trainer-gpus", "64", "--trainer", "megatron:tq4"], "expected one of tpN"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["plan", *argv])
+        assert match in capsys.readouterr().err
