@@ -10,7 +10,8 @@ vLLM parameters ``glm_fp8.engine.engine_params`` models).
 Invariant: every engine byte equals the reference conversion of the checkpoint that an
 independent path builds from the same Megatron tensors: this test's own name table, TP shards
 joined along Megatron's ``partition_dim``, fc1's per-shard [gate_i; up_i] reordered, experts
-numbered ``ep_rank * E / EP + j`` and stacked in prime-rl's layout.
+numbered ``ep_rank * E / EP + j`` and stacked in prime-rl's layout. With a delta (TP 2 x EP 2):
+a first update, a small step, then its delta, after which the engine holds the new weights' bytes.
 
 What Megatron-Core cannot build on a CPU, and how this test stands in: Transformer Engine's
 modules (TEGroupedMLP, TE linears with fused norms) need CUDA, so the local specs build the
@@ -193,12 +194,23 @@ def _rank(rank, world, *args):
     return buf.getvalue()
 
 
-def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
+def _step(model) -> None:
+    """A small training step's change: a few elements of every weight move (the same ones on each
+    rank that holds a copy), so that a delta update has something, not everything, to send."""
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            g = torch.Generator().manual_seed(sum(map(ord, name)) + 1)
+            flat = t.view(-1)
+            idx = torch.randint(flat.numel(), (3,), generator=g)
+            flat[idx] += (flat[idx].abs() + 1e-2).to(flat.dtype) * 0.5
+
+
+def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports):
     import torch.distributed as dist
 
     from glm_fp8.engine import engine_params
     from glm_fp8.integrations.megatron import MegatronSource
-    from glm_fp8.transfer import Receiver, Sender
+    from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
 
     dist.destroy_process_group()  # the launcher's world holds the engine ranks too: Megatron's holds trainers
@@ -214,15 +226,6 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
             coord.set(
                 "plan", json.dumps({"senders": source.senders, "holders": list(source.holders.items())})
             )
-        local = {}
-        buffers = [(n, b) for n, b in model.named_buffers() if n.endswith("expert_bias")]  # not routing stats
-        for name, t in [*model.named_parameters(), *buffers]:
-            if "_extra_state" not in name:
-                local[name] = (
-                    t.detach().clone(),
-                    getattr(t, "partition_dim", None),
-                    getattr(t, "tensor_model_parallel", False),
-                )
         from megatron.core import parallel_state as ps
 
         place = dict(
@@ -233,7 +236,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
         )
         if not source.is_sender:
             list(source.layers()), source.rest()  # a replica: nothing to send, nothing gathered from it
-            return "replica", place, local
+            return "replica", place, _local(model)
     plan = json.loads(coord.get("plan"))
     senders, holders = plan["senders"], {int(k): v for k, v in plan["holders"]}
     n_senders = len(senders)
@@ -257,15 +260,34 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, ports):
         holders=holders,
     )
     if rank < trainers:
-        stats = Sender(link, 0, **kw).send_model(source.layers(), rest=source.rest())
-        return "sender", place, local, stats.nbytes
+        sender = Sender(link, 0, delta=DeltaOptions() if delta else None, **kw)
+        sent = [sender.send_model(source.layers(), rest=source.rest()).nbytes]
+        if delta:  # a step, then its delta: the engine must end with the new weights' bytes
+            _step(model)
+            sent.append(sender.send_model(source.layers(), rest=source.rest()).nbytes)
+        return "sender", place, _local(model), sent
     layout = layouts[rank - trainers]
     params = {}
     for name, p in engine_params(CONFIG, layout).items():
         params[name] = torch.empty(p.shape, dtype=p.dtype)
         params[name].view(torch.uint8).fill_(0x5A)  # what no update wrote shows
-    Receiver(link, 0, layout=layout, **kw).load_into(params)
+    receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
+    for _ in range(2 if delta else 1):
+        receiver.load_into(params)
     return "engine", layout, params
+
+
+def _local(model) -> dict:
+    """This rank's Megatron tensors as they are now, with how Megatron splits them over TP."""
+    local = {}
+    buffers = [(n, b) for n, b in model.named_buffers() if n.endswith("expert_bias")]  # not routing stats
+    for name, t in [*model.named_parameters(), *buffers]:
+        local[name] = (
+            t.detach().clone(),
+            getattr(t, "partition_dim", None),
+            getattr(t, "tensor_model_parallel", False),
+        )
+    return local
 
 
 def _checkpoint(results, tp: int):
@@ -361,7 +383,8 @@ def test_megatron_model_lands_exactly(case):
         layouts = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
     trainers = case["trainers"]
     ports = [free_port() for _ in range(3)]
-    args = (trainers, case["tp"], case["pp"], case["ep"], case["vocab"], layouts, ports)
+    delta = case.get("delta", False)
+    args = (trainers, case["tp"], case["pp"], case["ep"], case["vocab"], layouts, delta, ports)
     results = launch(trainers + len(layouts), _rank, args, timeout_s=240)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {
@@ -379,3 +402,8 @@ def test_megatron_model_lands_exactly(case):
             assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), name
     if case["trainers"] == 4:  # DP 2: the replicas sent nothing
         assert [results[r][1][0] for r in range(4)] == ["sender", "sender", "replica", "replica"]
+    if delta:  # the step's update went as a delta: a small part of the dense one's bytes
+        for r in range(trainers):
+            if results[r][1][0] == "sender":
+                dense, changed = results[r][1][3]
+                assert 0 < changed * 4 < dense, (r, dense, changed)
