@@ -148,13 +148,16 @@ class MegatronSource:
             are checked against it.
         parallel: this rank's ``MegatronParallel`` (default: ``MegatronParallel.current()``).
 
-    Attributes: ``senders`` (the trainer ranks that send, ascending: expert-data-parallel rank 0),
-    ``is_sender``, ``layer_ids`` (every decoder layer, then the MTP layer the model holds),
-    ``holders`` (``SendOptions.holders``: by layer, the senders of its stage, in expert order;
-    per entry for the non-layer tensors and the MTP layer's head). A sender passes
-    ``senders=source.senders, layer_ids=source.layer_ids, holders=source.holders, rest=True`` to
-    its ``Sender`` and ``source.layers()``, ``rest=source.rest()`` to ``send_model``; the link's
-    ranks of the senders must be their trainer ranks (``StoreLink`` with the senders first).
+    Attributes: ``senders`` (the trainer ranks that send, ascending: expert-data-parallel rank 0;
+    sender k is link rank k), ``is_sender``, ``link_rank``, ``layer_ids`` (every decoder layer,
+    then the MTP layer the model holds), ``holders`` (``SendOptions.holders``, in link ranks: by
+    layer, the senders of its stage, in expert order; per entry for the non-layer tensors and the
+    MTP layer's head). A sender opens its link at ``link_rank`` with
+    ``global_ranks=source.senders`` (``StoreLink``: where the TP groups' DTensors live), passes
+    ``senders=range(len(source.senders)), layer_ids=source.layer_ids, holders=source.holders,
+    rest=True`` to its ``Sender`` and ``source.layers()``, ``rest=source.rest()`` to
+    ``send_model``. Through vLLM's weight-transfer backend, pass the source as ``source=``: it
+    does all that (docs/vllm.md).
 
     Refused at construction, naming the Megatron option: expert tensor parallelism
     (``expert_tensor_parallel_size`` > 1: not mapped yet), a shared-expert gate
@@ -291,7 +294,19 @@ class MegatronSource:
             "model.norm.weight": self._tp_ranks(lambda q: q.head, "the final norm")[:1],
             "lm_head.weight": self._tp_ranks(lambda q: q.head, "the output layer"),
         }
-        self.holders = holders
+        self._held = holders  # in trainer ranks
+        link = {r: k for k, r in enumerate(self.senders)}  # sender k is link rank k
+        self.holders = {
+            idx: {e: [link[r] for r in ranks] for e, ranks in h.items()}
+            if isinstance(h, dict)
+            else [link[r] for r in h]
+            for idx, h in holders.items()
+        }
+
+    @property
+    def link_rank(self) -> int | None:
+        """This rank's link rank (its place among the senders), None when it does not send."""
+        return self.senders.index(dist.get_rank()) if self.is_sender else None
 
     def _tp_ranks(self, pred, what: str) -> list[int]:
         """The TP group (by TP rank) of the first sender ``pred`` holds: where a vocabulary-parallel
@@ -303,10 +318,11 @@ class MegatronSource:
 
     # -- the tensors ------------------------------------------------------------------------
 
-    def layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """``(layer_idx, tensors)`` for every layer of ``layer_ids`` in order: this rank's share
-        under the checkpoint's names (nothing of a layer it does not hold, or when it does not send)."""
-        for idx in self.layer_ids:
+    def layers(self, layer_ids=None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """``(layer_idx, tensors)`` for every layer of ``layer_ids`` (default: ``self.layer_ids``)
+        in order: this rank's share under the checkpoint's names (nothing of a layer it does not
+        hold, or when it does not send)."""
+        for idx in self.layer_ids if layer_ids is None else layer_ids:
             if not self.is_sender:
                 yield idx, {}
             elif idx in self._layers:
@@ -323,7 +339,7 @@ class MegatronSource:
         out: dict[str, torch.Tensor] = {}
         if not self.is_sender:
             return out
-        me, held = dist.get_rank(), self.holders[REST]
+        me, held = dist.get_rank(), self._held[REST]
         if self._embedding is not None and me in held["model.embed_tokens.weight"]:
             out["model.embed_tokens.weight"] = self._vocab(self._embedding)
         if self._norm is not None and me in held["model.norm.weight"]:
@@ -377,7 +393,7 @@ class MegatronSource:
             if name in MEGATRON_MTP_NAMES:
                 key = MEGATRON_MTP_NAMES[name]
                 out[key] = self._placed(name, key, t.detach(), shapes)
-        head = self.holders[idx]["shared_head.head.weight"]
+        head = self._held[idx]["shared_head.head.weight"]
         if self._head is not None and dist.get_rank() in head:
             out["shared_head.head.weight"] = self._vocab(self._head)
         return out

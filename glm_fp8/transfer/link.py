@@ -218,7 +218,9 @@ class StoreLink(Link):
     ``backend``: "nccl" for CUDA tensors, "gloo" for CPU ones. Groups are made by their members
     only, each from its own prefix of the store. Every rank beats in the store (``Liveness``):
     ``lease_s`` seconds without a beat and a rank is lost; ``describe(rank)`` names a rank and
-    ``advice(rank)`` says what to do, in ``LinkLost``'s message."""
+    ``advice(rank)`` says what to do, in ``LinkLost``'s message. ``global_ranks``: the first link
+    ranks' ranks in the trainer's default group, where the senders' DTensors live (default: the
+    same numbers; a Megatron trainer's senders are some of its ranks)."""
 
     groups_supported = True
 
@@ -235,9 +237,10 @@ class StoreLink(Link):
         lease_s: float = DEFAULT_LEASE_S,
         describe: Callable[[int], str] | None = None,
         advice: Callable[[int | None], str] | None = None,
+        global_ranks: Sequence[int] | None = None,
     ):
         store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-        self._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice)
+        self._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice, global_ranks)
 
     @classmethod
     def over_store(
@@ -252,11 +255,12 @@ class StoreLink(Link):
         lease_s: float = DEFAULT_LEASE_S,
         describe: Callable[[int], str] | None = None,
         advice: Callable[[int | None], str] | None = None,
+        global_ranks: Sequence[int] | None = None,
     ) -> StoreLink:
         """The link over a store the caller holds (and that outlives the link: e.g. one
         generation's ``PrefixStore`` of a trainer's store), instead of one served at ``host:port``."""
         link = cls.__new__(cls)
-        link._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice)
+        link._setup(store, rank, size, backend, timeout, device, lease_s, describe, advice, global_ranks)
         return link
 
     def _setup(
@@ -270,9 +274,11 @@ class StoreLink(Link):
         lease_s: float,
         describe,
         advice,
+        global_ranks: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank: expected 0 <= rank < size={size}, got {rank}")
+        self._global = None if global_ranks is None else [int(r) for r in global_ranks]
         self.rank, self.size, self.backend, self.timeout = rank, size, backend, timeout
         self.device = device
         self.store = store
@@ -294,6 +300,9 @@ class StoreLink(Link):
 
     def _wait(self, work) -> None:
         _wait(work, self.liveness, self.backend == "gloo")
+
+    def global_rank(self, r: int) -> int:
+        return self._global[r] if self._global is not None and r < len(self._global) else r
 
     def _bcast(self, pg, tensor: torch.Tensor, root: int) -> None:
         self.check()

@@ -240,8 +240,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports):
     plan = json.loads(coord.get("plan"))
     senders, holders = plan["senders"], {int(k): v for k, v in plan["holders"]}
     n_senders = len(senders)
-    assert senders == list(range(n_senders))  # link rank = trainer rank, as the source asks
-    link_rank = rank if rank < trainers else n_senders + rank - trainers
+    link_rank = source.link_rank if rank < trainers else n_senders + rank - trainers
     link = StoreLink(
         "127.0.0.1",
         ports[2],
@@ -249,6 +248,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports):
         n_senders + n_engines,
         backend="gloo",
         timeout=timedelta(seconds=120),
+        global_ranks=senders,  # the senders' trainer ranks, where their TP groups' DTensors live
     )
     kw = dict(
         config=CONFIG,
