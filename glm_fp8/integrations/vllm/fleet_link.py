@@ -38,10 +38,17 @@ def generation_store(store: dist.Store, generation: int) -> dist.Store:
     return dist.PrefixStore(f"glm_fp8/gen/{generation}/", store)
 
 
-def open_link(info: SyncInit, rank: int, device: torch.device, store: dist.Store | None = None) -> StoreLink:
+def open_link(
+    info: SyncInit,
+    rank: int,
+    device: torch.device,
+    store: dist.Store | None = None,
+    global_ranks: list[int] | None = None,
+) -> StoreLink:
     """This rank's link of ``info``'s generation (``store``: the trainer's store, a generation's view
     of it; a client of the trainer's store is opened when None). A rank lost mid-update is named
-    by its server, with what to call next (``lost_advice``)."""
+    by its server, with what to call next (``lost_advice``). ``global_ranks``: the senders' trainer
+    ranks, when they are not link ranks 0..S-1 (a Megatron trainer's)."""
     if store is None:
         store = open_store(info.master_address, info.master_port, master=False, timeout_s=info.timeout_s)
         store = generation_store(store, info.generation)
@@ -54,6 +61,7 @@ def open_link(info: SyncInit, rank: int, device: torch.device, store: dist.Store
         device=device,
         describe=info.rank_name,
         advice=lambda r: lost_advice(info, r),
+        global_ranks=global_ranks,
     )
 
 

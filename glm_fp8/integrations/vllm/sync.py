@@ -29,7 +29,8 @@ from glm_fp8.core.vocab import (
     check_choice,
 )
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.transfer.options import MAX_RING  # checked at init, before any buffer is sized from it
+from glm_fp8.model.families import REST
+from glm_fp8.transfer.options import MAX_RING, check_holders  # checked at init, before any buffer is sized
 
 # 2: every update passes the gate (``publish_ready`` / ``open_gate``) before the link is used.
 HANDSHAKE_VERSION = 2
@@ -114,7 +115,10 @@ class SyncInit:
     ``generation`` counts the link's rebuilds (a change of membership): its keys in the store
     live under it, so a rebuilt link never reads an old one's. ``delta``: updates carry only the
     bytes that changed (docs/delta.md): each worker keeps its receivers, and what they hold,
-    across the updates of this link; mode "scatter" only."""
+    across the updates of this link; mode "scatter" only. ``holders``: which senders hold which
+    layers (a Megatron-Core trainer's pipeline stages; ``SendOptions.holders`` as ``[[layer,
+    link ranks or [[entry, link ranks], ...]], ...]``), None: every sender every layer; mode
+    "senders" only."""
 
     master_address: str
     master_port: int
@@ -133,6 +137,7 @@ class SyncInit:
     servers: list | None = None
     generation: int = 0
     delta: bool = False
+    holders: list | None = None
     version: int = HANDSHAKE_VERSION
 
     @classmethod
@@ -164,6 +169,7 @@ class SyncInit:
             servers=_field(d, "servers", (list, type(None)), "[[name, first link rank, workers], ...]", None),
             generation=_field(d, "generation", int, "the link's generation (an int >= 0)", 0),
             delta=_field(d, "delta", bool, "a bool", False),
+            holders=_field(d, "holders", (list, type(None)), "[[layer, link ranks], ...]", None),
         )
         out.check()
         return out
@@ -205,6 +211,15 @@ class SyncInit:
         check_int("init_info.generation", self.generation, 0, None, " (the link's rebuilds)")
         if self.delta:
             check_delta(self.mode, self.checksum)
+        if self.holders is not None:
+            if self.mode != "senders":
+                raise ValueError(
+                    f"init_info.holders: for mode 'senders' (many senders), got mode {self.mode!r}"
+                )
+            try:
+                check_holders(holders_of(self.holders))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"init_info.{e}") from None
         self._check_servers()
 
     def _check_servers(self) -> None:
@@ -287,6 +302,37 @@ class SyncUpdate:
 
     def to_dict(self) -> dict:
         return {"session": self.session, "step": self.step, **self.extra}
+
+
+def holders_of(pairs: object) -> dict:
+    """``SyncInit.holders`` (JSON: pairs) as ``SendOptions.holders`` takes them: by layer index,
+    link ranks or, per entry, a mapping."""
+    if not isinstance(pairs, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs
+    ):
+        raise ValueError(f"holders: expected [[layer, link ranks], ...], got {pairs!r}")
+    out: dict = {}
+    for idx, held in pairs:
+        if isinstance(held, (list, tuple)) and held and isinstance(held[0], (list, tuple)):
+            held = {name: list(ranks) for name, ranks in held}
+        out[idx] = held
+    return out
+
+
+def holders_pairs(holders: Mapping) -> list:
+    """``SendOptions.holders`` as ``SyncInit.holders`` carries them (JSON)."""
+    return [
+        [int(idx), [[k, list(v)] for k, v in h.items()] if isinstance(h, Mapping) else list(h)]
+        for idx, h in holders.items()
+    ]
+
+
+def session_holders(init: SyncInit, layer_ids: Sequence[int], rest: bool) -> dict | None:
+    """The holders of an update of ``layer_ids`` (and the non-layer tensors when ``rest``)."""
+    if init.holders is None:
+        return None
+    wanted = set(layer_ids) | ({REST} if rest else set())
+    return {idx: h for idx, h in holders_of(init.holders).items() if idx in wanted}
 
 
 def session_layers(init: SyncInit, session: str, mtp: int | None) -> tuple[list[int], bool]:

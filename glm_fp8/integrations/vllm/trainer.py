@@ -41,9 +41,11 @@ from glm_fp8.integrations.vllm.sync import (
     SyncUpdate,
     fleet_layouts,
     fleet_scale_fmt,
+    holders_pairs,
     publish_trainer_init,
     read_fleet,
     read_trainer_init,
+    session_holders,
     session_layers,
 )
 from glm_fp8.integrations.vllm.trainer_fleet import FleetMembership, draft_decision
@@ -97,8 +99,14 @@ class TrainerSide(FleetMembership):
         self.source = trainer_source(
             source, self.config, rank=self.rank, trainer_ranks=self.trainer_ranks, device=device
         )
+        # A Megatron-Core source names the trainer ranks that send (sender k is link rank k); else
+        # trainer ranks 0..S-1 are the link's senders.
+        self.sending = list(self.source.senders) if hasattr(self.source, "senders") else None
         self.mode = self._mode()
-        self.senders = self.trainer_ranks if self.mode == "senders" else 1
+        if self.sending is not None:
+            self.senders = len(self.sending)
+        else:
+            self.senders = self.trainer_ranks if self.mode == "senders" else 1
         self.backend = (
             opts.link_backend
             if opts.link_backend != "auto"
@@ -144,12 +152,20 @@ class TrainerSide(FleetMembership):
             servers=servers if self.named else None,
             generation=generation,
             delta=self.opts.delta,  # "auto" that picked the full broadcast is refused here
+            holders=holders_pairs(self.source.holders) if self.sending is not None else None,
         )
         init.check()
         return init
 
     def _mode(self) -> str:
         mode = self.opts.mode
+        if self.sending is not None:  # Megatron-Core: its stages' ranks send their own layers
+            if mode not in ("auto", "senders"):
+                raise ValueError(
+                    f"init_info.mode: {mode!r}, but a Megatron-Core source sends from its ranks: "
+                    "each pipeline stage's its layers (mode 'senders' or 'auto')"
+                )
+            return "senders"
         whole = self.source.experts_whole and self.trainer_ranks > 1
         if mode == "auto":
             return choose_mode(self.trainer_ranks, self.source.experts_whole)[0]
@@ -162,7 +178,11 @@ class TrainerSide(FleetMembership):
 
     @property
     def on_link(self) -> bool:
-        return self.rank < self.senders
+        return self.rank in self.sending if self.sending is not None else self.rank < self.senders
+
+    @property
+    def link_rank(self) -> int:
+        return self.sending.index(self.rank) if self.sending is not None else self.rank
 
     def connect(self) -> TrainerSide:
         """Open the link and learn the engines (rank 0 sends every server the init meanwhile, each
@@ -191,7 +211,9 @@ class TrainerSide(FleetMembership):
             inits = [(replace(self.init, rank_offset=o).to_dict(),) for _, o, _ in self.init.fleet()]
             call = FleetCall(self.servers, "init_weight_transfer_engine", inits)
         try:
-            self.link = open_link(self.init, self.rank, self.device, self.store)
+            self.link = open_link(
+                self.init, self.link_rank, self.device, self.store, global_ranks=self.sending
+            )
             if self.rank == 0:
                 publish_trainer_init(self.store, self.init)
             else:
@@ -278,6 +300,7 @@ class TrainerSide(FleetMembership):
                 scale_fmt=self.scale_fmt,
                 engines=self.engines,
                 senders=list(range(self.senders)),
+                holders=session_holders(self.init, ids, rest),
                 device=self.device,
                 delta=delta_options(self.opts),  # kept with this Sender: per session, per link
             )
@@ -320,7 +343,8 @@ class TrainerSide(FleetMembership):
             layers, rest_map = self.source.session(ids, rest)
             if not self.on_link:
                 wait_gate(self.store, self.steps, session)
-                self._contribute(layers, rest_map, ids, gather_go(self.store, self.steps, session))
+                if self.sending is None:  # one sender's gathers; a Megatron replica sends nothing
+                    self._contribute(layers, rest_map, ids, gather_go(self.store, self.steps, session))
                 self._await_outcome(self.steps, session)
                 out.append(
                     {
@@ -389,7 +413,7 @@ class TrainerSide(FleetMembership):
                 call.join(timeout)
             raise
         gate = None
-        if self._off_link:  # their gathers step by step with this rank's: none waits in one it skips
+        if self._off_link and self.sending is None:  # their gathers step by step with this rank's
             gate = GatherGate(self.store, step, session, n_layers, rest_map is not None)
             layers, rest_map = gate.layers(layers), gate.rest(rest_map)
         open_gate(self.store, step, session, None)

@@ -12,16 +12,20 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from glm_fp8.core.checks import check_int
+from glm_fp8.integrations.megatron import MegatronSource
 from glm_fp8.integrations.vllm.sources import LayerSource, WeightSourceLayers
-from glm_fp8.model.families import REST
+from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.transfer.gather import contribute_shards
 
 
 def trainer_source(source: object, config: Mapping, *, rank: int, trainer_ranks: int, device: torch.device):
     """``source`` as ``TrainerSide`` reads it: layer ids, ``mtp``, ``experts_whole``, ``rest``,
-    and per step ``begin_step``, ``session(layer_ids, rest)``, ``drain``."""
+    and per step ``begin_step``, ``session(layer_ids, rest)``, ``drain``; a Megatron-Core source
+    also its ``senders`` (trainer ranks) and ``holders`` (link ranks)."""
     if isinstance(source, LayerSource):
         return _LayerSourceView(source, config)
+    if isinstance(source, MegatronSource):
+        return _MegatronView(source, config)
     return WeightSourceLayers(
         source,
         config,
@@ -72,6 +76,30 @@ def contribute(
         device=device,
         layer_ids=[*ids, REST] if rest_map is not None else ids,
     )
+
+
+class _MegatronView:
+    """A ``MegatronSource`` as ``TrainerSide`` reads sources: many senders, each pipeline stage's
+    holding its layers (``senders``, ``holders``); the ranks that do not send hand nothing."""
+
+    experts_whole = True
+    rest = True
+
+    def __init__(self, src: MegatronSource, config: Mapping):
+        self.src = src
+        mtp = mtp_layer_index(config)
+        self.layer_ids = [i for i in src.layer_ids if i != mtp]
+        self.mtp = mtp is not None and mtp in src.layer_ids
+        self.senders, self.holders = list(src.senders), src.holders
+
+    def begin_step(self) -> None:
+        return None
+
+    def drain(self) -> None:
+        return None
+
+    def session(self, layer_ids, rest: bool):
+        return self.src.layers(list(layer_ids)), (self.src.rest() if rest else None)
 
 
 class _LayerSourceView:

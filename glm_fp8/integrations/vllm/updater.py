@@ -263,9 +263,10 @@ class EngineUpdater:
         senders: Sequence[int] | None = None,
         checksum: bool = True,
         delta: bool = False,
+        holders: Mapping | None = None,
     ) -> dict[str, object]:
-        """Receive one update from ``src`` over ``comm`` into the engine's parameters (``engines`` and
-        ``senders`` as ``Receiver`` takes them: the same lists as the trainer's), then redo the
+        """Receive one update from ``src`` over ``comm`` into the engine's parameters (``engines``,
+        ``senders`` and ``holders`` as ``Receiver`` takes them: the trainer's), then redo the
         post-load step on what landed. ``layer_ids`` default to every decoder layer, then the MTP
         layer when there is a drafter; ``scale_fmt`` to the plan's. Refusals known before the transfer
         (a scale format the engine cannot serve, a partial update after a failed one, the MTP layer
@@ -280,7 +281,8 @@ class EngineUpdater:
             device = next(iter(self.engine.params.values())).device
         session = (tuple(ids), rest, fmt, str(device))  # what a held copy goes on with (drop_link)
         fleet = (None if engines is None else tuple(engines), None if senders is None else tuple(senders))
-        key = (session, (id(comm), src, ring, checksum, *fleet, delta))
+        held = None if holders is None else repr(sorted(holders.items()))
+        key = (session, (id(comm), src, ring, checksum, *fleet, delta, held))
         receiver = self._receivers.get(key)
         if receiver is None:
             receiver = self._receivers[key] = Receiver(
@@ -297,6 +299,7 @@ class EngineUpdater:
                 senders=senders,
                 checksum=checksum,
                 delta=delta,
+                holders=holders,
             )
             if delta and session in self._held:  # the session's layers on a new link: still held
                 adopt_held(receiver, self._held.pop(session))

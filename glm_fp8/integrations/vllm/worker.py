@@ -28,6 +28,7 @@ from glm_fp8.integrations.vllm.sync import (
     fleet_scale_fmt,
     publish,
     read_fleet,
+    session_holders,
     session_layers,
 )
 from glm_fp8.integrations.vllm.updater import EngineUpdater
@@ -163,6 +164,7 @@ class WorkerSide:
             checksum=self.init_info.checksum,
             device=self.device,
             delta=self.init_info.delta,
+            holders=session_holders(self.init_info, ids, rest),
         )
         self.results.append(result)
         return result
