@@ -407,3 +407,143 @@ def test_megatron_model_lands_exactly(case):
             if results[r][1][0] == "sender":
                 dense, changed = results[r][1][3]
                 assert 0 < changed * 4 < dense, (r, dense, changed)
+
+
+# --- through vLLM's weight-transfer API (what vime calls) ------------------------------------------
+
+
+def _vllm_rank(rank, world, trainers, port, boxes, ports, delta):
+    buf = io.BytesIO()
+    torch.save(_vllm_update(rank, world, trainers, port, boxes, ports, delta), buf)
+    return buf.getvalue()
+
+
+def _vllm_update(rank, world, trainers, port, boxes, ports, delta):
+    """A Megatron trainer rank calling vLLM's ``WeightTransferTrainerFactory.trainer_init`` with
+    ``source=`` its ``MegatronSource`` and ``send_weights()`` for two steps; or an engine worker
+    built and driven as vLLM 0.34's ``Worker`` drives its engine (test_vllm_backend_real.py)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # the launcher's world holds the engine workers too
+    if rank < trainers:
+        from test_vllm_backend import QueueClient
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from glm_fp8.integrations.megatron import MegatronSource
+        from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
+        )
+        try:
+            model = _build(2, 1, 2, CONFIG["vocab_size"])
+            source = MegatronSource(model, CONFIG)
+            info = GlmFp8TrainerInitInfo(
+                "127.0.0.1",
+                port,
+                engine_ranks=world - trainers,
+                config=CONFIG,
+                mode="auto",
+                trainer_ranks=trainers,
+                timeout_s=60,
+                rank=rank,
+                delta=delta,
+            )
+            client = QueueClient(boxes) if rank == 0 else None
+            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+            out = []
+            for step in range(2):
+                if step:
+                    _step(model)
+                out.append([(o["session"], o["bytes"], o["sender"]) for o in engine.send_weights()])
+            engine.shutdown()
+            from megatron.core import parallel_state as ps
+
+            place = dict(
+                offset=0, tp=ps.get_tensor_model_parallel_rank(), ep=ps.get_expert_model_parallel_rank()
+            )
+            kind = "sender" if source.is_sender else "replica"
+            return kind, place, _local(model), out, engine.side.mode
+        finally:
+            if rank == 0:
+                for inbox, _ in boxes:
+                    inbox.put(("stop", ()))
+    import vllm.distributed.parallel_state as parallel_state
+    from test_vllm_backend import _layouts
+    from test_vllm_backend_real import VllmWorker, _Group, _serve, _vllm_config
+    from test_vllm_worker import _engine
+
+    import glm_fp8.integrations.vllm as integ
+
+    integ.register()
+    r = rank - trainers
+    layout = _layouts("ep2")[r]
+    parallel_state.get_tp_group = lambda: _Group(layout.tp_rank)
+    parallel_state.get_dp_group = lambda: _Group(layout.dp_rank)
+    target, drafter = _engine(layout)
+    worker = VllmWorker(_vllm_config(layout, CONFIG, mtp=True), target, drafter, torch.device("cpu"))
+    log: list[str] = []
+    _serve(worker, *boxes[r], log)
+    updater = worker.engine.side.updater
+    params = {
+        n: p.detach().clone() for n, p in updater.engine.params.items() if n not in updater.engine.aliases
+    }
+    return "engine", layout, params, log, worker.updates
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+def test_megatron_through_vllms_weight_transfer_api(delta):
+    """vime's path: a Megatron-Core trainer (TP 2 x EP 2 on 4 ranks, DP 2) updates a vLLM server
+    (EP 2) through vLLM 0.34's weight-transfer API with glm_fp8's backend and ``source=`` its
+    ``MegatronSource``: mode "auto" picks many senders, the two senders send (the replicas put
+    nothing on the link), the MTP layer goes in vLLM's draft session, and after a training step's
+    second update (a delta, with ``delta=True``) every engine parameter equals the reference of the
+    new weights, as vLLM's FlashInfer MoE backend stores it."""
+    pytest.importorskip("vllm.distributed.weight_transfer.base")
+    import torch.multiprocessing as mp
+    from test_vllm_worker import _vllm_swap_w13_to_w31
+
+    from glm_fp8.testing import reference_engine_params
+
+    ctx = mp.get_context("spawn")
+    trainers, engines = 4, 2
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
+    ports = [free_port() for _ in range(2)]
+    results = launch(
+        trainers + engines, _vllm_rank, (trainers, free_port(), boxes, ports, delta), timeout_s=240
+    )
+    assert all(status == "ok" for status, _ in results.values()), results
+    results = {
+        r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
+    }
+    kinds = [results[r][1][0] for r in range(trainers)]
+    assert kinds == ["sender", "sender", "replica", "replica"], kinds
+    assert all(results[r][1][4] == "senders" for r in range(trainers))
+    for r in range(trainers):
+        for step in results[r][1][3]:
+            sessions = [s for s, _, _ in step]
+            assert sessions == ["target", "draft"], sessions
+            assert all((n > 0) == (r < 2) and on == (r < 2) for _, n, on in step), (r, step)
+    if delta:  # the second step's target update is a delta: a small part of the first's bytes
+        for r in range(2):
+            first, second = results[r][1][3][0][0][1], results[r][1][3][1][0][1]
+            assert 0 < second * 4 < first, (r, first, second)
+    layers = _checkpoint(results, 2)
+    ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
+    for r in range(engines):
+        _, layout, params, log, updates = results[trainers + r][1]
+        assert log == [], log
+        want = reference_engine_params(CONFIG, layout, ids, layer=lambda i: layers[i])
+        for name in list(want):
+            if "routed_experts.w13_weight" in name:
+                want[name] = _vllm_swap_w13_to_w31(want[name])
+            if "routed_experts.w" in name and name.endswith("_scale_inv"):
+                want[name] = want[name].clamp(min=1e-10)
+        bad = [
+            n
+            for n, w in want.items()
+            if n in params
+            and not torch.equal(params[n].contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+        ]
+        assert bad == [] and len(set(want) & set(params)) > 50, (bad[:5], len(params))
