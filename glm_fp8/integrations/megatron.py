@@ -163,7 +163,11 @@ class MegatronSource:
     (``expert_tensor_parallel_size`` > 1: not mapped yet), a shared-expert gate
     (``moe_shared_expert_gate``), experts not divisible by expert parallelism, a layer whose MoE /
     dense kind differs from the config's (``moe_layer_freq`` against ``first_k_dense_replace``),
-    tied embeddings (``share_embeddings_and_output_weights``) against an untied config.
+    tied embeddings (``share_embeddings_and_output_weights``) against an untied config, GLM-5's
+    indexer without interleaved RoPE (``dsa_indexer_rope_interleaved``), MTP layers the config
+    does not have (``mtp_num_layers``), a TP group with ranks that do not send. A tensor the name
+    table does not map, or whose shape is neither the checkpoint's nor 1/TP of it, is refused at
+    the step that reads it (voted: every rank stops there).
     """
 
     def __init__(self, model: object, config: Mapping, parallel: MegatronParallel | None = None):
@@ -192,6 +196,13 @@ class MegatronSource:
             if mc is not None and getattr(mc, "moe_shared_expert_gate", False):
                 raise ValueError(
                     "moe_shared_expert_gate: a shared-expert gate has no parameter in the engine"
+                )
+            dsa = mc is not None and getattr(mc, "experimental_attention_variant", None) == "dsa"
+            if dsa and self.config["model_type"] == "glm_moe_dsa" and not mc.dsa_indexer_rope_interleaved:
+                raise ValueError(
+                    "dsa_indexer_rope_interleaved: False, but GLM-5's indexer applies interleaved RoPE "
+                    "(transformers' GlmMoeDsaIndexer, vLLM): the engine would score with other positions "
+                    "than the trainer; train with dsa_indexer_rope_interleaved=True"
                 )
             if getattr(c, "share_embeddings_and_output_weights", False) and not self.config.get(
                 "tie_word_embeddings", False
