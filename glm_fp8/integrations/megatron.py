@@ -22,6 +22,7 @@ import torch.distributed as dist
 from glm_fp8.model.config import as_config
 from glm_fp8.model.families import REST, is_sparse_layer, layer_shapes, model_layer_ids, mtp_layer_index
 from glm_fp8.model.plans import plan_from_config
+from glm_fp8.transfer.owners import stack_entries
 
 # A decoder layer's Megatron-Core tensors (names inside the layer module) and the checkpoint's names
 # (inside ``model.layers.{i}.``). Several Megatron names for one tensor: Transformer Engine's specs
@@ -92,7 +93,8 @@ _SKIPPED = ("self_attention.linear_kv_down_proj.layer_norm_weight",)
 @dataclass(frozen=True)
 class MegatronParallel:
     """One Megatron-Core rank's place: its tensor-parallel group, pipeline stage, expert-parallel
-    rank, and expert-data-parallel rank (which replica of the experts it holds)."""
+    rank, expert-data-parallel rank (which replica of the experts it holds) and expert
+    tensor-parallel group (its part of each of its experts' rows)."""
 
     tp_group: object
     tp_rank: int
@@ -103,6 +105,8 @@ class MegatronParallel:
     ep_size: int
     etp_size: int
     edp_rank: int
+    etp_group: object = None
+    etp_rank: int = 0
 
     @classmethod
     def current(cls) -> MegatronParallel:
@@ -119,6 +123,8 @@ class MegatronParallel:
             ep_size=ps.get_expert_model_parallel_world_size(),
             etp_size=ps.get_expert_tensor_parallel_world_size(),
             edp_rank=ps.get_expert_data_parallel_rank(),
+            etp_group=ps.get_expert_tensor_parallel_group(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
         )
 
 
@@ -132,6 +138,7 @@ class _Place:
     pp_rank: int
     ep_rank: int
     edp_rank: int
+    etp_rank: int
     layers: tuple[int, ...]
     embedding: bool
     head: bool
@@ -159,8 +166,10 @@ class MegatronSource:
     ``send_model``. Through vLLM's weight-transfer backend, pass the source as ``source=``: it
     does all that (docs/vllm.md).
 
-    Refused at construction, naming the Megatron option: expert tensor parallelism
-    (``expert_tensor_parallel_size`` > 1: not mapped yet), a shared-expert gate
+    Expert tensor parallelism (``expert_tensor_parallel_size`` > 1): each expert's rows are
+    gathered onto its ETP rank 0 (its [gate_i; up_i] shards reordered to [gate; up], ``linear_fc2``
+    joined along its columns), which sends the expert stacks; the other ETP ranks send their share
+    of the other entries. Refused at construction, naming the Megatron option: a shared-expert gate
     (``moe_shared_expert_gate``), experts not divisible by expert parallelism, a layer whose MoE /
     dense kind differs from the config's (``moe_layer_freq`` against ``first_k_dense_replace``),
     tied embeddings (``share_embeddings_and_output_weights``) against an untied config, GLM-5's
@@ -177,11 +186,6 @@ class MegatronSource:
         chunks = [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
         n_layers = self.config["num_hidden_layers"]
         self.n_experts = _experts(self.config)
-        if p.etp_size > 1:
-            raise ValueError(
-                f"expert_tensor_parallel_size: {p.etp_size}; glm_fp8 maps whole experts per rank: "
-                "train with --expert-tensor-parallel-size 1"
-            )
         if self.n_experts and self.n_experts % p.ep_size:
             raise ValueError(
                 f"expert_model_parallel_size: {p.ep_size} does not divide the {self.n_experts} routed experts"
@@ -257,6 +261,7 @@ class MegatronSource:
             p.pp_rank,
             p.ep_rank,
             p.edp_rank,
+            p.etp_rank,
             tuple(sorted(self._layers) + sorted(self._mtp)),
             self._embedding is not None,
             self._head is not None,
@@ -292,12 +297,23 @@ class MegatronSource:
             if not held:
                 raise ValueError(f"layer {idx}: no trainer rank holds it (pipeline stages)")
             holders[idx] = [q.rank for q in held]
+            if self.parallel.etp_size > 1:  # the experts whole on each expert's ETP rank 0
+                experts = [q.rank for q in held if q.etp_rank == 0]
+                stacks = {e.name for e in stack_entries(plan_from_config(self.config, idx))}
+                if stacks:
+                    holders[idx] = {
+                        e.name: experts if e.name in stacks else holders[idx]
+                        for e in plan_from_config(self.config, idx).entries
+                    }
         mtp_idx = mtp_layer_index(self.config)
         if mtp_idx in holders:  # the head on its stage's TP group, whole or split by rows
-            stage = holders[mtp_idx]
+            held = holders[mtp_idx]
+            stage = held if isinstance(held, list) else held["input_layernorm.weight"]
             head = self._tp_ranks(lambda q: q.head and q.rank in stage, "the MTP layer's head")
             holders[mtp_idx] = {
-                e.name: head if e.name == "shared_head.head.weight" else stage
+                e.name: head
+                if e.name == "shared_head.head.weight"
+                else (held if isinstance(held, list) else held[e.name])
                 for e in plan_from_config(self.config, mtp_idx).entries
             }
         holders[REST] = {
@@ -374,12 +390,18 @@ class MegatronSource:
                 g = self.parallel.ep_rank * e_local + int(
                     m.group(2) if m.group(2) is not None else m.group(3)
                 )
-                if fc == "1":  # [gate; up], whole (no expert tensor parallelism)
-                    gate, up = t.chunk(2, dim=0)
+                parts = self._expert_parts(t)  # ETP: every rank's rows, on ETP rank 0 only
+                if parts is None:
+                    continue
+                if fc == "1":  # each part [gate_i; up_i]: all gates, then all ups
+                    halves = [x.chunk(2, dim=0) for x in parts]
+                    gate = halves[0][0] if len(parts) == 1 else torch.cat([h[0] for h in halves])
+                    up = halves[0][1] if len(parts) == 1 else torch.cat([h[1] for h in halves])
                     out[f"mlp.experts.{g}.gate_proj.weight"] = gate
                     out[f"mlp.experts.{g}.up_proj.weight"] = up
                 else:
-                    out[f"mlp.experts.{g}.down_proj.weight"] = t
+                    down = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+                    out[f"mlp.experts.{g}.down_proj.weight"] = down
             elif name in MEGATRON_GATE_UP:
                 gate, up = t.chunk(2, dim=0)  # this TP shard's [gate_i; up_i]
                 for key, half in zip(MEGATRON_GATE_UP[name], (gate, up)):
@@ -396,6 +418,18 @@ class MegatronSource:
                     "(docs/trainers.md#megatron-core)"
                 )
         return out
+
+    def _expert_parts(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """An expert tensor's pieces over its expert tensor-parallel group, in ETP rank order: the
+        local tensor alone without ETP (a view, no copy); with it, gathered onto ETP rank 0 (the
+        copy: this rank's experts of the layer, whole), None on the other ETP ranks, which hold
+        none of the expert stacks (``holders``)."""
+        p = self.parallel
+        if p.etp_size == 1:
+            return [t]
+        parts = [torch.empty_like(t) for _ in range(p.etp_size)] if p.etp_rank == 0 else None
+        dist.gather(t.contiguous(), parts, group=p.etp_group, group_dst=0)
+        return parts
 
     def _mtp_layer(self, module: torch.nn.Module, idx: int) -> dict[str, torch.Tensor]:
         shapes = _checkpoint_shapes(self.config, idx)

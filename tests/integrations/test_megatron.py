@@ -51,7 +51,6 @@ def _model(config=None, layers=((1, False),), **attrs) -> torch.nn.Module:
 @pytest.mark.parametrize(
     "model, parallel, match",
     [
-        (_model(), dict(etp_size=2), "expert_tensor_parallel_size: 2"),
         (_model(), dict(ep_size=3), "expert_model_parallel_size: 3 does not divide the 4 routed experts"),
         (_model({"moe_shared_expert_gate": True}), {}, "moe_shared_expert_gate"),
         (_model(share_embeddings_and_output_weights=True), {}, "share_embeddings_and_output_weights"),

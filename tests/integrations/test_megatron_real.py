@@ -1,17 +1,19 @@
 """Megatron-Core's own ``GPTModel`` sends through glm_fp8: every sending rank its own share.
 
-A tiny GLM-5 (``TINY_GLM5``: MLA with the DSA indexer, two dense and two MoE layers of 4 routed
-experts with a shared expert and ``expert_bias``, one MTP layer) is built by Megatron-Core 0.19 on gloo ranks,
-over TP 2 x EP 2 (4 ranks: DP 2, so only expert-data-parallel rank 0 sends) and over PP 2 (each
-stage its layers); ``MegatronSource`` hands each rank's tensors to a ``Sender`` of many senders
-(``holders``: the stages), and two engine ranks land their shards of it (TP 2, or EP 2: the
-vLLM parameters ``glm_fp8.engine.engine_params`` models).
+A tiny GLM-5 (``TINY_GLM5``: MLA with the DSA indexer, two dense and two MoE layers of 4
+routed experts with a shared expert and ``expert_bias``, one MTP layer) is built by Megatron-Core
+0.19 on gloo ranks, over TP 2 x EP 2 (4 ranks: DP 2, so only expert-data-parallel rank 0 sends),
+over PP 2 (each stage its layers) and over TP 2 with expert tensor parallelism 2 (each expert's
+rows on two ranks); ``MegatronSource`` hands each rank's tensors to a ``Sender`` of many senders
+(``holders``: the stages), and two engine ranks land their shards of it (TP 2, or EP 2: the vLLM
+parameters ``glm_fp8.engine.engine_params`` models).
 
 Invariant: every engine byte equals the reference conversion of the checkpoint that an
 independent path builds from the same Megatron tensors: this test's own name table, TP shards
 joined along Megatron's ``partition_dim``, fc1's per-shard [gate_i; up_i] reordered, experts
-numbered ``ep_rank * E / EP + j`` and stacked in prime-rl's layout. With a delta (TP 2 x EP 2):
-a first update, a small step, then its delta, after which the engine holds the new weights' bytes.
+numbered ``ep_rank * E / EP + j``, ETP pieces joined alike, and stacked in prime-rl's layout.
+With a delta (TP 2 x EP 2): a first update, a small step, then its delta, after which the engine
+holds the new weights' bytes.
 
 What Megatron-Core cannot build on a CPU, and how this test stands in: Transformer Engine's
 modules (TEGroupedMLP, TE linears with fused norms) need CUDA, so the local specs build the
@@ -45,7 +47,7 @@ CONFIG = TINY_GLM5
 E, H = CONFIG["n_routed_experts"], CONFIG["hidden_size"]
 
 
-def _build(tp: int, pp: int, ep: int, vocab: int):
+def _build(tp: int, pp: int, ep: int, vocab: int, etp: int = 1):
     """Megatron-Core's GPTModel for ``CONFIG`` on this rank (local specs), weights in bfloat16."""
     torch.cuda.current_device = lambda: "cpu"  # MLA's RotaryEmbedding asks, even with CPU init
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the embedding copies' sync (PP with MTP)
@@ -60,7 +62,7 @@ def _build(tp: int, pp: int, ep: int, vocab: int):
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     c = CONFIG
     cfg = MLATransformerConfig(
         num_layers=c["num_hidden_layers"],
@@ -99,6 +101,7 @@ def _build(tp: int, pp: int, ep: int, vocab: int):
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1,  # AbsorbedMLA requires it with TP (it moves activations, not weights)
         pipeline_dtype=torch.bfloat16,
     )
@@ -205,7 +208,7 @@ def _step(model) -> None:
             flat[idx] += (flat[idx].abs() + 1e-2).to(flat.dtype) * 0.5
 
 
-def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports):
+def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp=1):
     import torch.distributed as dist
 
     from glm_fp8.engine import engine_params
@@ -220,7 +223,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports):
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
         )
-        model = _build(tp, pp, ep, vocab)
+        model = _build(tp, pp, ep, vocab, etp)
         source = MegatronSource(model, CONFIG)
         if rank == 0:
             coord.set(
@@ -233,6 +236,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports):
             tp=ps.get_tensor_model_parallel_rank(),
             pp=ps.get_pipeline_model_parallel_rank(),
             ep=ps.get_expert_model_parallel_rank(),
+            etp=ps.get_expert_tensor_parallel_rank(),
         )
         if not source.is_sender:
             list(source.layers()), source.rest()  # a replica: nothing to send, nothing gathered from it
@@ -290,11 +294,24 @@ def _local(model) -> dict:
     return local
 
 
+def _join_expert(parts: dict, fc: int) -> torch.Tensor:
+    """One expert's tensor from its expert tensor-parallel pieces: fc1's [gate_i; up_i] as all
+    gates then all ups, fc2 joined along its columns."""
+    shards = [parts[r] for r in sorted(parts)]
+    if len(shards) == 1:
+        return shards[0]
+    if fc == 1:
+        halves = [x.chunk(2) for x in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(shards, dim=1)
+
+
 def _checkpoint(results, tp: int):
     """The checkpoint, by layer (prime-rl's names), joined from the senders' Megatron tensors."""
     n = CONFIG["num_hidden_layers"]
     pieces: dict[str, dict] = {}  # Megatron name -> {tp rank: tensor} and its partition dim
-    experts: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, global expert, fc) -> tensor
+    # (layer, global expert, fc) -> {expert tensor-parallel rank: its rows}
+    experts: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
     e_local = None
     for status, res in results.values():
         assert status == "ok", res
@@ -314,7 +331,8 @@ def _checkpoint(results, tp: int):
                         and k.endswith("linear_fc2.weight")
                     }
                 )
-                experts[(layer, place["ep"] * e_local + j, int(name[-8]))] = t
+                key = (layer, place["ep"] * e_local + j, int(name[-8]))
+                experts.setdefault(key, {})[place.get("etp", 0)] = t
                 continue
             if name.startswith("decoder.layers."):  # the stage's own numbering, from 0
                 parts = name.split(".")
@@ -357,9 +375,9 @@ def _checkpoint(results, tp: int):
     layers[n]["shared_head.head.weight"] = layers[REST]["lm_head.weight"]
     for i in range(n + 1):
         if (i, 0, 1) in experts:
-            fc1 = torch.stack([experts[(i, g, 1)] for g in range(E)])
+            fc1 = torch.stack([_join_expert(experts[(i, g, 1)], 1) for g in range(E)])
             layers[i]["mlp.experts.w1"], layers[i]["mlp.experts.w3"] = fc1.chunk(2, dim=1)
-            layers[i]["mlp.experts.w2"] = torch.stack([experts[(i, g, 2)] for g in range(E)])
+            layers[i]["mlp.experts.w2"] = torch.stack([_join_expert(experts[(i, g, 2)], 2) for g in range(E)])
     return layers
 
 
@@ -370,6 +388,9 @@ def _checkpoint(results, tp: int):
         pytest.param(dict(trainers=4, tp=2, pp=1, ep=2, vocab=1000, engine="tp2"), id="tp2 x ep2 into tp2"),
         pytest.param(
             dict(trainers=2, tp=1, pp=2, ep=1, vocab=1024, engine="ep2"), id="pp2, padded vocab, into ep2"
+        ),
+        pytest.param(
+            dict(trainers=2, tp=2, pp=1, ep=1, etp=2, vocab=1000, engine="tp2"), id="tp2, etp2, into tp2"
         ),
     ],
 )
@@ -384,7 +405,17 @@ def test_megatron_model_lands_exactly(case):
     trainers = case["trainers"]
     ports = [free_port() for _ in range(3)]
     delta = case.get("delta", False)
-    args = (trainers, case["tp"], case["pp"], case["ep"], case["vocab"], layouts, delta, ports)
+    args = (
+        trainers,
+        case["tp"],
+        case["pp"],
+        case["ep"],
+        case["vocab"],
+        layouts,
+        delta,
+        ports,
+        case.get("etp", 1),
+    )
     results = launch(trainers + len(layouts), _rank, args, timeout_s=240)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {
@@ -400,6 +431,12 @@ def test_megatron_model_lands_exactly(case):
             got = params[name]
             assert got.dtype == ref.dtype and got.shape == ref.shape, name
             assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    if case.get("etp", 1) > 1:  # Megatron split each expert's rows over the two ranks
+        assert sorted(results[r][1][1]["etp"] for r in range(trainers)) == [0, 1]
+        fc1 = [
+            t for n, (t, _, _) in results[0][1][2].items() if n.endswith("local_experts.0.linear_fc1.weight")
+        ]
+        assert fc1 and fc1[0].shape[0] == CONFIG["moe_intermediate_size"]  # 2 I / ETP rows: half of each
     if case["trainers"] == 4:  # DP 2: the replicas sent nothing
         assert [results[r][1][0] for r in range(4)] == ["sender", "sender", "replica", "replica"]
     if delta:  # the step's update went as a delta: a small part of the dense one's bytes
