@@ -174,7 +174,7 @@ class MegatronSource:
     dense kind differs from the config's (``moe_layer_freq`` against ``first_k_dense_replace``),
     tied embeddings (``share_embeddings_and_output_weights``) against an untied config, GLM-5's
     indexer without interleaved RoPE (``dsa_indexer_rope_interleaved``), MTP layers the config
-    does not have (``mtp_num_layers``), a TP group with ranks that do not send. A tensor the name
+    does not have (``mtp_num_layers``). A tensor the name
     table does not map, or whose shape is neither the checkpoint's nor 1/TP of it, is refused at
     the step that reads it (voted: every rank stops there).
     """
@@ -272,17 +272,13 @@ class MegatronSource:
 
     def _plan_senders(self) -> None:
         places = self._places
-        senders = [q for q in places if q.edp_rank == 0]
+        # The ranks of expert-data-parallel rank 0, and the rest of their TP groups (TP wider than
+        # EP): those send their share of the TP tensors, never their copies of the experts.
+        first = [q for q in places if q.edp_rank == 0]
+        wanted = {q.rank for q in first} | {r for q in first for r in q.tp_group}
+        senders = [q for q in places if q.rank in wanted]
         self.senders = [q.rank for q in senders]
         self.is_sender = dist.get_rank() in self.senders
-        for q in senders:
-            missing = [r for r in q.tp_group if r not in self.senders]
-            if missing:
-                raise ValueError(
-                    f"tensor_model_parallel_size / expert_model_parallel_size: trainer rank {q.rank} sends "
-                    f"but its TP group's ranks {missing} do not (expert-data-parallel rank > 0); glm_fp8 "
-                    "gathers a TP tensor among senders only: use TP <= EP with EP a multiple of TP"
-                )
         n_layers = self.config["num_hidden_layers"]
         self.layer_ids = model_layer_ids(
             self.config, mtp=any(q.layers and max(q.layers) >= n_layers for q in places)
@@ -297,8 +293,8 @@ class MegatronSource:
             if not held:
                 raise ValueError(f"layer {idx}: no trainer rank holds it (pipeline stages)")
             holders[idx] = [q.rank for q in held]
-            if self.parallel.etp_size > 1:  # the experts whole on each expert's ETP rank 0
-                experts = [q.rank for q in held if q.etp_rank == 0]
+            experts = [q.rank for q in held if q.edp_rank == 0 and q.etp_rank == 0]
+            if experts != holders[idx]:  # ETP, or TP wider than EP: the stacks on their own ranks
                 stacks = {e.name for e in stack_entries(plan_from_config(self.config, idx))}
                 if stacks:
                     holders[idx] = {
@@ -386,6 +382,8 @@ class MegatronSource:
             t = t.detach()
             m = _EXPERT.match(name)
             if m is not None:
+                if self.parallel.edp_rank > 0:  # a copy of experts another sender sends
+                    continue
                 fc = m.group(1) or m.group(4)
                 g = self.parallel.ep_rank * e_local + int(
                     m.group(2) if m.group(2) is not None else m.group(3)

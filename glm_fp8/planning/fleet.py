@@ -19,6 +19,7 @@ from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.model.plans import plan_from_config
 from glm_fp8.model.presets import FLEETS
+from glm_fp8.transfer.owners import stack_entries
 
 
 def _check_gbps(name: str, value: object) -> float:
@@ -78,9 +79,10 @@ class MegatronTrainer:
     """A Megatron-Core trainer's parallel sizes (``glm-fp8 plan --trainer megatron:tp4,pp8,cp2,ep16``):
     tensor, pipeline, context and expert parallel, expert tensor parallel 1 (what
     ``glm_fp8.integrations.megatron.MegatronSource`` maps). Its senders are the ranks of
-    expert-data-parallel rank 0: each pipeline stage's ``ep`` expert-parallel ranks (Megatron's
-    rank order tp-cp-ep-dp-pp, experts ep-dp-pp: a stage's first ``ep`` ranks), each sending its
-    stage's layers' own experts and the entries it owns; a stage's layers are split as evenly as
+    expert-data-parallel rank 0 and the rest of their TP groups: each pipeline stage's first ``ep``
+    ranks (Megatron's rank order tp-cp-ep-dp-pp, experts ep-dp-pp), each sending its stage's
+    layers' own experts, and the entries they own (with TP wider than EP, the TP groups' other
+    ranks send their share of those only); a stage's layers are split as evenly as
     ``torch.chunk`` splits them (the MTP layer and the head on the last stage, the embeddings on
     the first)."""
 
@@ -121,16 +123,16 @@ class MegatronTrainer:
             )
         if gpus % (self.pp * self.ep):
             raise ValueError(f"trainer: {gpus} GPUs are not a multiple of PP {self.pp} x EP {self.ep}")
-        replicas = gpus // (self.pp * self.ep)  # expert data parallel
-        if replicas > 1 and self.ep % self.tp:
-            raise ValueError(
-                f"trainer: EP {self.ep} with expert-data-parallel replicas needs a multiple of TP {self.tp} "
-                "(a sender's TP group must send too)"
-            )
+
+    @property
+    def stage_senders(self) -> int:
+        """A stage's senders: its first ``ep`` ranks (expert-data-parallel rank 0) and the rest of
+        their TP groups (TP wider than EP)."""
+        return -(-self.ep // self.tp) * self.tp
 
     @property
     def senders(self) -> int:
-        return self.pp * self.ep
+        return self.pp * self.stage_senders
 
     def holders(self, config: object, layer_ids) -> list:
         """Per layer of ``layer_ids`` (``REST`` included), the senders (indices) that hold it:
@@ -141,8 +143,9 @@ class MegatronTrainer:
         mtp = mtp_layer_index(config)
         if mtp is not None:
             stage_of[mtp] = self.pp - 1
-        stage = lambda p: tuple(range(p * self.ep, (p + 1) * self.ep))  # noqa: E731
-        group = lambda p: tuple(range(p * self.ep, p * self.ep + self.tp))  # noqa: E731 - a TP group of stage p
+        s = self.stage_senders
+        stage = lambda p: tuple(range(p * s, (p + 1) * s))  # noqa: E731
+        group = lambda p: tuple(range(p * s, p * s + self.tp))  # noqa: E731 - a TP group of stage p
         out: list = []
         for i in layer_ids:
             if i == REST:
@@ -155,9 +158,22 @@ class MegatronTrainer:
                 )
             elif i == mtp:
                 held = stage(self.pp - 1)
-                entries = plan_from_config(config, i).entries
+                plan = plan_from_config(config, i)
+                stacks = {e.name for e in stack_entries(plan)}
                 head = group(self.pp - 1)
-                out.append({e.name: head if e.name == "shared_head.head.weight" else held for e in entries})
+                out.append(
+                    {
+                        e.name: head
+                        if e.name == "shared_head.head.weight"
+                        else (held[: self.ep] if e.name in stacks else held)
+                        for e in plan.entries
+                    }
+                )
+            elif s != self.ep:  # the experts from the stage's first EP ranks, the rest from all
+                held = stage(stage_of[i])
+                stacks = {e.name for e in stack_entries(plan_from_config(config, i))}
+                entries = plan_from_config(config, i).entries
+                out.append({e.name: held[: self.ep] if e.name in stacks else held for e in entries})
             else:
                 out.append(stage(stage_of[i]))
         return out

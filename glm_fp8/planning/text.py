@@ -66,9 +66,10 @@ def deployment_lines(report: dict) -> list[str]:
     experts = f"experts {'whole' if f['experts_whole'] else 'split'} per trainer rank"
     if f.get("trainer"):  # Megatron-Core: who sends is its stages' expert-parallel ranks
         m = f["trainer"]
+        stage = -(-m["ep"] // m["tp"]) * m["tp"]  # MegatronTrainer.stage_senders
         experts = (
-            f"Megatron-Core TP {m['tp']} x PP {m['pp']} x CP {m['cp']}, EP {m['ep']}: {m['pp'] * m['ep']} "
-            f"senders, each stage's {m['ep']} expert-parallel ranks sending its layers"
+            f"Megatron-Core TP {m['tp']} x PP {m['pp']} x CP {m['cp']}, EP {m['ep']}: {m['pp'] * stage} "
+            f"senders, each stage's {m['ep']} expert-parallel ranks sending its layers' experts"
         )
     if report["servers"] is None:
         assumed = " (TP 8 assumed: pass --engine-tp)" if a["engine_tp_assumed"] else ""

@@ -3,10 +3,12 @@
 A tiny GLM-5 (``TINY_GLM5``: MLA with the DSA indexer, two dense and two MoE layers of 4
 routed experts with a shared expert and ``expert_bias``, one MTP layer) is built by Megatron-Core
 0.19 on gloo ranks, over TP 2 x EP 2 (4 ranks: DP 2, so only expert-data-parallel rank 0 sends),
-over PP 2 (each stage its layers) and over TP 2 with expert tensor parallelism 2 (each expert's
-rows on two ranks); ``MegatronSource`` hands each rank's tensors to a ``Sender`` of many senders
-(``holders``: the stages), and two engine ranks land their shards of it (TP 2, or EP 2: the vLLM
-parameters ``glm_fp8.engine.engine_params`` models).
+over PP 2 (each stage its layers), over TP 2 with EP 1 (DP 2: the expert rank of
+expert-data-parallel rank 0 sends the experts, its TP group's other rank its share of the rest)
+and over TP 2 with expert tensor parallelism 2 (each expert's rows on two ranks).
+``MegatronSource`` hands each rank's tensors to a ``Sender`` of many senders (``holders``: the
+stages), and two engine ranks land their shards of it (TP 2, or EP 2: the vLLM parameters
+``glm_fp8.engine.engine_params`` models).
 
 Invariant: every engine byte equals the reference conversion of the checkpoint that an
 independent path builds from the same Megatron tensors: this test's own name table, TP shards
@@ -390,6 +392,9 @@ def _checkpoint(results, tp: int):
             dict(trainers=2, tp=1, pp=2, ep=1, vocab=1024, engine="ep2"), id="pp2, padded vocab, into ep2"
         ),
         pytest.param(
+            dict(trainers=4, tp=2, pp=1, ep=1, vocab=1000, engine="ep2"), id="tp2 wider than ep1, into ep2"
+        ),
+        pytest.param(
             dict(trainers=2, tp=2, pp=1, ep=1, etp=2, vocab=1000, engine="tp2"), id="tp2, etp2, into tp2"
         ),
     ],
@@ -437,7 +442,7 @@ def test_megatron_model_lands_exactly(case):
             t for n, (t, _, _) in results[0][1][2].items() if n.endswith("local_experts.0.linear_fc1.weight")
         ]
         assert fc1 and fc1[0].shape[0] == CONFIG["moe_intermediate_size"]  # 2 I / ETP rows: half of each
-    if case["trainers"] == 4:  # DP 2: the replicas sent nothing
+    if case["trainers"] == 4:  # DP 2: the replicas sent nothing (with EP 1 rank 1 sends its TP shards)
         assert [results[r][1][0] for r in range(4)] == ["sender", "sender", "replica", "replica"]
     if delta:  # the step's update went as a delta: a small part of the dense one's bytes
         for r in range(trainers):

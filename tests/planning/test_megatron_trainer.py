@@ -24,8 +24,9 @@ def test_parse_and_check():
             MegatronTrainer.parse(text)
     with pytest.raises(ValueError, match="not a multiple of TP 4 x PP 8 x CP 2"):
         m.check(96)
-    with pytest.raises(ValueError, match="a sender's TP group must send too"):
-        MegatronTrainer(tp=4, pp=8).check(32)  # EP 1, DP 4: each stage's one expert rank's TP group
+    wide = MegatronTrainer(tp=4, pp=8)  # EP 1, DP 4: each stage's expert rank and its TP group send
+    wide.check(32)
+    assert (wide.stage_senders, wide.senders) == (4, 32)
     with pytest.raises(ValueError, match="Fleet.trainer"):
         Fleet(8, trainer=object())
 
@@ -49,6 +50,19 @@ def test_each_layer_goes_from_its_stage():
         assert all(lay.sent_nbytes(t) == 0 for t in range(4) if t not in stage), i
         assert set(lay.owners.values()) <= set(stage), (i, lay.owners)
     assert sum(tp.sent_bytes()) > 0
+
+
+def test_a_tp_group_wider_than_ep_sends_its_share_of_the_rest():
+    """TP 2, EP 1, DP 2 on 4 GPUs: each stage's expert rank (expert-data-parallel rank 0) and its TP
+    group's other rank send: the experts from the first, the other entries from either."""
+    trainer = MegatronTrainer(tp=2)
+    fleet = Fleet(4, servers=(Server(tp=2),), trainer=trainer)
+    tp = many_senders_plan(TINY_GLM5, fleet)
+    assert tp.senders == (0, 1)
+    for lay in tp.layers:
+        for name, rows in lay.splits.items():
+            if "experts.w" in name:
+                assert rows[1] == (0, 0) and rows[0][1] > 0, (name, rows)
 
 
 def test_miles_glm5_fleet_predicts_beside_their_measured_times(capsys):
@@ -79,6 +93,7 @@ def test_cli_refuses_a_bad_trainer(capsys):
         (["--trainer", "megatron:tp4,pp8"], "needs --trainer-gpus"),
         (["--trainer-gpus", "100", "--trainer", "megatron:tp4,pp8"], "not a multiple"),
         (["--trainer-gpus", "64", "--trainer", "megatron:tq4"], "expected one of tpN"),
+        (["--trainer-gpus", "64", "--trainer", "megatron:tp4,ep3"], "not a multiple of PP 1 x EP 3"),
     ):
         with pytest.raises(SystemExit):
             main(["plan", *argv])
