@@ -589,3 +589,153 @@ def test_megatron_through_vllms_weight_transfer_api(delta):
             and not torch.equal(params[n].contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
         ]
         assert bad == [] and len(set(want) & set(params)) > 50, (bad[:5], len(params))
+
+
+# --- into vLLM 0.34's own GLM-5 model classes ------------------------------------------------------
+
+
+def _hf_layer(layer_idx: int, layer: dict) -> dict:
+    """A layer of ``_checkpoint`` (prime-rl's names, short) in Hugging Face's module names, prefixed:
+    what test_vllm_model_real.py's checkpoint writer takes (it splits the stacked experts)."""
+    if layer_idx == REST:
+        return dict(layer)
+    out, prefix = {}, f"model.layers.{layer_idx}."
+    for name, t in layer.items():
+        if name == "mlp.experts.w1":
+            out[prefix + "mlp.experts.gate_up_proj"] = torch.cat([t, layer["mlp.experts.w3"]], dim=1)
+        elif name == "mlp.experts.w2":
+            out[prefix + "mlp.experts.down_proj"] = t
+        elif name == "mlp.experts.w3":
+            continue
+        elif name.startswith("mlp.shared_expert.w"):
+            which = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}[name[-1]]
+            out[prefix + f"mlp.shared_experts.{which}.weight"] = t[0]
+        else:
+            names = {
+                "mlp.router.gate.weight": "mlp.gate.weight",
+                "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
+            }
+            out[prefix + names.get(name, name)] = t
+    return out
+
+
+def _vllm_model_rank(rank, world, trainers, port, vllm_port, boxes, ports, tmp):
+    buf = io.BytesIO()
+    torch.save(_vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp), buf)
+    return buf.getvalue()
+
+
+def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp):
+    """Trainer ranks: Megatron's model (TP 2 x EP 2) saves its tensors for the engines' reference,
+    then updates through vLLM's API with ``source=`` its ``MegatronSource``. Engine workers: vLLM's
+    own GLM-5 model and MTP drafter, the reference loaded by vLLM's ``load_weights`` from a block-FP8
+    checkpoint this test builds from those tensors (test_vllm_model_real.py's harness)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    import vllm_standin
+
+    vllm_standin.install()
+    from test_vllm_model_real import CONFIG as VLLM_CONFIG
+
+    config = {**VLLM_CONFIG, "num_nextn_predict_layers": 1}
+    if rank < trainers:
+        from test_vllm_backend import QueueClient
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from glm_fp8.integrations.megatron import MegatronSource
+        from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
+
+        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
+        )
+        try:
+            model = _build(2, 1, 2, config["vocab_size"])
+            source = MegatronSource(model, config)
+            from megatron.core import parallel_state as ps
+
+            place = dict(
+                offset=0, tp=ps.get_tensor_model_parallel_rank(), ep=ps.get_expert_model_parallel_rank()
+            )
+            kind = "sender" if source.is_sender else "replica"
+            torch.save((kind, place, _local(model)), os.path.join(tmp, f"trainer{rank}.pt"))
+            info = GlmFp8TrainerInitInfo(
+                "127.0.0.1",
+                port,
+                engine_ranks=world - trainers,
+                config=config,
+                mode="auto",
+                trainer_ranks=trainers,
+                timeout_s=120,
+                rank=rank,
+            )
+            client = QueueClient(boxes) if rank == 0 else None
+            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+            out = [(o["session"], o["bytes"]) for o in engine.send_weights()]
+            engine.shutdown()
+            return kind, out
+        finally:
+            if rank == 0:
+                for inbox, _ in boxes:
+                    inbox.put(("stop", ()))
+    from test_vllm_model_real import _engine
+
+    paths = [os.path.join(tmp, f"trainer{r}.pt") for r in range(trainers)]
+    deadline = time.monotonic() + 180
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(1.0)  # the last file's write done
+    saved = {r: ("ok", torch.load(p, weights_only=False)) for r, p in enumerate(paths)}
+    layers = _checkpoint(saved, 2)
+    weights = lambda i: _hf_layer(i, layers[i])  # noqa: E731
+    return _engine(
+        rank - trainers,
+        world - trainers,
+        vllm_port,
+        boxes,
+        "ep2",
+        config,
+        tmp,
+        torch.bfloat16,
+        weights=weights,
+    )
+
+
+@pytest.mark.slow
+def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(tmp_path):
+    """The issue's measure: Megatron-Core's tiny GLM-5 over TP 2 x EP 2 (DP 2) updates vLLM 0.34's own
+    ``GlmMoeDsaForCausalLM`` and its MTP drafter at EP 2 through vLLM's weight-transfer API; every
+    parameter of both (MLA's rebuilt ``W_UK_T`` / ``W_UV`` too) then holds the bytes vLLM's own
+    ``load_weights`` gives them from a block-FP8 checkpoint that this test builds from the same
+    Megatron tensors by its own table (no glm_fp8 conversion in the expected bytes but the
+    reference quantizer writing that checkpoint)."""
+    pytest.importorskip("vllm.distributed.weight_transfer.base")
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+    from test_vllm_model_real import CONFIG as VLLM_CONFIG
+
+    ctx = mp.get_context("spawn")
+    trainers, engines = 4, 2
+    boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump({**VLLM_CONFIG, "num_nextn_predict_layers": 1}, f)
+    ports = [free_port() for _ in range(2)]
+    args = (trainers, free_port(), free_port(), boxes, ports, str(tmp_path))
+    results = launch(trainers + engines, _vllm_model_rank, args, timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    results = {r: torch.load(io.BytesIO(res), weights_only=False) for r, (_, res) in results.items()}
+    assert [results[r][0] for r in range(trainers)] == ["sender", "sender", "replica", "replica"]
+    for r in range(trainers):
+        assert [s for s, _ in results[r][1]] == ["target", "draft"], results[r]
+    for r in range(trainers, trainers + engines):
+        out = results[r]
+        assert out["log"] == [] and out["updater_layout"], out
+        assert out["spec_mismatch"] == [], out
+        assert out["unloaded"] == [] and out["poisoned"] == [], out
+        assert out["params"] > 120 and out["differ"] == [], out
+        assert out["absorbed"] == VLLM_CONFIG["num_hidden_layers"] + 1, out
+        assert [into for _, into in out["updates"]] == ["target", "drafter"], out
