@@ -454,6 +454,21 @@ def test_megatron_model_lands_exactly(case):
 # --- through vLLM's weight-transfer API (what vime calls) ------------------------------------------
 
 
+def _megatron_rank(rank: int, trainers: int, port: int, config: dict):
+    """A trainer rank of the vLLM tests: the trainers' own default group, Megatron's tiny GLM-5 over
+    TP 2 x EP 2 (DP 2 on 4 ranks), its ``MegatronSource``, and where it sits."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from glm_fp8.integrations.megatron import MegatronSource
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=trainers)
+    model = _build(2, 1, 2, config["vocab_size"])
+    source = MegatronSource(model, config)
+    place = dict(offset=0, tp=ps.get_tensor_model_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
+    return model, source, place
+
+
 def _vllm_rank(rank, world, trainers, port, boxes, ports, delta):
     buf = io.BytesIO()
     torch.save(_vllm_update(rank, world, trainers, port, boxes, ports, delta), buf)
@@ -471,15 +486,10 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, delta):
         from test_vllm_backend import QueueClient
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-        from glm_fp8.integrations.megatron import MegatronSource
         from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
 
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
-        )
         try:
-            model = _build(2, 1, 2, CONFIG["vocab_size"])
-            source = MegatronSource(model, CONFIG)
+            model, source, place = _megatron_rank(rank, trainers, ports[1], CONFIG)
             info = GlmFp8TrainerInitInfo(
                 "127.0.0.1",
                 port,
@@ -499,11 +509,6 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, delta):
                     _step(model)
                 out.append([(o["session"], o["bytes"], o["sender"]) for o in engine.send_weights()])
             engine.shutdown()
-            from megatron.core import parallel_state as ps
-
-            place = dict(
-                offset=0, tp=ps.get_tensor_model_parallel_rank(), ep=ps.get_expert_model_parallel_rank()
-            )
             kind = "sender" if source.is_sender else "replica"
             return kind, place, _local(model), out, engine.side.mode
         finally:
@@ -644,21 +649,11 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
         from test_vllm_backend import QueueClient
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-        from glm_fp8.integrations.megatron import MegatronSource
         from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
 
         dist.destroy_process_group()
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
-        )
         try:
-            model = _build(2, 1, 2, config["vocab_size"])
-            source = MegatronSource(model, config)
-            from megatron.core import parallel_state as ps
-
-            place = dict(
-                offset=0, tp=ps.get_tensor_model_parallel_rank(), ep=ps.get_expert_model_parallel_rank()
-            )
+            model, source, place = _megatron_rank(rank, trainers, ports[1], config)
             kind = "sender" if source.is_sender else "replica"
             torch.save((kind, place, _local(model)), os.path.join(tmp, f"trainer{rank}.pt"))
             info = GlmFp8TrainerInitInfo(
