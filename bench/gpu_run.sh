@@ -2,7 +2,7 @@
 # One run on a GPU machine: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=(BENCH)
-# GATHER=1 PIPELINE=1 FLEET=0 DELTA=0 DELTA_PIPELINE=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 MEGATRON=0 FLEET=0 DELTA=0 DELTA_PIPELINE=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
@@ -66,6 +66,14 @@ if [ "${PIPELINE:-1}" = 1 ]; then
     python3 bench/scripts/pipeline.py --mode scatter --layers $L --tp 8 --repeats 1 --no-check
     python3 bench/scripts/pipeline.py --mode senders --layers $L --tp 8 --ep --engines 4 --senders 32 \
       --sender 0 1 --master bf16 fp32 --repeats 2; } 2>&1 | tee "$LOG/pipeline.txt" | grep -v '^---'
+fi
+if [ "${MEGATRON:-0}" = 1 ]; then
+  L=${MEGATRON_LAYERS:-80}
+  # A Megatron-Core rank's share (#45): miles' GLM-5 trainer (TP 4, PP 8, CP 2, EP 16: 128 senders,
+  # each stage's 16 its layers) into 4 servers of EP 8; sender 0 is handed its stage's layers only.
+  python3 bench/scripts/pipeline.py --mode senders --layers $L --tp 8 --ep --engines 4 \
+    --trainer megatron:tp4,pp8,cp2,ep16 --sender 0 --master bf16 fp32 --repeats 2 2>&1 \
+    | tee "$LOG/megatron.txt" | grep -v '^---'
 fi
 if [ "${FLEET:-0}" = 1 ]; then
   L=${FLEET_LAYERS:-40}

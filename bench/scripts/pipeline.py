@@ -18,6 +18,10 @@ layouts in one link, each ``[Nx]TP<t>`` or ``[Nx]EP<t>`` (TP t with expert paral
 ``xDP<d>``: N replicas of that server. The wire bytes the link carried are compared with what the
 update-time model predicts for the sender (``glm_fp8.transfer.pack.update_regions``, scatter; the
 transfer plan, many senders): one group broadcast per set of ranks that hold the same region.
+``--trainer megatron:tpN,ppN,cpN,epN`` (``--mode senders``): a Megatron-Core trainer's senders
+(``glm_fp8.planning.fleet.MegatronTrainer``): ``--senders`` is theirs, each layer is held by its
+pipeline stage's senders (``SendOptions.holders``), and the measured sender is handed the layers its
+stage holds only (nothing of the others), as ``MegatronSource`` hands them.
 ``--device cpu --model tiny`` runs a small model on the CPU (a check of the script, no figures).
 
 ``--delta-lr`` (issue #33): after the dense row, the same sender (``Sender(delta=DeltaOptions())``)
@@ -60,6 +64,7 @@ from glm_fp8.kernels.reference import convert_layer_ref
 from glm_fp8.model.plans import plan_from_config
 from glm_fp8.model.presets import PRESETS, TINY_GLM5
 from glm_fp8.model.trainer_layouts import layer_prefix, strip_layer
+from glm_fp8.planning.fleet import MegatronTrainer
 from glm_fp8.planning.update_delta import Delta, sender_share
 from glm_fp8.testing import sent_layer_mismatches
 from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
@@ -338,8 +343,9 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
         layer_prefix(0) + k: torch.randn(shape, device=device, generator=gen, dtype=master).mul_(0.02)
         for k, (shape, _) in plan.inputs.items()
     }
+    held = set(range(n))  # the layers this sender is handed (a Megatron stage's: its own)
     stream = lambda: (
-        (i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()})  # noqa: E731
+        (i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()} if i in held else {})  # noqa: E731
         for i in range(n)
     )
     layouts = fleet_layouts(args)
@@ -351,6 +357,14 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     else:
         kw["engines"] = [None] * args.senders + layouts
         kw["senders"], size, src = list(range(args.senders)), args.senders + len(layouts), t
+        if args.trainer is not None:  # each stage's senders hold its layers
+            holders = args.trainer.holders(config, list(range(n)))
+            kw["holders"] = {i: h if isinstance(h, tuple) else dict(h) for i, h in enumerate(holders)}
+            held = {
+                i
+                for i, h in enumerate(holders)
+                if t in (h if isinstance(h, tuple) else {r for v in h.values() for r in v})
+            }
     if args.delta_lr:
         kw["delta"] = DeltaOptions(kept=args.delta_kept[0])
     if device.type == "cuda":
@@ -437,6 +451,13 @@ def main() -> None:
     )
     p.add_argument("--senders", type=int, default=32, help="trainer ranks, --mode senders (default 32)")
     p.add_argument("--sender", type=int, nargs="+", default=[0], help="the link ranks measured (default 0)")
+    p.add_argument(
+        "--trainer",
+        type=MegatronTrainer.parse,
+        default=None,
+        help="megatron:tpN,ppN,cpN,epN (--mode senders): a Megatron-Core trainer's senders, "
+        "each stage its layers",
+    )
     p.add_argument("--master", nargs="+", default=["bf16"], choices=("bf16", "fp32"), help="master dtypes")
     p.add_argument("--repeats", type=int, default=3, help="updates timed, each beside a link-alone timing")
     p.add_argument("--ring", type=int, default=2, help="conversion and send slots (default 2)")
@@ -485,6 +506,10 @@ def main() -> None:
     args = p.parse_args()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     senders = args.sender if args.mode == "senders" else [0]
+    if args.trainer is not None:
+        if args.mode != "senders":
+            p.error("--trainer: with --mode senders (a Megatron trainer sends from its stages' ranks)")
+        args.senders = args.trainer.senders
     if args.delta_steps < 1:
         p.error(f"--delta-steps: expected at least 1, got {args.delta_steps}")
     rows, deltas = [], []
@@ -497,7 +522,9 @@ def main() -> None:
     what = {
         "broadcast": "one sender, one full receiver",
         "scatter": f"one sender into {engines}",
-        "senders": f"{args.senders} senders into {engines}",
+        "senders": f"{args.senders} senders"
+        + (f" ({args.trainer.describe()})" if args.trainer is not None else "")
+        + f" into {engines}",
     }[args.mode]
     print(
         f"{args.layers} {args.model} sparse layers, {what}, ring {args.ring}, checksum "
