@@ -1,13 +1,14 @@
 """Megatron-Core trainers (docs/trainers.md#megatron-core): a rank's ``GPTModel`` (or its
 virtual-pipeline chunks) as the layers ``Sender.send_model`` takes, and who sends what.
 
-Every rank that holds a piece sends it: the ranks of expert-data-parallel rank 0 are the senders;
-each pipeline stage's senders hold that stage's layers (``SendOptions.holders``), each its own
-experts (contiguous, ``ep_rank * E / EP + j``: per-expert tensors, views of Megatron's own, never
-stacked or gathered); a tensor-parallel tensor travels as a ``DTensor`` over Megatron's TP group,
-gathered onto the one sender that owns its entry. Megatron's names become the checkpoint's here
-(``MEGATRON_NAMES``); nothing is converted to Hugging Face tensors first. Megatron-Core is imported
-only by ``MegatronParallel.current`` (its ``parallel_state``).
+Every rank that holds a piece sends it: the ranks of expert-data-parallel rank 0 (and the rest of
+their TP groups) are the senders; each pipeline stage's senders hold that stage's layers
+(``SendOptions.holders``), each its own experts (contiguous, ``ep_rank * E / EP + j``:
+per-expert tensors, views of Megatron's own, never stacked); a tensor-parallel tensor travels as
+a ``DTensor`` over Megatron's TP group, gathered onto the one sender that owns its entry.
+Megatron's names become the checkpoint's here (``MEGATRON_NAMES``); nothing is converted to
+Hugging Face tensors first. Megatron-Core is imported only by ``MegatronParallel.current`` (its
+``parallel_state``).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class _Place:
     layers: tuple[int, ...]
     embedding: bool
     head: bool
+    error: str | None = None
 
 
 class MegatronSource:
@@ -155,11 +157,12 @@ class MegatronSource:
             are checked against it.
         parallel: this rank's ``MegatronParallel`` (default: ``MegatronParallel.current()``).
 
-    Attributes: ``senders`` (the trainer ranks that send, ascending: expert-data-parallel rank 0;
-    sender k is link rank k), ``is_sender``, ``link_rank``, ``layer_ids`` (every decoder layer,
-    then the MTP layer the model holds), ``holders`` (``SendOptions.holders``, in link ranks: by
-    layer, the senders of its stage, in expert order; per entry for the non-layer tensors and the
-    MTP layer's head). A sender opens its link at ``link_rank`` with
+    Attributes: ``senders`` (the trainer ranks that send, ascending: expert-data-parallel rank 0
+    and the rest of their TP groups; sender k is link rank k), ``is_sender``, ``link_rank``,
+    ``layer_ids`` (every decoder layer, then the MTP layer the model holds), ``holders``
+    (``SendOptions.holders``, in link ranks: by layer, the senders of its stage, in expert order;
+    per entry where they differ: the non-layer tensors, the MTP layer's head, the expert stacks
+    under ETP or a TP wider than EP). A sender opens its link at ``link_rank`` with
     ``global_ranks=source.senders`` (``StoreLink``: where the TP groups' DTensors live), passes
     ``senders=range(len(source.senders)), layer_ids=source.layer_ids, holders=source.holders,
     rest=True`` to its ``Sender`` and ``source.layers()``, ``rest=source.rest()`` to
@@ -174,14 +177,36 @@ class MegatronSource:
     dense kind differs from the config's (``moe_layer_freq`` against ``first_k_dense_replace``),
     tied embeddings (``share_embeddings_and_output_weights``) against an untied config, GLM-5's
     indexer without interleaved RoPE (``dsa_indexer_rope_interleaved``), MTP layers the config
-    does not have (``mtp_num_layers``). A tensor the name
-    table does not map, or whose shape is neither the checkpoint's nor 1/TP of it, is refused at
-    the step that reads it (voted: every rank stops there).
+    does not have (``mtp_num_layers``); a refusal on one rank is raised on every rank (it is part
+    of the construction's one exchange). A tensor the name table does not map, or whose shape is
+    neither the checkpoint's nor 1/TP of it, is refused at the step that reads it (voted: every
+    rank stops there).
     """
 
     def __init__(self, model: object, config: Mapping, parallel: MegatronParallel | None = None):
         self.config = as_config(config)
         self.parallel = parallel if parallel is not None else MegatronParallel.current()
+        self._layers: dict[int, torch.nn.Module] = {}
+        self._mtp: dict[int, torch.nn.Module] = {}
+        self._embedding = self._head = self._norm = None
+        self._tp_mesh = None
+        try:
+            self._read(model)
+            err = None
+        except ValueError as exc:  # one stage's layers may be refused, the others' not
+            err = exc
+        self._places = self._exchange(err)
+        refused = [(q.rank, q.error) for q in self._places if q.error is not None]
+        if refused:  # every rank raises, within the exchange: none waits for a rank that stopped
+            if err is not None:
+                raise err
+            rank, why = refused[0]
+            raise ValueError(f"trainer rank {rank} refused its Megatron model: {why}")
+        self._plan_senders()
+
+    def _read(self, model: object) -> None:
+        """This rank's model chunks: its decoder layers, MTP layer, embeddings, final norm and
+        head; ValueError naming a Megatron option glm_fp8 does not map."""
         p = self.parallel
         chunks = [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
         n_layers = self.config["num_hidden_layers"]
@@ -190,10 +215,6 @@ class MegatronSource:
             raise ValueError(
                 f"expert_model_parallel_size: {p.ep_size} does not divide the {self.n_experts} routed experts"
             )
-        self._layers: dict[int, torch.nn.Module] = {}
-        self._mtp: dict[int, torch.nn.Module] = {}
-        self._embedding = self._head = self._norm = None
-        self._tp_mesh = None
         mtp_idx = mtp_layer_index(self.config)
         for c in chunks:
             mc = getattr(c, "config", None)
@@ -246,12 +267,12 @@ class MegatronSource:
                     f"the config's is {'sparse' if not sparse else 'dense'} (first_k_dense_replace / "
                     "mlp_layer_types)"
                 )
-        self._places = self._exchange()
-        self._plan_senders()
 
     # -- who sends what --------------------------------------------------------------------
 
-    def _exchange(self) -> list[_Place]:
+    def _exchange(self, err: BaseException | None) -> list[_Place]:
+        """Every rank's ``_Place`` (and its refusal, if any), on every rank: collective over the
+        trainer's default group."""
         p = self.parallel
         tp_ranks = tuple(dist.get_process_group_ranks(p.tp_group)) if p.tp_size > 1 else (dist.get_rank(),)
         mine = _Place(
@@ -265,6 +286,7 @@ class MegatronSource:
             tuple(sorted(self._layers) + sorted(self._mtp)),
             self._embedding is not None,
             self._head is not None,
+            None if err is None else str(err),
         )
         out: list = [None] * dist.get_world_size()
         dist.all_gather_object(out, mine)

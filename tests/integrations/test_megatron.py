@@ -9,6 +9,17 @@ import torch
 
 from glm_fp8.integrations.megatron import MEGATRON_NAMES, MegatronParallel, MegatronSource
 from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.testing import free_port, launch
+
+
+@pytest.fixture
+def one_rank():
+    """The trainer's default group, of one rank: construction exchanges every rank's place."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def _parallel(**kw):
@@ -64,7 +75,7 @@ def _model(config=None, layers=((1, False),), **attrs) -> torch.nn.Module:
         (_model(layers=((3, False),)), {}, "moe_layer_freq: Megatron's layer 2 is a dense layer"),
     ],
 )
-def test_options_glm_fp8_does_not_map_are_refused_naming_them(model, parallel, match):
+def test_options_glm_fp8_does_not_map_are_refused_naming_them(model, parallel, match, one_rank):
     with pytest.raises(ValueError, match=match):
         MegatronSource(model, TINY_GLM5, _parallel(**parallel))
 
@@ -84,3 +95,22 @@ def test_the_name_table_maps_every_checkpoint_tensor_of_a_glm5_layer():
         "self_attn.kv_a_layernorm.weight",
         "post_attention_layernorm.weight",
     }
+
+
+def _refusing_rank(rank, world):
+    """Rank 1's layer is of the other kind than the config's (a stage whose ``moe_layer_freq``
+    differs); rank 0's model is fine (no layer: another stage's)."""
+    model = _model(layers=((3, False),)) if rank == 1 else _model(layers=())
+    try:
+        MegatronSource(model, TINY_GLM5, _parallel(pp_rank=rank, pp_size=2))
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_one_ranks_refusal_is_raised_on_every_rank():
+    """A refusal of one stage's layers reaches every trainer rank at construction: none waits in a
+    collective for a rank that stopped."""
+    results = launch(2, _refusing_rank, timeout_s=30)
+    assert results[1] == ("ok", results[1][1]) and "moe_layer_freq" in results[1][1], results
+    assert results[0][0] == "ok" and "trainer rank 1 refused its Megatron model" in results[0][1], results
