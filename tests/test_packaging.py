@@ -28,7 +28,9 @@ IMPORT_TO_DIST: dict[str, str] = {}
 #   tomli: this file's TOML parser on Python 3.10, used only when installed (else a regex).
 #   transformers: a model config in tests/integrations/test_vllm_backend_real.py, which runs only where vLLM
 #   (which requires it) is installed.
-OPTIONAL = {"vllm", "tomli", "transformers"}
+#   megatron: Megatron-Core, the trainer glm_fp8.integrations.megatron reads (its parallel_state, lazily)
+#   and tests/integrations/test_megatron_real.py builds models with (scripts/install_megatron_cpu.sh).
+OPTIONAL = {"vllm", "tomli", "transformers", "megatron"}
 
 # Needed at run time although no file of ours imports them (the reason is the value).
 RUNTIME_WITHOUT_IMPORT = {
