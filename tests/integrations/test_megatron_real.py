@@ -624,13 +624,13 @@ def _hf_layer(layer_idx: int, layer: dict) -> dict:
     return out
 
 
-def _vllm_model_rank(rank, world, trainers, port, vllm_port, boxes, ports, tmp):
+def _vllm_model_rank(rank, world, trainers, port, vllm_port, boxes, ports, tmp, case):
     buf = io.BytesIO()
-    torch.save(_vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp), buf)
+    torch.save(_vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp, case), buf)
     return buf.getvalue()
 
 
-def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp):
+def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp, case):
     """Trainer ranks: Megatron's model (TP 2 x EP 2) saves its tensors for the engines' reference,
     then updates through vLLM's API with ``source=`` its ``MegatronSource``. Engine workers: vLLM's
     own GLM-5 model and MTP drafter, the reference loaded by vLLM's ``load_weights`` from a block-FP8
@@ -690,7 +690,7 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
         world - trainers,
         vllm_port,
         boxes,
-        "ep2",
+        case,
         config,
         tmp,
         torch.bfloat16,
@@ -699,9 +699,10 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
 
 
 @pytest.mark.slow
-def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(tmp_path):
+@pytest.mark.parametrize("case", ["ep2", "tp2"])
+def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(case, tmp_path):
     """The issue's measure: Megatron-Core's tiny GLM-5 over TP 2 x EP 2 (DP 2) updates vLLM 0.34's own
-    ``GlmMoeDsaForCausalLM`` and its MTP drafter at EP 2 through vLLM's weight-transfer API; every
+    ``GlmMoeDsaForCausalLM`` and its MTP drafter at EP 2 and at TP 2 through vLLM's weight-transfer API; every
     parameter of both (MLA's rebuilt ``W_UK_T`` / ``W_UV`` too) then holds the bytes vLLM's own
     ``load_weights`` gives them from a block-FP8 checkpoint that this test builds from the same
     Megatron tensors by its own table (no glm_fp8 conversion in the expected bytes but the
@@ -719,7 +720,7 @@ def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(tmp_path):
     with open(os.path.join(tmp_path, "config.json"), "w") as f:
         json.dump({**VLLM_CONFIG, "num_nextn_predict_layers": 1}, f)
     ports = [free_port() for _ in range(2)]
-    args = (trainers, free_port(), free_port(), boxes, ports, str(tmp_path))
+    args = (trainers, free_port(), free_port(), boxes, ports, str(tmp_path), case)
     results = launch(trainers + engines, _vllm_model_rank, args, timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {r: torch.load(io.BytesIO(res), weights_only=False) for r, (_, res) in results.items()}
