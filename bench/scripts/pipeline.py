@@ -343,9 +343,9 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
         layer_prefix(0) + k: torch.randn(shape, device=device, generator=gen, dtype=master).mul_(0.02)
         for k, (shape, _) in plan.inputs.items()
     }
-    held = set(range(n))  # the layers this sender is handed (a Megatron stage's: its own)
+    handed = set(range(n))  # the layers this sender is handed (a Megatron stage's: its own)
     stream = lambda: (
-        (i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()} if i in held else {})  # noqa: E731
+        (i, {k.replace("layers.0.", f"layers.{i}."): x for k, x in layer.items()} if i in handed else {})  # noqa: E731
         for i in range(n)
     )
     layouts = fleet_layouts(args)
@@ -360,7 +360,7 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
         if args.trainer is not None:  # each stage's senders hold its layers
             holders = args.trainer.holders(config, list(range(n)))
             kw["holders"] = {i: h if isinstance(h, tuple) else dict(h) for i, h in enumerate(holders)}
-            held = {
+            handed = {
                 i
                 for i, h in enumerate(holders)
                 if t in (h if isinstance(h, tuple) else {r for v in h.values() for r in v})
