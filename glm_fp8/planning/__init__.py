@@ -4,7 +4,7 @@ update-time model (``update_time``, its delta mode ``update_delta``), the report
 (``summary``, ``deployment``), the report (``report``: ``plan_report``) and its text (``text``:
 ``format_plan_report``). Reads the model, kernel, engine and transfer layers; runs none of them."""
 
-from glm_fp8.planning.fleet import Fleet, Server, fleet_preset
+from glm_fp8.planning.fleet import Fleet, MegatronTrainer, Server, fleet_preset
 from glm_fp8.planning.report import plan_report
 from glm_fp8.planning.request import PlanRequest
 from glm_fp8.planning.text import format_plan_report
@@ -14,6 +14,7 @@ from glm_fp8.planning.update_time import predict
 __all__ = [
     "Delta",
     "Fleet",
+    "MegatronTrainer",
     "PlanRequest",
     "Server",
     "fleet_preset",
