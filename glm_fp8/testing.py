@@ -201,6 +201,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now: bound together, so that no two are the same
+    port (``free_port`` twice can return one port twice, which two stores served by one rank then
+    both try to listen on)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _worker(rank, world, port, backend, timeout_s, fn, args, queue):
     import torch.distributed as dist
 

@@ -41,7 +41,7 @@ import torch
 
 from glm_fp8.model.families import REST
 from glm_fp8.model.presets import TINY_GLM5
-from glm_fp8.testing import free_port, launch
+from glm_fp8.testing import free_ports, launch
 
 megatron = pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
 
@@ -408,7 +408,7 @@ def test_megatron_model_lands_exactly(case):
     else:
         layouts = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
     trainers = case["trainers"]
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     delta = case.get("delta", False)
     args = (
         trainers,
@@ -556,10 +556,8 @@ def test_megatron_through_vllms_weight_transfer_api(delta):
     ctx = mp.get_context("spawn")
     trainers, engines = 4, 2
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
-    ports = [free_port() for _ in range(2)]
-    results = launch(
-        trainers + engines, _vllm_rank, (trainers, free_port(), boxes, ports, delta), timeout_s=240
-    )
+    *ports, port = free_ports(3)
+    results = launch(trainers + engines, _vllm_rank, (trainers, port, boxes, ports, delta), timeout_s=240)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {
         r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
@@ -719,8 +717,8 @@ def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(case, tmp_p
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     with open(os.path.join(tmp_path, "config.json"), "w") as f:
         json.dump({**VLLM_CONFIG, "num_nextn_predict_layers": 1}, f)
-    ports = [free_port() for _ in range(2)]
-    args = (trainers, free_port(), free_port(), boxes, ports, str(tmp_path), case)
+    *ports, port, vllm_port = free_ports(4)
+    args = (trainers, port, vllm_port, boxes, ports, str(tmp_path), case)
     results = launch(trainers + engines, _vllm_model_rank, args, timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {r: torch.load(io.BytesIO(res), weights_only=False) for r, (_, res) in results.items()}
