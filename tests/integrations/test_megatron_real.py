@@ -469,6 +469,29 @@ def _megatron_rank(rank: int, trainers: int, port: int, config: dict):
     return model, source, place
 
 
+def _trainer_init(rank, world, trainers, port, boxes, source, config, timeout_s, delta=False):
+    """vLLM's ``WeightTransferTrainerFactory.trainer_init`` on a trainer rank, ``source=`` its
+    ``MegatronSource``, mode "auto"; rank 0 holds the client of the workers' queues."""
+    from test_vllm_backend import QueueClient
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
+
+    info = GlmFp8TrainerInitInfo(
+        "127.0.0.1",
+        port,
+        engine_ranks=world - trainers,
+        config=config,
+        mode="auto",
+        trainer_ranks=trainers,
+        timeout_s=timeout_s,
+        rank=rank,
+        delta=delta,
+    )
+    client = QueueClient(boxes) if rank == 0 else None
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
 def _vllm_rank(rank, world, trainers, port, boxes, ports, delta):
     buf = io.BytesIO()
     torch.save(_vllm_update(rank, world, trainers, port, boxes, ports, delta), buf)
@@ -483,26 +506,9 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, delta):
 
     dist.destroy_process_group()  # the launcher's world holds the engine workers too
     if rank < trainers:
-        from test_vllm_backend import QueueClient
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-        from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
-
         try:
             model, source, place = _megatron_rank(rank, trainers, ports[1], CONFIG)
-            info = GlmFp8TrainerInitInfo(
-                "127.0.0.1",
-                port,
-                engine_ranks=world - trainers,
-                config=CONFIG,
-                mode="auto",
-                trainer_ranks=trainers,
-                timeout_s=60,
-                rank=rank,
-                delta=delta,
-            )
-            client = QueueClient(boxes) if rank == 0 else None
-            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+            engine = _trainer_init(rank, world, trainers, port, boxes, source, CONFIG, 60, delta=delta)
             out = []
             for step in range(2):
                 if step:
@@ -644,28 +650,14 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
 
     config = {**VLLM_CONFIG, "num_nextn_predict_layers": 1}
     if rank < trainers:
-        from test_vllm_backend import QueueClient
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-        from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
-
         dist.destroy_process_group()
         try:
             model, source, place = _megatron_rank(rank, trainers, ports[1], config)
             kind = "sender" if source.is_sender else "replica"
-            torch.save((kind, place, _local(model)), os.path.join(tmp, f"trainer{rank}.pt"))
-            info = GlmFp8TrainerInitInfo(
-                "127.0.0.1",
-                port,
-                engine_ranks=world - trainers,
-                config=config,
-                mode="auto",
-                trainer_ranks=trainers,
-                timeout_s=120,
-                rank=rank,
-            )
-            client = QueueClient(boxes) if rank == 0 else None
-            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+            path = os.path.join(tmp, f"trainer{rank}.pt")
+            torch.save((kind, place, _local(model)), path + ".part")
+            os.replace(path + ".part", path)  # whole when the engines see it
+            engine = _trainer_init(rank, world, trainers, port, boxes, source, config, 120)
             out = [(o["session"], o["bytes"]) for o in engine.send_weights()]
             engine.shutdown()
             return kind, out
@@ -679,7 +671,6 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
     deadline = time.monotonic() + 180
     while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
         time.sleep(0.5)
-    time.sleep(1.0)  # the last file's write done
     saved = {r: ("ok", torch.load(p, weights_only=False)) for r, p in enumerate(paths)}
     layers = _checkpoint(saved, 2)
     weights = lambda i: _hf_layer(i, layers[i])  # noqa: E731
