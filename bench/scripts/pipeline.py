@@ -398,6 +398,16 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     peak = held + (stats.peak_bytes or 0)
     steps = sorted(s.seconds for s in stats.layers)
     head = [args.mode, str(master).removeprefix("torch."), t]
+    # Which steps are slow, and what the steps of layers this sender holds nothing of cost (a
+    # pipeline stage's sender runs every step of the update: see --trainer).
+    slow = sorted(range(len(stats.layers)), key=lambda i: -stats.layers[i].seconds)[:4]
+    idle = [x.seconds for x in stats.layers if x.layer not in handed and x.layer >= 0]
+    print(
+        f"steps ({head[0]}, {head[1]}, sender {t}, its median update): slowest "
+        + ", ".join(f"layer {stats.layers[i].layer}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
+        + f"; {len(idle)} steps of layers it holds nothing of: {1e3 * sum(idle):.1f} ms"
+        + f"; outside the steps {1e3 * (stats.seconds - sum(steps)):.1f} ms"
+    )
     deltas, shadow = [], None
     if state is not None:
         # The trainer's fp32 masters (a bf16 master's fp32 copy), made after the dense row's

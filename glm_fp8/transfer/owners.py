@@ -3,7 +3,8 @@ trainer ranks that send it. The routed-expert stacks (whole experts, with their 
 passthrough matrices of ``SPLIT_MIN_BYTES`` or more (embeddings, ``lm_head``, the MTP layer's head
 and ``eh_proj``) are split by rows over the senders, sender ``t`` taking the t-th ``torch.chunk``
 as FSDP2 and expert parallelism (``Shard(0)``) place them; every other entry is gathered on,
-converted and sent by one sender, its owner, chosen so that the senders send about as many bytes.
+converted and sent by one sender, its owner, chosen so that the senders of each step (a layer)
+send about as many bytes: a step lasts as long as its busiest sender.
 ``glm_fp8.transfer.routes`` lays each sender's share out in segments.
 """
 
@@ -13,7 +14,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from glm_fp8.engine.layout import Shard
-from glm_fp8.model.families import REST
 from glm_fp8.model.layer_plan import LayerPlan, PlanEntry, align
 from glm_fp8.model.trainer_layouts import layer_prefix
 from glm_fp8.transfer.pack import LayerScatter, ShardPack, ShardPiece
@@ -121,37 +121,59 @@ def held_bounds(n: int, held: Sequence[int], n_senders: int) -> Rows:
 
 
 def _owners(plans, layer_ids, scatters, splits, holders, n_senders: int) -> list[dict[str, int]]:
-    """Each entry that is not split gets one owner among its holders: a decoder layer's entries
-    of one holder set go together (one gather per layer), the non-layer tensors one by one.
-    Largest group first, each to the holder that sends the fewest bytes so far, counting its rows
-    of the split entries (greedy, deterministic)."""
-    load = [0] * n_senders
-    groups: list[tuple[int, int, tuple[int, ...], list[str]]] = []  # (bytes sent, position, holders, names)
+    """Each entry that is not split gets one owner among its holders; entries that read a trainer
+    tensor in common (a weight and its scale, a fused entry's parts) go together, so each tensor is
+    gathered once. An update moves a step at a time (a layer a step, closed by every rank's vote:
+    docs/layouts.md#delivery), so a step lasts as long as its busiest sender: each step's entries
+    are balanced within the step, largest first, each to the holder that sends the fewest bytes of
+    the step so far (its rows of the step's split entries counted), ties to the fewest bytes over
+    the update, then the lowest index (greedy, deterministic)."""
+    total = [0] * n_senders
+    owners: list[dict[str, int]] = [{} for _ in plans]
     for pos, (plan, layer_idx, scatter) in enumerate(zip(plans, layer_ids, scatters)):
         prefix = layer_prefix(layer_idx)
         sent: dict[str, int] = {}
         for ranks, pack in zip(scatter.classes, scatter.packs):
             for p in pack.pieces:
                 sent[p.name] = sent.get(p.name, 0) + p.nbytes * len(ranks)
+        step = [0] * n_senders
         for name, bounds in splits[pos].items():
             rows = max(max(hi for _, hi in bounds), 1)
             for t, (lo, hi) in enumerate(bounds):
-                load[t] += sent.get(name, 0) * (hi - lo) // rows
-        by_holders: dict[tuple[int, ...], list[str]] = {}
-        for e in plan.entries:
-            if prefix + e.name not in splits[pos]:
-                held = entry_holders(holders[pos], e.name, n_senders)
-                by_holders.setdefault(held, []).append(prefix + e.name)
-        for held, others in by_holders.items():
-            for names in [[x] for x in others] if layer_idx == REST else [others]:
-                groups.append((sum(sent.get(x, 0) for x in names), pos, held, names))
-    owners: list[dict[str, int]] = [{} for _ in plans]
-    for nbytes, pos, held, names in sorted(groups, key=lambda g: (-g[0], g[1])):
-        t = min(held, key=lambda i: (load[i], i))
-        load[t] += nbytes
-        for name in names:
-            owners[pos][name] = t
+                step[t] += sent.get(name, 0) * (hi - lo) // rows
+        groups = _sharing_groups([e for e in plan.entries if prefix + e.name not in splits[pos]])
+        for names in sorted(groups, key=lambda g: (-sum(sent.get(prefix + x, 0) for x in g), g)):
+            held = entry_holders(holders[pos], names[0], n_senders)
+            t = min(held, key=lambda i: (step[i], total[i], i))
+            step[t] += sum(sent.get(prefix + x, 0) for x in names)
+            for name in names:
+                owners[pos][prefix + name] = t
+        for t in range(n_senders):
+            total[t] += step[t]
     return owners
+
+
+def _sharing_groups(entries: Sequence[PlanEntry]) -> list[list[str]]:
+    """``entries`` (short names) grouped so that entries reading a trainer tensor in common share a
+    group, and a scale its weight's (the entry before it: one conversion writes both); each group
+    in plan order."""
+    group_of: dict[str, int] = {}  # trainer tensor (or a weight entry's name) -> group
+    groups: list[list[str]] = []
+    for k, e in enumerate(entries):
+        keys = [*e.sources, *(["entry:" + entries[k - 1].name] if e.op == "scale" else [])]
+        hit = sorted({group_of[s] for s in keys if s in group_of})
+        if not hit:
+            groups.append([])
+            hit = [len(groups) - 1]
+        keep = hit[0]
+        for g in hit[1:]:  # merge every other group this entry joins into the first
+            groups[keep] += groups[g]
+            groups[g] = []
+            group_of.update({s: keep for s, v in group_of.items() if v == g})
+        groups[keep].append(e.name)
+        group_of.update({s: keep for s in [*keys, "entry:" + e.name]})
+    order = {e.name: k for k, e in enumerate(entries)}
+    return [sorted(g, key=order.__getitem__) for g in groups if g]
 
 
 def sender_plan(
