@@ -131,16 +131,18 @@ def plan_bytes(plan: LayerPlan, delta: Delta) -> float:
 class DeltaTraffic:
     """A transfer plan's delta bytes: each sender's NIC bytes (a point-to-point segment once per
     rank of its class, a group broadcast once) and each engine (link) rank's received bytes (its
-    segments as sent)."""
+    segments as sent); ``steps_sent`` and ``steps_received``: the same per step (layer)."""
 
     sent: tuple[int, ...]
     received: dict[int, int]
+    steps_sent: tuple[tuple[int, ...], ...] = ()
+    steps_received: tuple[dict[int, int], ...] = ()
 
 
 def traffic(tp: TransferPlan, plans: Sequence[LayerPlan], delta: Delta) -> DeltaTraffic:
     """``DeltaTraffic`` of ``tp`` (``plans``: the update's layer plans, in ``tp.layers``' order)."""
-    sent = [0.0] * len(tp.senders)
-    received: dict[int, float] = {}
+    steps_sent: list[list[float]] = []
+    steps_received: list[dict[int, float]] = []
     ops_cache: dict[tuple, dict] = {}
     for lay, plan in zip(tp.layers, plans):
         key = (id(plan), lay.layer_idx)
@@ -149,17 +151,30 @@ def traffic(tp: TransferPlan, plans: Sequence[LayerPlan], delta: Delta) -> Delta
             ops_cache[key] = {prefix + e.name: e.op for e in plan.entries}
         ops = ops_cache[key]
         wire = [0.0] * len(lay.classes)  # a class's segments as sent
+        sent = [0.0] * len(tp.senders)
         for s in lay.segments:
             n = s.nbytes + sum(
                 piece_bytes(ops[p.name], p.dtype, p.shape, p.nbytes, delta) - p.nbytes for p in s.pieces
             )
             wire[s.cls] += n
             sent[s.sender] += n * lay.messages(s)
+        received: dict[int, float] = {}
         for k, ranks in enumerate(lay.classes):
             for r in ranks:
                 received[r] = received.get(r, 0.0) + wire[k]
+        steps_sent.append(sent)
+        steps_received.append(received)
+    total: dict[int, float] = {}
+    for step in steps_received:
+        for r, n in step.items():
+            total[r] = total.get(r, 0.0) + n
     # expected bytes, to whole bytes
-    return DeltaTraffic(tuple(round(n) for n in sent), {r: round(n) for r, n in received.items()})
+    return DeltaTraffic(
+        tuple(round(sum(step[t] for step in steps_sent)) for t in range(len(tp.senders))),
+        {r: round(n) for r, n in total.items()},
+        tuple(tuple(round(n) for n in step) for step in steps_sent),
+        tuple({r: round(n) for r, n in step.items()} for step in steps_received),
+    )
 
 
 def _segments(lay, rank: int) -> list[SegmentDelta]:

@@ -151,19 +151,55 @@ def _whole(
     return [cache.setdefault(id(p), travel_plan(p, master_dtype, gather_dtype)) for p in plans]
 
 
-def _time(fleet: Fleet, sent: int, gathered: int, received: list[int], fill_bytes: int) -> tuple[float, str]:
+def _time(
+    fleet: Fleet,
+    sent: int,
+    gathered: int,
+    received: list[int],
+    fill_bytes: int,
+    steps: list[float] | None = None,
+) -> tuple[float, str]:
     """The busiest link's bytes over its rate (a trainer GPU's: ``sent``, ``gathered``; server k's
     GPU: ``received[k]``), times the pipeline factor, plus the fill. With one rate for every GPU
-    that is the largest of the byte counts."""
+    that is the largest of the byte counts. ``steps`` (many senders): each step's own time
+    (``_step_seconds``); their sum is the update's where it is longer (``_stepped``)."""
     terms = [(sent, fleet.link_bytes_per_s), (gathered, fleet.link_bytes_per_s)]
     terms += [(b, fleet.server_link_bytes_per_s(k)) for k, b in enumerate(received)]
     busiest, bw = max(terms, key=lambda x: x[0] / x[1])
-    t = PIPELINE_FACTOR * busiest / bw + CONVERT_SECONDS_PER_BYTE * fill_bytes
-    text = (
-        f"{PIPELINE_FACTOR} x {busiest / 1e9:.1f} GB / {bw / 1e9:.1f} GB/s + fill "
-        f"{CONVERT_SECONDS_PER_BYTE * fill_bytes * 1e3:.1f} ms = {t:.2f} s"
+    fill = CONVERT_SECONDS_PER_BYTE * fill_bytes
+    whole = f"{busiest / 1e9:.1f} GB / {bw / 1e9:.1f} GB/s"
+    if steps is not None and sum(steps) > busiest / bw:
+        t = PIPELINE_FACTOR * sum(steps) + fill
+        stepped = _stepped(steps, whole, busiest / bw)
+        return t, f"{PIPELINE_FACTOR} x {stepped} + fill {fill * 1e3:.1f} ms = {t:.2f} s"
+    t = PIPELINE_FACTOR * busiest / bw + fill
+    return t, f"{PIPELINE_FACTOR} x {whole} + fill {fill * 1e3:.1f} ms = {t:.2f} s"
+
+
+def _stepped(steps: list[float], whole: str, whole_s: float) -> str:
+    return (
+        f"{sum(steps):.3f} s, the sum of {len(steps)} steps' busiest links (the busiest link over the "
+        f"whole update: {whole} = {whole_s:.3f} s)"
     )
-    return t, text
+
+
+def _step_seconds(fleet: Fleet, sent, received, offset: int) -> list[float]:
+    """Each step's own time with many senders: its busiest link's bytes over its rate (a sender's
+    out, ``sent[k][t]``; an engine rank's in, ``received[k][link rank]``, link rank ``offset + r``
+    for rank r of a server's ``engine_ranges``). An update moves a step (a layer) at a time: every
+    rank's vote closes a step before the next one's bytes move (``glm_fp8.transfer.sender``), so a
+    sender idle in one step cannot catch up in another: the update takes the sum of its steps'
+    times, not only its busiest link's bytes over the whole update."""
+    rate = {
+        offset + r: fleet.server_link_bytes_per_s(k)
+        for k, rng in enumerate(fleet.engine_ranges())
+        for r in rng
+    }
+    bw = fleet.link_bytes_per_s
+    return [
+        max(max(out, default=0) / bw, max((n / rate[r] for r, n in got.items()), default=0.0))
+        for out, got in zip(sent, received)
+    ]
 
 
 def _loads(fleet: Fleet, extra, ranges: list[range], offset: int, received) -> list:
@@ -193,16 +229,21 @@ def _delta(
     share: SenderShare,
     dense_peak: int,
     dense_each: tuple,
+    steps: list[float] | None = None,
 ) -> DeltaPrediction:
     """A strategy's ``DeltaPrediction`` from its delta bytes (``each``: every trainer rank's NIC
-    bytes; ``loads``: each server's busiest rank) and its sender's ``share``: the busiest of its
-    links (the dense terms), its conversion and, kept in host memory, its copies, as ``_time``."""
+    bytes; ``loads``: each server's busiest rank; ``steps``, many senders: each step's own time)
+    and its sender's ``share``: the busiest of its links (the dense terms), its conversion and,
+    kept in host memory, its copies, as ``_time``."""
     bw = fleet.link_bytes_per_s
     gb = lambda n, rate: f"{n / 1e9:.3f} GB / {rate / 1e9:.1f} GB/s"
     terms = [(max(each) / bw, "sent " + gb(max(each), bw)), (gathered / bw, "gathered " + gb(gathered, bw))]
     for k, x in enumerate(loads):
         rate = fleet.server_link_bytes_per_s(k)
         terms.append((x.received / rate, f"received ({x.name}) " + gb(x.received, rate)))
+    if steps is not None:
+        link_s, link_text = max(terms, key=lambda x: x[0])
+        terms.append((sum(steps), _stepped(steps, link_text, link_s)))
     terms.append((share.converted, f"conversion {share.converted * 1e3:.1f} ms"))
     if spec.kept == "host":
         host = HOST_COPY_BYTES_PER_S
@@ -341,7 +382,8 @@ def predict(
         loads = _loads(fleet, tp.receiver_bytes, fleet.engine_ranges(), n_send, got.__getitem__)
         gathered = max(owned(sum(tp.gathered_bytes(s))) for s in range(n_send))
         fill = max(tp.sender_buffers(s)[0] for s in range(n_send))
-        t, text = _time(fleet, max(each), gathered, [x.received for x in loads], fill)
+        steps = _step_seconds(fleet, tp.steps_sent(), tp.steps_received(), n_send)
+        t, text = _time(fleet, max(each), gathered, [x.received for x in loads], fill, steps)
         peak = max(tp.sender_peak(s) for s in range(n_send))
         received = max(x.received for x in loads)
         dp = None
@@ -350,7 +392,8 @@ def predict(
             dloads = _delta_loads(fleet, tp, tr, fleet.engine_ranges(), n_send)
             per = [shares(tp, s, [lay.local_plans[s] for lay in tp.layers]) for s in range(n_send)]
             share = SenderShare(*(max(getattr(x, f) for x in per) for f in SenderShare.__dataclass_fields__))
-            dp = _delta(fleet, spec, tr.sent, dloads, gathered, fill, share, peak, tuple(each))
+            dsteps = _step_seconds(fleet, tr.steps_sent, tr.steps_received, n_send)
+            dp = _delta(fleet, spec, tr.sent, dloads, gathered, fill, share, peak, tuple(each), dsteps)
         out.append(
             Prediction(
                 "fp8 many senders",

@@ -25,6 +25,7 @@ Adapters (``as_link``):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -124,18 +125,24 @@ class TorchLink(Link):
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.check()
-        self._wait(dist.broadcast(tensor, group=self.group, group_src=src, async_op=True))
+        with _blamed(self.liveness, self.gloo):
+            work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)
+        self._wait(work)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         self.check()
-        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        with _blamed(self.liveness, self.gloo):
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._wait(work)
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         self.check()
         with _via_host(self.gloo, sends, recvs) as (sends, recvs):
             ops = [dist.P2POp(dist.isend, t, self.global_rank(r), self.group) for t, r in sends]
             ops += [dist.P2POp(dist.irecv, t, self.global_rank(r), self.group) for t, r in recvs]
-            for work in dist.batch_isend_irecv(ops) if ops else []:
+            with _blamed(self.liveness, self.gloo):
+                works = dist.batch_isend_irecv(ops) if ops else []
+            for work in works:
                 self._wait(work)
 
     def make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
@@ -155,13 +162,30 @@ class TorchLink(Link):
             return self.broadcast(tensor, src)
         self.check()
         group = self._groups[ranks]
-        self._wait(dist.broadcast(tensor, group=group, group_src=ranks.index(src), async_op=True))
+        with _blamed(self.liveness, self.gloo):
+            work = dist.broadcast(tensor, group=group, group_src=ranks.index(src), async_op=True)
+        self._wait(work)
 
     def group_all_reduce_max(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
         if len(ranks) == self.size:
             return self.all_reduce_max(tensor)
         self.check()
-        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._groups[ranks], async_op=True))
+        with _blamed(self.liveness, self.gloo):
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._groups[ranks], async_op=True)
+        self._wait(work)
+
+
+@contextlib.contextmanager
+def _blamed(liveness: Liveness | None, gloo: bool):
+    """Issuing a gloo operation can raise at once (a send to a peer that died finds its connection
+    closed); such an error is pinned on the lost rank as a wait's is (``Liveness.blame``), so that
+    every rank raises ``LinkLost`` naming it, whichever call met the dead peer first."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if liveness is None or not gloo:
+            raise
+        raise liveness.blame(exc) from exc
 
 
 def _wait(work, liveness: Liveness | None, gloo: bool) -> None:
@@ -308,13 +332,17 @@ class StoreLink(Link):
         self.check()
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        self._wait(pg.broadcast([tensor], opts))
+        with _blamed(self.liveness, self.backend == "gloo"):
+            work = pg.broadcast([tensor], opts)
+        self._wait(work)
 
     def _max(self, pg, tensor: torch.Tensor) -> None:
         self.check()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self._wait(pg.allreduce([tensor], opts))
+        with _blamed(self.liveness, self.backend == "gloo"):
+            work = pg.allreduce([tensor], opts)
+        self._wait(work)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._bcast(self.pg, tensor, src)
@@ -336,7 +364,9 @@ class StoreLink(Link):
             self.pg._end_coalescing(device).wait()
             return
         with _via_host(True, sends, recvs) as (sends, recvs):
-            works = [self.pg.send([t], r, 0) for t, r in sends] + [self.pg.recv([t], r, 0) for t, r in recvs]
+            with _blamed(self.liveness, True):
+                works = [self.pg.send([t], r, 0) for t, r in sends]
+                works += [self.pg.recv([t], r, 0) for t, r in recvs]
             for work in works:
                 self._wait(work)
 

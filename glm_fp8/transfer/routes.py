@@ -165,19 +165,35 @@ class TransferPlan:
     def sent_bytes(self) -> list[int]:
         """Bytes each sender sends in a whole update (a point-to-point segment once per rank of its
         class, a group broadcast once)."""
-        out = [0] * len(self.senders)
-        for lay in self.layers:  # one pass: plans of many senders hold thousands of segments a layer
-            for s in lay.segments:
-                out[s.sender] += s.nbytes * lay.messages(s)
-        return out
+        return [sum(step[t] for step in self.steps_sent()) for t in range(len(self.senders))]
 
     def received_bytes(self) -> dict[int, int]:
         """Bytes each engine rank (link rank) receives in a whole update."""
         out: dict[int, int] = {}
+        for step in self.steps_received():
+            for r, n in step.items():
+                out[r] = out.get(r, 0) + n
+        return out
+
+    def steps_sent(self) -> list[list[int]]:
+        """Per step (layer, in update order), the bytes each sender sends (as ``sent_bytes``)."""
+        out = []
+        for lay in self.layers:  # one pass: plans of many senders hold thousands of segments a layer
+            step = [0] * len(self.senders)
+            for s in lay.segments:
+                step[s.sender] += s.nbytes * lay.messages(s)
+            out.append(step)
+        return out
+
+    def steps_received(self) -> list[dict[int, int]]:
+        """Per step (layer, in update order), the bytes each engine rank (link rank) receives."""
+        out = []
         for lay in self.layers:
+            step: dict[int, int] = {}
             for k, ranks in enumerate(lay.classes):
                 for r in ranks:
-                    out[r] = out.get(r, 0) + lay.recv_nbytes[k]
+                    step[r] = step.get(r, 0) + lay.recv_nbytes[k]
+            out.append(step)
         return out
 
     def receive_slot(self, rank: int) -> int:

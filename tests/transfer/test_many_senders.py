@@ -90,7 +90,9 @@ def _rank(rank, world, n_senders, case, fault=None):
             return first
         if fault in ("split", "split_replicated"):  # the patch above reached the plan: vocabulary split
             assert "model.embed_tokens.weight" in routes.layers[-1].splits, list(routes.layers[-1].splits)
-        return stats.nbytes, routes.sent_bytes()[sender.me], routes.received_bytes()
+        assert stats.nbytes == routes.sent_bytes()[sender.me]
+        delivered = sum(lay.delivered_nbytes(sender.me) for lay in routes.layers)
+        return stats.nbytes, delivered, routes.received_bytes()
     layout = layouts[rank - n_senders]
     params = {}
     for name, p in engine_params(TINY_GLM5, layout).items():
@@ -150,11 +152,11 @@ def test_every_engine_byte_equals_the_reference_from_many_senders(n_senders, cas
     results = launch(world, _rank, (n_senders, case), timeout_s=150)
     bad = {r: v for r, v in results.items() if v[0] != "ok"}
     assert not bad, bad
-    sent = [results[t][1][1] for t in range(n_senders)]
+    sent = [results[t][1][1] for t in range(n_senders)]  # delivered
     received = results[0][1][2]
-    # What leaves the senders is what the engine ranks receive (their buffers also hold the
-    # alignment between segments), and each receives about its shard (its parameters, less
-    # vLLM's float32 widenings, plus alignment and checksum words).
+    # What the senders deliver (a group broadcast once per receiving rank) is what the engine ranks
+    # receive (their buffers also hold the alignment between segments), and each receives about
+    # its shard (its parameters, less vLLM's float32 widenings, plus alignment and checksum words).
     slack = (world - n_senders) * len(WHOLE + [REST]) * n_senders * 256
     assert 0 <= sum(received.values()) - sum(sent) < slack
     for r in range(n_senders, world):
