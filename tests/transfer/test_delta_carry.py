@@ -184,7 +184,8 @@ def test_a_regrouped_layer_is_assembled_piece_by_piece():
 
 def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
     """Three senders into EP 2, then a TP 1 server added: the senders' share of the non-split
-    entries is rebalanced (glm_fp8.transfer.owners), so some pieces move to another sender. A
+    entries is rebalanced within each step (glm_fp8.transfer.owners), so pieces move to another
+    sender. A
     sender carries a layer only where each piece it now sends is one it sent before or one no
     sender sent (new to the link); the others go dense for every rank (delta_layers needs every
     sender's version). A dropped Sender is freed at once. Runs the Senders' planning only: a
@@ -230,4 +231,4 @@ def test_many_senders_carry_only_layers_whose_pieces_stay_with_their_sender():
             assert (lay.layer_idx in carried) == stays, (me, lay.layer_idx)
             assert new.delta.versions.kept[pos] == (5 if stays else -1)
         dense |= set(ids) - set(carried)
-    assert 0 < len(dense) < len(ids), dense  # some owners moved, most layers still carried
+    assert dense, dense  # some owners moved: each step's owners are balanced for the new fleet
