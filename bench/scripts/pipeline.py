@@ -73,6 +73,9 @@ from glm_fp8.transfer.gather import trainer_view
 from glm_fp8.transfer.pack import update_regions
 
 GiB = 2**30
+# A message of at least this many bytes is data (a segment), not the protocol's own words (headers,
+# votes, the manifest): the end of the last one is when a sender's share has left it.
+DATA_BYTES = 64 << 10
 
 
 class Recorder(HostSinkComm):
@@ -86,12 +89,17 @@ class Recorder(HostSinkComm):
         super().__init__(rank=rank, size=size)
         self.keep_first, self.log, self.kept = keep_first, [], []
         self.in_step, self.pool = False, None
+        self.last_data = None  # on CUDA: an event after the update's last data message so far
+        self.shares: list[float] = []  # per timed update: seconds until its last data message ended
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.log.append(tensor)
         if len(self.kept) < self.keep_first:
             self.kept.append(tensor.to("cpu", copy=True))
         self.sink(tensor, src)
+        if tensor.is_cuda and tensor.nbytes >= DATA_BYTES:
+            self.last_data = torch.cuda.Event(enable_timing=True)
+            self.last_data.record()
 
     def sink(self, tensor: torch.Tensor, src: int) -> None:
         """The message's copy to host memory (the link's work; the replay calls it alone)."""
@@ -199,10 +207,16 @@ def _timed_update(sender: Sender, link: Recorder, stream, src: int) -> tuple:
     the link-alone seconds, the bytes the link carried). The GPU work queued before it (the
     stand-in trainer step) ends first: the update's time is its own."""
     _sync(sender.device)
-    link.log = []
+    link.log, link.last_data = [], None
+    start = torch.cuda.Event(enable_timing=True) if sender.device.type == "cuda" else None
+    if start is not None:
+        start.record()
     _COLLECTING["inside"] = True
     stats = sender.send_model(stream())
     _COLLECTING["inside"] = False
+    _sync(sender.device)
+    if start is not None and link.last_data is not None:  # when this sender's share had left it
+        link.shares.append(start.elapsed_time(link.last_data) / 1e3)
     msgs, link.log = link.log, []
     t_link = _seconds(lambda: [link.sink(m, src) for m in msgs], sender.device)
     return stats, t_link, sum(m.nbytes for m in msgs)
@@ -402,6 +416,15 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
     # pipeline stage's sender runs every step of the update: see --trainer).
     slow = sorted(range(len(stats.layers)), key=lambda i: -stats.layers[i].seconds)[:4]
     idle = [x.seconds for x in stats.layers if x.layer not in handed and x.layer >= 0]
+    if link.shares and len(handed) < n:
+        # A pipeline stage's sender: its share has left it once its last data message has; the
+        # steps after it (other stages' layers) take, on a real link, those stages' time.
+        share = sorted(x / tl for x, (_, tl, _) in zip(link.shares[-len(runs) :], runs))
+        print(
+            f"share on the wire ({head[0]}, {head[1]}, sender {t}): from the update's start to its last "
+            f"data message's end over the link alone, median {share[(len(share) - 1) // 2]:.4f} "
+            f"(range {share[0]:.4f}-{share[-1]:.4f})"
+        )
     print(
         f"steps ({head[0]}, {head[1]}, sender {t}, its median update): slowest "
         + ", ".join(f"layer {stats.layers[i].layer}: {1e3 * stats.layers[i].seconds:.1f} ms" for i in slow)
