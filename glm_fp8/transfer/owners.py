@@ -3,15 +3,19 @@ trainer ranks that send it. The routed-expert stacks (whole experts, with their 
 passthrough matrices of ``SPLIT_MIN_BYTES`` or more (embeddings, ``lm_head``, the MTP layer's head
 and ``eh_proj``) are split by rows over the senders, sender ``t`` taking the t-th ``torch.chunk``
 as FSDP2 and expert parallelism (``Shard(0)``) place them; every other entry is gathered on,
-converted and sent by one sender, its owner, chosen so that the senders of each step (a layer)
-send about as many bytes: a step lasts as long as its busiest sender.
+converted and sent by its owner, one sender, or one per class of engine ranks where the entry
+goes to many (``Owner``), chosen so that the senders of each step (a layer) send about as many
+bytes: a step lasts as long as its busiest sender.
 ``glm_fp8.transfer.routes`` lays each sender's share out in segments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
+
+import torch
 
 from glm_fp8.engine.layout import Shard
 from glm_fp8.model.layer_plan import LayerPlan, PlanEntry, align
@@ -71,12 +75,12 @@ def divide(
     scatters: Sequence[LayerScatter],
     n_senders: int,
     holders: Sequence[Holders] | None = None,
-) -> tuple[Rows, list[dict[str, Rows]], list[dict[str, int]]]:
+) -> tuple[Rows, list[dict[str, Rows]], list[dict[str, Owner]]]:
     """The division of an update of ``layer_ids`` (``plans[k]`` and the classes' regions
     ``scatters[k]`` of ``layer_ids[k]``) among ``n_senders``: each sender's routed-expert rows
     (``bounds``: in the layers it holds), per layer every split entry's rows per sender (by
     prefixed name: ``torch.chunk`` over the entry's holders, in their order; none for the other
-    senders) and the owner of every other entry (one of its holders). ``holders[k]``: who holds
+    senders) and the owners of every other entry (``Owner``: among its holders). ``holders[k]``: who holds
     ``layer_ids[k]`` (``Holders``; default every sender). One sender owns everything. Raises
     ValueError for layers with different numbers of routed experts (one expert-parallel cut
     serves every layer)."""
@@ -120,37 +124,102 @@ def held_bounds(n: int, held: Sequence[int], n_senders: int) -> Rows:
     return tuple(out)
 
 
-def _owners(plans, layer_ids, scatters, splits, holders, n_senders: int) -> list[dict[str, int]]:
-    """Each entry that is not split gets one owner among its holders; entries that read a trainer
-    tensor in common (a weight and its scale, a fused entry's parts) go together, so each tensor is
-    gathered once. An update moves a step at a time (a layer a step, closed by every rank's vote:
-    docs/layouts.md#delivery), so a step lasts as long as its busiest sender: each step's entries
-    are balanced within the step, largest first, each to the holder that sends the fewest bytes of
-    the step so far (its rows of the step's split entries counted), ties to the fewest bytes over
-    the update, then the lowest index (greedy, deterministic)."""
+Owner = int | tuple[int, ...]
+"""Who sends an entry that is not split: one sender (an int) to every class, or one per class of
+the layer (a tuple indexed by class, -1 where the class holds none of it). Each sender named
+gathers and converts the whole entry; it sends only its classes' pieces."""
+
+# A group of entries is cut by class (each class's pieces their own owner) where it sends more
+# than this fraction of the step's bytes per holder: a replicated entry sent whole from one sender
+# to every replica would make the step as long as that sender's fan-out. Each further owner
+# gathers and converts the entries again (the attention's few MiB), so small groups stay whole.
+CLASS_SPLIT_SHARE = 1 / 16
+
+
+def owner_in(owners: Mapping[str, Owner], name: str, cls: int) -> int:
+    """The sender that sends class ``cls`` its pieces of entry ``name`` (prefixed)."""
+    o = owners[name]
+    return o if isinstance(o, int) else o[cls]
+
+
+def converters(owners: Mapping[str, Owner], name: str) -> tuple[int, ...]:
+    """The senders that gather and convert entry ``name`` (prefixed; none for a split entry)."""
+    o = owners.get(name)
+    if o is None:
+        return ()
+    return (o,) if isinstance(o, int) else tuple(sorted({t for t in o if t >= 0}))
+
+
+def _owners(plans, layer_ids, scatters, splits, holders, n_senders: int) -> list[dict[str, Owner]]:
+    """Each entry that is not split gets its owners among its holders (``Owner``); entries that
+    read a trainer tensor in common (a weight and its scale, a fused entry's parts) go together,
+    so each owner gathers each tensor once. An update moves a step at a time (a layer a step,
+    closed by every rank's vote: docs/update_time.md#steps), so a step lasts as long as its busiest
+    sender: each step's groups are balanced within the step, largest first, each to the holder
+    that sends the fewest bytes of the step so far (its rows of the step's split entries
+    counted), ties to the fewest bytes over the update, then the lowest index (greedy,
+    deterministic). A group that would send more than ``CLASS_SPLIT_SHARE`` of the step's bytes
+    per holder is cut by class: each class's pieces placed alike."""
     total = [0] * n_senders
-    owners: list[dict[str, int]] = [{} for _ in plans]
+    owners: list[dict[str, Owner]] = [{} for _ in plans]
     for pos, (plan, layer_idx, scatter) in enumerate(zip(plans, layer_ids, scatters)):
         prefix = layer_prefix(layer_idx)
-        sent: dict[str, int] = {}
-        for ranks, pack in zip(scatter.classes, scatter.packs):
+        per_class: dict[str, dict[int, int]] = {}  # prefixed name -> class -> bytes sent
+        for k, (ranks, pack) in enumerate(zip(scatter.classes, scatter.packs)):
             for p in pack.pieces:
-                sent[p.name] = sent.get(p.name, 0) + p.nbytes * len(ranks)
+                got = per_class.setdefault(p.name, {})
+                got[k] = got.get(k, 0) + p.nbytes * len(ranks)
+        sent = {name: sum(v.values()) for name, v in per_class.items()}
         step = [0] * n_senders
         for name, bounds in splits[pos].items():
             rows = max(max(hi for _, hi in bounds), 1)
             for t, (lo, hi) in enumerate(bounds):
                 step[t] += sent.get(name, 0) * (hi - lo) // rows
         groups = _sharing_groups([e for e in plan.entries if prefix + e.name not in splits[pos]])
-        for names in sorted(groups, key=lambda g: (-sum(sent.get(prefix + x, 0) for x in g), g)):
-            held = entry_holders(holders[pos], names[0], n_senders)
-            t = min(held, key=lambda i: (step[i], total[i], i))
-            step[t] += sum(sent.get(prefix + x, 0) for x in names)
-            for name in names:
-                owners[pos][prefix + name] = t
+        held = {n: entry_holders(holders[pos], n, n_senders) for g in groups for n in g}
+        step_holders = {t for g in groups for n in g for t in held[n]} | {
+            t for b in splits[pos].values() for t, (lo, hi) in enumerate(b) if hi > lo
+        }
+        per_holder = (sum(sent.values())) / max(len(step_holders), 1)
+        units = []  # (bytes, group, class or None)
+        for g in groups:
+            classes: dict[int, int] = {}
+            for n in g:
+                for k, b in per_class.get(prefix + n, {}).items():
+                    classes[k] = classes.get(k, 0) + b
+            nbytes = sum(classes.values())
+            if len(classes) > 1 and nbytes > CLASS_SPLIT_SHARE * per_holder:
+                units += [(b, g, k) for k, b in classes.items()]
+            else:
+                units.append((nbytes, g, None))
+        chosen: dict[tuple[str, ...], dict[int | None, int]] = {}
+        for nbytes, g, k in sorted(units, key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2])):
+            placed = chosen.setdefault(tuple(g), {})
+            # a sender that converts the group already sends a further class's pieces for nothing
+            # more; another one first gathers the group's tensors (counted as if on its way out)
+            extra = _group_input_bytes(plan, g)
+            t = min(held[g[0]], key=lambda i: (step[i] + (0 if i in placed.values() else extra), total[i], i))
+            step[t] += nbytes
+            placed[k] = t
+        for g, by_class in chosen.items():
+            if None in by_class:
+                owner: Owner = by_class[None]
+            elif len(set(by_class.values())) == 1:  # every class placed on one sender
+                owner = next(iter(by_class.values()))
+            else:
+                owner = tuple(by_class.get(k, -1) for k in range(len(scatter.classes)))
+            for name in g:
+                owners[pos][prefix + name] = owner
         for t in range(n_senders):
             total[t] += step[t]
     return owners
+
+
+def _group_input_bytes(plan: LayerPlan, names: Sequence[str]) -> int:
+    """The trainer tensors' bytes the entries ``names`` read (an input of no planned dtype as
+    bf16): what a sender gathers to convert them."""
+    sources = {s for n in names for s in plan.entry(n).sources}
+    return sum((plan.inputs[s][1] or torch.bfloat16).itemsize * math.prod(plan.inputs[s][0]) for s in sources)
 
 
 def _sharing_groups(entries: Sequence[PlanEntry]) -> list[list[str]]:
@@ -180,27 +249,29 @@ def sender_plan(
     plan: LayerPlan,
     prefix: str,
     splits: Mapping[str, Sequence[tuple[int, int]]],
-    owners: Mapping[str, int],
+    owners: Mapping[str, Owner],
     t: int,
 ) -> LayerPlan:
     """What sender ``t`` converts of a layer of ``plan`` (in any trainer layout, see
     ``glm_fp8.model.trainer_layouts.adapt_plan``): its rows of every split entry (an expert stack
     with its scale) and the entries it owns, laid out afresh; the plan itself when it owns everything."""
-    owned = {name[len(prefix) :] for name, o in owners.items() if o == t}
+    owned = {name[len(prefix) :] for name in owners if t in converters(owners, name)}
     if not splits and len(owned) == len(plan.entries):
         return plan
     rows = {name[len(prefix) :]: b[t] for name, b in splits.items() if b[t][1] > b[t][0]}
     return plan.with_rows(rows).subset(owned | set(rows))
 
 
-def sender_pieces(pack: ShardPack, split: Mapping, owners: Mapping[str, int], t: int) -> tuple[list, int]:
-    """Sender ``t``'s pieces of a class's region (its rows of split entries, the entries it owns),
-    laid out one after another; and their end."""
+def sender_pieces(
+    pack: ShardPack, split: Mapping, owners: Mapping[str, Owner], t: int, cls: int
+) -> tuple[list, int]:
+    """Sender ``t``'s pieces of class ``cls``'s region (its rows of split entries, the entries it
+    sends that class), laid out one after another; and their end."""
     pieces, off = [], 0
     for p in pack.pieces:
         if p.name in split:
             piece = _row_piece(p, split[p.name][t], off)
-        elif owners[p.name] == t:
+        elif owner_in(owners, p.name, cls) == t:
             piece = dataclasses.replace(p, offset=off)
         else:
             piece = None
@@ -230,12 +301,16 @@ def _row_piece(p: ShardPiece, rows: tuple[int, int], offset: int) -> ShardPiece 
 
 
 __all__ = [
+    "CLASS_SPLIT_SHARE",
     "SPLIT_MIN_BYTES",
     "Holders",
+    "Owner",
     "chunk_bounds",
+    "converters",
     "divide",
     "entry_holders",
     "held_bounds",
+    "owner_in",
     "sender_pieces",
     "sender_plan",
     "split_entries",

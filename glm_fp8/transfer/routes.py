@@ -49,7 +49,7 @@ from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.kernels.checksum import checksum_rows
 from glm_fp8.model.layer_plan import LayerPlan, align
 from glm_fp8.model.trainer_layouts import layer_prefix
-from glm_fp8.transfer.owners import Holders, divide, sender_pieces, sender_plan
+from glm_fp8.transfer.owners import Holders, Owner, converters, divide, sender_pieces, sender_plan
 from glm_fp8.transfer.pack import FULL, ShardPack, check_engines, layer_scatter, layout_words
 from glm_fp8.transfer.topology import class_groups, sender_groups_pay
 from glm_fp8.transfer.wire import CHECKSUM_BYTES
@@ -78,7 +78,8 @@ class LayerRoutes:
     """One layer's routes: ``classes`` (link ranks that receive the same bytes; a rank may be in
     several), ``segments`` (by class, then sender; how each travels: ``Segment.group``), ``splits``
     (each split entry, by prefixed name: every sender's rows), ``owners`` (every other entry: the
-    sender that gathers, converts and sends it), ``local_plans`` (per sender: the part of the
+    sender, or per class the senders, that gather, convert and send it: ``owners.Owner``),
+    ``local_plans`` (per sender: the part of the
     layer it converts, possibly nothing), the bytes of each sender's send buffer and of each
     class's segments side by side (``recv_nbytes``; a rank's buffer holds those of all its
     classes: ``rank_nbytes``)."""
@@ -87,7 +88,7 @@ class LayerRoutes:
     classes: tuple[tuple[int, ...], ...]
     segments: tuple[Segment, ...]
     splits: dict[str, tuple[tuple[int, int], ...]]
-    owners: dict[str, int]
+    owners: dict[str, Owner]
     local_plans: tuple[LayerPlan, ...]
     send_nbytes: tuple[int, ...]
     recv_nbytes: tuple[int, ...]
@@ -223,7 +224,7 @@ class TransferPlan:
         out = []
         for lay in self.layers:
             plan = lay.local_plans[t]
-            own = {name for name, owner in lay.owners.items() if owner == t}
+            own = {name for name in lay.owners if t in converters(lay.owners, name)}
             prefix = layer_prefix(lay.layer_idx)
             srcs = {s for e in plan.entries if prefix + e.name in own for s in e.sources}
             out.append(
@@ -320,7 +321,7 @@ def transfer_plan(
                 if n == 1:
                     pieces, off = list(pack.pieces), pack.data_nbytes
                 else:
-                    pieces, off = sender_pieces(pack, split, owners[pos], t)
+                    pieces, off = sender_pieces(pack, split, owners[pos], t, k)
                 if pieces:
                     direct = n == 1 and _is_plan_layout(pack, plan)
                     segments.append(
@@ -349,7 +350,7 @@ def transfer_plan(
             key = (
                 id(plan),
                 tuple(b[t] for b in split.values()),
-                frozenset(name[len(prefix) :] for name, o in owners[pos].items() if o == t),
+                frozenset(name[len(prefix) :] for name in owners[pos] if t in converters(owners[pos], name)),
             )
             if key not in local_cache:
                 local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t)
@@ -421,7 +422,7 @@ def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
     sent = tp.sent_bytes()
     order = sorted(range(len(tp.senders)), key=lambda t: (-sent[t], t))[:top]
     for t in order:
-        owned = sum(1 for lay in tp.layers for o in lay.owners.values() if o == t)
+        owned = sum(1 for lay in tp.layers for name in lay.owners if t in converters(lay.owners, name))
         msgs = sum(lay.messages(s) for lay in tp.layers for s in lay.of_sender(t))
         local, send = tp.sender_buffers(t)
         lo, hi = tp.bounds[t] if tp.bounds else (0, 0)

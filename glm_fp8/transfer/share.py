@@ -12,7 +12,14 @@ from glm_fp8.kernels.convert import check_adapted_keys, check_source_dtypes, con
 from glm_fp8.model.layer_plan import LayerPlan
 from glm_fp8.model.trainer_layouts import layer_prefix, source_rows
 from glm_fp8.transfer.gather import full_value, gather_rows, shard_layout, travel_dtypes
-from glm_fp8.transfer.owners import Holders, entry_holders, sender_plan, split_entries, stack_entries
+from glm_fp8.transfer.owners import (
+    Holders,
+    converters,
+    entry_holders,
+    sender_plan,
+    split_entries,
+    stack_entries,
+)
 from glm_fp8.transfer.routes import LayerRoutes
 
 
@@ -29,7 +36,7 @@ def needed_sources(plan: LayerPlan, routes: LayerRoutes, t: int) -> set[str]:
             lo, hi = routes.splits[name][t]
             if hi > lo:
                 out.update(s for g in e.groups()[lo:hi] for s in g) if e.per_expert else out.update(e.sources)
-        elif routes.owners.get(name) == t:
+        elif t in converters(routes.owners, name):
             out.update(e.sources)
     return out
 
@@ -119,30 +126,36 @@ def collect_own(
 
     prefix = layer_prefix(routes.layer_idx)
     travel = travel_dtypes(plan, gather_dtype)
-    owner_of = {
-        s: routes.owners[prefix + e.name]
+    owners_of = {
+        s: converters(routes.owners, prefix + e.name)
         for e in plan.entries
         if prefix + e.name in routes.owners
         for s in e.sources
     }
     inputs: dict[str, torch.Tensor] = {}
-    for k in sorted(owner_of):  # the same order on every sender: the gathers pair up
-        x, owner = layer.get(k), owner_of[k]
-        if x is None:  # not held here (checked on the owner: ``check_own_layer``)
+    for k in sorted(owners_of):  # the same order on every sender: the gathers pair up
+        x, owners = layer.get(k), owners_of[k]
+        if x is None:  # not held here (checked on the owners: ``check_own_layer``)
             continue
-        if isinstance(x, DTensor):
-            if senders[owner] not in x.device_mesh.mesh.flatten().tolist():
-                continue  # a copy another mesh of senders gathers (a replica the owner is not in)
-            dtype = travel.get(k)
-            if shard_layout(x) is not None:
-                out = torch.empty(x.shape, dtype=dtype or x.dtype, device=device) if owner == t else None
-                got = gather_rows(x, 0, x.shape[0], senders[owner], out, dtype)
-            else:
+        if not isinstance(x, DTensor):
+            if t in owners:
+                inputs[k] = x
+            continue
+        mesh = x.device_mesh.mesh.flatten().tolist()
+        dtype = travel.get(k)
+        if shard_layout(x) is None:  # replicated over its mesh, or sharded otherwise: gathered whole
+            if any(senders[o] in mesh for o in owners):
                 got = full_value(x, dtype)  # collective over the senders' mesh
+                if t in owners:
+                    inputs[k] = got.to(device)
+            continue
+        for owner in owners:  # onto each owner in its mesh, in the same order on every sender
+            if senders[owner] not in mesh:
+                continue  # a copy another mesh of senders gathers (a replica the owner is not in)
+            out = torch.empty(x.shape, dtype=dtype or x.dtype, device=device) if owner == t else None
+            got = gather_rows(x, 0, x.shape[0], senders[owner], out, dtype)
             if owner == t:
                 inputs[k] = got.to(device)
-        elif owner == t:
-            inputs[k] = x
     # Split entries: this sender's rows (its experts; its slice of the vocabulary). Plain tensors
     # are read at those rows, a DTensor sharded so holds them; otherwise each sender's rows are
     # gathered onto it.

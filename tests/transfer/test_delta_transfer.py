@@ -223,9 +223,10 @@ def test_delta_updates_land_exactly_the_dense_bytes(mode):
     assert engines[0][0][0] == "ManifestMismatch" and "delta" in engines[0][0][1]
     assert engines[1][0][0] == "UpdateAborted"
     nan, fail = SCRIPT.index("nan"), SCRIPT.index("fail")
-    # the sender that owns o_proj finds its NaN; every other sender is stopped by its vote
+    # each sender that converts o_proj (one, or one per class of engine ranks: owners.Owner) finds
+    # its NaN; every other sender is stopped by its vote
     found = [results[t][1][nan] for t in range(n)]
-    assert sum(got[0] == "NonFiniteError" and "o_proj" in got[1] for got in found) == 1, found
+    assert any(got[0] == "NonFiniteError" and "o_proj" in got[1] for got in found), found
     assert all(got[0] in ("NonFiniteError", "UpdateAborted") for got in found), found
     for got in engines:
         assert got[nan][0] == "UpdateAborted" and f"layer {NAN_LAYER}" in got[nan][1], got[nan]
