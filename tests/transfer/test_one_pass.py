@@ -141,16 +141,28 @@ def test_one_of_many_senders_adapts_and_checks_each_layer_once(calls):
 
 def test_many_senders_check_every_sources_dtype_before_any_gather():
     """The one check of a layer on each of many senders covers every source's dtype, not only
-    those of the entries the sender owns: sender 1 refuses an integer norm that only sender 0
-    converts, before any gather, so that all senders refuse alike."""
+    those of the entries the sender owns: a sender refuses an integer norm that only the other
+    sender converts, before any gather, so that all senders refuse alike."""
     from glm_fp8.engine import EngineLayout
     from glm_fp8.transfer.owners import converters
 
-    sink = HostSinkComm(rank=1, size=4)
     engines = [None, None, *EngineLayout.all_ranks(2, 1, False)]
-    sender = Sender(sink, 1, config=CONFIG, layer_ids=IDS, engines=engines, senders=[0, 1], device="cpu")
-    owners = sender.routes.layers[IDS.index(2)].owners
-    norm = next(n for n in sorted(owners) if n.endswith("norm.weight") and converters(owners, n) == (0,))
+
+    def sender(me):
+        return Sender(
+            HostSinkComm(rank=me, size=4),
+            me,
+            config=CONFIG,
+            layer_ids=IDS,
+            engines=engines,
+            senders=[0, 1],
+            device="cpu",
+        )
+
+    owners = sender(0).routes.layers[IDS.index(2)].owners
+    norm = next(n for n in sorted(owners) if n.endswith("norm.weight") and len(converters(owners, n)) == 1)
+    (other,) = converters(owners, norm)
+    me = 1 - other  # this sender does not convert the norm, yet refuses it
 
     def layers():
         for i in IDS:
@@ -160,7 +172,7 @@ def test_many_senders_check_every_sources_dtype_before_any_gather():
             yield i, sd
 
     with pytest.raises(TypeError, match=re.escape(norm) + ": expected a floating dtype"):
-        sender.send_model(layers())
+        sender(me).send_model(layers())
 
 
 @pytest.mark.parametrize("enabled", [True, False])
