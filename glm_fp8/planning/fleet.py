@@ -82,37 +82,77 @@ class MegatronTrainer:
     expert-data-parallel rank 0 and the rest of their TP groups: each pipeline stage's first ``ep``
     ranks (Megatron's rank order tp-cp-ep-dp-pp, experts ep-dp-pp), each sending its stage's
     layers' own experts, and the entries they own (with TP wider than EP, the TP groups' other
-    ranks send their share of those only); a stage's layers are split as evenly as
-    ``torch.chunk`` splits them (the MTP layer and the head on the last stage, the embeddings on
-    the first)."""
+    ranks send their share of those only). ``first`` / ``last``: the decoder layers of the first
+    and last stage (Megatron's ``decoder_first_pipeline_num_layers`` and
+    ``decoder_last_pipeline_num_layers``), the other stages splitting the rest evenly, as Megatron
+    requires; neither given, the layers are split as evenly as ``torch.chunk`` splits them. The
+    MTP layer and the head are on the last stage, the embeddings on the first."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    first: int | None = None
+    last: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("tp", "pp", "cp", "ep"):
             object.__setattr__(self, field, check_int(f"MegatronTrainer.{field}", getattr(self, field), 1))
+        for field in ("first", "last"):
+            if getattr(self, field) is not None:
+                object.__setattr__(
+                    self, field, check_int(f"MegatronTrainer.{field}", getattr(self, field), 0)
+                )
+        if self.pp == 1 and (self.first is not None or self.last is not None):
+            raise ValueError("MegatronTrainer.first/last: uneven pipeline stages need PP > 1, got PP 1")
 
     @classmethod
     def parse(cls, text: str) -> MegatronTrainer:
-        """``"megatron:tp4,pp8,cp2,ep16"`` (sizes not named are 1)."""
+        """``"megatron:tp4,pp8,cp2,ep16"`` (sizes not named are 1), with ``firstN`` / ``lastN`` for
+        uneven pipeline stages (``"megatron:pp8,ep16,first9,last9"``)."""
         kind, _, sizes = text.partition(":")
         if kind != "megatron" or not sizes:
             raise ValueError(
-                f"expected megatron:tpN,ppN,cpN,epN (e.g. megatron:tp4,pp8,cp2,ep16), got {text!r}"
+                "expected megatron:tpN,ppN,cpN,epN[,firstN][,lastN] (e.g. megatron:tp4,pp8,cp2,ep16), "
+                f"got {text!r}"
             )
         given: dict[str, int] = {}
         for part in sizes.split(","):
-            key, digits = part[:2], part[2:]
-            if key not in ("tp", "pp", "cp", "ep") or not digits.isdigit() or key in given:
-                raise ValueError(f"{part!r}: expected one of tpN, ppN, cpN, epN once each, in {text!r}")
+            key = next((k for k in ("first", "last", "tp", "pp", "cp", "ep") if part.startswith(k)), None)
+            digits = part[len(key) :] if key is not None else ""
+            if key is None or not digits.isdigit() or key in given:
+                raise ValueError(
+                    f"{part!r}: expected one of tpN, ppN, cpN, epN, firstN, lastN once each, in {text!r}"
+                )
             given[key] = int(digits)
         return cls(**given)
 
     def describe(self) -> str:
-        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}"
+        uneven = "".join(f",{k}{v}" for k, v in (("first", self.first), ("last", self.last)) if v is not None)
+        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}{uneven}"
+
+    def stage_layers(self, n: int) -> list[int]:
+        """How many of ``n`` decoder layers each pipeline stage holds. ValueError where Megatron
+        would refuse the split: the stages between the first and the last (or every stage but a
+        given one) must divide the rest evenly."""
+        if self.first is None and self.last is None:
+            size = -(-n // self.pp)
+            return [max(0, min(size, n - p * size)) for p in range(self.pp)]
+        ends = [x for x in (self.first, self.last) if x is not None]
+        middle = self.pp - len(ends)
+        rest = n - sum(ends)
+        if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+            raise ValueError(
+                f"trainer: {self.describe()}: {n} decoder layers leave {rest} for {middle} other "
+                "stage(s), which Megatron-Core splits evenly"
+            )
+        each = rest // middle if middle else 0
+        sizes = [each] * self.pp
+        if self.first is not None:
+            sizes[0] = self.first
+        if self.last is not None:
+            sizes[-1] = self.last
+        return sizes
 
     def check(self, gpus: int) -> None:
         """ValueError where ``gpus`` trainer GPUs cannot hold this layout, or where a sender's TP
@@ -138,8 +178,10 @@ class MegatronTrainer:
         """Per layer of ``layer_ids`` (``REST`` included), the senders (indices) that hold it:
         its stage's, in expert order; the non-layer tensors and the MTP layer's head per entry."""
         n = config["num_hidden_layers"]
-        size = -(-n // self.pp)
-        stage_of = {i: min(i // size, self.pp - 1) for i in range(n)}
+        stage_of, start = {}, 0
+        for p, count in enumerate(self.stage_layers(n)):
+            stage_of.update({i: p for i in range(start, start + count)})
+            start += count
         mtp = mtp_layer_index(config)
         if mtp is not None:
             stage_of[mtp] = self.pp - 1

@@ -77,6 +77,11 @@ def plan_report(
     if spec is not None and request.trainer_gpus is None:
         raise PlanArgumentError("delta", "needs trainer_gpus: a delta update is predicted for a deployment")
     config = as_config(config)
+    if request.trainer is not None:  # its pipeline split against the model's layers
+        try:
+            request.trainer.stage_layers(config["num_hidden_layers"])
+        except ValueError as e:
+            raise PlanArgumentError("trainer", str(e).removeprefix("trainer: ")) from None
     bare = dataclasses.replace(request, entries=False)
     try:
         key = json.dumps(config, sort_keys=True)

@@ -67,9 +67,11 @@ def deployment_lines(report: dict) -> list[str]:
     if f.get("trainer"):  # Megatron-Core: who sends is its stages' expert-parallel ranks
         m = f["trainer"]
         stage = -(-m["ep"] // m["tp"]) * m["tp"]  # MegatronTrainer.stage_senders
+        uneven = "".join(f", the {k} stage {m[k]} layers" for k in ("first", "last") if m.get(k) is not None)
         experts = (
-            f"Megatron-Core TP {m['tp']} x PP {m['pp']} x CP {m['cp']}, EP {m['ep']}: {m['pp'] * stage} "
-            f"senders, each stage's {m['ep']} expert-parallel ranks sending its layers' experts"
+            f"Megatron-Core TP {m['tp']} x PP {m['pp']} x CP {m['cp']}, EP {m['ep']}{uneven}: "
+            f"{m['pp'] * stage} senders, each stage's {m['ep']} expert-parallel ranks sending its "
+            "layers' experts"
         )
     if report["servers"] is None:
         assumed = " (TP 8 assumed: pass --engine-tp)" if a["engine_tp_assumed"] else ""

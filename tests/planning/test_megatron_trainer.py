@@ -98,3 +98,40 @@ def test_cli_refuses_a_bad_trainer(capsys):
         with pytest.raises(SystemExit):
             main(["plan", *argv])
         assert match in capsys.readouterr().err
+
+
+def test_uneven_pipeline_stages_as_megatron_splits_them():
+    """``firstN`` / ``lastN`` (Megatron's --decoder-first/last-pipeline-num-layers): the first and
+    last stages hold that many decoder layers, the others the rest evenly; a split Megatron-Core
+    would refuse is refused, naming the trainer."""
+    m = MegatronTrainer.parse("megatron:tp4,pp8,cp2,ep16,first9,last9")
+    assert (m.first, m.last) == (9, 9) and m.describe() == "megatron:tp4,pp8,cp2,ep16,first9,last9"
+    assert m.stage_layers(78) == [9, 10, 10, 10, 10, 10, 10, 9]
+    assert MegatronTrainer(pp=4, first=3).stage_layers(12) == [3, 3, 3, 3]
+    assert MegatronTrainer(pp=3, last=2).stage_layers(8) == [3, 3, 2]
+    assert MegatronTrainer(pp=8).stage_layers(78) == [10] * 7 + [8]  # neither given: torch.chunk's
+    for bad, n in ((MegatronTrainer(pp=8, first=9, last=8), 78), (MegatronTrainer(pp=2, first=3, last=3), 7)):
+        with pytest.raises(ValueError, match="which Megatron-Core splits evenly"):
+            bad.stage_layers(n)
+    with pytest.raises(ValueError, match="need PP > 1"):
+        MegatronTrainer(first=2)
+    for text in ("megatron:pp2,first", "megatron:pp2,first2,first3", "megatron:pp2,middle3"):
+        with pytest.raises(ValueError, match="expected one of"):
+            MegatronTrainer.parse(text)
+    # each layer goes from the stage that holds it: 9 on the first stage, then 10 a stage
+    holders = m.holders(PRESETS["glm-5"], list(range(78)))
+    stage = m.stage_senders
+    assert holders[8] == tuple(range(stage)) and holders[9] == tuple(range(stage, 2 * stage))
+    assert holders[77] == tuple(range(7 * stage, 8 * stage)) == holders[69] != holders[68]
+
+
+def test_cli_refuses_an_uneven_split_megatron_would_refuse(capsys):
+    args = ["plan", "--model", "glm-5", "--trainer-gpus", "128", "--server", "tp=8,dp=8,ep,replicas=2"]
+    assert main([*args, "--trainer", "megatron:tp4,pp8,cp2,ep16,first9,last9"]) == 0
+    assert "the first stage 9 layers, the last stage 9 layers" in capsys.readouterr().out.replace("\n  ", " ")
+    with pytest.raises(SystemExit):
+        main([*args, "--trainer", "megatron:tp4,pp8,cp2,ep16,first9,last8"])
+    assert (
+        "trainer: megatron:tp4,pp8,cp2,ep16,first9,last8: 78 decoder layers leave 61"
+        in capsys.readouterr().err
+    )
