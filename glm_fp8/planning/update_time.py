@@ -13,7 +13,9 @@ The model (docs/update_time.md says why each term is there):
   ranks of another server of the same shard); many senders send what the transfer plan says.
 - Layers are pipelined (convert layer i+1 while layer i is on the wire), so an update takes the
   busiest link's bytes over its rate (a sender's out or in, a server rank's in), times
-  ``PIPELINE_FACTOR``, plus the pipeline's fill: one layer's conversion.
+  ``PIPELINE_FACTOR``, plus the pipeline's fill: one layer's conversion. With many senders, where
+  longer, the sum over the steps of each step's busiest link instead: every rank's vote closes a
+  step before the next one's bytes move (``_step_seconds``, docs/update_time.md#steps).
 - Gathers over the trainer's links (FSDP shards to the rank that converts) travel in the
   masters' own dtype (``master_dtype``, float32 by default: the library casts nothing unless
   given a ``gather_dtype``) and overlap with sending (the other direction of a full-duplex
