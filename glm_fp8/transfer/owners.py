@@ -12,10 +12,7 @@ bytes: a step lasts as long as its busiest sender.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
-
-import torch
 
 from glm_fp8.engine.layout import Shard
 from glm_fp8.model.layer_plan import LayerPlan, PlanEntry, align
@@ -192,12 +189,13 @@ def _owners(plans, layer_ids, scatters, splits, holders, n_senders: int) -> list
                 units += [(b, g, k) for k, b in classes.items()]
             else:
                 units.append((nbytes, g, None))
+        # a sender that converts a group already sends a further class's pieces for nothing more;
+        # another one first gathers the group's tensors (counted as if on its way out)
+        gather = {tuple(g): plan.subset(g).input_bytes() for g in groups}
         chosen: dict[tuple[str, ...], dict[int | None, int]] = {}
         for nbytes, g, k in sorted(units, key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2])):
             placed = chosen.setdefault(tuple(g), {})
-            # a sender that converts the group already sends a further class's pieces for nothing
-            # more; another one first gathers the group's tensors (counted as if on its way out)
-            extra = _group_input_bytes(plan, g)
+            extra = gather[tuple(g)]
             t = min(held[g[0]], key=lambda i: (step[i] + (0 if i in placed.values() else extra), total[i], i))
             step[t] += nbytes
             placed[k] = t
@@ -213,13 +211,6 @@ def _owners(plans, layer_ids, scatters, splits, holders, n_senders: int) -> list
         for t in range(n_senders):
             total[t] += step[t]
     return owners
-
-
-def _group_input_bytes(plan: LayerPlan, names: Sequence[str]) -> int:
-    """The trainer tensors' bytes the entries ``names`` read (an input of no planned dtype as
-    bf16): what a sender gathers to convert them."""
-    sources = {s for n in names for s in plan.entry(n).sources}
-    return sum((plan.inputs[s][1] or torch.bfloat16).itemsize * math.prod(plan.inputs[s][0]) for s in sources)
 
 
 def _sharing_groups(entries: Sequence[PlanEntry]) -> list[list[str]]:

@@ -166,7 +166,7 @@ class TransferPlan:
     def sent_bytes(self) -> list[int]:
         """Bytes each sender sends in a whole update (a point-to-point segment once per rank of its
         class, a group broadcast once)."""
-        return [sum(step[t] for step in self.steps_sent()) for t in range(len(self.senders))]
+        return [sum(per_sender) for per_sender in zip(*self.steps_sent())] or [0] * len(self.senders)
 
     def received_bytes(self) -> dict[int, int]:
         """Bytes each engine rank (link rank) receives in a whole update."""
