@@ -5,6 +5,7 @@ small model configs live in ``glm_fp8.model.families`` (``SMALL_GLM5``, ``SMALL_
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 import traceback
@@ -194,25 +195,49 @@ def sent_layer_mismatches(
     return checked, differ, bad
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a rendezvous address)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports are drawn below the kernel's ephemeral range (Linux's default 32768-60999): the OS never
+# hands those out as the local end of a connection or to a listener bound to port 0 (gloo's
+# full-mesh listeners, a client's socket), so a port drawn here cannot be taken between the draw
+# and the store that listens on it, which a port the OS chose (bind to 0) can.
+_PORT_RANGE = (20000, 32768)
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 now: bound together, so that no two are the same
-    port (``free_port`` twice can return one port twice, which two stores served by one rank then
-    both try to listen on)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct TCP ports free on 127.0.0.1 now, for rendezvous addresses: drawn at random
+    below the ephemeral range (no listener of another process group's mesh or client socket is
+    given one by the OS meanwhile) and bound together, so that no two are the same port."""
+    low, high = _PORT_RANGE[0], min(_PORT_RANGE[1], _ephemeral_floor())
+    rng = random.SystemRandom()
+    out: list[int] = []
+    for _ in range(200 * max(n, 1)):
+        if len(out) == n:
+            return out
+        port = rng.randrange(low, high)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+    if len(out) == n:
+        return out
+    raise RuntimeError(f"free_ports: found {len(out)} of {n} free ports in [{low}, {high})")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous address), as ``free_ports`` draws them."""
+    return free_ports(1)[0]
 
 
 def _worker(rank, world, port, backend, timeout_s, fn, args, queue):
