@@ -16,7 +16,7 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout, take_shard
 from glm_fp8.engine.specs import engine_params
-from glm_fp8.kernels.reference import convert_layer_ref
+from glm_fp8.kernels.reference import convert_layer_ref, quantize_blockwise_ref
 from glm_fp8.model.config import FAMILY_TRAITS, as_config
 from glm_fp8.model.families import (
     EXPERT,
@@ -26,6 +26,7 @@ from glm_fp8.model.families import (
     expert_sources,
     is_sparse_layer,
     layer_shapes,
+    model_layer_ids,
 )
 from glm_fp8.model.indexer import has_indexer, indexer_shapes
 from glm_fp8.model.plans import plan_from_config
@@ -119,6 +120,63 @@ def moved_layer(
     if head in sd:
         sd[head] = moved_layer(config, REST, step, dtype, layout)["lm_head.weight"]
     return sd
+
+
+# Checkpoint tensors stored in block FP8 (the rest travel in their own dtype), as GLM-5's FP8
+# checkpoint holds them (docs/layouts.md#glm-5-layer-map).
+FP8_IN_CHECKPOINT = (
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "kv_b_proj",
+    "o_proj",
+    "wq_b",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def block_fp8_checkpoint(
+    config: object,
+    dtype: torch.dtype = torch.bfloat16,
+    weights: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model as a block-FP8 checkpoint holds it, for an engine's own ``load_weights``: the same
+    values a trainer source sends (``synthetic_layer``, or ``weights(layer_idx)`` in Hugging Face's
+    module names: a trainer's step), under Hugging Face's per-expert names, each FP8 weight
+    quantized alone by glm_fp8's reference, its scales beside it as ``weight_scale_inv``; the MTP
+    layer under ``model.layers.{num_hidden_layers}``. The expected side of an engine test: nothing
+    in it goes through glm_fp8's transfer."""
+    c = as_config(config)
+    for i in [*model_layer_ids(c), REST]:
+        layer = _per_expert(weights(i)) if weights else synthetic_layer(c, i, dtype, "hf_checkpoint")
+        for name, t in layer.items():
+            short = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+            if short in FP8_IN_CHECKPOINT and t.dim() == 2:
+                q, s = quantize_blockwise_ref(t)
+                yield name, q
+                yield name.removesuffix("weight") + "weight_scale_inv", s
+            else:
+                yield name, t
+
+
+def _per_expert(layer: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer in Hugging Face's module names (stacked ``experts.gate_up_proj`` [E, 2I, H] and
+    ``experts.down_proj`` [E, H, I]) under a checkpoint's per-expert names, value for value as
+    ``synthetic_layer``'s "hf_checkpoint" layout splits them."""
+    out = {}
+    for name, t in layer.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            for j, w in enumerate(t):
+                at = name.removesuffix("gate_up_proj") + f"{j}."
+                out[at + "gate_proj.weight"], out[at + "up_proj.weight"] = w.chunk(2, dim=0)
+        elif name.endswith(".mlp.experts.down_proj"):
+            for j, w in enumerate(t):
+                out[name.removesuffix("down_proj") + f"{j}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
 
 
 def reference_engine_params(

@@ -9,8 +9,10 @@ prefill context parallelism, EPLB / redundant experts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +36,7 @@ SP_MOE_ALL2ALL_BACKENDS = frozenset(
         "naive",
     }
 )
+VOCAB_PAD = 64  # vocab_parallel_embedding.py::DEFAULT_VOCAB_PADDING_SIZE (vLLM and SGLang)
 SHARD_KINDS = ("replicated", "rows", "cols", "merged_rows", "qkv_rows", "experts", "vocab")
 
 
@@ -55,6 +58,8 @@ class EngineLayout:
     the shared experts of GLM-5 are replicated. ``None`` derives it as vLLM does with its default
     all2all backend: on when EP is on, ``tp_size > 1`` and ``dp_size > 1``.
     """
+
+    engine: ClassVar[str] = "vllm"  # whose parameters (names, groups): glm_fp8.engine.sglang has the other
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -162,6 +167,24 @@ class EngineLayout:
         if self.sequence_parallel_moe is not None:
             return self.sequence_parallel_moe
         return self.expert_parallel and self.tp_size > 1 and self.dp_size > 1
+
+    def mlp_group(self, shared: bool, model_type: str) -> tuple[int, int]:
+        """(size, rank) of the group that splits the dense MLP (``shared`` False) or the shared
+        experts: the attention TP group, or none (size 1) under sequence-parallel MoE for GLM-5
+        (docs/layouts.md#parallel-sizes)."""
+        if self.tp_size == 1 or (self.sp_moe and model_type == "glm_moe_dsa"):
+            return 1, 0
+        return self.tp_size, self.tp_rank
+
+    def vocab_group(self, head: bool) -> tuple[int, int]:
+        """(size, rank) of the group that splits the vocabulary of the embedding (``head`` False) or
+        of ``lm_head``: the attention TP group for both in vLLM 0.34."""
+        return self.tp_size, self.tp_rank
+
+    def padded_vocab(self, vocab: int, size: int) -> int:
+        """The rows of the padded table a group of ``size`` splits: ceil(V / 64) * 64 in vLLM, which
+        asserts that ``size`` divides it (ShardRules refuses where it does not)."""
+        return math.ceil(vocab / VOCAB_PAD) * VOCAB_PAD
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """Global ids [start, stop) of the routed experts this rank holds: all without EP; under EP
@@ -271,4 +294,12 @@ def copy_shard_into(dst: torch.Tensor, full: torch.Tensor, shard: Shard) -> torc
     return dst
 
 
-__all__ = ["SHARD_KINDS", "SP_MOE_ALL2ALL_BACKENDS", "EngineLayout", "Shard", "copy_shard_into", "take_shard"]
+__all__ = [
+    "SHARD_KINDS",
+    "SP_MOE_ALL2ALL_BACKENDS",
+    "VOCAB_PAD",
+    "EngineLayout",
+    "Shard",
+    "copy_shard_into",
+    "take_shard",
+]

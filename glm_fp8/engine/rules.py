@@ -24,8 +24,6 @@ from glm_fp8.model.config import as_config
 from glm_fp8.model.families import SHAPES
 from glm_fp8.model.plans import build_plan
 
-VOCAB_PAD = 64  # vocab_parallel_embedding.py::DEFAULT_VOCAB_PADDING_SIZE
-
 # --- which rule each kernel-format entry follows (names without ``model.layers.{i}.``) -------------
 MTP_OWN = (
     "enorm.weight",
@@ -158,7 +156,7 @@ class ShardRules:
     def _change(self) -> str:
         """What to change, for an error about this layout's sizes: the tensor-parallel sizes that
         fit the model with this data-parallel size, with and without expert parallelism."""
-        if not self.suggest:
+        if not self.suggest or self.layout.engine != "vllm":  # the sizes tried are vLLM's
             return ""
         lay = self.layout
         ep = lay.expert_parallel
@@ -244,35 +242,48 @@ class ShardRules:
             return self._experts(name, short, shape, fp8)
         if short in _REPLICATED:
             return Shard("replicated")
-        mlp = short in _MLP_COLS or short in _MLP_MERGED
-        if tp == 1 or (mlp and lay.sp_moe and self.config["model_type"] == "glm_moe_dsa"):
+        if short in _MLP_COLS or short in _MLP_MERGED:
+            return self._mlp(name, short, shape, fp8)
+        if tp == 1:
             return Shard("replicated")
         if short in _ATTN_ROWS or short in _ATTN_COLS:
             self._heads(name)
         if short in _ATTN_ROWS:
             a, b = self._split(name, "rows", shape[-2], tp, r, "tp")
             return self._aligned(name, Shard("rows", -2, ((a, b),), 0, shape[-2], "tp", tp), fp8)
-        if short in _ATTN_COLS or short in _MLP_COLS:
+        if short in _ATTN_COLS:
             a, b = self._split(name, "columns", shape[-1], tp, r, "tp")
             return self._aligned(name, Shard("cols", -1, ((a, b),), 0, shape[-1], "tp", tp), fp8)
-        if short in _MLP_MERGED:
-            half = shape[-2] // 2
-            a, b = self._split(name, "gate/up rows", half, tp, r, "tp")
-            shard = Shard("merged_rows", -2, ((a, b), (half + a, half + b)), 0, shape[-2], "tp", tp)
-            return self._aligned(name, shard, fp8)
         if short in _QKV:
             return self._qkv(name, short, shape, fp8)
         raise ValueError(f"{name}: no sharding rule for this entry")  # pragma: no cover
 
+    def _mlp(self, name: str, short: str, shape: tuple[int, ...], fp8: bool) -> Shard:
+        """The dense MLP and the shared experts, over the layout's MLP group (``mlp_group``): down
+        by columns, gate_up as [gate part ; up part]."""
+        shared = short.startswith("mlp.shared_experts.")
+        size, r = self.layout.mlp_group(shared, self.config["model_type"])
+        if size == 1:
+            return Shard("replicated")
+        if short in _MLP_COLS:
+            a, b = self._split(name, "columns", shape[-1], size, r, "tp")
+            return self._aligned(name, Shard("cols", -1, ((a, b),), 0, shape[-1], "tp", size), fp8)
+        half = shape[-2] // 2
+        a, b = self._split(name, "gate/up rows", half, size, r, "tp")
+        shard = Shard("merged_rows", -2, ((a, b), (half + a, half + b)), 0, shape[-2], "tp", size)
+        return self._aligned(name, shard, fp8)
+
     def _vocab(self, name: str, v: int) -> Shard:
-        """VocabParallelEmbedding / ParallelLMHead: the table padded to Vp = ceil(V/64)*64 rows, rank
-        r holds rows [r*Vp/tp, (r+1)*Vp/tp), rows >= V zero (vocab_parallel_embedding.py)."""
-        tp, r = self.layout.tp_size, self.layout.tp_rank
-        vp = math.ceil(v / VOCAB_PAD) * VOCAB_PAD
+        """VocabParallelEmbedding / ParallelLMHead: the table padded to Vp rows (``padded_vocab``:
+        ceil(V/64)*64 in vLLM), rank r of the layout's vocabulary group (``vocab_group``) holds rows
+        [r*Vp/size, (r+1)*Vp/size), rows >= V zero (vocab_parallel_embedding.py)."""
+        lay = self.layout
+        tp, r = lay.vocab_group(head=not name.endswith("embed_tokens.weight"))
+        vp = lay.padded_vocab(v, tp)
         if tp == 1 and vp == v:
             return Shard("replicated")
         a, b = self._split(
-            name, f"padded vocabulary Vp = ceil({v}/{VOCAB_PAD})*{VOCAB_PAD} =", vp, tp, r, "tp"
+            name, f"padded vocabulary (V = {v}, padded as {lay.engine} pads it) Vp =", vp, tp, r, "tp"
         )
         real = max(0, min(b, v) - a)
         parts = ((a, a + real),) if real else ()
@@ -369,7 +380,6 @@ def shard_for(
 __all__ = [
     "MTP_OWN",
     "NON_LAYER",
-    "VOCAB_PAD",
     "ShardRules",
     "kernel_entry_shapes",
     "shard_for",

@@ -16,6 +16,7 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard
 from glm_fp8.engine.rules import MTP_OWN, ShardRules, split_name
+from glm_fp8.engine.sglang import check_sglang_config, sglang_name
 from glm_fp8.model.config import as_config, check_untied_vocab
 from glm_fp8.model.families import float32_entries, layer_kind, mtp_layer_index
 from glm_fp8.model.indexer import skip_topk_layers
@@ -80,10 +81,12 @@ def _dtype(name: str, config: Mapping, table: Mapping[str, tuple[tuple[int, ...]
     return torch.float8_e4m3fn if table[short][1] else dtype
 
 
-def _check_config(config: object) -> Mapping:
+def _check_config(config: object, engine: str = "vllm") -> Mapping:
     c = as_config(config)
-    check_untied_vocab(c, "the engine's parameters", "its own ParallelLMHead in vLLM 0.34")
-    if c["model_type"] not in ENGINE_FAMILIES:
+    check_untied_vocab(c, "the engine's parameters", f"its own ParallelLMHead in {engine}")
+    if engine == "sglang":
+        check_sglang_config(c)
+    elif c["model_type"] not in ENGINE_FAMILIES:
         raise ValueError(
             f"config.model_type: the engine's parameters are modelled for "
             f"{sorted(ENGINE_FAMILIES)} only (docs/layouts.md#engine-side-vllm-034), got "
@@ -104,16 +107,20 @@ def engine_params(
     with ``topk_method`` "noaux_tc" (``glm_fp8.model.families.has_routing_bias``). The drafter's
     ``embed_tokens`` is the target's (aliased), so it is listed once; ``shared_head.head`` is
     listed, though a running engine makes it the target's ``lm_head`` too (docs/vllm.md).
-    Raises ValueError where vLLM would refuse the layout or glm_fp8 does not support it (see
+    An ``SGLangLayout`` (glm_fp8.engine.sglang) gives an SGLang 0.5.23 rank's target model under
+    SGLang's names instead (``sglang_name``; no MTP layer: SGLang's drafter is a model of its own).
+    Raises ValueError where the engine would refuse the layout or glm_fp8 does not support it (see
     ``shard_for``)."""
-    config = _check_config(config)
+    sglang = layout.engine == "sglang"
+    config = _check_config(config, layout.engine)
     rules = ShardRules(config, layout, quantize)
-    mtp = mtp_layer_index(config)
+    # SGLang's MTP drafter is a model of its own (its NextN class, in the draft worker): not listed.
+    mtp = None if sglang else mtp_layer_index(config)
     out: dict[str, EngineParam] = {}
 
     def add(kernel: str, full: tuple[int, ...]) -> None:
         shard = rules.shard(kernel, full)
-        name = engine_name(kernel, config)
+        name = sglang_name(kernel) if sglang else engine_name(kernel, config)
         dt = _dtype(kernel, config, rules.table, dtype)
         out[name] = EngineParam(name, kernel, full, shard.shape(full), dt, shard)
 

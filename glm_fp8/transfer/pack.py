@@ -272,12 +272,15 @@ def check_replicas(engines: Sequence[EngineLayout | str | None]) -> None:
     whole replicas, every position (tp_rank, dp_rank) held by the same number of ranks, so that
     each replica holds every shard exactly once. Two workers that both report TP rank 0 of a TP 2
     engine (and none rank 1) are refused here, naming them, before any byte moves."""
-    shapes: dict[tuple, dict[tuple[int, int], list[int]]] = {}
+    shapes: dict[EngineLayout, dict[tuple[int, int], list[int]]] = {}
     for r, lay in enumerate(engines):
         if isinstance(lay, EngineLayout):
-            key = (lay.tp_size, lay.ep_size, lay.dp_size, lay.sequence_parallel_moe)
+            # The engine's shape: the layout at position (0, 0), so that a vLLM and an SGLang engine of
+            # equal sizes, or two engines told apart by any other setting, are not taken for one.
+            key = dataclasses.replace(lay, tp_rank=0, dp_rank=0, ep_rank=0)
             shapes.setdefault(key, {}).setdefault((lay.tp_rank, lay.dp_rank), []).append(r)
-    for (tp, ep, dp, _), held in shapes.items():
+    for shape, held in shapes.items():
+        tp, ep, dp = shape.tp_size, shape.ep_size, shape.dp_size
         copies = max(len(ranks) for ranks in held.values())
         for tp_rank in range(tp):
             for dp_rank in range(dp):
@@ -349,7 +352,7 @@ def update_bytes(
 
 def layout_words(layout: EngineLayout | None) -> list | None:
     """A layout as JSON data, for the manifest."""
-    return None if layout is None else list(dataclasses.astuple(layout))
+    return None if layout is None else [layout.engine, *dataclasses.astuple(layout)]
 
 
 __all__ = [

@@ -86,57 +86,12 @@ CONFIG = {
     "index_topk": 64,
     "num_key_value_heads": 4,
 }
-# Checkpoint tensors stored in block FP8 (the rest travel in their own dtype).
-_FP8_IN_CHECKPOINT = (
-    "q_a_proj",
-    "kv_a_proj_with_mqa",
-    "q_b_proj",
-    "kv_b_proj",
-    "o_proj",
-    "wq_b",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
 
 
 def _checkpoint(config: dict, dtype: torch.dtype, weights=None):
-    """The model as a block-FP8 checkpoint holds it: the same values glm_fp8's trainer source
-    sends (``synthetic_layer``, or ``weights(layer_idx)`` in Hugging Face's module names: a trainer's
-    step), under Hugging Face's per-expert names, each FP8 weight quantized alone by glm_fp8's
-    reference, its scales beside it as ``weight_scale_inv``; the MTP layer under
-    ``model.layers.{num_hidden_layers}``."""
-    from glm_fp8.kernels.reference import quantize_blockwise_ref
-    from glm_fp8.model.families import model_layer_ids
+    from glm_fp8.testing import block_fp8_checkpoint
 
-    for i in [*model_layer_ids(config), REST]:
-        layer = _per_expert(weights(i)) if weights else synthetic_layer(config, i, dtype, "hf_checkpoint")
-        for name, t in layer.items():
-            short = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-            if short in _FP8_IN_CHECKPOINT and t.dim() == 2:
-                q, s = quantize_blockwise_ref(t)
-                yield name, q
-                yield name.removesuffix("weight") + "weight_scale_inv", s
-            else:
-                yield name, t
-
-
-def _per_expert(layer: dict) -> dict:
-    """A layer in Hugging Face's module names (stacked ``experts.gate_up_proj`` [E, 2I, H] and
-    ``experts.down_proj`` [E, H, I]) under a checkpoint's per-expert names, value for value as
-    ``synthetic_layer``'s "hf_checkpoint" layout splits them."""
-    out = {}
-    for name, t in layer.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            for j, w in enumerate(t):
-                at = name.removesuffix("gate_up_proj") + f"{j}."
-                out[at + "gate_proj.weight"], out[at + "up_proj.weight"] = w.chunk(2, dim=0)
-        elif name.endswith(".mlp.experts.down_proj"):
-            for j, w in enumerate(t):
-                out[name.removesuffix("down_proj") + f"{j}.down_proj.weight"] = w
-        else:
-            out[name] = t
-    return out
+    return block_fp8_checkpoint(config, dtype, weights)
 
 
 def _vllm_config(tmp: str, config: dict, layout, moe_backend: str = "auto"):

@@ -1,0 +1,216 @@
+"""Where an SGLang 0.5.23 rank sits and what it calls each parameter (docs/sglang.md#layouts).
+
+SGLang's Hopper block-FP8 parameters for GLM-5 are the kernel-format entries themselves, under two
+other names: the fused ``q_a_proj``/``kv_a_proj_with_mqa`` weight is
+``self_attn.fused_qkv_a_proj_with_mqa`` and the routed experts sit directly under ``mlp.experts``
+(vLLM 0.34 adds a ``routed_experts.`` level). What differs is which group splits what:
+
+- attention (``q_b_proj``, ``kv_b_proj`` rows, ``o_proj`` columns) and the embedding: the attention
+  TP group, ``tp_size / attn_dp_size`` ranks (``parallel_group="attn_tp"``; the embedding's
+  ``use_attn_tp_group`` under attention DP);
+- the dense MLP and the shared experts: the whole TP group (``parallel_group="tp"``), or no split
+  (``moe_dense_tp_size`` 1 for the dense MLP; any all-to-all MoE backend but "none" for the shared
+  experts, ``DeepseekV2MoE``);
+- ``lm_head``: the whole TP group, or the attention TP group with ``enable_dp_lm_head``;
+- routed experts: by expert over the whole TP group (``ep_size == tp_size``) or by intermediate
+  size (``ep_size`` 1); SGLang's intermediate case (EP groups that split each expert again) is
+  refused here;
+- the vocabulary: padded to a multiple of 64, or of 64 * size where 64 leaves rows the group cannot
+  split evenly (``VocabParallelEmbedding``).
+
+So an ``SGLangLayout`` is an ``EngineLayout`` whose ``tp_size``/``tp_rank`` are the attention TP
+group's and ``dp_size``/``dp_rank`` attention DP's; its MoE group (``tp_size * dp_size``) is
+SGLang's whole TP group. ``ShardRules`` asks the layout for its groups (``mlp_group``,
+``vocab_group``, ``padded_vocab``), so every cut, pack and route of the transfer serves SGLang
+ranks, alone or beside vLLM ranks, unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from glm_fp8.core.checks import check_int
+from glm_fp8.engine.layout import VOCAB_PAD, EngineLayout
+
+# SGLang 0.5.23's --moe-a2a-backend values (layers/moe/utils.py::MoeA2ABackend) under which
+# DeepseekV2MoE builds the shared experts unsplit (parallel_group="replicated").
+SHARED_EXPERTS_UNSPLIT_A2A = frozenset(
+    {
+        "deepep",
+        "deepep_v2",
+        "mooncake",
+        "nixl",
+        "mori",
+        "ascend_fuseep",
+        "flashinfer",
+        "megamoe",
+        "flashinfer_megamoe",
+        "pplx",
+    }
+)
+MOE_A2A_BACKENDS = SHARED_EXPERTS_UNSPLIT_A2A | {"none", "ascend_tp", "customized"}
+# Model types whose SGLang 0.5.23 classes these rules were read from (models/deepseek_v2.py and
+# glm4_moe.py::GlmMoeDsaForCausalLM).
+SGLANG_FAMILIES = frozenset({"glm_moe_dsa"})
+_DOC = "docs/sglang.md#layouts"
+
+
+def _flag(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"SGLangLayout.{field}: expected a bool, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SGLangLayout(EngineLayout):
+    """One SGLang 0.5.23 rank (``from_sglang`` builds it from SGLang's server arguments).
+
+    ``tp_size``/``tp_rank``: the attention TP group; ``dp_size``/``dp_rank``: attention DP (1/0
+    without it); ``ep_size``/``ep_rank``: 1/0, or SGLang's whole TP group and this rank in it.
+    ``dense_mlp_split``: the dense MLP split over the whole TP group (SGLang's default) or not
+    (``moe_dense_tp_size`` 1); ``shared_experts_split``: the same for the shared experts (not with an
+    all-to-all MoE backend); ``dp_lm_head``: ``lm_head`` over the attention TP group
+    (``enable_dp_lm_head``) instead of the whole TP group.
+    """
+
+    engine: ClassVar[str] = "sglang"
+
+    dense_mlp_split: bool = True
+    shared_experts_split: bool = True
+    dp_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel_moe:
+            raise ValueError(
+                "SGLangLayout.sequence_parallel_moe: a vLLM setting; SGLang's unsplit dense MLP is "
+                "dense_mlp_split=False"
+            )
+        object.__setattr__(self, "sequence_parallel_moe", False)
+        super().__post_init__()
+        for field in ("dense_mlp_split", "shared_experts_split", "dp_lm_head"):
+            _flag(field, getattr(self, field))
+
+    @classmethod
+    def from_sglang(
+        cls,
+        tp_size: int,
+        tp_rank: int,
+        *,
+        attn_dp_size: int = 1,
+        ep_size: int = 1,
+        moe_dense_tp_size: int | None = None,
+        moe_a2a_backend: str = "none",
+        enable_dp_lm_head: bool = False,
+        shared_expert_tp1: bool = False,
+    ) -> SGLangLayout:
+        """The layout of TP rank ``tp_rank`` of an SGLang server started with ``--tp-size tp_size``,
+        ``--attn-dp-size`` (``--dp-size`` with ``--enable-dp-attention``), ``--ep-size``,
+        ``--moe-dense-tp-size``, ``--moe-a2a-backend`` and ``--enable-dp-lm-head``;
+        ``shared_expert_tp1``: the ``SGLANG_SHARED_EXPERT_TP1`` environment variable. Attention ranks
+        follow ``runtime_context.derive_attention_ranks``: ``attn_tp_rank = tp_rank % attn_tp_size``,
+        ``attn_dp_rank = tp_rank // attn_tp_size``. Raises ValueError for what SGLang refuses or
+        these rules do not model, naming the argument."""
+        tp = check_int("SGLangLayout.from_sglang: tp_size", tp_size, 1)
+        rank = check_int("SGLangLayout.from_sglang: tp_rank", tp_rank, 0)
+        dp = check_int("SGLangLayout.from_sglang: attn_dp_size", attn_dp_size, 1)
+        ep = check_int("SGLangLayout.from_sglang: ep_size", ep_size, 1)
+        if rank >= tp:
+            raise ValueError(f"SGLangLayout.from_sglang: tp_rank {rank} is not below tp_size {tp}")
+        if tp % dp:
+            raise ValueError(
+                f"SGLangLayout.from_sglang: attn_dp_size {dp} does not divide tp_size {tp} (SGLang's "
+                "attention DP groups split its TP group)"
+            )
+        if ep not in (1, tp):
+            raise ValueError(
+                f"SGLangLayout.from_sglang: ep_size {ep} with tp_size {tp}: SGLang then splits each "
+                f"expert again over {tp // ep if tp % ep == 0 else '?'} ranks inside an EP group, which "
+                f"glm_fp8 does not model; use --ep-size 1 or --ep-size {tp} ({_DOC})"
+            )
+        if moe_dense_tp_size not in (None, 1):
+            raise ValueError(
+                f"SGLangLayout.from_sglang: moe_dense_tp_size {moe_dense_tp_size}: expected None "
+                f"(the dense MLP over the whole TP group) or 1 (unsplit) ({_DOC})"
+            )
+        if moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ValueError(
+                f"SGLangLayout.from_sglang: moe_a2a_backend {moe_a2a_backend!r}: expected one of "
+                f"{sorted(MOE_A2A_BACKENDS)}"
+            )
+        attn_tp = tp // dp
+        return cls(
+            tp_size=attn_tp,
+            tp_rank=rank % attn_tp,
+            ep_size=tp if ep > 1 else 1,
+            ep_rank=rank if ep > 1 else 0,
+            dp_size=dp,
+            dp_rank=rank // attn_tp,
+            dense_mlp_split=moe_dense_tp_size != 1,
+            shared_experts_split=moe_a2a_backend not in SHARED_EXPERTS_UNSPLIT_A2A
+            and not _flag("shared_expert_tp1", shared_expert_tp1),
+            dp_lm_head=_flag("enable_dp_lm_head", enable_dp_lm_head),
+        )
+
+    @classmethod
+    def all_sglang_ranks(cls, tp_size: int, **server_args: object) -> list[SGLangLayout]:
+        """Every rank of one SGLang server, in TP-rank order (``from_sglang`` takes the rest)."""
+        return [cls.from_sglang(tp_size, r, **server_args) for r in range(tp_size)]
+
+    @property
+    def whole_tp(self) -> tuple[int, int]:
+        """(size, rank) in SGLang's whole TP group: the MoE group."""
+        return self.moe_group_size, self.moe_group_rank
+
+    def mlp_group(self, shared: bool, model_type: str) -> tuple[int, int]:
+        split = self.shared_experts_split if shared else self.dense_mlp_split
+        return self.whole_tp if split else (1, 0)
+
+    def vocab_group(self, head: bool) -> tuple[int, int]:
+        if head and not self.dp_lm_head:
+            return self.whole_tp
+        return self.tp_size, self.tp_rank
+
+    def padded_vocab(self, vocab: int, size: int) -> int:
+        pad = VOCAB_PAD
+        if math.ceil(vocab / pad) * pad % size:
+            pad *= size  # VocabParallelEmbedding: "the vocab size is not divisible by the TP size"
+        return math.ceil(vocab / pad) * pad
+
+
+def sglang_name(kernel_name: str) -> str:
+    """SGLang 0.5.23's name for a kernel-format entry: ``self_attn.fused_qkv_a_proj.*`` ->
+    ``self_attn.fused_qkv_a_proj_with_mqa.*``; every other entry keeps its name (the routed
+    experts' ``mlp.experts.w13_weight`` included)."""
+    return kernel_name.replace(".self_attn.fused_qkv_a_proj.", ".self_attn.fused_qkv_a_proj_with_mqa.")
+
+
+def check_sglang_config(config: Mapping) -> None:
+    """Refuse, naming the setting, a model whose SGLang 0.5.23 parameters are not the kernel-format
+    entries: another family, or a GLM-5 whose indexer SGLang builds unfused (``wk`` quantized
+    beside ``weights_proj``: it fuses them into the bf16 ``wk_weights_proj`` only when the config
+    says ``indexer_rope_interleave``, dsa_indexer.py)."""
+    if config["model_type"] not in SGLANG_FAMILIES:
+        raise ValueError(
+            f"config.model_type: SGLang engines are modelled for {sorted(SGLANG_FAMILIES)} only "
+            f"({_DOC}), got {config['model_type']!r}"
+        )
+    if config.get("indexer_rope_interleave") is not True:
+        raise ValueError(
+            "config.indexer_rope_interleave: SGLang 0.5.23 fuses the indexer's wk and weights_proj "
+            "into the bf16 wk_weights_proj that glm_fp8 sends only when the model's config.json says "
+            f'"indexer_rope_interleave": true (GLM-5\'s does); got {config.get("indexer_rope_interleave")!r} '
+            f"({_DOC})"
+        )
+
+
+__all__ = [
+    "MOE_A2A_BACKENDS",
+    "SGLANG_FAMILIES",
+    "SHARED_EXPERTS_UNSPLIT_A2A",
+    "SGLangLayout",
+    "check_sglang_config",
+    "sglang_name",
+]

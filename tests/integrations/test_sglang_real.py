@@ -1,0 +1,254 @@
+"""An update lands in SGLang 0.5.23's own GLM-5 model exactly as SGLang's own ``load_weights``
+loads the same weights (skipped without SGLang 0.5.23; scripts/install_sglang_cpu.sh installs it).
+
+Invariant: on every rank of an SGLang server at TP 2, TP 2 with EP 2, and attention DP 2 with EP 2,
+every parameter of SGLang's ``GlmMoeDsaForCausalLM`` (its layers, fused-MoE and block-FP8 linear
+parameters, in SGLang's shards) and MLA's derived ``w_kc`` / ``w_vc``, after a glm_fp8 update
+(one sender scattering each rank's shard, ``SGLangLayout``) framed as SGLang's weight-update
+session frames a direct write (``begin_weight_update``: ``restore_weights_before_loading``; then
+``end_weight_update`` with no ``load_weights`` run: ``post_load_weights`` and
+``postprocess_weights``), holds the bytes that SGLang's ``load_weights`` of the same weights as a
+block-FP8 checkpoint (per-expert names, ``weight_scale_inv``, each weight quantized alone by
+glm_fp8's reference) followed by ``postprocess_weights`` gives it. Both models start poisoned (0xFF),
+so a byte either path leaves unwritten shows as a difference, and none is left unwritten by
+SGLang's own load (the KV cache's ``k_scale`` / ``v_scale``, which no checkpoint here holds, keep
+SGLang's defaults: its KV-cache method checks them). And ``engine_param_specs`` for the rank's
+``SGLangLayout`` lists exactly the names, shapes and dtypes of the parameters SGLang built.
+
+Real: SGLang's model classes, layers, weight loaders, post-load steps, parallel groups (gloo over
+the server's ranks, placed from its published ``ServerArgs`` as SGLang's bootstrap places them).
+Stood in: the device. The ranks are CPU processes; SGLang's DSA indexer is built as on CUDA
+(``dsa_indexer._is_cuda``, so that ``wk`` and ``weights_proj`` are fused into the bf16
+``wk_weights_proj`` a GPU server holds), the rotary embedding takes its CPU path, and MLA's
+``post_load_weights`` its CUDA (Hopper) branch (``deepseek_weight_loader._is_cuda``: bf16
+``w_kc`` / ``w_vc`` from the block-FP8 ``kv_b_proj``).
+"""
+
+import importlib.metadata
+import importlib.util
+import io
+from datetime import timedelta
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed (scripts/install_sglang_cpu.sh)", allow_module_level=True)
+if importlib.metadata.version("sglang") != "0.5.23":
+    pytest.skip(
+        f"written against SGLang 0.5.23's model classes, found {importlib.metadata.version('sglang')}",
+        allow_module_level=True,
+    )
+
+from glm_fp8.model.families import REST
+from glm_fp8.model.presets import TINY_GLM5
+from glm_fp8.testing import free_ports, launch, synthetic_layer
+
+# The tiny GLM-5 as a checkpoint's config.json: what SGLang reads beyond glm_fp8's keys.
+CONFIG = {
+    **TINY_GLM5,
+    "num_nextn_predict_layers": 0,
+    "indexer_rope_interleave": True,  # SGLang fuses the indexer's wk and weights_proj (GLM-5's config)
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "num_key_value_heads": TINY_GLM5["num_attention_heads"],
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "moe_layer_freq": 1,
+    "index_topk": 64,
+    # deepseek_yarn: SGLang's CPU rotary path for it needs no compiled op
+    "rope_scaling": {
+        "rope_type": "deepseek_yarn",
+        "type": "deepseek_yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    },
+    "quantization_config": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    },
+}
+KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's scales: no checkpoint here holds them
+SERVERS = {
+    "tp2": dict(tp_size=2),
+    "tp2-ep2": dict(tp_size=2, ep_size=2),
+    "attn-dp2-ep2": dict(tp_size=2, attn_dp_size=2, ep_size=2),
+}
+
+
+def _sglang_world(rank: int, server: dict, port: int):
+    """This process as TP rank ``rank`` of an SGLang server: its ServerArgs published, its groups
+    over gloo, attention DP placed (distributed/bootstrap.py::_init_parallel_groups' order)."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    tp, dp = server["tp_size"], server.get("attn_dp_size", 1)
+    init_distributed_environment(
+        world_size=tp,
+        rank=rank,
+        local_rank=rank,
+        backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+    )
+    reset_context()
+    args = ServerArgs(
+        model_path="dummy",  # no checkpoint: the model is built from CONFIG
+        tp_size=tp,
+        ep_size=server.get("ep_size", 1),
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+        pp_size=1,
+        device="cpu",
+    )
+    publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+    set_global_server_args_for_scheduler(args)
+    initialize_dp_attention(args)
+
+
+def _model():
+    """SGLang's GLM-5 model as its loader builds it (bf16 default dtype, block-FP8 quant config),
+    every byte poisoned but the KV cache's scales."""
+    import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
+    import sglang.srt.layers.rotary_embedding.base as rotary
+    import sglang.srt.models.deepseek_common.deepseek_weight_loader as mla_loader
+    import transformers
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
+
+    rotary._is_cpu = True
+    dsa_indexer._is_cuda, dsa_indexer.resolve_num_sms = True, lambda: 132
+    mla_loader._is_cuda = True
+    keys = {k: v for k, v in CONFIG.items() if k not in ("model_type", "quantization_config")}
+    config = transformers.GlmMoeDsaConfig(**keys)
+    config.rope_scaling = CONFIG["rope_scaling"]
+    for k in ("moe_layer_freq", "topk_method", "indexer_rope_interleave", "n_group", "topk_group"):
+        setattr(config, k, CONFIG[k])
+    config.quantization_config = CONFIG["quantization_config"]
+    quant = Fp8Config(
+        is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128]
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = GlmMoeDsaForCausalLM(config, quant_config=quant)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith(KV_SCALES):  # SGLang's own defaults: its KV-cache method checks them
+                p.data.reshape(-1).view(torch.uint8).fill_(0xFF)
+    return model
+
+
+def _derived(model) -> dict[str, torch.Tensor]:
+    """MLA's tensors ``post_load_weights`` derives (not parameters): every layer's ``w_kc``, ``w_vc``."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in ("w_kc", "w_vc"):
+            t = getattr(layer.self_attn, name, None)
+            if t is not None:
+                out[f"model.layers.{i}.self_attn.{name}"] = t
+    return out
+
+
+def _compare(ours, theirs) -> dict:
+    bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    same = lambda a, b: torch.equal(bits(a), bits(b))  # noqa: E731
+    want = dict(theirs.named_parameters())
+    differ = [n for n, p in ours.named_parameters() if not same(p, want[n])]
+    derived_theirs = _derived(theirs)
+    derived = _derived(ours)
+    differ += [n for n in derived_theirs if n not in derived or not same(derived[n], derived_theirs[n])]
+    poisoned = [n for n, p in want.items() if bool((bits(p) == 0xFF).all())]
+    return {"differ": differ, "params": len(want), "derived": len(derived_theirs), "poisoned": poisoned}
+
+
+def _rank(rank, world, server, ports):
+    import torch.distributed as dist
+
+    from glm_fp8.engine import SGLangLayout, engine_param_specs
+    from glm_fp8.testing import block_fp8_checkpoint
+    from glm_fp8.transfer import Receiver, Sender
+    from glm_fp8.transfer.link import StoreLink
+
+    dist.destroy_process_group()  # the launcher's world holds the sender too: SGLang's holds its ranks
+    tp = server["tp_size"]
+    layouts = SGLangLayout.all_sglang_ranks(
+        tp, **{k: v for k, v in server.items() if k in ("attn_dp_size", "ep_size")}
+    )
+    kw = dict(
+        config=CONFIG,
+        layer_ids=list(range(CONFIG["num_hidden_layers"])),
+        rest=True,
+        device="cpu",
+        engines=[None, *layouts],
+        senders=[0],
+    )
+    link = StoreLink("127.0.0.1", ports[0], rank, world, backend="gloo", timeout=timedelta(seconds=120))
+    if rank == 0:
+        layer = lambda i: synthetic_layer(CONFIG, i, torch.bfloat16, "hf")  # noqa: E731
+        sent = Sender(link, 0, **kw).send_model(((i, layer(i)) for i in kw["layer_ids"]), rest=layer(REST))
+        return {"sent": sent.nbytes}
+    from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+
+    engine_rank = rank - 1
+    _sglang_world(engine_rank, server, ports[1])
+    layout = layouts[engine_rank]
+    cpu = torch.device("cpu")
+    theirs = _model()
+    theirs.load_weights(block_fp8_checkpoint(CONFIG, torch.bfloat16))
+    DefaultModelLoader.postprocess_weights(theirs, cpu)
+
+    ours = _model()
+    DefaultModelLoader.restore_weights_before_loading(ours, cpu)  # begin_weight_update
+    receiver = Receiver(link, 0, layout=layout, **kw)
+    stats = receiver.load_into({n: p.data for n, p in ours.named_parameters()})
+    post_load_weights(ours)  # end_weight_update, no load_weights having run
+    DefaultModelLoader.postprocess_weights(ours, cpu)
+
+    built = {n: (tuple(p.shape), p.dtype) for n, p in theirs.named_parameters()}
+    built = {n: v for n, v in built.items() if not n.endswith(KV_SCALES)}
+    specs = engine_param_specs(CONFIG, layout)
+    out = _compare(ours, theirs)
+    out.update(
+        layout=str(layout),
+        received=stats.nbytes,
+        specs_differ=sorted(n for n in set(specs) | set(built) if specs.get(n) != built.get(n)),
+    )
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("server", list(SERVERS))
+def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(server):
+    spec = SERVERS[server]
+    world = 1 + spec["tp_size"]
+    results = launch(world, _rank, (spec, free_ports(2)), timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    assert results[0][1]["sent"] > 0
+    for r in range(1, world):
+        out = torch.load(io.BytesIO(results[r][1]), weights_only=False)
+        assert out["specs_differ"] == [], (out["layout"], out["specs_differ"])
+        assert out["differ"] == [], (out["layout"], out["differ"])
+        assert out["derived"] == 2 * CONFIG["num_hidden_layers"], out
+        assert out["poisoned"] == [], out["poisoned"]
+        assert out["params"] > 50 and out["received"] > 0
