@@ -3,13 +3,17 @@ loads the same weights (skipped without SGLang 0.5.23; scripts/install_sglang_cp
 
 Invariant: on every rank of an SGLang server at TP 2, TP 2 with EP 2, and attention DP 2 with EP 2,
 every parameter of SGLang's ``GlmMoeDsaForCausalLM`` (its layers, fused-MoE and block-FP8 linear
-parameters, in SGLang's shards) and MLA's derived ``w_kc`` / ``w_vc``, after a glm_fp8 update
-(one sender scattering each rank's shard, ``SGLangLayout``) framed as SGLang's weight-update
+parameters, in SGLang's shards) and MLA's derived ``w_kc`` / ``w_vc``, after glm_fp8 updates
+(each rank receives its shard, ``SGLangLayout``: from one sender scattering, from two senders that
+each hold half the experts as FSDP2 DTensors, or as three updates of which the last two are deltas;
+and in one update with the two ranks of a vLLM server at DP 2 with EP 2, each of which then holds
+glm_fp8's reference of vLLM's shards) framed as SGLang's weight-update
 session frames a direct write (``begin_weight_update``: ``restore_weights_before_loading``; then
 ``end_weight_update`` with no ``load_weights`` run: ``post_load_weights`` and
 ``postprocess_weights``), holds the bytes that SGLang's ``load_weights`` of the same weights as a
 block-FP8 checkpoint (per-expert names, ``weight_scale_inv``, each weight quantized alone by
-glm_fp8's reference) followed by ``postprocess_weights`` gives it. Both models start poisoned (0xFF),
+glm_fp8's reference; of the last update's weights) followed by ``postprocess_weights`` gives it; a
+delta update sends and receives under a tenth of the first, dense one. Both models start poisoned (0xFF),
 so a byte either path leaves unwritten shows as a difference, and none is left unwritten by
 SGLang's own load (the KV cache's ``k_scale`` / ``v_scale``, which no checkpoint here holds, keep
 SGLang's defaults: its KV-cache method checks them). And ``engine_param_specs`` for the rank's
@@ -181,48 +185,111 @@ def _compare(ours, theirs) -> dict:
     return {"differ": differ, "params": len(want), "derived": len(derived_theirs), "poisoned": poisoned}
 
 
-def _rank(rank, world, server, ports):
+def _senders_world(rank: int, senders: int, port: int):
+    """Two or more senders: their own default group (FSDP2's mesh of the trainer), whose DTensors
+    hold whole experts (``Shard(0)``) and replicated 1-D tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=senders)
+    return DeviceMesh("cpu", torch.arange(senders))
+
+
+def _layer(case: dict, i: int, step: int, mesh):
+    """The trainer's tensors of layer ``i`` at ``step`` (0: ``synthetic_layer``; later: ``moved_layer``),
+    in Hugging Face's module names, as DTensors over ``mesh`` when there are several senders."""
+    from glm_fp8.testing import moved_layer
+
+    sd = (
+        synthetic_layer(CONFIG, i, torch.bfloat16, "hf")
+        if step == 0
+        else moved_layer(CONFIG, i, step, layout="hf")
+    )
+    if mesh is None:
+        return sd
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {k: distribute_tensor(t, mesh, [Shard(0) if t.dim() >= 2 else Replicate()]) for k, t in sd.items()}
+
+
+def _rank(rank, world, case, ports):
     import torch.distributed as dist
 
-    from glm_fp8.engine import SGLangLayout, engine_param_specs
-    from glm_fp8.testing import block_fp8_checkpoint
-    from glm_fp8.transfer import Receiver, Sender
+    from glm_fp8.engine import SGLangLayout, engine_param_specs, engine_params
+    from glm_fp8.testing import block_fp8_checkpoint, moved_layer, reference_engine_params
+    from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
 
-    dist.destroy_process_group()  # the launcher's world holds the sender too: SGLang's holds its ranks
+    dist.destroy_process_group()  # the launcher's world holds every rank: SGLang's holds its own
+    server, n_senders, steps, delta = case["server"], case["senders"], case["steps"], case["delta"]
     tp = server["tp_size"]
     layouts = SGLangLayout.all_sglang_ranks(
         tp, **{k: v for k, v in server.items() if k in ("attn_dp_size", "ep_size")}
     )
+    vllm = case["vllm"]
     kw = dict(
         config=CONFIG,
         layer_ids=list(range(CONFIG["num_hidden_layers"])),
         rest=True,
         device="cpu",
-        engines=[None, *layouts],
-        senders=[0],
+        engines=[None] * n_senders + layouts + vllm,
+        senders=list(range(n_senders)),
     )
-    link = StoreLink("127.0.0.1", ports[0], rank, world, backend="gloo", timeout=timedelta(seconds=120))
-    if rank == 0:
-        layer = lambda i: synthetic_layer(CONFIG, i, torch.bfloat16, "hf")  # noqa: E731
-        sent = Sender(link, 0, **kw).send_model(((i, layer(i)) for i in kw["layer_ids"]), rest=layer(REST))
-        return {"sent": sent.nbytes}
+    mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and n_senders > 1 else None
+    link = StoreLink(
+        "127.0.0.1",
+        ports[0],
+        rank,
+        world,
+        backend="gloo",
+        timeout=timedelta(seconds=120),
+        global_ranks=list(range(n_senders)),
+    )
+    if rank < n_senders:
+        sender = Sender(link, 0, delta=DeltaOptions() if delta else None, **kw)
+        sent = []
+        for step in range(steps):
+            layers = ((i, _layer(case, i, step, mesh)) for i in kw["layer_ids"])
+            sent.append(sender.send_model(layers, rest=_layer(case, REST, step, mesh)).nbytes)
+        return {"sent": sent}
+    last = steps - 1
+    weights = None if last == 0 else (lambda i: moved_layer(CONFIG, i, last, layout="hf"))
+    if rank >= n_senders + tp:  # a vLLM rank in the same update: glm_fp8's reference of vLLM's shards
+        layout = vllm[rank - n_senders - tp]
+        params = {
+            n: torch.full(p.shape, float("nan")).to(p.dtype) for n, p in engine_params(CONFIG, layout).items()
+        }
+        receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
+        for _ in range(steps):
+            receiver.load_into(params)
+        ids = [*kw["layer_ids"], REST]
+        # the same values in prime-rl's names, which the reference reads (the routing bias float32, as
+        # Hugging Face's router holds it); one update: moved_layer has prime-rl's bf16 bias
+        assert steps == 1
+        layer = lambda i: synthetic_layer(CONFIG, i, bias_dtype=torch.float32)  # noqa: E731
+        want = reference_engine_params(CONFIG, layout, ids, layer=layer)
+        bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+        differ = sorted(n for n, t in want.items() if not torch.equal(bits(params[n]), bits(t)))
+        return {"layout": str(layout), "differ": differ, "params": len(want)}
     from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
 
-    engine_rank = rank - 1
+    engine_rank = rank - n_senders
     _sglang_world(engine_rank, server, ports[1])
     layout = layouts[engine_rank]
     cpu = torch.device("cpu")
     theirs = _model()
-    theirs.load_weights(block_fp8_checkpoint(CONFIG, torch.bfloat16))
+    theirs.load_weights(block_fp8_checkpoint(CONFIG, torch.bfloat16, weights))
     DefaultModelLoader.postprocess_weights(theirs, cpu)
 
     ours = _model()
-    DefaultModelLoader.restore_weights_before_loading(ours, cpu)  # begin_weight_update
-    receiver = Receiver(link, 0, layout=layout, **kw)
-    stats = receiver.load_into({n: p.data for n, p in ours.named_parameters()})
-    post_load_weights(ours)  # end_weight_update, no load_weights having run
-    DefaultModelLoader.postprocess_weights(ours, cpu)
+    receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
+    received = []
+    for _ in range(steps):  # each update in a session, as SGLang frames a direct write
+        DefaultModelLoader.restore_weights_before_loading(ours, cpu)  # begin_weight_update
+        stats = receiver.load_into({n: p.data for n, p in ours.named_parameters()})
+        post_load_weights(ours)  # end_weight_update, no load_weights having run
+        DefaultModelLoader.postprocess_weights(ours, cpu)
+        received.append(stats.nbytes)
 
     built = {n: (tuple(p.shape), p.dtype) for n, p in theirs.named_parameters()}
     built = {n: v for n, v in built.items() if not n.endswith(KV_SCALES)}
@@ -230,7 +297,7 @@ def _rank(rank, world, server, ports):
     out = _compare(ours, theirs)
     out.update(
         layout=str(layout),
-        received=stats.nbytes,
+        received=received,
         specs_differ=sorted(n for n in set(specs) | set(built) if specs.get(n) != built.get(n)),
     )
     buf = io.BytesIO()
@@ -238,17 +305,49 @@ def _rank(rank, world, server, ports):
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("server", list(SERVERS))
-def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(server):
-    spec = SERVERS[server]
-    world = 1 + spec["tp_size"]
-    results = launch(world, _rank, (spec, free_ports(2)), timeout_s=300)
+def _vllm_layouts(name: str | None):
+    from glm_fp8.engine import EngineLayout
+
+    return [] if name is None else EngineLayout.all_ranks(1, 2, True)  # vLLM at DP 2 with EP
+
+
+CASES = {
+    "tp2": dict(server="tp2"),
+    "tp2-ep2": dict(server="tp2-ep2"),
+    "attn-dp2-ep2": dict(server="attn-dp2-ep2"),
+    "two senders into attn-dp2-ep2": dict(server="attn-dp2-ep2", senders=2),
+    "deltas into tp2-ep2": dict(server="tp2-ep2", steps=3, delta=True),
+    "tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name):
+    spec = CASES[name]
+    case = dict(
+        server=SERVERS[spec["server"]],
+        senders=spec.get("senders", 1),
+        steps=spec.get("steps", 1),
+        delta=spec.get("delta", False),
+        vllm=_vllm_layouts(spec.get("vllm")),
+    )
+    tp, n_senders = case["server"]["tp_size"], case["senders"]
+    world = n_senders + tp + len(case["vllm"])
+    results = launch(world, _rank, (case, free_ports(3)), timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
-    assert results[0][1]["sent"] > 0
-    for r in range(1, world):
+    sent = [results[r][1]["sent"] for r in range(n_senders)]
+    assert all(s[0] > 0 for s in sent), sent
+    for r in range(n_senders, n_senders + tp):
         out = torch.load(io.BytesIO(results[r][1]), weights_only=False)
         assert out["specs_differ"] == [], (out["layout"], out["specs_differ"])
         assert out["differ"] == [], (out["layout"], out["differ"])
         assert out["derived"] == 2 * CONFIG["num_hidden_layers"], out
         assert out["poisoned"] == [], out["poisoned"]
-        assert out["params"] > 50 and out["received"] > 0
+        assert out["params"] > 50 and out["received"][0] > 0
+        if case["delta"]:  # the first update dense, then only what changed
+            assert all(0 < n < out["received"][0] / 10 for n in out["received"][1:]), out["received"]
+    for r in range(n_senders + tp, world):
+        out = results[r][1]
+        assert out["differ"] == [] and out["params"] > 50, out
+    if case["delta"]:
+        assert all(0 < n < s[0] / 10 for s in sent for n in s[1:]), sent
