@@ -30,7 +30,10 @@ IMPORT_TO_DIST: dict[str, str] = {}
 #   (which requires it) is installed.
 #   megatron: Megatron-Core, the trainer glm_fp8.integrations.megatron reads (its parallel_state, lazily)
 #   and tests/integrations/test_megatron_real.py builds models with (scripts/install_megatron_cpu.sh).
-OPTIONAL = {"vllm", "tomli", "transformers", "megatron"}
+#   sglang: SGLang 0.5.23, the other engine, whose runtime context glm_fp8.integrations.sglang reads
+#   (lazily) and whose model classes tests/integrations/test_sglang_real.py builds
+#   (scripts/install_sglang_cpu.sh).
+OPTIONAL = {"vllm", "tomli", "transformers", "megatron", "sglang"}
 
 # Needed at run time although no file of ours imports them (the reason is the value).
 RUNTIME_WITHOUT_IMPORT = {

@@ -59,11 +59,13 @@ def fraction(text: str) -> float:
     return value
 
 
-SERVER_KEYS = ("tp", "dp", "ep", "replicas", "name", "gbps")
+SERVER_KEYS = ("tp", "dp", "ep", "replicas", "name", "gbps", "engine", "dense_tp", "a2a")
 SERVER_SYNTAX = (
     "KEY=VALUE[,KEY=VALUE...] with keys tp, dp (vLLM's sizes, default 1), ep (expert parallel: "
     "'ep' or ep=TPxDP), replicas (default 1), name, gbps (its GPUs' NIC, default --link-gbps); "
-    "e.g. tp=8,dp=4,ep,replicas=2,name=prefill"
+    "e.g. tp=8,dp=4,ep,replicas=2,name=prefill; engine=sglang for an SGLang server: tp its "
+    "--tp-size, dp its attention DP, ep its --ep-size (ep or ep=TP), dense_tp its --moe-dense-tp-size "
+    "(1), a2a its --moe-a2a-backend; e.g. engine=sglang,tp=64,dp=64,ep,dense_tp=1,a2a=deepep"
 )
 
 
@@ -97,10 +99,22 @@ def server_spec(text: str):
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"{key}: {e}") from None
     tp, dp = got["tp"], got["dp"]
-    if tp * dp > MAX_ENGINE_RANKS:
+    engine = fields.get("engine") or "vllm"
+    if engine not in ("vllm", "sglang"):
+        raise argparse.ArgumentTypeError(f"engine: expected vllm or sglang, got {engine!r}")
+    sglang = engine == "sglang"
+    if not sglang and ("dense_tp" in fields or "a2a" in fields):
+        raise argparse.ArgumentTypeError(f"dense_tp, a2a: SGLang's flags; add engine=sglang in {text!r}")
+    ep_size = tp if sglang else tp * dp  # SGLang's attention DP splits its TP group: its ranks are TP
+    if not sglang and tp * dp > MAX_ENGINE_RANKS:
         raise argparse.ArgumentTypeError(f"TP {tp} x DP {dp} = {tp * dp} ranks; expected {ranks}")
     ep = "ep" in fields
-    if fields.get("ep") is not None and fields["ep"] != str(tp * dp):
+    if sglang and fields.get("ep") is not None and fields["ep"] != str(ep_size):
+        raise argparse.ArgumentTypeError(
+            f"ep={fields['ep']} with tp={tp}: glm_fp8 models SGLang's --ep-size 1 or --tp-size; write "
+            f"ep={tp} or ep (docs/sglang.md#layouts)"
+        )
+    if not sglang and fields.get("ep") is not None and fields["ep"] != str(tp * dp):
         raise argparse.ArgumentTypeError(
             f"ep={fields['ep']} with tp={tp}, dp={dp}: vLLM's expert-parallel size is TP x DP = {tp * dp} "
             f"(--enable-expert-parallel); write ep={tp * dp} or ep"
@@ -114,7 +128,27 @@ def server_spec(text: str):
             gbps = positive_float(fields["gbps"])
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"gbps: {e}") from None
-    return Server(tp, dp, ep, got["replicas"], name, gbps)
+    if not sglang:
+        return Server(tp, dp, ep, got["replicas"], name, gbps)
+    dense = fields.get("dense_tp")
+    if dense is not None and dense != "1":
+        raise argparse.ArgumentTypeError(
+            f"dense_tp: expected 1 (SGLang's --moe-dense-tp-size 1), got {dense!r}"
+        )
+    try:
+        return Server(
+            tp,
+            dp,
+            ep,
+            got["replicas"],
+            name,
+            gbps,
+            engine="sglang",
+            moe_dense_tp_size=1 if dense else None,
+            moe_a2a_backend=fields.get("a2a") or "none",
+        )
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 __all__ = [

@@ -220,11 +220,16 @@ class ShardRules:
             if a % BLOCK or (b % BLOCK and b != shard.full):
                 raise ValueError(
                     f"{name}: full size {shard.full} along dim {shard.dim} split over {shard.group} size "
-                    f"{shard.group_size} ({shard.kind}) gives parts {list(shard.parts)}; vLLM requires every "
-                    f"sharded part of a block-FP8 weight to be a multiple of {BLOCK} "
+                    f"{shard.group_size} ({shard.kind}) gives parts {list(shard.parts)}; {self._engine} "
+                    f"requires every sharded part of a block-FP8 weight to be a multiple of {BLOCK} "
                     f"(validate_fp8_block_shape, {_DOC}){self._change()}"
                 )
         return shard
+
+    @property
+    def _engine(self) -> str:
+        """The engine, for messages (SGLang's Fp8LinearMethod checks what vLLM's does)."""
+        return "SGLang" if self.layout.engine == "sglang" else "vLLM"
 
     def _heads(self, name: str) -> None:
         heads, tp = self.config["num_attention_heads"], self.layout.tp_size

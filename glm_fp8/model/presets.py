@@ -1,7 +1,7 @@
 """Model configs embedded in the package: the presets of released models (``PRESETS``, read by
 ``load_config`` and ``glm-fp8 plan --model``, so no download is needed) and the small configs that
 tests, the demo, the examples and the CPU benchmarks use (``TINY_GLM5``, ``SMALL_GLM5``,
-``SMALL_CONFIGS``) and named fleets of vLLM servers (``FLEETS``, read by
+``SMALL_CONFIGS``) and named fleets of vLLM or SGLang servers (``FLEETS``, read by
 ``glm-fp8 plan --fleet``). Plain data validated by ``glm_fp8.model.config.as_config``; the rules that read a
 config are ``glm_fp8.model.families``'.
 """
@@ -75,6 +75,9 @@ PRESETS: dict[str, dict] = {
         "index_head_dim": 128,
         "index_topk": 2048,
         "index_topk_freq": 4,
+        # GLM-5.2's config.json: the indexer's rotary interleaved (SGLang 0.5.23 then fuses the indexer's
+        # wk and weights_proj as vLLM does, dsa_indexer.py; its comment names GLM-5.2)
+        "indexer_rope_interleave": True,
         "index_skip_topk_offset": 3,
         "index_topk_pattern": None,
         "indexer_types": ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],
@@ -192,6 +195,27 @@ FLEETS: dict[str, dict] = {
         "link_gbps": 400.0,
         "trainer": "megatron:tp4,pp8,cp2,ep16",
         "servers": ({"tp": 8, "dp": 8, "ep": True, "replicas": 2},),
+    },
+    # miles' trainer and serving shape with SGLang servers (docs/sglang.md#plan): 2 servers of 8 nodes,
+    # TP 64 with attention DP 64 and EP 64 over DeepEP, the dense MLP unsplit (--moe-dense-tp-size 1),
+    # as SGLang's large-EP DeepSeek recipes run. GLM-5.2, not miles' GLM-5: SGLang builds GLM-5's
+    # indexer unfused, which glm_fp8 does not send yet (docs/sglang.md#refused-before-anything-moves).
+    "miles-sglang-glm-5.2": {
+        "model": "glm-5.2",
+        "trainer_gpus": 128,
+        "link_gbps": 400.0,
+        "trainer": "megatron:tp4,pp8,cp2,ep16",
+        "servers": (
+            {
+                "engine": "sglang",
+                "tp": 64,
+                "dp": 64,
+                "ep": True,
+                "moe_dense_tp_size": 1,
+                "moe_a2a_backend": "deepep",
+                "replicas": 2,
+            },
+        ),
     },
     # GLM-5 from 32 trainer H200 into 4 servers of one node each at EP 8 (docs/update_time.md).
     "glm-5-4xep8": {

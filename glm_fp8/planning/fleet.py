@@ -1,5 +1,5 @@
-"""A fleet of vLLM servers behind one trainer: ``Server`` (one vLLM server's parallel layout, how
-many replicas of it run, its NIC) and ``Fleet`` (the trainer's GPUs and NIC, the servers), what
+"""A fleet of vLLM or SGLang servers behind one trainer: ``Server`` (one server's engine and parallel
+layout, how many replicas of it run, its NIC) and ``Fleet`` (the trainer's GPUs and NIC, the servers), what
 ``glm_fp8.planning.update_time`` predicts an update for and ``glm-fp8 plan`` sizes (docs/update_time.md).
 
 A vLLM server's ranks are TP x DP; with expert parallelism on, its EP size is TP x DP (vLLM's
@@ -16,10 +16,13 @@ from dataclasses import dataclass, replace
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.engine.sglang import SGLangLayout
 from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.model.plans import plan_from_config
 from glm_fp8.model.presets import FLEETS
 from glm_fp8.transfer.owners import stack_entries
+
+ENGINES = ("vllm", "sglang")  # whose servers a fleet holds (Server.engine)
 
 
 def _check_gbps(name: str, value: object) -> float:
@@ -34,10 +37,16 @@ def _check_gbps(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class Server:
-    """One vLLM server: ``tp`` (``--tensor-parallel-size``), ``dp`` (``--data-parallel-size``),
-    ``ep`` (``--enable-expert-parallel``: experts split by EP over TP x DP ranks, else by MoE TP),
-    ``replicas`` (servers of this layout), ``name`` (None: "server K" by position in the fleet) and
-    ``link_gbps`` (each of its GPUs' NIC; None: the fleet's ``link_gbps``)."""
+    """One inference server: ``replicas`` (servers of this layout), ``name`` (None: "server K" by
+    position in the fleet) and ``link_gbps`` (each of its GPUs' NIC; None: the fleet's ``link_gbps``);
+    ``engine`` "vllm" (default) or "sglang", whose sizes mean:
+
+    - vLLM 0.34: ``tp`` (``--tensor-parallel-size``), ``dp`` (``--data-parallel-size``), ``ep``
+      (``--enable-expert-parallel``: experts split by EP over TP x DP ranks, else by MoE TP);
+    - SGLang 0.5.23 (docs/sglang.md#layouts): ``tp`` (``--tp-size``: its ranks), ``dp`` (attention
+      DP, ``--attn-dp-size``), ``ep`` (``--ep-size`` equal to ``--tp-size``, else 1),
+      ``moe_dense_tp_size`` and ``moe_a2a_backend`` (its flags of those names).
+    """
 
     tp: int
     dp: int = 1
@@ -45,6 +54,9 @@ class Server:
     replicas: int = 1
     name: str | None = None
     link_gbps: float | None = None
+    engine: str = "vllm"
+    moe_dense_tp_size: int | None = None
+    moe_a2a_backend: str = "none"
 
     def __post_init__(self) -> None:
         for field in ("tp", "dp", "replicas"):
@@ -54,6 +66,14 @@ class Server:
             raise ValueError(
                 f"Server.ep: expected True or False (vLLM's --enable-expert-parallel), got {self.ep!r}"
             )
+        if self.engine not in ENGINES:
+            raise ValueError(f"Server.engine: expected one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "vllm" and (self.moe_dense_tp_size is not None or self.moe_a2a_backend != "none"):
+            raise ValueError(
+                "Server.moe_dense_tp_size / moe_a2a_backend: SGLang's flags; set engine='sglang'"
+            )
+        if self.engine == "sglang":
+            self._sglang(0)  # SGLang's refusals, naming the flag, when the server is described
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"Server.name: expected None or a non-empty string, got {self.name!r}")
         if self.link_gbps is not None:
@@ -61,16 +81,33 @@ class Server:
 
     @property
     def ranks(self) -> int:
-        """One replica's ranks: TP x DP."""
-        return self.tp * self.dp
+        """One replica's ranks: TP x DP (vLLM), TP (SGLang, whose attention DP splits its TP group)."""
+        return self.tp if self.engine == "sglang" else self.tp * self.dp
+
+    def _sglang(self, rank: int) -> SGLangLayout:
+        return SGLangLayout.from_sglang(
+            self.tp,
+            rank,
+            attn_dp_size=self.dp,
+            ep_size=self.tp if self.ep else 1,
+            moe_dense_tp_size=self.moe_dense_tp_size,
+            moe_a2a_backend=self.moe_a2a_backend,
+        )
 
     def layouts(self) -> list[EngineLayout]:
-        """One replica's ranks, in vLLM's MoE-group order."""
+        """One replica's ranks, in vLLM's MoE-group order (SGLang's TP-rank order)."""
+        if self.engine == "sglang":
+            return [self._sglang(r) for r in range(self.tp)]
         return EngineLayout.all_ranks(self.tp, self.dp, self.ep)
 
     def describe(self) -> str:
-        """ "TP 8 x DP 4, EP 32" or "TP 8 x DP 1, MoE TP 8"."""
+        """ "TP 8 x DP 4, EP 32", "TP 8 x DP 1, MoE TP 8" or "SGLang TP 64 (attention DP 8), EP 64"."""
         experts = f"EP {self.ranks}" if self.ep else f"MoE TP {self.ranks}"
+        if self.engine == "sglang":
+            attn = f" (attention DP {self.dp})" if self.dp > 1 else ""
+            flags = [f"moe_dense_tp_size {self.moe_dense_tp_size}"] if self.moe_dense_tp_size else []
+            flags += [f"a2a {self.moe_a2a_backend}"] if self.moe_a2a_backend != "none" else []
+            return f"SGLang TP {self.tp}{attn}, {experts}" + (f" ({', '.join(flags)})" if flags else "")
         return f"TP {self.tp} x DP {self.dp}, {experts}"
 
 
@@ -283,7 +320,8 @@ class Fleet:
         # servers differ). Given alongside servers= (dataclasses.replace, a fleet read back from
         # JSON) they must agree with it.
         shapes = {(s.tp, s.dp, s.ep) for s in servers}
-        tp, dp, ep = next(iter(shapes)) if len(shapes) == 1 else (None, None, None)
+        vllm = all(s.engine == "vllm" for s in servers)  # the one-layout view is a vLLM layout's
+        tp, dp, ep = next(iter(shapes)) if len(shapes) == 1 and vllm else (None, None, None)
         view = {
             "engines": sum(s.replicas for s in servers) if tp else None,
             "engine_tp": tp,

@@ -132,7 +132,7 @@ def deployment_lines(report: dict) -> list[str]:
             out += wrap(
                 f"{x['name']} ranks ({x['replicas']} replica{'s' if x['replicas'] > 1 else ''} x "
                 f"{x['ranks']}): "
-                f"{gib(x['target_session_bytes'])} GiB in vLLM's target session{draft}",
+                f"{gib(x['target_session_bytes'])} GiB in the target session{draft}",
                 "  ",
             )
         out += wrap(f"(server ranks: {report['peak_counts']['engine_extra']})", "  ")
@@ -244,7 +244,7 @@ def _summary_lines(report: dict, detail: bool) -> list[str]:
             draft += f" (scatter; a full broadcast: {gib(x['broadcast_bytes'])} GiB)"
         out += wrap(
             f"engine ranks (each of {x['ranks']} per engine): {gib(x['target_session_bytes'])} GiB in "
-            f"vLLM's target session{draft}: {x['counts']}",
+            f"the target session{draft}: {x['counts']}",
             indent,
         )
     if update is not None:

@@ -211,7 +211,7 @@ def test_help_describes_the_tool_and_every_option_with_its_default(capsys):
 def test_plan_engine_bytes(capsys):
     """GLM-5 into TP=8 or EP=8: every engine rank receives 90.28 of the 706.06 GiB in scatter mode;
     its receiver takes 2 of its largest layer buffers above its parameters: 3.07 GiB in one update
-    (the MTP layer's 1.54 GiB the largest), 2.35 GiB in vLLM's target session and 1.54 GiB (one
+    (the MTP layer's 1.54 GiB the largest), 2.35 GiB in the target session and 1.54 GiB (one
     buffer: one layer) in the draft session; 22.24 GiB from a full broadcast."""
     for extra in ([], ["--engine-ep"]):
         assert main(["plan", "--engine-tp", "8", *extra, "--detail"]) == 0
@@ -221,7 +221,7 @@ def test_plan_engine_bytes(capsys):
         assert re.search(row, out, re.M), out
         # the summary: an engine rank's extra memory per session, saying what it counts
         assert (
-            "engine ranks (each of 8 per engine): 2.35 GiB in vLLM's target session, 1.54 GiB in the "
+            "engine ranks (each of 8 per engine): 2.35 GiB in the target session, 1.54 GiB in the "
             in _flat(out)
         )
     # the same figures from Python (glm_fp8.planning.report, which the CLI only prints)
@@ -321,7 +321,7 @@ def test_plan_summary_first_then_the_detail_on_request(capsys):
         flat,
     )
     assert m, out
-    assert "engine ranks (each of 8 per engine): 2.35 GiB in vLLM's target session, 1.54 GiB in" in flat
+    assert "engine ranks (each of 8 per engine): 2.35 GiB in the target session, 1.54 GiB in" in flat
     assert re.search(r"a trainer GPU: 86\.4 GiB of float32 master shards \+ [\d.]+ GiB peak", flat)
     assert "detail: --detail" in out
 
@@ -654,7 +654,7 @@ def test_plan_fleet_preset_of_the_target_case(capsys):
         "deployment: 32 trainer GPUs -> 4 x server0 (TP 8 x DP 1, EP 8): 32 server ranks; 400 Gb/s per" in out
     )
     assert 'mode="auto" picks many senders (mode="senders"), predicted 2.53 s for the whole model' in out
-    assert "server0 ranks (4 replicas x 8): 2.35 GiB in vLLM's target session, 1.54 GiB in the draft" in out
+    assert "server0 ranks (4 replicas x 8): 2.35 GiB in the target session, 1.54 GiB in the draft" in out
     assert "received by each server's busiest rank (fp8 many senders): server0 90.28 GiB" in out
 
 

@@ -236,6 +236,8 @@ def _rank(rank, world, case, ports):
         senders=list(range(n_senders)),
     )
     mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and n_senders > 1 else None
+    if case["api"] and n_senders <= rank < n_senders + tp:  # the link is opened by glm_fp8's loader
+        return _through_sessions(rank - n_senders, case, layouts, kw, ports)
     link = StoreLink(
         "127.0.0.1",
         ports[0],
@@ -305,6 +307,110 @@ def _rank(rank, world, case, ports):
     return buf.getvalue()
 
 
+def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) -> bytes:
+    """An SGLang rank driven by SGLang's own weight-update session code: the scheduler's
+    ``SchedulerWeightUpdaterManager`` (begin, ``update_weights_from_tensor`` with glm_fp8's loader as
+    ``load_format`` and the payload serialized per TP rank as SGLang's clients send it, end) over the
+    model runner's ``WeightUpdater``, as many times as the case has updates."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from glm_fp8.integrations.sglang import LOADER, SGLangUpdate
+    from glm_fp8.testing import block_fp8_checkpoint, moved_layer
+
+    server, n_senders, steps = case["server"], case["senders"], case["steps"]
+    _sglang_world(engine_rank, server, ports[1])
+    cpu = torch.device("cpu")
+    last = steps - 1
+    weights = None if last == 0 else (lambda i: moved_layer(CONFIG, i, last, layout="hf"))
+    theirs = _model()
+    theirs.load_weights(block_fp8_checkpoint(CONFIG, torch.bfloat16, weights))
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    DefaultModelLoader.postprocess_weights(theirs, cpu)
+    ours = _model()
+    updater = WeightUpdater(
+        tp_rank=engine_rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders=[LOADER],
+        get_model=lambda: ours,
+        update_model_fields=lambda **_: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
+    )
+    runner = SimpleNamespace(weight_updater=updater)
+
+    class Worker:  # the TP worker's two members the manager reads; deserialization is SGLang's own
+        model_runner = runner
+        deserialize_own_rank = TpModelWorker.deserialize_own_rank
+
+        def weight_update_runners(self):
+            return [("target", runner)]
+
+    versions: list = []
+    manager = SchedulerWeightUpdaterManager(
+        tp_worker=Worker(),
+        draft_worker=None,
+        memory_saver_adapter=None,
+        flush_cache=lambda **_: True,
+        is_fully_idle=lambda: True,
+        scheduler=SimpleNamespace(
+            record_weight_version_change=lambda new_version: versions.append(new_version)
+        ),
+    )
+    update = SGLangUpdate(
+        host="127.0.0.1",
+        port=ports[0],
+        rank_offset=n_senders,
+        world_size=n_senders + len(layouts),
+        config=CONFIG,
+        layer_ids=kw["layer_ids"],
+        engines=kw["engines"],
+        senders=kw["senders"],
+        rest=kw["rest"],
+        delta=case["delta"],
+        timeout_s=120,
+    )
+    # As a client process on the same host serializes it; "file_system": the test's client is this
+    # very process, which cannot receive its own descriptors from torch's resource sharer.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    payload = update.named_tensors()  # alive while serialized: its shared memory is what is passed
+    serialized = [MultiprocessingSerializer.serialize(payload) for _ in layouts]
+    replies = []
+    for step in range(steps):
+        replies.append(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="target")))
+        replies.append(
+            manager.update_weights_from_tensor(
+                UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=serialized, load_format=LOADER, weight_version=f"step-{step}"
+                )
+            )
+        )
+        replies.append(manager.end_weight_update(EndWeightUpdateReqInput()))
+    out = _compare(ours, theirs)
+    out.update(
+        layout=str(layouts[engine_rank]),
+        received=[1] * steps,
+        specs_differ=[],
+        replies=[(r.success, r.message) for r in replies],
+        versions=versions,
+    )
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
 def _vllm_layouts(name: str | None):
     from glm_fp8.engine import EngineLayout
 
@@ -318,6 +424,7 @@ CASES = {
     "two senders into attn-dp2-ep2": dict(server="attn-dp2-ep2", senders=2),
     "deltas into tp2-ep2": dict(server="tp2-ep2", steps=3, delta=True),
     "tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2"),
+    "SGLang's session API, two updates into attn-dp2-ep2": dict(server="attn-dp2-ep2", steps=2, api=True),
 }
 
 
@@ -330,6 +437,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         steps=spec.get("steps", 1),
         delta=spec.get("delta", False),
         vllm=_vllm_layouts(spec.get("vllm")),
+        api=spec.get("api", False),
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])
@@ -344,6 +452,9 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         assert out["derived"] == 2 * CONFIG["num_hidden_layers"], out
         assert out["poisoned"] == [], out["poisoned"]
         assert out["params"] > 50 and out["received"][0] > 0
+        if case["api"]:  # every call of SGLang's session succeeded; each update recorded its version
+            assert all(ok for ok, _ in out["replies"]), out["replies"]
+            assert out["versions"] == [f"step-{k}" for k in range(case["steps"])], out["versions"]
         if case["delta"]:  # the first update dense, then only what changed
             assert all(0 < n < out["received"][0] / 10 for n in out["received"][1:]), out["received"]
     for r in range(n_senders + tp, world):

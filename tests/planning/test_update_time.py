@@ -281,7 +281,7 @@ def test_prime_rl_glm52_fleet(capsys):
     flat = " ".join(capsys.readouterr().out.split())
     assert 'mode="auto" picks many senders (mode="senders"), predicted 1.86 s for the whole model' in flat
     assert "-> 2 x prefill (TP 8 x DP 4, EP 32) + 2 x decode (TP 1 x DP 32, EP 32): 128 server ranks" in flat
-    assert re.search(r"decode ranks \(2 replicas x 32\): [\d.]+ GiB in vLLM's target session", flat)
+    assert re.search(r"decode ranks \(2 replicas x 32\): [\d.]+ GiB in the target session", flat)
     gib = decode / GIB
     assert (
         "received by each server's busiest rank (fp8 many senders): prefill" in flat

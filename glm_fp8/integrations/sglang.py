@@ -1,0 +1,204 @@
+"""glm_fp8 inside an SGLang 0.5.23 server, through its weight-update session (docs/sglang.md#the-hook).
+
+SGLang 0.5.23 has no receiver plug-in. Its narrowest sanctioned path for bytes that arrive by other
+means is a custom weight loader, run by ``update_weights_from_tensor`` inside a
+``begin_weight_update`` / ``end_weight_update`` session on every TP rank of the server, in its
+scheduler process, with the model. So the server starts with
+``--custom-weight-loader glm_fp8.integrations.sglang.receive_update``, and one update is:
+
+1. the trainer: ``pause_generation``, ``begin_weight_update`` (SGLang restores any in-place packing);
+2. the trainer: ``update_weights_from_tensor(load_format=LOADER, named_tensors=update.named_tensors())``
+   (returns when every rank has landed), while every trainer rank that sends runs its ``Sender``;
+   each SGLang rank runs ``receive_update``: a ``Receiver`` over glm_fp8's link (the bytes travel
+   there, never through the call) lands its shard in the model's own parameters, then SGLang's
+   ``post_load_weights`` derives MLA's ``w_kc`` / ``w_vc`` (a session in which a loader ran counts
+   as loaded, so ``end_weight_update`` would not);
+3. the trainer: ``update_weight_version``, ``end_weight_update`` (SGLang's
+   ``process_weights_after_loading``), ``continue_generation``.
+
+``SGLangUpdate`` is the payload: the link's address and this server's ranks on it, and what every
+rank must agree on (the config, the layers, the senders, every rank's layout). Each SGLang rank
+reads its own layout from SGLang's runtime context (``sglang_rank_layout``) and checks that the
+model holds exactly the parameters glm_fp8 lands, before anything moves. The link and the
+``Receiver`` stay open between updates (a delta update needs what the last one left).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from glm_fp8.core.errors import EngineNotSupported
+from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.engine.sglang import SGLangLayout
+from glm_fp8.engine.specs import engine_param_specs
+from glm_fp8.transfer.link import StoreLink
+from glm_fp8.transfer.receiver import Receiver
+
+LOADER = "glm_fp8.integrations.sglang.receive_update"  # --custom-weight-loader, and the load_format
+PAYLOAD = "glm_fp8.update"  # the one named tensor of the call
+KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's scales: not weights, never updated
+
+
+def _layout_dict(layout: EngineLayout | None) -> dict | None:
+    return None if layout is None else {"engine": layout.engine, **dataclasses.asdict(layout)}
+
+
+def _layout_of(words: Mapping | None) -> EngineLayout | None:
+    if words is None:
+        return None
+    fields = dict(words)
+    cls = SGLangLayout if fields.pop("engine") == "sglang" else EngineLayout
+    return cls(**fields)
+
+
+@dataclass(frozen=True)
+class SGLangUpdate:
+    """What every rank of an SGLang server needs to receive an update, as the payload of
+    ``update_weights_from_tensor``.
+
+    ``host``/``port``: the link's TCP store (trainer link rank 0 serves it); ``rank_offset``: this
+    server's TP rank 0 on the link (its TP rank r is ``rank_offset + r``); ``world_size``: the link's
+    ranks; ``config``: the model's HF config as a dict; ``layer_ids``, ``rest``, ``senders``,
+    ``delta``: as the senders' ``Sender`` takes them; ``engines``: every link rank's layout (None at a
+    sender); ``timeout_s``: the link's timeout."""
+
+    host: str
+    port: int
+    rank_offset: int
+    world_size: int
+    config: Mapping
+    layer_ids: Sequence[int]
+    engines: Sequence[EngineLayout | None]
+    senders: Sequence[int] = (0,)
+    rest: bool = True
+    delta: bool = False
+    timeout_s: float = 600.0
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["engines"] = [_layout_dict(lay) for lay in self.engines]
+        data["config"] = dict(self.config)
+        data["layer_ids"], data["senders"] = list(self.layer_ids), list(self.senders)
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SGLangUpdate:
+        data = json.loads(text)
+        data["engines"] = [_layout_of(x) for x in data["engines"]]
+        return cls(**data)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The call's payload: one uint8 tensor holding this update as JSON (every rank reads it)."""
+        raw = torch.frombuffer(bytearray(self.to_json().encode()), dtype=torch.uint8)
+        return [(PAYLOAD, raw)]
+
+    @classmethod
+    def from_named_tensors(cls, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> SGLangUpdate:
+        tensors = dict(named_tensors)
+        if set(tensors) != {PAYLOAD}:
+            raise ValueError(
+                f"named_tensors: expected one tensor named {PAYLOAD!r} (SGLangUpdate.named_tensors()), got "
+                f"{sorted(tensors)}"
+            )
+        raw = tensors[PAYLOAD]
+        if raw.dtype != torch.uint8 or raw.dim() != 1:
+            raise ValueError(
+                f"named_tensors[{PAYLOAD!r}]: expected a 1-D uint8 tensor, got {raw.dtype} {raw.dim()}-D"
+            )
+        return cls.from_json(bytes(raw.cpu().numpy()).decode())
+
+
+def sglang_rank_layout() -> SGLangLayout:
+    """This process's layout, read from SGLang 0.5.23's runtime context (the scheduler's published
+    ``ServerArgs``): its TP rank and size, attention DP, EP size, ``moe_dense_tp_size``,
+    ``moe_a2a_backend``, ``enable_dp_lm_head`` and ``SGLANG_SHARED_EXPERT_TP1``. Raises
+    ``EngineNotSupported`` for pipeline or attention context parallelism."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    p = get_parallel()
+    for what, size in (("pp_size", p.pp_size), ("attn_cp_size", p.attn_cp_size)):
+        if size != 1:
+            raise EngineNotSupported(f"SGLang {what} {size}: glm_fp8 models one stage, no attention CP")
+    return SGLangLayout.from_sglang(
+        p.tp_size,
+        p.tp_rank,
+        attn_dp_size=p.attn_dp_size,
+        ep_size=p.moe_ep_size,
+        moe_dense_tp_size=p.moe_dense_tp_size,
+        moe_a2a_backend=str(get_exec().moe.moe_a2a_backend or "none"),
+        enable_dp_lm_head=bool(p.enable_dp_lm_head),
+        shared_expert_tp1=os.environ.get("SGLANG_SHARED_EXPERT_TP1", "").lower() in ("1", "true"),
+    )
+
+
+def check_model(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> None:
+    """Refuse, naming the parameter, a model whose parameters are not the ones glm_fp8 lands at
+    ``layout`` (names, shapes, dtypes; the KV cache's scales aside): e.g. a shared expert SGLang
+    fused into the routed experts' stack (start the server with --disable-shared-experts-fusion)."""
+    fused = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
+    if fused:
+        raise EngineNotSupported(
+            f"SGLang fused {fused} shared expert(s) into the routed experts' stack, which glm_fp8 does not "
+            "land yet: start the server with --disable-shared-experts-fusion (docs/sglang.md)"
+        )
+    want = engine_param_specs(config, layout)
+    held = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters() if not n.endswith(KV_SCALES)}
+    for name in sorted(set(want) | set(held)):
+        if want.get(name) != held.get(name):
+            raise EngineNotSupported(
+                f"{name}: SGLang's model holds {held.get(name)}, glm_fp8 lands {want.get(name)} at {layout} "
+                "(docs/sglang.md#layouts)"
+            )
+
+
+_RECEIVERS: dict[str, tuple[StoreLink, Receiver]] = {}  # per update's link and options, kept open
+
+
+def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader (``LOADER``): land one glm_fp8 update in ``model``, this rank's
+    shard of every parameter, then run SGLang's ``post_load_weights``. Every rank raises, and SGLang
+    reports the call failed, if any rank or sender fails (glm_fp8's votes)."""
+    from sglang.srt.model_loader.loader import post_load_weights
+
+    update = SGLangUpdate.from_named_tensors(named_tensors)
+    layout = sglang_rank_layout()
+    key = update.to_json()
+    if key not in _RECEIVERS:
+        check_model(model, update.config, layout)
+        device = next(model.parameters()).device
+        rank = update.rank_offset + layout.moe_group_rank  # SGLang's TP rank
+        link = StoreLink(
+            update.host,
+            update.port,
+            rank,
+            update.world_size,
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=update.timeout_s),
+            device=device,
+        )
+        receiver = Receiver(
+            link,
+            0,
+            config=update.config,
+            layer_ids=list(update.layer_ids),
+            rest=update.rest,
+            device=device,
+            engines=list(update.engines),
+            senders=list(update.senders),
+            layout=layout,
+            delta=update.delta,
+        )
+        _RECEIVERS[key] = (link, receiver)
+    _, receiver = _RECEIVERS[key]
+    receiver.load_into({n: p.data for n, p in model.named_parameters()})
+    post_load_weights(model)
+
+
+__all__ = ["LOADER", "PAYLOAD", "SGLangUpdate", "check_model", "receive_update", "sglang_rank_layout"]

@@ -1,0 +1,83 @@
+"""SGLang servers in a fleet and in ``glm-fp8 plan`` (docs/sglang.md#plan).
+
+Invariant: a ``Server`` with ``engine="sglang"`` has ``tp`` ranks (its attention DP splits its TP
+group), each placed by ``SGLangLayout.from_sglang``; SGLang's flags on a vLLM server, and SGLang
+layouts glm_fp8 does not model, are refused naming the flag; ``glm-fp8 plan --server`` takes an
+SGLang server and predicts its update; an SGLang rank under attention DP (attention whole on
+every rank) receives more than a vLLM rank of the same GPUs whose attention is split by TP.
+"""
+
+import argparse
+
+import pytest
+
+from glm_fp8.cli.args import server_spec
+from glm_fp8.engine import SGLangLayout
+from glm_fp8.model.presets import PRESETS, TINY_GLM5
+from glm_fp8.planning.fleet import Fleet, Server, fleet_preset
+from glm_fp8.transfer.pack import update_bytes
+
+CONFIG = {**TINY_GLM5, "indexer_rope_interleave": True}
+
+
+def test_an_sglang_server_has_tp_ranks_placed_as_sglang_places_them():
+    s = Server(4, 2, True, 3, engine="sglang", moe_dense_tp_size=1, moe_a2a_backend="deepep")
+    assert s.ranks == 4
+    assert s.layouts() == SGLangLayout.all_sglang_ranks(
+        4, attn_dp_size=2, ep_size=4, moe_dense_tp_size=1, moe_a2a_backend="deepep"
+    )
+    assert s.describe() == "SGLang TP 4 (attention DP 2), EP 4 (moe_dense_tp_size 1, a2a deepep)"
+    fleet = Fleet(8, servers=(s, Server(2)))
+    assert fleet.engine_ranks == 3 * 4 + 2
+    assert fleet.engine_tp is None  # no one vLLM layout to read
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(tp=8, engine="tgi"), "Server.engine"),
+        (dict(tp=8, moe_a2a_backend="deepep"), "SGLang's flags"),
+        (dict(tp=8, dp=3, engine="sglang"), "attn_dp_size 3 does not divide tp_size 8"),
+        (dict(tp=8, engine="sglang", moe_dense_tp_size=4), "moe_dense_tp_size 4"),
+    ],
+)
+def test_servers_refused_naming_the_setting(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Server(**kwargs)
+
+
+def test_the_cli_reads_an_sglang_server():
+    s = server_spec("engine=sglang,tp=64,dp=8,ep,dense_tp=1,a2a=deepep,replicas=2,name=rollout")
+    assert (s.engine, s.tp, s.dp, s.ep, s.replicas, s.moe_dense_tp_size, s.moe_a2a_backend) == (
+        "sglang",
+        64,
+        8,
+        True,
+        2,
+        1,
+        "deepep",
+    )
+    for text, words in [
+        ("tp=8,a2a=deepep", "add engine=sglang"),
+        ("engine=sglang,tp=8,ep=4", "ep=4 with tp=8"),
+        ("engine=trt,tp=8", "expected vllm or sglang"),
+        ("engine=sglang,tp=8,dense_tp=2", "dense_tp"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            server_spec(text)
+
+
+def test_attention_dp_ranks_receive_whole_attention():
+    sglang = Server(2, 2, True, engine="sglang").layouts()  # attention TP 1: attention whole on each
+    vllm = Server(2, 1, True).layouts()  # TP 2: attention split two ways
+    _, s_bytes = update_bytes(CONFIG, sglang)
+    _, v_bytes = update_bytes(CONFIG, vllm)
+    assert min(s_bytes) > max(v_bytes)
+
+
+def test_the_miles_shaped_sglang_preset_plans_an_update():
+    fleet = fleet_preset("miles-sglang-glm-5.2")
+    (server,) = fleet.servers
+    assert server.engine == "sglang" and server.ranks == 64 and server.replicas == 2
+    assert PRESETS["glm-5.2"]["indexer_rope_interleave"] is True  # SGLang fuses its indexer as vLLM does
+    assert fleet.trainer is not None and fleet.trainer_gpus == 128
