@@ -1,0 +1,112 @@
+"""glm_fp8's SGLang loader without SGLang: its payload and its checks (glm_fp8.integrations.sglang).
+
+Invariant: an ``SGLangUpdate`` survives the call's payload (a uint8 tensor) unchanged, its layouts
+with their engine; a payload of any other shape is refused naming what was expected; a model whose
+parameters are not exactly what glm_fp8 lands at the rank's layout (a missing, extra or reshaped
+parameter, or a shared expert fused into the routed experts) is refused naming the parameter or the
+flag, before any link is opened. The loader run by SGLang's own session code is in
+tests/integrations/test_sglang_real.py.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glm_fp8.core.errors import EngineNotSupported
+from glm_fp8.engine import EngineLayout, SGLangLayout, engine_param_specs
+from glm_fp8.integrations.sglang import PAYLOAD, SGLangUpdate, check_model
+from glm_fp8.model.presets import TINY_GLM5
+
+CONFIG = {**TINY_GLM5, "indexer_rope_interleave": True, "num_nextn_predict_layers": 0}
+LAYOUTS = SGLangLayout.all_sglang_ranks(2, attn_dp_size=2, ep_size=2)
+
+
+def _update(**kw):
+    return SGLangUpdate(
+        host="127.0.0.1",
+        port=29501,
+        rank_offset=1,
+        world_size=5,
+        config=CONFIG,
+        layer_ids=[0, 1, 2, 3],
+        engines=[None, *LAYOUTS, EngineLayout(tp_size=2, tp_rank=1)],
+        **kw,
+    )
+
+
+def test_the_payload_round_trips_with_every_layout_and_its_engine():
+    update = _update(delta=True, timeout_s=30.0)
+    back = SGLangUpdate.from_named_tensors(update.named_tensors())
+    assert back.engines == list(update.engines)
+    assert [type(x) for x in back.engines] == [type(None), SGLangLayout, SGLangLayout, EngineLayout]
+    assert (back.host, back.port, back.rank_offset, back.world_size, back.delta) == (
+        "127.0.0.1",
+        29501,
+        1,
+        5,
+        True,
+    )
+    assert back.config == CONFIG and list(back.layer_ids) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "named, words",
+    [
+        ([("weights", torch.zeros(3, dtype=torch.uint8))], "expected one tensor named"),
+        ([(PAYLOAD, torch.zeros(2, 2, dtype=torch.uint8))], "1-D uint8"),
+        ([(PAYLOAD, torch.zeros(4))], "1-D uint8"),
+    ],
+)
+def test_a_payload_of_another_shape_is_refused(named, words):
+    with pytest.raises(ValueError, match=words):
+        SGLangUpdate.from_named_tensors(named)
+
+
+class _Model(torch.nn.Module):
+    """Parameters under SGLang's names, as engine_param_specs lists them (and the KV-cache scales)."""
+
+    def __init__(self, layout, drop=None, reshape=None, extra=None):
+        super().__init__()
+        for name, (shape, dtype) in engine_param_specs(CONFIG, layout).items():
+            if name == drop:
+                continue
+            if name == reshape:
+                shape = (shape[0] + 1, *shape[1:])
+            self.register_parameter(
+                name.replace(".", "__"), torch.nn.Parameter(torch.empty(shape, dtype=dtype), False)
+            )
+        self.register_parameter("kv__k_scale", torch.nn.Parameter(torch.ones(()), False))
+        if extra:
+            self.register_parameter(extra, torch.nn.Parameter(torch.empty(2), False))
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield name.replace("__", "."), p
+
+
+def test_a_model_that_holds_what_glm_fp8_lands_passes():
+    check_model(_Model(LAYOUTS[1]), CONFIG, LAYOUTS[1])
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (
+            dict(drop="model.layers.2.mlp.experts.w13_weight"),
+            "model.layers.2.mlp.experts.w13_weight: SGLang's",
+        ),
+        (dict(reshape="lm_head.weight"), "lm_head.weight: SGLang's model holds"),
+        (dict(extra="surprise"), "surprise: SGLang's model holds"),
+    ],
+)
+def test_a_model_that_holds_anything_else_is_refused_naming_the_parameter(kw, words):
+    with pytest.raises(EngineNotSupported, match=words):
+        check_model(_Model(LAYOUTS[1], **kw), CONFIG, LAYOUTS[1])
+
+
+def test_a_fused_shared_expert_is_refused_naming_the_flag():
+    model = _Model(LAYOUTS[0])
+    model.shared_experts_config = SimpleNamespace(num_fused_shared_experts=1)
+    with pytest.raises(EngineNotSupported, match="--disable-shared-experts-fusion"):
+        check_model(model, CONFIG, LAYOUTS[0])
