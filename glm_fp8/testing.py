@@ -141,19 +141,20 @@ def block_fp8_checkpoint(
     config: object,
     dtype: torch.dtype = torch.bfloat16,
     weights: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
+    fp8: tuple[str, ...] = FP8_IN_CHECKPOINT,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The model as a block-FP8 checkpoint holds it, for an engine's own ``load_weights``: the same
     values a trainer source sends (``synthetic_layer``, or ``weights(layer_idx)`` in Hugging Face's
     module names: a trainer's step), under Hugging Face's per-expert names, each FP8 weight
     quantized alone by glm_fp8's reference, its scales beside it as ``weight_scale_inv``; the MTP
-    layer under ``model.layers.{num_hidden_layers}``. The expected side of an engine test: nothing
-    in it goes through glm_fp8's transfer."""
+    layer under ``model.layers.{num_hidden_layers}``; ``fp8``: the module names stored in block FP8.
+    The expected side of an engine test: nothing in it goes through glm_fp8's transfer."""
     c = as_config(config)
     for i in [*model_layer_ids(c), REST]:
         layer = _per_expert(weights(i)) if weights else synthetic_layer(c, i, dtype, "hf_checkpoint")
         for name, t in layer.items():
             short = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-            if short in FP8_IN_CHECKPOINT and t.dim() == 2:
+            if short in fp8 and t.dim() == 2:
                 q, s = quantize_blockwise_ref(t)
                 yield name, q
                 yield name.removesuffix("weight") + "weight_scale_inv", s

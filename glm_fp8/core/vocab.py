@@ -22,6 +22,12 @@ WIRE_FORMATS: tuple[WireFormat, ...] = get_args(WireFormat)
 ScaleFormat = Literal["fp32", "ue8m0"]
 SCALE_FORMATS: tuple[ScaleFormat, ...] = get_args(ScaleFormat)
 
+# How a DSA indexer's wk and weights_proj travel: "fused" into one bf16 wk_weights_proj (vLLM; SGLang
+# when the config interleaves the indexer's rotary), or "split": wk block-FP8, weights_proj as it is
+# (SGLang otherwise).
+IndexerForm = Literal["fused", "split"]
+INDEXER_FORMS: tuple[IndexerForm, ...] = get_args(IndexerForm)
+
 # The GPU generation whose kernel layout the entries take (Blackwell packs UE8M0 scales).
 Target = Literal["hopper", "blackwell"]
 TARGETS: tuple[Target, ...] = get_args(Target)
@@ -63,6 +69,7 @@ __all__ = [
     "BACKENDS",
     "DRAFTS",
     "GATHERS",
+    "INDEXER_FORMS",
     "KEPT_COPIES",
     "LINK_BACKENDS",
     "SCALE_FORMATS",
@@ -72,6 +79,7 @@ __all__ = [
     "Backend",
     "Draft",
     "Gather",
+    "IndexerForm",
     "KeptCopy",
     "LinkBackend",
     "ScaleFormat",

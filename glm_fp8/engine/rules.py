@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from glm_fp8.core.numerics import BLOCK, ceil_blocks
+from glm_fp8.core.vocab import INDEXER_FORMS
 from glm_fp8.engine.layout import EngineLayout, Shard
 from glm_fp8.model.config import as_config
 from glm_fp8.model.families import SHAPES
@@ -42,6 +43,8 @@ _REPLICATED = frozenset(
         "self_attn.kv_a_layernorm.weight",
         "self_attn.indexer.wq_b.weight",
         "self_attn.indexer.wk_weights_proj.weight",
+        "self_attn.indexer.wk.weight",
+        "self_attn.indexer.weights_proj.weight",
         "self_attn.indexer.k_norm.weight",
         "self_attn.indexer.k_norm.bias",
         "self_attn.q_norm.weight",
@@ -81,7 +84,8 @@ def split_name(name: str) -> tuple[int | None, str]:
 
 def kernel_entry_shapes(config: object, *, quantize: bool = True) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Full kernel-format shape and fp8-ness of every entry a model config can hold, by name
-    relative to its layer (dense and sparse layers merged, MTP-own and non-layer names too)."""
+    relative to its layer (dense and sparse layers merged, both indexer forms, MTP-own and
+    non-layer names too)."""
     config = as_config(config)
     model_type = config["model_type"]
     h = config["hidden_size"]
@@ -90,8 +94,9 @@ def kernel_entry_shapes(config: object, *, quantize: bool = True) -> dict[str, t
         if not sparse and "intermediate_size" not in config:
             continue
         inputs = {k: (s, torch.bfloat16) for k, s in SHAPES[model_type](config, sparse).items()}
-        for e in build_plan(model_type, inputs, quantize=quantize).entries:
-            table[e.name] = (tuple(e.shape), e.op == "quantize")
+        for form in INDEXER_FORMS:
+            for e in build_plan(model_type, inputs, quantize=quantize, indexer_form=form).entries:
+                table[e.name] = (tuple(e.shape), e.op == "quantize")
     table.update(
         {
             "model.norm.weight": ((h,), False),

@@ -28,7 +28,7 @@ ranks, alone or beside vLLM ranks, unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -188,22 +188,41 @@ def sglang_name(kernel_name: str) -> str:
 
 
 def check_sglang_config(config: Mapping) -> None:
-    """Refuse, naming the setting, a model whose SGLang 0.5.23 parameters are not the kernel-format
-    entries: another family, or a GLM-5 whose indexer SGLang builds unfused (``wk`` quantized
-    beside ``weights_proj``: it fuses them into the bf16 ``wk_weights_proj`` only when the config
-    says ``indexer_rope_interleave``, dsa_indexer.py)."""
+    """Refuse, naming the setting, a model whose SGLang 0.5.23 parameters these rules were not read
+    for: another family."""
     if config["model_type"] not in SGLANG_FAMILIES:
         raise ValueError(
             f"config.model_type: SGLang engines are modelled for {sorted(SGLANG_FAMILIES)} only "
             f"({_DOC}), got {config['model_type']!r}"
         )
-    if config.get("indexer_rope_interleave") is not True:
+
+
+def sglang_indexer_form(config: Mapping) -> str:
+    """How SGLang 0.5.23 holds GLM-5's indexer wk / weights_proj on a GPU (dsa_indexer.py,
+    ``use_dsa_indexer_fusion``: CUDA and a rotary that is not NeoX-style, i.e. the config says
+    ``"indexer_rope_interleave": true``, as GLM-5.2's does): "fused" into the bf16
+    ``wk_weights_proj``; else "split": ``wk`` a block-FP8 linear, ``weights_proj`` bf16 (GLM-5's)."""
+    return "fused" if config.get("indexer_rope_interleave") is True else "split"
+
+
+def update_indexer_form(config: Mapping | None, engines: Sequence[object] | None) -> str:
+    """The indexer form one update's plans take (``glm_fp8.core.vocab.IndexerForm``): what its engine
+    ranks hold (vLLM 0.34: "fused"; SGLang: ``sglang_indexer_form``), "fused" with none given.
+    Raises ValueError for ranks that hold it both ways: send them in separate updates."""
+    if config is None or engines is None:
+        return "fused"
+    forms: dict[str, str] = {}
+    for lay in engines:
+        if isinstance(lay, EngineLayout):
+            form = sglang_indexer_form(config) if lay.engine == "sglang" else "fused"
+            forms.setdefault(form, lay.engine)
+    if len(forms) > 1:
         raise ValueError(
-            "config.indexer_rope_interleave: SGLang 0.5.23 fuses the indexer's wk and weights_proj "
-            "into the bf16 wk_weights_proj that glm_fp8 sends only when the model's config.json says "
-            f'"indexer_rope_interleave": true (GLM-5\'s does); got {config.get("indexer_rope_interleave")!r} '
-            f"({_DOC})"
+            "engines: the vLLM ranks hold the indexer's wk and weights_proj fused and the SGLang ranks "
+            "split (this config does not say indexer_rope_interleave: true); one update sends one "
+            f"form: update them in separate updates ({_DOC})"
         )
+    return next(iter(forms), "fused")
 
 
 __all__ = [
@@ -212,5 +231,7 @@ __all__ = [
     "SHARED_EXPERTS_UNSPLIT_A2A",
     "SGLangLayout",
     "check_sglang_config",
+    "sglang_indexer_form",
     "sglang_name",
+    "update_indexer_form",
 ]

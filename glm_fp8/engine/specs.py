@@ -16,7 +16,7 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard
 from glm_fp8.engine.rules import MTP_OWN, ShardRules, split_name
-from glm_fp8.engine.sglang import check_sglang_config, sglang_name
+from glm_fp8.engine.sglang import check_sglang_config, sglang_indexer_form, sglang_name
 from glm_fp8.model.config import as_config, check_untied_vocab
 from glm_fp8.model.families import float32_entries, layer_kind, mtp_layer_index
 from glm_fp8.model.indexer import skip_topk_layers
@@ -116,6 +116,7 @@ def engine_params(
     rules = ShardRules(config, layout, quantize)
     # SGLang's MTP drafter is a model of its own (its NextN class, in the draft worker): not listed.
     mtp = None if sglang else mtp_layer_index(config)
+    form = sglang_indexer_form(config) if sglang else "fused"
     out: dict[str, EngineParam] = {}
 
     def add(kernel: str, full: tuple[int, ...]) -> None:
@@ -131,7 +132,7 @@ def engine_params(
         # dense / sparse, with or without an indexer (the schedule's), or the MTP layer
         kind = "mtp" if i == mtp else layer_kind(config, i)
         if kind not in plans:
-            plan = plan_from_config(config, i, dtype=dtype, quantize=quantize)
+            plan = plan_from_config(config, i, dtype=dtype, quantize=quantize, indexer_form=form)
             plans[kind] = [(e.name, tuple(e.shape)) for e in plan.entries]
         for short, full in plans[kind]:
             add(layer_prefix(i) + short, full)

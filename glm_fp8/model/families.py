@@ -125,6 +125,26 @@ _INDEXER = [
     _r("self_attn.indexer.k_norm.bias", group="indexer"),
 ]
 _MLA_DSA_ATTENTION = _MLA_ATTENTION + _INDEXER
+FUSED_INDEXER = "self_attn.indexer.wk_weights_proj.weight"
+# The indexer "split" (glm_fp8.core.vocab.IndexerForm): wk block-FP8, weights_proj as it is, in
+# place of FUSED_INDEXER (SGLang 0.5.23 when the config does not interleave the indexer's rotary).
+SPLIT_INDEXER = [
+    _r("self_attn.indexer.wk.weight", q=True, group="indexer"),
+    _r("self_attn.indexer.weights_proj.weight", group="indexer"),
+]
+
+
+def with_indexer_form(rules: list[Rule], form: str) -> list[Rule]:
+    """``rules`` with the indexer's wk / weights_proj in ``form``: "fused" as they are, "split" with
+    ``SPLIT_INDEXER`` in place of ``FUSED_INDEXER``."""
+    if form == "fused":
+        return rules
+    out: list[Rule] = []
+    for r in rules:
+        out += SPLIT_INDEXER if r.out == FUSED_INDEXER else [r]
+    return out
+
+
 _GQA_ATTENTION = [
     _r(
         "self_attn.qkv_proj.weight",

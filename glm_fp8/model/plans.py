@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from glm_fp8.core.vocab import SCALE_FORMATS, TARGETS, check_choice
+from glm_fp8.core.vocab import INDEXER_FORMS, SCALE_FORMATS, TARGETS, check_choice
 from glm_fp8.model.config import FAMILY_TRAITS, as_config
 from glm_fp8.model.families import (
     EXPERT,
@@ -36,6 +36,7 @@ from glm_fp8.model.families import (
     layer_shapes,
     layout_sources,
     mtp_layer_index,
+    with_indexer_form,
 )
 from glm_fp8.model.indexer import INDEXER_FAMILIES, INDEXER_PREFIX, has_indexer
 from glm_fp8.model.layer_plan import LayerPlan, PlanEntry, align, scale_entry
@@ -56,6 +57,7 @@ def build_plan(
     quantize: bool = True,
     scale_fmt: str | None = None,
     model_dtype: torch.dtype | None = None,
+    indexer_form: str = "fused",
 ) -> LayerPlan:
     """Plan one layer from its trainer tensors' shapes and dtypes (dtype None: not known yet),
     in whichever trainer layout their names follow (``trainer_layout``). The layer is a decoder
@@ -64,7 +66,8 @@ def build_plan(
     (default for Hopper) or "ue8m0" (power-of-two scales, as DeepGEMM needs; Blackwell's only
     format). Passthrough entries take ``model_dtype`` as the engine does (float32 for
     ``glm_fp8.model.families.float32_entries``), and so do their inputs; None: their first source's dtype
-    (a state dict's plan keeps the trainer's dtypes)."""
+    (a state dict's plan keeps the trainer's dtypes). ``indexer_form``: the DSA indexer's wk and
+    weights_proj "fused" into one bf16 entry (default) or "split" (``glm_fp8.core.vocab.IndexerForm``)."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: expected one of {sorted(FAMILIES)}, got {model_type!r}")
     check_choice("target", target, TARGETS)
@@ -73,8 +76,10 @@ def build_plan(
     check_choice("scale_fmt", scale_fmt, SCALE_FORMATS)
     if target == "blackwell" and scale_fmt != "ue8m0":
         raise ValueError("scale_fmt: Blackwell's packed scales are ue8m0 only, got 'fp32'")
+    check_choice("indexer_form", indexer_form, INDEXER_FORMS)
     layout = trainer_layout(inputs)
     attention, dense, sparse = FAMILIES[model_type]
+    attention = with_indexer_form(attention, indexer_form)
     indexer = False
     if any(r.out in inputs for r in REST_RULES):
         kind, rules = "rest", REST_RULES
@@ -187,6 +192,7 @@ def plan_from_config(
     target: str = "hopper",
     quantize: bool = True,
     scale_fmt: str | None = None,
+    indexer_form: str = "fused",
 ) -> LayerPlan:
     """Plan layer ``layer_idx`` of a model config (anything ``glm_fp8.model.config.as_config`` takes; a
     decoder layer, the MTP layer or ``REST``) in prime-rl's trainer layout (``adapt_plan`` reads
@@ -203,6 +209,7 @@ def plan_from_config(
         quantize=quantize,
         scale_fmt=scale_fmt,
         model_dtype=dtype,
+        indexer_form=indexer_form,
     )
 
 
@@ -212,12 +219,13 @@ def plans_for_model(
     target: str = "hopper",
     layer_ids: Sequence[int] | None = None,
     scale_fmt: str | None = None,
+    indexer_form: str = "fused",
 ) -> list[LayerPlan]:
     """One plan per layer of ``layer_ids`` (default: every decoder layer; the MTP layer and
     ``REST`` may be listed too, and need not be: a trainer that does not model the MTP layer
     updates the target only), built once per kind of layer (``glm_fp8.model.families.layer_kind``:
     dense or sparse MLP, with or without an indexer). ``wire``: "fp8" (kernel format) or "bf16"
-    (unquantized entries)."""
+    (unquantized entries); ``indexer_form`` as ``build_plan`` takes it."""
     c = as_config(config)
     cache: dict[object, LayerPlan] = {}
     out = []
@@ -225,7 +233,9 @@ def plans_for_model(
     for i in range(c["num_hidden_layers"]) if layer_ids is None else layer_ids:
         kind = i if i in (REST, mtp) else layer_kind(c, i)
         if kind not in cache:
-            cache[kind] = plan_from_config(c, i, target=target, quantize=wire == "fp8", scale_fmt=scale_fmt)
+            cache[kind] = plan_from_config(
+                c, i, target=target, quantize=wire == "fp8", scale_fmt=scale_fmt, indexer_form=indexer_form
+            )
         out.append(cache[kind])
     return out
 

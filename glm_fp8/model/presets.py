@@ -196,12 +196,12 @@ FLEETS: dict[str, dict] = {
         "trainer": "megatron:tp4,pp8,cp2,ep16",
         "servers": ({"tp": 8, "dp": 8, "ep": True, "replicas": 2},),
     },
-    # miles' trainer and serving shape with SGLang servers (docs/sglang.md#plan): 2 servers of 8 nodes,
-    # TP 64 with attention DP 64 and EP 64 over DeepEP, the dense MLP unsplit (--moe-dense-tp-size 1),
-    # as SGLang's large-EP DeepSeek recipes run. GLM-5.2, not miles' GLM-5: SGLang builds GLM-5's
-    # indexer unfused, which glm_fp8 does not send yet (docs/sglang.md#refused-before-anything-moves).
-    "miles-sglang-glm-5.2": {
-        "model": "glm-5.2",
+    # miles' GLM-5 deployment (above) with its SGLang servers (docs/sglang.md#plan): 2 servers of 8
+    # nodes, TP 64 with attention DP 64 and EP 64 over DeepEP, the dense MLP unsplit
+    # (--moe-dense-tp-size 1), as SGLang's large-EP DeepSeek recipes run them; how miles splits
+    # attention is not published.
+    "miles-glm-5-sglang": {
+        "model": "glm-5",
         "trainer_gpus": 128,
         "link_gbps": 400.0,
         "trainer": "megatron:tp4,pp8,cp2,ep16",

@@ -12,6 +12,7 @@ import torch
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.core.errors import ManifestMismatch, UpdateAborted
+from glm_fp8.engine.sglang import update_indexer_form
 from glm_fp8.model.config import as_config
 from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.model.layer_plan import LayerPlan
@@ -167,6 +168,8 @@ class Endpoint:
         senders, engines = options.senders, options.engines
         self.wire, self.checksum = wire, checksum
         self.config = as_config(config) if config is not None else None
+        # the indexer as the engine ranks hold it (SGLang may hold it split: docs/sglang.md)
+        self.indexer_form = update_indexer_form(self.config, engines)
         self._layers(plans, layer_ids, rest, scale_fmt)
         self.device = resolve_device(device) if device else default_device()
         self.link = as_link(comm)
@@ -279,7 +282,13 @@ class Endpoint:
         if plans is not None:
             self.plans = [plans[i] for i in self.layer_ids]
         else:
-            self.plans = plans_for_model(config, self.wire, layer_ids=self.layer_ids, scale_fmt=scale_fmt)
+            self.plans = plans_for_model(
+                config,
+                self.wire,
+                layer_ids=self.layer_ids,
+                scale_fmt=scale_fmt,
+                indexer_form=self.indexer_form,
+            )
 
     def release(self) -> None:
         """Give the ring buffers back once the work queued on them finished (between updates: the

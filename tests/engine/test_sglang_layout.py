@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from glm_fp8.engine import EngineLayout, SGLangLayout, engine_param_specs
-from glm_fp8.engine.sglang import check_sglang_config, sglang_name
+from glm_fp8.engine.sglang import check_sglang_config, sglang_indexer_form, sglang_name, update_indexer_form
 from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.transfer.pack import layout_words
 
@@ -105,12 +105,32 @@ def test_the_vocabulary_pads_to_64_times_the_group_where_64_does_not_split_evenl
 
 
 def test_models_sglang_holds_otherwise_are_refused_naming_the_setting():
-    with pytest.raises(ValueError, match="indexer_rope_interleave"):
-        check_sglang_config(TINY_GLM5)
-    with pytest.raises(ValueError, match="indexer_rope_interleave"):
-        engine_param_specs(TINY_GLM5, SGLangLayout.from_sglang(2, 0))
     with pytest.raises(ValueError, match="model_type"):
         check_sglang_config({"model_type": "glm4_moe"})
+
+
+def test_glm5s_indexer_is_split_for_sglang_and_fused_for_vllm():
+    """GLM-5's config does not interleave the indexer's rotary: SGLang then holds wk block-FP8 and
+    weights_proj bf16, vLLM the fused bf16 wk_weights_proj; one update sends one form."""
+    lay = SGLangLayout.from_sglang(2, 0)
+    split = engine_param_specs(TINY_GLM5, lay)
+    h, d, heads = TINY_GLM5["hidden_size"], TINY_GLM5["index_head_dim"], TINY_GLM5["index_n_heads"]
+    assert split["model.layers.2.self_attn.indexer.wk.weight"] == ((d, h), FP8)
+    assert split["model.layers.2.self_attn.indexer.wk.weight_scale_inv"] == ((1, 2), torch.float32)
+    assert split["model.layers.2.self_attn.indexer.weights_proj.weight"] == ((heads, h), torch.bfloat16)
+    assert not any("wk_weights_proj" in n for n in split)
+    fused = engine_param_specs(CONFIG, lay)
+    assert fused["model.layers.2.self_attn.indexer.wk_weights_proj.weight"] == (
+        (d + heads, h),
+        torch.bfloat16,
+    )
+    assert sglang_indexer_form(TINY_GLM5) == "split" and sglang_indexer_form(CONFIG) == "fused"
+    vllm = EngineLayout(tp_size=2, tp_rank=0)
+    assert update_indexer_form(TINY_GLM5, [None, lay]) == "split"
+    assert update_indexer_form(TINY_GLM5, [None, vllm]) == "fused"
+    assert update_indexer_form(CONFIG, [None, lay, vllm]) == "fused"  # GLM-5.2: both fused
+    with pytest.raises(ValueError, match="separate updates"):
+        update_indexer_form(TINY_GLM5, [None, lay, vllm])
 
 
 def test_manifest_words_tell_the_engines_apart():

@@ -85,6 +85,10 @@ CONFIG = {
         "weight_block_size": [128, 128],
     },
 }
+# GLM-5's own config says nothing of the indexer's rotary: SGLang then holds its wk block-FP8 beside a
+# bf16 weights_proj ("split"), which glm_fp8 sends so to SGLang ranks.
+GLM5 = {k: v for k, v in CONFIG.items() if k != "indexer_rope_interleave"}
+CONFIGS = {"glm-5.2": CONFIG, "glm-5": GLM5}
 KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's scales: no checkpoint here holds them
 SERVERS = {
     "tp2": dict(tp_size=2),
@@ -127,7 +131,7 @@ def _sglang_world(rank: int, server: dict, port: int):
     initialize_dp_attention(args)
 
 
-def _model():
+def _model(cfg: dict):
     """SGLang's GLM-5 model as its loader builds it (bf16 default dtype, block-FP8 quant config),
     every byte poisoned but the KV cache's scales."""
     import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
@@ -140,12 +144,13 @@ def _model():
     rotary._is_cpu = True
     dsa_indexer._is_cuda, dsa_indexer.resolve_num_sms = True, lambda: 132
     mla_loader._is_cuda = True
-    keys = {k: v for k, v in CONFIG.items() if k not in ("model_type", "quantization_config")}
+    keys = {k: v for k, v in cfg.items() if k not in ("model_type", "quantization_config")}
     config = transformers.GlmMoeDsaConfig(**keys)
-    config.rope_scaling = CONFIG["rope_scaling"]
+    config.rope_scaling = cfg["rope_scaling"]
     for k in ("moe_layer_freq", "topk_method", "indexer_rope_interleave", "n_group", "topk_group"):
-        setattr(config, k, CONFIG[k])
-    config.quantization_config = CONFIG["quantization_config"]
+        if k in cfg:
+            setattr(config, k, cfg[k])
+    config.quantization_config = cfg["quantization_config"]
     quant = Fp8Config(
         is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128]
     )
@@ -201,9 +206,9 @@ def _layer(case: dict, i: int, step: int, mesh):
     from glm_fp8.testing import moved_layer
 
     sd = (
-        synthetic_layer(CONFIG, i, torch.bfloat16, "hf")
+        synthetic_layer(case["config"], i, torch.bfloat16, "hf")
         if step == 0
-        else moved_layer(CONFIG, i, step, layout="hf")
+        else moved_layer(case["config"], i, step, layout="hf")
     )
     if mesh is None:
         return sd
@@ -216,20 +221,21 @@ def _rank(rank, world, case, ports):
     import torch.distributed as dist
 
     from glm_fp8.engine import SGLangLayout, engine_param_specs, engine_params
-    from glm_fp8.testing import block_fp8_checkpoint, moved_layer, reference_engine_params
+    from glm_fp8.testing import moved_layer, reference_engine_params
     from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
 
     dist.destroy_process_group()  # the launcher's world holds every rank: SGLang's holds its own
     server, n_senders, steps, delta = case["server"], case["senders"], case["steps"], case["delta"]
+    config = case["config"]
     tp = server["tp_size"]
     layouts = SGLangLayout.all_sglang_ranks(
         tp, **{k: v for k, v in server.items() if k in ("attn_dp_size", "ep_size")}
     )
     vllm = case["vllm"]
     kw = dict(
-        config=CONFIG,
-        layer_ids=list(range(CONFIG["num_hidden_layers"])),
+        config=config,
+        layer_ids=list(range(config["num_hidden_layers"])),
         rest=True,
         device="cpu",
         engines=[None] * n_senders + layouts + vllm,
@@ -255,11 +261,11 @@ def _rank(rank, world, case, ports):
             sent.append(sender.send_model(layers, rest=_layer(case, REST, step, mesh)).nbytes)
         return {"sent": sent}
     last = steps - 1
-    weights = None if last == 0 else (lambda i: moved_layer(CONFIG, i, last, layout="hf"))
+    weights = None if last == 0 else (lambda i: moved_layer(config, i, last, layout="hf"))
     if rank >= n_senders + tp:  # a vLLM rank in the same update: glm_fp8's reference of vLLM's shards
         layout = vllm[rank - n_senders - tp]
         params = {
-            n: torch.full(p.shape, float("nan")).to(p.dtype) for n, p in engine_params(CONFIG, layout).items()
+            n: torch.full(p.shape, float("nan")).to(p.dtype) for n, p in engine_params(config, layout).items()
         }
         receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
         for _ in range(steps):
@@ -268,8 +274,8 @@ def _rank(rank, world, case, ports):
         # the same values in prime-rl's names, which the reference reads (the routing bias float32, as
         # Hugging Face's router holds it); one update: moved_layer has prime-rl's bf16 bias
         assert steps == 1
-        layer = lambda i: synthetic_layer(CONFIG, i, bias_dtype=torch.float32)  # noqa: E731
-        want = reference_engine_params(CONFIG, layout, ids, layer=layer)
+        layer = lambda i: synthetic_layer(config, i, bias_dtype=torch.float32)  # noqa: E731
+        want = reference_engine_params(config, layout, ids, layer=layer)
         bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
         differ = sorted(n for n, t in want.items() if not torch.equal(bits(params[n]), bits(t)))
         return {"layout": str(layout), "differ": differ, "params": len(want)}
@@ -279,11 +285,11 @@ def _rank(rank, world, case, ports):
     _sglang_world(engine_rank, server, ports[1])
     layout = layouts[engine_rank]
     cpu = torch.device("cpu")
-    theirs = _model()
-    theirs.load_weights(block_fp8_checkpoint(CONFIG, torch.bfloat16, weights))
+    theirs = _model(config)
+    theirs.load_weights(_checkpoint(config, weights))
     DefaultModelLoader.postprocess_weights(theirs, cpu)
 
-    ours = _model()
+    ours = _model(config)
     receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
     received = []
     for _ in range(steps):  # each update in a session, as SGLang frames a direct write
@@ -295,7 +301,7 @@ def _rank(rank, world, case, ports):
 
     built = {n: (tuple(p.shape), p.dtype) for n, p in theirs.named_parameters()}
     built = {n: v for n, v in built.items() if not n.endswith(KV_SCALES)}
-    specs = engine_param_specs(CONFIG, layout)
+    specs = engine_param_specs(config, layout)
     out = _compare(ours, theirs)
     out.update(
         layout=str(layout),
@@ -325,19 +331,19 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     from sglang.srt.utils import MultiprocessingSerializer
 
     from glm_fp8.integrations.sglang import LOADER, SGLangUpdate
-    from glm_fp8.testing import block_fp8_checkpoint, moved_layer
+    from glm_fp8.testing import moved_layer
 
-    server, n_senders, steps = case["server"], case["senders"], case["steps"]
+    server, n_senders, steps, config = case["server"], case["senders"], case["steps"], case["config"]
     _sglang_world(engine_rank, server, ports[1])
     cpu = torch.device("cpu")
     last = steps - 1
-    weights = None if last == 0 else (lambda i: moved_layer(CONFIG, i, last, layout="hf"))
-    theirs = _model()
-    theirs.load_weights(block_fp8_checkpoint(CONFIG, torch.bfloat16, weights))
+    weights = None if last == 0 else (lambda i: moved_layer(config, i, last, layout="hf"))
+    theirs = _model(config)
+    theirs.load_weights(_checkpoint(config, weights))
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     DefaultModelLoader.postprocess_weights(theirs, cpu)
-    ours = _model()
+    ours = _model(config)
     updater = WeightUpdater(
         tp_rank=engine_rank,
         device="cpu",
@@ -374,7 +380,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
         port=ports[0],
         rank_offset=n_senders,
         world_size=n_senders + len(layouts),
-        config=CONFIG,
+        config=config,
         layer_ids=kw["layer_ids"],
         engines=kw["engines"],
         senders=kw["senders"],
@@ -411,6 +417,17 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     return buf.getvalue()
 
 
+def _checkpoint(config: dict, weights):
+    """SGLang's own load's input: the block-FP8 checkpoint, its indexer wk quantized too where SGLang
+    holds it split (its block-FP8 linear loads the FP8 weight and its scale)."""
+    from glm_fp8.engine.sglang import sglang_indexer_form
+    from glm_fp8.testing import FP8_IN_CHECKPOINT, block_fp8_checkpoint
+
+    split = sglang_indexer_form(config) == "split"
+    fp8 = (*FP8_IN_CHECKPOINT, "wk") if split else FP8_IN_CHECKPOINT
+    return block_fp8_checkpoint(config, torch.bfloat16, weights, fp8=fp8)
+
+
 def _vllm_layouts(name: str | None):
     from glm_fp8.engine import EngineLayout
 
@@ -425,6 +442,8 @@ CASES = {
     "deltas into tp2-ep2": dict(server="tp2-ep2", steps=3, delta=True),
     "tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2"),
     "SGLang's session API, two updates into attn-dp2-ep2": dict(server="attn-dp2-ep2", steps=2, api=True),
+    "GLM-5's split indexer, deltas into tp2": dict(server="tp2", steps=2, delta=True, config="glm-5"),
+    "GLM-5's split indexer through SGLang's session API": dict(server="tp2-ep2", api=True, config="glm-5"),
 }
 
 
@@ -438,6 +457,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         delta=spec.get("delta", False),
         vllm=_vllm_layouts(spec.get("vllm")),
         api=spec.get("api", False),
+        config=CONFIGS[spec.get("config", "glm-5.2")],
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])
@@ -449,7 +469,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         out = torch.load(io.BytesIO(results[r][1]), weights_only=False)
         assert out["specs_differ"] == [], (out["layout"], out["specs_differ"])
         assert out["differ"] == [], (out["layout"], out["differ"])
-        assert out["derived"] == 2 * CONFIG["num_hidden_layers"], out
+        assert out["derived"] == 2 * case["config"]["num_hidden_layers"], out
         assert out["poisoned"] == [], out["poisoned"]
         assert out["params"] > 50 and out["received"][0] > 0
         if case["api"]:  # every call of SGLang's session succeeded; each update recorded its version

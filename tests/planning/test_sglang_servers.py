@@ -76,8 +76,9 @@ def test_attention_dp_ranks_receive_whole_attention():
 
 
 def test_the_miles_shaped_sglang_preset_plans_an_update():
-    fleet = fleet_preset("miles-sglang-glm-5.2")
+    fleet = fleet_preset("miles-glm-5-sglang")
     (server,) = fleet.servers
     assert server.engine == "sglang" and server.ranks == 64 and server.replicas == 2
     assert PRESETS["glm-5.2"]["indexer_rope_interleave"] is True  # SGLang fuses its indexer as vLLM does
+    assert "indexer_rope_interleave" not in PRESETS["glm-5"]  # SGLang holds GLM-5's split
     assert fleet.trainer is not None and fleet.trainer_gpus == 128
