@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import VOCAB_PAD, EngineLayout
 
@@ -180,6 +182,45 @@ class SGLangLayout(EngineLayout):
         return math.ceil(vocab / pad) * pad
 
 
+# SGLang's fused shared expert (DeepseekV2MoE with num_fused_shared_experts 1): the routed experts'
+# stacks hold it as their last expert; each stack and the shared-expert entry it stands for.
+FUSED_SHARED_SLOTS = {
+    "mlp.experts.w13_weight": "mlp.shared_experts.gate_up_proj.weight",
+    "mlp.experts.w13_weight_scale_inv": "mlp.shared_experts.gate_up_proj.weight_scale_inv",
+    "mlp.experts.w2_weight": "mlp.shared_experts.down_proj.weight",
+    "mlp.experts.w2_weight_scale_inv": "mlp.shared_experts.down_proj.weight_scale_inv",
+}
+
+
+def sglang_params(
+    params: Mapping[str, torch.Tensor], layout: SGLangLayout, fused_shared_experts: int = 0
+) -> dict[str, torch.Tensor]:
+    """The tensors an update lands in, under the names ``engine_params`` lists, from an SGLang model's
+    parameters (``.data``, by SGLang's names): as they are; where SGLang fused the shared expert into
+    the routed experts' stacks (its default on an NVIDIA GPU without EP: ``fused_shared_experts``
+    1), each stack's first E experts under the stack's name and its last expert under the shared
+    expert's entry, views of the same tensor. That slot holds the shared expert cut as a routed
+    expert is, which without EP is the shared experts' own cut over the whole TP group. Raises
+    ValueError where SGLang fuses otherwise: several shared experts, or under EP or an all-to-all
+    backend (the shared expert then is not cut as a routed expert)."""
+    out = dict(params)
+    if not fused_shared_experts:
+        return out
+    if fused_shared_experts != 1 or layout.expert_parallel or not layout.shared_experts_split:
+        raise ValueError(
+            f"SGLang fused {fused_shared_experts} shared expert(s) into the routed experts at {layout}: "
+            "glm_fp8 lands one, without EP and with the shared experts split over the whole TP group; "
+            f"start the server with --disable-shared-experts-fusion ({_DOC})"
+        )
+    for name in [n for n in out if any(n.endswith("." + s) for s in FUSED_SHARED_SLOTS)]:
+        stack = out[name]
+        short = next(s for s in FUSED_SHARED_SLOTS if name.endswith("." + s))
+        prefix = name[: -len(short)]
+        out[name] = stack[:-1]
+        out[prefix + FUSED_SHARED_SLOTS[short]] = stack[-1]
+    return out
+
+
 def sglang_name(kernel_name: str) -> str:
     """SGLang 0.5.23's name for a kernel-format entry: ``self_attn.fused_qkv_a_proj.*`` ->
     ``self_attn.fused_qkv_a_proj_with_mqa.*``; every other entry keeps its name (the routed
@@ -230,8 +271,10 @@ __all__ = [
     "SGLANG_FAMILIES",
     "SHARED_EXPERTS_UNSPLIT_A2A",
     "SGLangLayout",
+    "FUSED_SHARED_SLOTS",
     "check_sglang_config",
     "sglang_indexer_form",
     "sglang_name",
+    "sglang_params",
     "update_indexer_form",
 ]

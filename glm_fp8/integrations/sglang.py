@@ -19,7 +19,8 @@ scheduler process, with the model. So the server starts with
 ``SGLangUpdate`` is the payload: the link's address and this server's ranks on it, and what every
 rank must agree on (the config, the layers, the senders, every rank's layout). Each SGLang rank
 reads its own layout from SGLang's runtime context (``sglang_rank_layout``) and checks that the
-model holds exactly the parameters glm_fp8 lands, before anything moves. The link and the
+model holds exactly the parameters glm_fp8 lands (``landing_params``: a shared expert SGLang fused
+into the routed experts' stacks is landed in its slot), before anything moves. The link and the
 ``Receiver`` stay open between updates (a delta update needs what the last one left).
 """
 
@@ -36,7 +37,7 @@ import torch
 
 from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine.layout import EngineLayout
-from glm_fp8.engine.sglang import SGLangLayout
+from glm_fp8.engine.sglang import SGLangLayout, sglang_params
 from glm_fp8.engine.specs import engine_param_specs
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.receiver import Receiver
@@ -138,24 +139,26 @@ def sglang_rank_layout() -> SGLangLayout:
     )
 
 
-def check_model(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> None:
-    """Refuse, naming the parameter, a model whose parameters are not the ones glm_fp8 lands at
-    ``layout`` (names, shapes, dtypes; the KV cache's scales aside): e.g. a shared expert SGLang
-    fused into the routed experts' stack (start the server with --disable-shared-experts-fusion)."""
+def landing_params(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` an update lands in, by the names glm_fp8 lands (``sglang_params``:
+    the shared expert SGLang fused into the routed experts' stacks under its own entry's name),
+    checked against what glm_fp8 lands at ``layout`` (names, shapes, dtypes; the KV cache's scales
+    aside): ``EngineNotSupported`` names the first parameter that differs."""
     fused = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
-    if fused:
-        raise EngineNotSupported(
-            f"SGLang fused {fused} shared expert(s) into the routed experts' stack, which glm_fp8 does not "
-            "land yet: start the server with --disable-shared-experts-fusion (docs/sglang.md)"
-        )
+    held = {n: p.data for n, p in model.named_parameters() if not n.endswith(KV_SCALES)}
+    try:
+        params = sglang_params(held, layout, fused)
+    except ValueError as e:
+        raise EngineNotSupported(str(e)) from None
     want = engine_param_specs(config, layout)
-    held = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters() if not n.endswith(KV_SCALES)}
-    for name in sorted(set(want) | set(held)):
-        if want.get(name) != held.get(name):
+    for name in sorted(set(want) | set(params)):
+        got = (tuple(params[name].shape), params[name].dtype) if name in params else None
+        if want.get(name) != got:
             raise EngineNotSupported(
-                f"{name}: SGLang's model holds {held.get(name)}, glm_fp8 lands {want.get(name)} at {layout} "
+                f"{name}: SGLang's model holds {got}, glm_fp8 lands {want.get(name)} at {layout} "
                 "(docs/sglang.md#layouts)"
             )
+    return params
 
 
 _RECEIVERS: dict[str, tuple[StoreLink, Receiver]] = {}  # per update's link and options, kept open
@@ -170,8 +173,8 @@ def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, to
     update = SGLangUpdate.from_named_tensors(named_tensors)
     layout = sglang_rank_layout()
     key = update.to_json()
+    params = landing_params(model, update.config, layout)  # every update: SGLang may re-allocate
     if key not in _RECEIVERS:
-        check_model(model, update.config, layout)
         device = next(model.parameters()).device
         rank = update.rank_offset + layout.moe_group_rank  # SGLang's TP rank
         link = StoreLink(
@@ -197,8 +200,8 @@ def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, to
         )
         _RECEIVERS[key] = (link, receiver)
     _, receiver = _RECEIVERS[key]
-    receiver.load_into({n: p.data for n, p in model.named_parameters()})
+    receiver.load_into(params)
     post_load_weights(model)
 
 
-__all__ = ["LOADER", "PAYLOAD", "SGLangUpdate", "check_model", "receive_update", "sglang_rank_layout"]
+__all__ = ["LOADER", "PAYLOAD", "SGLangUpdate", "landing_params", "receive_update", "sglang_rank_layout"]

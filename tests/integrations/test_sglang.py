@@ -15,7 +15,7 @@ import torch
 
 from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine import EngineLayout, SGLangLayout, engine_param_specs
-from glm_fp8.integrations.sglang import PAYLOAD, SGLangUpdate, check_model
+from glm_fp8.integrations.sglang import PAYLOAD, SGLangUpdate, landing_params
 from glm_fp8.model.presets import TINY_GLM5
 
 CONFIG = {**TINY_GLM5, "indexer_rope_interleave": True, "num_nextn_predict_layers": 0}
@@ -64,14 +64,16 @@ def test_a_payload_of_another_shape_is_refused(named, words):
 
 
 class _Model(torch.nn.Module):
-    """Parameters under SGLang's names, as engine_param_specs lists them (and the KV-cache scales)."""
+    """Parameters under SGLang's names, as engine_param_specs lists them (and the KV-cache scales);
+    ``fused``: the shared expert as the routed experts' last, as SGLang fuses it."""
 
-    def __init__(self, layout, drop=None, reshape=None, extra=None):
+    def __init__(self, layout, drop=None, reshape=None, extra=None, fused=False):
         super().__init__()
-        for name, (shape, dtype) in engine_param_specs(CONFIG, layout).items():
-            if name == drop:
+        specs = engine_param_specs(CONFIG, layout)
+        for name, (shape, dtype) in specs.items():
+            if name == drop or (fused and ".shared_experts." in name):
                 continue
-            if name == reshape:
+            if name == reshape or (fused and ".mlp.experts.w" in name):
                 shape = (shape[0] + 1, *shape[1:])
             self.register_parameter(
                 name.replace(".", "__"), torch.nn.Parameter(torch.empty(shape, dtype=dtype), False)
@@ -79,6 +81,8 @@ class _Model(torch.nn.Module):
         self.register_parameter("kv__k_scale", torch.nn.Parameter(torch.ones(()), False))
         if extra:
             self.register_parameter(extra, torch.nn.Parameter(torch.empty(2), False))
+        if fused:
+            self.shared_experts_config = SimpleNamespace(num_fused_shared_experts=1)
 
     def named_parameters(self, *args, **kwargs):
         for name, p in super().named_parameters(*args, **kwargs):
@@ -86,7 +90,7 @@ class _Model(torch.nn.Module):
 
 
 def test_a_model_that_holds_what_glm_fp8_lands_passes():
-    check_model(_Model(LAYOUTS[1]), CONFIG, LAYOUTS[1])
+    landing_params(_Model(LAYOUTS[1]), CONFIG, LAYOUTS[1])
 
 
 @pytest.mark.parametrize(
@@ -102,11 +106,27 @@ def test_a_model_that_holds_what_glm_fp8_lands_passes():
 )
 def test_a_model_that_holds_anything_else_is_refused_naming_the_parameter(kw, words):
     with pytest.raises(EngineNotSupported, match=words):
-        check_model(_Model(LAYOUTS[1], **kw), CONFIG, LAYOUTS[1])
+        landing_params(_Model(LAYOUTS[1], **kw), CONFIG, LAYOUTS[1])
 
 
-def test_a_fused_shared_expert_is_refused_naming_the_flag():
-    model = _Model(LAYOUTS[0])
-    model.shared_experts_config = SimpleNamespace(num_fused_shared_experts=1)
+def test_a_fused_shared_expert_lands_in_the_routed_experts_last_slot():
+    tp2 = SGLangLayout.from_sglang(2, 1)
+    model = _Model(tp2, fused=True)
+    params = landing_params(model, CONFIG, tp2)
+    held = dict(model.named_parameters())
+    for stack, shared in [
+        ("model.layers.2.mlp.experts.w13_weight", "model.layers.2.mlp.shared_experts.gate_up_proj.weight"),
+        (
+            "model.layers.2.mlp.experts.w2_weight_scale_inv",
+            "model.layers.2.mlp.shared_experts.down_proj.weight_scale_inv",
+        ),
+    ]:
+        assert params[stack].data_ptr() == held[stack].data_ptr()
+        assert params[stack].shape[0] == CONFIG["n_routed_experts"]
+        assert params[shared].data_ptr() == held[stack][-1].data_ptr()
+
+
+def test_a_fused_shared_expert_under_ep_is_refused_naming_the_flag():
+    model = _Model(LAYOUTS[0], fused=True)
     with pytest.raises(EngineNotSupported, match="--disable-shared-experts-fusion"):
-        check_model(model, CONFIG, LAYOUTS[0])
+        landing_params(model, CONFIG, LAYOUTS[0])

@@ -7,7 +7,9 @@ parameters, in SGLang's shards) and MLA's derived ``w_kc`` / ``w_vc``, after glm
 (each rank receives its shard, ``SGLangLayout``: from one sender scattering, from two senders that
 each hold half the experts as FSDP2 DTensors, or as three updates of which the last two are deltas;
 and in one update with the two ranks of a vLLM server at DP 2 with EP 2, each of which then holds
-glm_fp8's reference of vLLM's shards) framed as SGLang's weight-update
+glm_fp8's reference of vLLM's shards; for GLM-5's own config, whose indexer SGLang holds split;
+and into a model whose shared expert SGLang fused into the routed experts' stacks) framed as
+SGLang's weight-update
 session frames a direct write (``begin_weight_update``: ``restore_weights_before_loading``; then
 ``end_weight_update`` with no ``load_weights`` run: ``post_load_weights`` and
 ``postprocess_weights``), holds the bytes that SGLang's ``load_weights`` of the same weights as a
@@ -17,7 +19,10 @@ delta update sends and receives under a tenth of the first, dense one. Both mode
 so a byte either path leaves unwritten shows as a difference, and none is left unwritten by
 SGLang's own load (the KV cache's ``k_scale`` / ``v_scale``, which no checkpoint here holds, keep
 SGLang's defaults: its KV-cache method checks them). And ``engine_param_specs`` for the rank's
-``SGLangLayout`` lists exactly the names, shapes and dtypes of the parameters SGLang built.
+``SGLangLayout`` lists exactly the names, shapes and dtypes of the parameters SGLang built. Driven
+by SGLang's own session code (its scheduler's ``SchedulerWeightUpdaterManager`` over the model
+runner's ``WeightUpdater``, glm_fp8's loader as ``load_format``), every call succeeds and records
+the update's weight version.
 
 Real: SGLang's model classes, layers, weight loaders, post-load steps, parallel groups (gloo over
 the server's ranks, placed from its published ``ServerArgs`` as SGLang's bootstrap places them).
@@ -131,15 +136,18 @@ def _sglang_world(rank: int, server: dict, port: int):
     initialize_dp_attention(args)
 
 
-def _model(cfg: dict):
-    """SGLang's GLM-5 model as its loader builds it (bf16 default dtype, block-FP8 quant config),
-    every byte poisoned but the KV cache's scales."""
+def _model(cfg: dict, fused: int = 0):
+    """SGLang's GLM-5 model as its loader builds it (bf16 default dtype, block-FP8 quant config;
+    ``fused``: the shared experts fused into the routed experts' stacks, as its loader decides on an
+    NVIDIA GPU without EP), every byte poisoned but the KV cache's scales."""
     import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
     import sglang.srt.layers.rotary_embedding.base as rotary
     import sglang.srt.models.deepseek_common.deepseek_weight_loader as mla_loader
     import transformers
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
+    from sglang.srt.runtime_context import get_model
 
     rotary._is_cpu = True
     dsa_indexer._is_cuda, dsa_indexer.resolve_num_sms = True, lambda: 132
@@ -156,10 +164,13 @@ def _model(cfg: dict):
     )
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
+    shared = SharedExpertsConfig(num_fused_shared_experts=fused)
     try:
-        model = GlmMoeDsaForCausalLM(config, quant_config=quant)
+        with get_model().override(shared_experts=shared):  # as model_loader/loader.py builds it
+            model = GlmMoeDsaForCausalLM(config, quant_config=quant)
     finally:
         torch.set_default_dtype(default)
+    model.shared_experts_config = shared
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not name.endswith(KV_SCALES):  # SGLang's own defaults: its KV-cache method checks them
@@ -221,6 +232,8 @@ def _rank(rank, world, case, ports):
     import torch.distributed as dist
 
     from glm_fp8.engine import SGLangLayout, engine_param_specs, engine_params
+    from glm_fp8.engine.sglang import sglang_params
+    from glm_fp8.integrations.sglang import landing_params
     from glm_fp8.testing import moved_layer, reference_engine_params
     from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
@@ -285,22 +298,22 @@ def _rank(rank, world, case, ports):
     _sglang_world(engine_rank, server, ports[1])
     layout = layouts[engine_rank]
     cpu = torch.device("cpu")
-    theirs = _model(config)
+    theirs = _model(config, case["fused"])
     theirs.load_weights(_checkpoint(config, weights))
     DefaultModelLoader.postprocess_weights(theirs, cpu)
 
-    ours = _model(config)
+    ours = _model(config, case["fused"])
     receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
     received = []
     for _ in range(steps):  # each update in a session, as SGLang frames a direct write
         DefaultModelLoader.restore_weights_before_loading(ours, cpu)  # begin_weight_update
-        stats = receiver.load_into({n: p.data for n, p in ours.named_parameters()})
+        stats = receiver.load_into(landing_params(ours, config, layout))
         post_load_weights(ours)  # end_weight_update, no load_weights having run
         DefaultModelLoader.postprocess_weights(ours, cpu)
         received.append(stats.nbytes)
 
-    built = {n: (tuple(p.shape), p.dtype) for n, p in theirs.named_parameters()}
-    built = {n: v for n, v in built.items() if not n.endswith(KV_SCALES)}
+    held = {n: p.data for n, p in theirs.named_parameters() if not n.endswith(KV_SCALES)}
+    built = {n: (tuple(t.shape), t.dtype) for n, t in sglang_params(held, layout, case["fused"]).items()}
     specs = engine_param_specs(config, layout)
     out = _compare(ours, theirs)
     out.update(
@@ -338,12 +351,12 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     cpu = torch.device("cpu")
     last = steps - 1
     weights = None if last == 0 else (lambda i: moved_layer(config, i, last, layout="hf"))
-    theirs = _model(config)
+    theirs = _model(config, case["fused"])
     theirs.load_weights(_checkpoint(config, weights))
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     DefaultModelLoader.postprocess_weights(theirs, cpu)
-    ours = _model(config)
+    ours = _model(config, case["fused"])
     updater = WeightUpdater(
         tp_rank=engine_rank,
         device="cpu",
@@ -444,6 +457,11 @@ CASES = {
     "SGLang's session API, two updates into attn-dp2-ep2": dict(server="attn-dp2-ep2", steps=2, api=True),
     "GLM-5's split indexer, deltas into tp2": dict(server="tp2", steps=2, delta=True, config="glm-5"),
     "GLM-5's split indexer through SGLang's session API": dict(server="tp2-ep2", api=True, config="glm-5"),
+    # SGLang's default on an NVIDIA GPU without EP: the shared expert as the routed experts' last
+    "a fused shared expert, deltas into tp2": dict(server="tp2", steps=2, delta=True, fused=1),
+    "a fused shared expert through SGLang's session API": dict(
+        server="tp2", api=True, fused=1, config="glm-5"
+    ),
 }
 
 
@@ -458,6 +476,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         vllm=_vllm_layouts(spec.get("vllm")),
         api=spec.get("api", False),
         config=CONFIGS[spec.get("config", "glm-5.2")],
+        fused=spec.get("fused", 0),
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])
