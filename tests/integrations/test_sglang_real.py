@@ -4,7 +4,8 @@ loads the same weights (skipped without SGLang 0.5.23; scripts/install_sglang_cp
 Invariant: on every rank of an SGLang server at TP 2, TP 2 with EP 2, and attention DP 2 with EP 2,
 every parameter of SGLang's ``GlmMoeDsaForCausalLM`` (its layers, fused-MoE and block-FP8 linear
 parameters, in SGLang's shards) and MLA's derived ``w_kc`` / ``w_vc``, after glm_fp8 updates
-(each rank receives its shard, ``SGLangLayout``: from one sender scattering, from two senders that
+(each rank receives its shard, ``SGLangLayout``: from one sender scattering, by broadcast (every
+rank cuts its shard from whole entries), from two senders that
 each hold half the experts as FSDP2 DTensors, or as three updates of which the last two are deltas;
 and in one update with the two ranks of a vLLM server at DP 2 with EP 2, each of which then holds
 glm_fp8's reference of vLLM's shards; for GLM-5's own config, whose indexer SGLang holds split;
@@ -237,6 +238,7 @@ def _rank(rank, world, case, ports):
     from glm_fp8.testing import moved_layer, reference_engine_params
     from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
+    from glm_fp8.transfer.pack import FULL
 
     dist.destroy_process_group()  # the launcher's world holds every rank: SGLang's holds its own
     server, n_senders, steps, delta = case["server"], case["senders"], case["steps"], case["delta"]
@@ -251,7 +253,8 @@ def _rank(rank, world, case, ports):
         layer_ids=list(range(config["num_hidden_layers"])),
         rest=True,
         device="cpu",
-        engines=[None] * n_senders + layouts + vllm,
+        # broadcast: every SGLang rank receives every entry whole and cuts its shard
+        engines=[None] * n_senders + ([FULL] * tp if case["broadcast"] else layouts) + vllm,
         senders=list(range(n_senders)),
     )
     mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and n_senders > 1 else None
@@ -459,6 +462,7 @@ CASES = {
     "GLM-5's split indexer through SGLang's session API": dict(server="tp2-ep2", api=True, config="glm-5"),
     # SGLang's default on an NVIDIA GPU without EP: the shared expert as the routed experts' last
     "a fused shared expert, deltas into tp2": dict(server="tp2", steps=2, delta=True, fused=1),
+    "broadcast into tp2-ep2": dict(server="tp2-ep2", broadcast=True),
     "a fused shared expert through SGLang's session API": dict(
         server="tp2", api=True, fused=1, config="glm-5"
     ),
@@ -477,6 +481,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         api=spec.get("api", False),
         config=CONFIGS[spec.get("config", "glm-5.2")],
         fused=spec.get("fused", 0),
+        broadcast=spec.get("broadcast", False),
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])
