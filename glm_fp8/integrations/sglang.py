@@ -43,7 +43,7 @@ from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.receiver import Receiver
 
 LOADER = "glm_fp8.integrations.sglang.receive_update"  # --custom-weight-loader, and the load_format
-PAYLOAD = "glm_fp8.update"  # the one named tensor of the call
+PAYLOAD = "glm_fp8.update:"  # the name of the call's one named tensor starts so; the update follows
 KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's scales: not weights, never updated
 
 
@@ -96,24 +96,24 @@ class SGLangUpdate:
         return cls(**data)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The call's payload: one uint8 tensor holding this update as JSON (every rank reads it)."""
-        raw = torch.frombuffer(bytearray(self.to_json().encode()), dtype=torch.uint8)
-        return [(PAYLOAD, raw)]
+        """The call's payload: one empty tensor, named ``PAYLOAD`` + this update as JSON. The update
+        travels in the name: SGLang's clients serialize a tensor's bytes through shared memory,
+        which a server on another host cannot read, and an empty tensor, or a name, by value."""
+        return [(PAYLOAD + self.to_json(), torch.empty(0, dtype=torch.uint8))]
 
     @classmethod
     def from_named_tensors(cls, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> SGLangUpdate:
-        tensors = dict(named_tensors)
-        if set(tensors) != {PAYLOAD}:
+        names = [name for name, _ in named_tensors]
+        if len(names) != 1 or not isinstance(names[0], str) or not names[0].startswith(PAYLOAD):
+            shown = [n[:40] + "..." if isinstance(n, str) and len(n) > 40 else n for n in names]
             raise ValueError(
-                f"named_tensors: expected one tensor named {PAYLOAD!r} (SGLangUpdate.named_tensors()), got "
-                f"{sorted(tensors)}"
+                f"named_tensors: expected one tensor named {PAYLOAD!r} + the update "
+                f"(SGLangUpdate.named_tensors()), got {shown}"
             )
-        raw = tensors[PAYLOAD]
-        if raw.dtype != torch.uint8 or raw.dim() != 1:
-            raise ValueError(
-                f"named_tensors[{PAYLOAD!r}]: expected a 1-D uint8 tensor, got {raw.dtype} {raw.dim()}-D"
-            )
-        return cls.from_json(bytes(raw.cpu().numpy()).decode())
+        try:
+            return cls.from_json(names[0][len(PAYLOAD) :])
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"named_tensors: the update in the tensor's name does not parse: {e}") from None
 
 
 def sglang_rank_layout() -> SGLangLayout:

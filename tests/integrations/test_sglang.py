@@ -1,11 +1,12 @@
 """glm_fp8's SGLang loader without SGLang: its payload and its checks (glm_fp8.integrations.sglang).
 
-Invariant: an ``SGLangUpdate`` survives the call's payload (a uint8 tensor) unchanged, its layouts
-with their engine; a payload of any other shape is refused naming what was expected; a model whose
-parameters are not exactly what glm_fp8 lands at the rank's layout (a missing, extra or reshaped
-parameter, or a shared expert fused into the routed experts) is refused naming the parameter or the
-flag, before any link is opened. The loader run by SGLang's own session code is in
-tests/integrations/test_sglang_real.py.
+Invariant: an ``SGLangUpdate`` survives the call's payload (an empty tensor, the update in its
+name) unchanged, its layouts with their engine; a payload of any other shape is refused naming what
+was expected; a model whose parameters are not exactly what glm_fp8 lands at the rank's layout (a
+missing, extra or reshaped parameter) is refused naming the parameter, before any link is opened; a
+shared expert SGLang fused into the routed experts' stacks is landed in their last slot (views of
+the stacks), and refused naming the flag where SGLang fuses it otherwise (under EP). The loader run
+by SGLang's own session code is in tests/integrations/test_sglang_real.py.
 """
 
 from types import SimpleNamespace
@@ -54,8 +55,9 @@ def test_the_payload_round_trips_with_every_layout_and_its_engine():
     "named, words",
     [
         ([("weights", torch.zeros(3, dtype=torch.uint8))], "expected one tensor named"),
-        ([(PAYLOAD, torch.zeros(2, 2, dtype=torch.uint8))], "1-D uint8"),
-        ([(PAYLOAD, torch.zeros(4))], "1-D uint8"),
+        ([(PAYLOAD + "{}", torch.empty(0)), (PAYLOAD + "{}", torch.empty(0))], "expected one tensor named"),
+        ([(PAYLOAD + "{not json", torch.empty(0))], "does not parse"),
+        ([(PAYLOAD + '{"host": "h"}', torch.empty(0))], "does not parse"),
     ],
 )
 def test_a_payload_of_another_shape_is_refused(named, words):

@@ -404,11 +404,10 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
         delta=case["delta"],
         timeout_s=120,
     )
-    # As a client process on the same host serializes it; "file_system": the test's client is this
-    # very process, which cannot receive its own descriptors from torch's resource sharer.
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    payload = update.named_tensors()  # alive while serialized: its shared memory is what is passed
-    serialized = [MultiprocessingSerializer.serialize(payload) for _ in layouts]
+    # as a client serializes it, once per TP rank (by value: no shared memory, any host)
+    serialized = [
+        MultiprocessingSerializer.serialize(update.named_tensors(), output_str=True) for _ in layouts
+    ]
     replies = []
     for step in range(steps):
         replies.append(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="target")))
