@@ -120,20 +120,26 @@ def sglang_rank_layout() -> SGLangLayout:
     """This process's layout, read from SGLang 0.5.23's runtime context (the scheduler's published
     ``ServerArgs``): its TP rank and size, attention DP, EP size, ``moe_dense_tp_size``,
     ``moe_a2a_backend``, ``enable_dp_lm_head`` and ``SGLANG_SHARED_EXPERT_TP1``. Raises
-    ``EngineNotSupported`` for pipeline or attention context parallelism."""
+    ``EngineNotSupported`` for pipeline or attention context parallelism and for EPLB or
+    redundant experts."""
     from sglang.srt.runtime_context import get_exec, get_parallel
 
-    p = get_parallel()
+    p, moe = get_parallel(), get_exec().moe
     for what, size in (("pp_size", p.pp_size), ("attn_cp_size", p.attn_cp_size)):
         if size != 1:
             raise EngineNotSupported(f"SGLang {what} {size}: glm_fp8 models one stage, no attention CP")
+    if getattr(moe, "enable_eplb", False) or getattr(moe, "ep_num_redundant_experts", 0):
+        raise EngineNotSupported(
+            "SGLang --enable-eplb / --ep-num-redundant-experts: its experts then move between ranks and "
+            "repeat, which glm_fp8's expert placement does not follow (docs/sglang.md)"
+        )
     return SGLangLayout.from_sglang(
         p.tp_size,
         p.tp_rank,
         attn_dp_size=p.attn_dp_size,
         ep_size=p.moe_ep_size,
         moe_dense_tp_size=p.moe_dense_tp_size,
-        moe_a2a_backend=str(get_exec().moe.moe_a2a_backend or "none"),
+        moe_a2a_backend=str(moe.moe_a2a_backend or "none"),
         enable_dp_lm_head=bool(p.enable_dp_lm_head),
         shared_expert_tp1=os.environ.get("SGLANG_SHARED_EXPERT_TP1", "").lower() in ("1", "true"),
     )

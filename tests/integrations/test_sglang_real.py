@@ -505,3 +505,47 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         assert out["differ"] == [] and out["params"] > 50, out
     if case["delta"]:
         assert all(0 < n < s[0] / 10 for s in sent for n in s[1:]), sent
+
+
+def _published_layout(rank, world, args: dict, tp_rank: int):
+    """The layout ``sglang_rank_layout`` reads where SGLang published ``ServerArgs(**args)`` for TP rank
+    ``tp_rank``, or the refusal's class and message."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    from glm_fp8.integrations.sglang import sglang_rank_layout
+
+    reset_context()
+    publish(
+        ServerArgs(model_path="dummy", device="cpu", **args),
+        role="test",
+        ranks=SpawnRanks(world_rank=tp_rank),
+    )
+    try:
+        return sglang_rank_layout()
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize(
+    "args, tp_rank, want",
+    [
+        (dict(tp_size=4, ep_size=4, dp_size=2, enable_dp_attention=True), 3, dict(attn_dp_size=2, ep_size=4)),
+        (dict(tp_size=2), 1, {}),
+        (
+            dict(tp_size=2, moe_dense_tp_size=1, moe_a2a_backend="deepep", ep_size=2),
+            0,
+            dict(ep_size=2, moe_dense_tp_size=1, moe_a2a_backend="deepep"),
+        ),
+        (dict(tp_size=2, ep_size=2, ep_num_redundant_experts=2), 1, "--ep-num-redundant-experts"),
+    ],
+)
+def test_each_rank_reads_its_layout_from_sglangs_published_server_args(args, tp_rank, want):
+    from glm_fp8.engine import SGLangLayout
+
+    got = launch(1, _published_layout, (args, tp_rank), timeout_s=120)[0]
+    assert got[0] == "ok", got
+    if isinstance(want, str):
+        assert got[1][0] == "EngineNotSupported" and want in got[1][1], got
+        return
+    assert got[1] == SGLangLayout.from_sglang(args["tp_size"], tp_rank, **want), got
