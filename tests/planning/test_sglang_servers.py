@@ -8,13 +8,17 @@ every rank) receives more than a vLLM rank of the same GPUs whose attention is s
 """
 
 import argparse
+import dataclasses
+import json
 
 import pytest
 
 from glm_fp8.cli.args import server_spec
+from glm_fp8.cli.main import main
 from glm_fp8.engine import SGLangLayout
 from glm_fp8.model.presets import PRESETS, TINY_GLM5
 from glm_fp8.planning.fleet import Fleet, Server, fleet_preset
+from glm_fp8.planning.update_time import predict
 from glm_fp8.transfer.pack import update_bytes
 
 CONFIG = {**TINY_GLM5, "indexer_rope_interleave": True}
@@ -82,3 +86,22 @@ def test_the_miles_shaped_sglang_preset_plans_an_update():
     assert PRESETS["glm-5.2"]["indexer_rope_interleave"] is True  # SGLang fuses its indexer as vLLM does
     assert "indexer_rope_interleave" not in PRESETS["glm-5"]  # SGLang holds GLM-5's split
     assert fleet.trainer is not None and fleet.trainer_gpus == 128
+
+
+def test_miles_glm5_sglang_fleet_predicts_beside_their_measured_times(capsys):
+    """miles' GLM-5 trainer into two SGLang servers of 64 GPUs (they measured 58.3 s with an NCCL
+    broadcast, 8.48 s with RDMA P2P): auto picks many senders, predicted as docs/sglang.md#plan
+    quotes it (6.95 s with attention DP 64; 3.46 s with attention DP 8, attention split eight ways),
+    every strategy slower than it."""
+    assert main(["plan", "--fleet", "miles-glm-5-sglang", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by = {p["strategy"]: p for p in report["update"]["strategies"]}
+    assert report["summary"]["auto_mode"] == "senders"
+    assert round(by["fp8 many senders"]["seconds"], 2) == 6.95
+    assert round(by["bf16 broadcast"]["seconds"], 2) == 60.51
+    assert by["fp8 many senders"]["seconds"] < by["fp8 scatter"]["seconds"] < by["bf16 broadcast"]["seconds"]
+    fleet = fleet_preset("miles-glm-5-sglang")
+    (server,) = fleet.servers
+    dp8 = dataclasses.replace(fleet, servers=(dataclasses.replace(server, dp=8),))
+    preds = {p.strategy: p for p in predict(PRESETS["glm-5"], dp8)}
+    assert round(preds["fp8 many senders"].seconds, 2) == 3.46
