@@ -35,6 +35,7 @@ from datetime import timedelta
 
 import torch
 
+from glm_fp8.core.checks import check_int
 from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.sglang import SGLangLayout, sglang_params
@@ -82,6 +83,34 @@ class SGLangUpdate:
     delta: bool = False
     timeout_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"SGLangUpdate.host: expected a host name, got {self.host!r}")
+        check_int("SGLangUpdate.port", self.port, 1, 65535)
+        world = check_int("SGLangUpdate.world_size", self.world_size, 1)
+        check_int(
+            "SGLangUpdate.rank_offset", self.rank_offset, 0, world - 1, f" (a rank of the link of {world})"
+        )
+        if not isinstance(self.config, Mapping):
+            raise ValueError(
+                f"SGLangUpdate.config: expected the HF config as a dict, got {type(self.config).__name__}"
+            )
+        for k, i in enumerate(self.layer_ids):
+            check_int(f"SGLangUpdate.layer_ids[{k}]", i, 0)
+        if len(self.engines) != world:
+            raise ValueError(
+                f"SGLangUpdate.engines: expected one entry per link rank ({world}), got {len(self.engines)}"
+            )
+        for r, lay in enumerate(self.engines):
+            if lay is not None and not isinstance(lay, EngineLayout):
+                raise ValueError(f"SGLangUpdate.engines[{r}]: expected an EngineLayout or None, got {lay!r}")
+        for flag in ("rest", "delta"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"SGLangUpdate.{flag}: expected a bool, got {getattr(self, flag)!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 604800:
+            raise ValueError(f"SGLangUpdate.timeout_s: expected seconds, 0 < timeout_s <= 604800, got {t!r}")
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["engines"] = [_layout_dict(lay) for lay in self.engines]
@@ -113,7 +142,7 @@ class SGLangUpdate:
         try:
             return cls.from_json(names[0][len(PAYLOAD) :])
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"named_tensors: the update in the tensor's name does not parse: {e}") from None
+            raise ValueError(f"named_tensors: the update in the tensor's name is not one: {e}") from None
 
 
 def sglang_rank_layout() -> SGLangLayout:

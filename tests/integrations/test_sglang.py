@@ -28,7 +28,7 @@ def _update(**kw):
         host="127.0.0.1",
         port=29501,
         rank_offset=1,
-        world_size=5,
+        world_size=4,
         config=CONFIG,
         layer_ids=[0, 1, 2, 3],
         engines=[None, *LAYOUTS, EngineLayout(tp_size=2, tp_rank=1)],
@@ -45,7 +45,7 @@ def test_the_payload_round_trips_with_every_layout_and_its_engine():
         "127.0.0.1",
         29501,
         1,
-        5,
+        4,
         True,
     )
     assert back.config == CONFIG and list(back.layer_ids) == [0, 1, 2, 3]
@@ -56,8 +56,8 @@ def test_the_payload_round_trips_with_every_layout_and_its_engine():
     [
         ([("weights", torch.zeros(3, dtype=torch.uint8))], "expected one tensor named"),
         ([(PAYLOAD + "{}", torch.empty(0)), (PAYLOAD + "{}", torch.empty(0))], "expected one tensor named"),
-        ([(PAYLOAD + "{not json", torch.empty(0))], "does not parse"),
-        ([(PAYLOAD + '{"host": "h"}', torch.empty(0))], "does not parse"),
+        ([(PAYLOAD + "{not json", torch.empty(0))], "is not one"),
+        ([(PAYLOAD + '{"host": "h"}', torch.empty(0))], "is not one"),
     ],
 )
 def test_a_payload_of_another_shape_is_refused(named, words):
@@ -132,3 +132,31 @@ def test_a_fused_shared_expert_under_ep_is_refused_naming_the_flag():
     model = _Model(LAYOUTS[0], fused=True)
     with pytest.raises(EngineNotSupported, match="--disable-shared-experts-fusion"):
         landing_params(model, CONFIG, LAYOUTS[0])
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(host=""), "SGLangUpdate.host"),
+        (dict(port=0), "SGLangUpdate.port"),
+        (dict(port="29501"), "SGLangUpdate.port"),
+        (dict(rank_offset=5), "SGLangUpdate.rank_offset"),
+        (dict(world_size=3), "SGLangUpdate.engines: expected one entry per link rank"),
+        (dict(layer_ids=[0, -1]), "layer_ids"),
+        (dict(delta=1), "SGLangUpdate.delta"),
+        (dict(timeout_s=0), "SGLangUpdate.timeout_s"),
+        (dict(engines=[None, "full", LAYOUTS[1], None]), "engines\\[1\\]"),
+    ],
+)
+def test_an_update_with_a_bad_field_is_refused_naming_it(kw, words):
+    fields = dict(
+        host="127.0.0.1",
+        port=29501,
+        rank_offset=1,
+        world_size=4,
+        config=CONFIG,
+        layer_ids=[0, 1],
+        engines=[None, *LAYOUTS, EngineLayout(tp_size=2, tp_rank=1)],
+    )
+    with pytest.raises(ValueError, match=words):
+        SGLangUpdate(**{**fields, **kw})
