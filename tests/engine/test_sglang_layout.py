@@ -137,3 +137,18 @@ def test_manifest_words_tell_the_engines_apart():
     assert layout_words(SGLangLayout.from_sglang(2, 1))[0] == "sglang"
     assert layout_words(EngineLayout(tp_size=2, tp_rank=1))[0] == "vllm"
     assert SGLangLayout.from_sglang(2, 1) != EngineLayout(tp_size=2, tp_rank=1)
+
+
+def test_an_update_plans_the_indexer_as_its_ranks_hold_it():
+    from glm_fp8.transfer import Sender
+    from glm_fp8.transfer.link import HostSinkComm
+
+    sglang = SGLangLayout.all_sglang_ranks(2)
+    sender = Sender(HostSinkComm(size=3), 0, config=TINY_GLM5, device="cpu", engines=[None, *sglang])
+    names = {e.name for e in sender.plans[2].entries}
+    assert {"self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"} <= names
+    assert "self_attn.indexer.wk_weights_proj.weight" not in names
+    with pytest.raises(ValueError, match="separate updates"):
+        Sender(
+            HostSinkComm(size=3), 0, config=TINY_GLM5, device="cpu", engines=[None, sglang[0], EngineLayout()]
+        )
