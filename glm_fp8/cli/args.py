@@ -72,7 +72,8 @@ SERVER_SYNTAX = (
 def server_spec(text: str):
     """An argparse ``type=`` for ``glm-fp8 plan --server``: ``SERVER_SYNTAX`` -> a
     ``glm_fp8.planning.fleet.Server``, or argparse's error naming what is wrong and what to write."""
-    from glm_fp8.planning.fleet import Server  # lazy, as the CLI's every glm_fp8 import
+    from glm_fp8.core.vocab import ENGINES  # lazy, as the CLI's every glm_fp8 import
+    from glm_fp8.planning.fleet import Server
     from glm_fp8.planning.request import MAX_ENGINE_RANKS
 
     fields: dict[str, str | None] = {}
@@ -100,8 +101,8 @@ def server_spec(text: str):
             raise argparse.ArgumentTypeError(f"{key}: {e}") from None
     tp, dp = got["tp"], got["dp"]
     engine = fields.get("engine") or "vllm"
-    if engine not in ("vllm", "sglang"):
-        raise argparse.ArgumentTypeError(f"engine: expected vllm or sglang, got {engine!r}")
+    if engine not in ENGINES:
+        raise argparse.ArgumentTypeError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     sglang = engine == "sglang"
     if not sglang and ("dense_tp" in fields or "a2a" in fields):
         raise argparse.ArgumentTypeError(f"dense_tp, a2a: SGLang's flags; add engine=sglang in {text!r}")

@@ -22,6 +22,10 @@ WIRE_FORMATS: tuple[WireFormat, ...] = get_args(WireFormat)
 ScaleFormat = Literal["fp32", "ue8m0"]
 SCALE_FORMATS: tuple[ScaleFormat, ...] = get_args(ScaleFormat)
 
+# Whose parameters an engine rank holds (their names and which group splits what).
+Engine = Literal["vllm", "sglang"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+
 # How a DSA indexer's wk and weights_proj travel: "fused" into one bf16 wk_weights_proj (vLLM; SGLang
 # when the config interleaves the indexer's rotary), or "split": wk block-FP8, weights_proj as it is
 # (SGLang otherwise).
@@ -68,6 +72,7 @@ def check_choice(what: str, value: object, choices: tuple[W, ...], *, also: tupl
 __all__ = [
     "BACKENDS",
     "DRAFTS",
+    "ENGINES",
     "GATHERS",
     "INDEXER_FORMS",
     "KEPT_COPIES",
@@ -78,6 +83,7 @@ __all__ = [
     "WIRE_FORMATS",
     "Backend",
     "Draft",
+    "Engine",
     "Gather",
     "IndexerForm",
     "KeptCopy",

@@ -15,14 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from glm_fp8.core.checks import check_int
+from glm_fp8.core.vocab import ENGINES, check_choice
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.sglang import SGLangLayout
 from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.model.plans import plan_from_config
 from glm_fp8.model.presets import FLEETS
 from glm_fp8.transfer.owners import stack_entries
-
-ENGINES = ("vllm", "sglang")  # whose servers a fleet holds (Server.engine)
 
 
 def _check_gbps(name: str, value: object) -> float:
@@ -66,8 +65,7 @@ class Server:
             raise ValueError(
                 f"Server.ep: expected True or False (vLLM's --enable-expert-parallel), got {self.ep!r}"
             )
-        if self.engine not in ENGINES:
-            raise ValueError(f"Server.engine: expected one of {ENGINES}, got {self.engine!r}")
+        check_choice("Server.engine", self.engine, ENGINES)
         if self.engine == "vllm" and (self.moe_dense_tp_size is not None or self.moe_a2a_backend != "none"):
             raise ValueError(
                 "Server.moe_dense_tp_size / moe_a2a_backend: SGLang's flags; set engine='sglang'"

@@ -64,7 +64,7 @@ def test_the_cli_reads_an_sglang_server():
     for text, words in [
         ("tp=8,a2a=deepep", "add engine=sglang"),
         ("engine=sglang,tp=8,ep=4", "ep=4 with tp=8"),
-        ("engine=trt,tp=8", "expected vllm or sglang"),
+        ("engine=trt,tp=8", "expected one of vllm, sglang"),
         ("engine=sglang,tp=8,dense_tp=2", "dense_tp"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=words):
