@@ -50,6 +50,7 @@ if importlib.metadata.version("sglang") != "0.5.23":
         allow_module_level=True,
     )
 
+from glm_fp8.integrations.sglang import KV_SCALES  # the KV cache's scales: no checkpoint holds them
 from glm_fp8.model.families import REST
 from glm_fp8.model.presets import TINY_GLM5
 from glm_fp8.testing import free_ports, launch, synthetic_layer
@@ -58,7 +59,7 @@ from glm_fp8.testing import free_ports, launch, synthetic_layer
 CONFIG = {
     **TINY_GLM5,
     "num_nextn_predict_layers": 0,
-    "indexer_rope_interleave": True,  # SGLang fuses the indexer's wk and weights_proj (GLM-5's config)
+    "indexer_rope_interleave": True,  # SGLang fuses the indexer's wk and weights_proj (GLM-5.2's config)
     "architectures": ["GlmMoeDsaForCausalLM"],
     "num_key_value_heads": TINY_GLM5["num_attention_heads"],
     "max_position_embeddings": 4096,
@@ -95,7 +96,6 @@ CONFIG = {
 # bf16 weights_proj ("split"), which glm_fp8 sends so to SGLang ranks.
 GLM5 = {k: v for k, v in CONFIG.items() if k != "indexer_rope_interleave"}
 CONFIGS = {"glm-5.2": CONFIG, "glm-5": GLM5}
-KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's scales: no checkpoint here holds them
 SERVERS = {
     "tp2": dict(tp_size=2),
     "tp2-ep2": dict(tp_size=2, ep_size=2),
