@@ -9,17 +9,26 @@ of the same shape on random inputs (MSE on the layer's output) with ``torch.opti
 masters in bf16 or fp32 (the parameters' dtype; matmuls under bf16 autocast on CUDA). After each
 step its experts are quantized as vLLM holds them (w13 = [w1; w3] and w2, 128x128 blocks, fp32
 and ue8m0 scales) and compared with the previous step's bytes. Per step: the fraction of e4m3
-bytes and of scales that changed, and the wire bytes / dense bytes of each candidate encoding
-(docs/delta.md#encoding):
+bytes, of scales and of bf16 elements that changed, and the wire bytes of each encoding of the
+same change, over the dense FP8 update's bytes (fp8 bytes plus 4 per scale; docs/delta.md#beside-the-field):
 
-- ``naive``: a 4-byte index and a 1-byte value per changed byte;
-- ``block``: glm_fp8.kernels.delta's, an int32 count per block, then an int16 in-block offset and a
-  uint8 value per change, a block whose listing would cost more than the block sent whole;
-- ``bitmap``: a bit per block (changed or not), then a 2 KiB bitmap and the values of each
-  changed block.
+- ``glm_fp8``: what glm_fp8's delta update sends, ``glm_fp8.kernels.delta.compare_bytes`` of the
+  layer's expert bytes as one transfer segment (w13, its scales, w2, its scales) against the
+  previous step's: per 16 KiB block an int32 count, then an int16 offset and a uint8 value per
+  changed byte (a block whose listing costs more goes whole);
+- ``sparse_nccl``: vLLM 0.34's ``sparse_nccl`` backend on the FP8 checkpoint (each expert's
+  ``gate_proj`` / ``up_proj`` / ``down_proj`` weight and ``weight_scale_inv``): an int32 flat index
+  and the value in the tensor's dtype per changed element (slime's ``indices`` encoding alike);
+- ``slime_deltas``: slime's ``deltas`` encoding of the same tensors: the gaps between changed
+  positions as uint16 (uint32 for a tensor with a gap over 65535) and the values;
+- ``slime_deltas_zstd``: that, compressed by zstd at level 1 (slime's ``deltas_zstd``);
+- ``xor_zstd``: the FP8 checkpoint's new bytes XOR its old ones, each tensor compressed by zstd at
+  level 1 (SkyRL's and miles' checkpoint deltas);
+- ``bf16_sparse_nccl``: for scale, ``sparse_nccl`` on the bf16 checkpoint of the same weights,
+  which a bf16 engine would take (4 + 2 bytes per changed element).
 
-Every encoding carries the changed scales as (int32 index, float32 value) pairs. Dense bytes are
-the fp8 bytes plus 4 bytes per scale. ``--quantizer kernel`` runs ``glm_fp8.kernels.delta.
+zstd is the ``zstandard`` package (the ``test`` extra); its compression and decompression times
+on this host are printed beside the table. ``--quantizer kernel`` runs ``glm_fp8.kernels.delta.
 quantize_compare`` (the Triton kernel) instead of the reference and checks it against the
 reference's bytes at every step.
 """
@@ -33,16 +42,21 @@ import time
 
 import torch
 import torch.nn.functional as F
+import zstandard
 from tabulate import tabulate
 
-from glm_fp8.kernels.reference import delta_block_sizes, quantize_concat_ref
+from glm_fp8.kernels.delta import compare_bytes
+from glm_fp8.kernels.reference import quantize_concat_ref
 
 SHAPES = {
     "glm5": dict(experts=16, hidden=6144, inter=2048, tokens=4096),
-    "small": dict(experts=8, hidden=1024, inter=512, tokens=512),  # CPU figures (docs/delta.md)
+    # GLM-5's expert shape on a CPU: two experts, fewer tokens (docs/delta.md#beside-the-field)
+    "glm5-2": dict(experts=2, hidden=6144, inter=2048, tokens=512),
+    "small": dict(experts=8, hidden=1024, inter=512, tokens=512),
     "tiny": dict(experts=4, hidden=256, inter=128, tokens=64),
 }
-ENCODINGS = ("naive", "block", "bitmap")
+ENCODINGS = ("glm_fp8", "sparse_nccl", "slime_deltas", "slime_deltas_zstd", "xor_zstd", "bf16_sparse_nccl")
+ZSTD_LEVEL = 1  # slime's and miles' level
 FMTS = ("fp32", "ue8m0")
 
 
@@ -78,81 +92,148 @@ class MoE(torch.nn.Module):
         return out
 
 
-def _block_counts(q_new: torch.Tensor, q_old: torch.Tensor) -> torch.Tensor:
-    """Changed bytes per 128x128 block, int64, flat block order."""
-    changed = (q_new.view(torch.uint8) != q_old.view(torch.uint8)).to(torch.int32)
-    e, r, c = changed.shape
-    pr, pc = -r % 128, -c % 128
-    changed = F.pad(changed, (0, pc, 0, pr))
-    return changed.view(e, (r + pr) // 128, 128, (c + pc) // 128, 128).sum((2, 4)).flatten().long()
+def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Where the bytes of an element differ (any dtype), as bool of ``new``'s shape."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[new.element_size()]
+    return new.view(ints) != old.view(ints)
 
 
-def _wire(counts: torch.Tensor, sizes: torch.Tensor, scales_changed: int) -> dict[str, int]:
-    dense = 3 * counts > sizes
-    scale_bytes = 8 * scales_changed
-    return {
-        "naive": int(5 * counts.sum()) + scale_bytes,
-        "block": 4 * len(counts) + int(torch.where(dense, sizes, 3 * counts).sum()) + scale_bytes,
-        "bitmap": -(-len(counts) // 8) + int(((counts > 0) * (2048 + counts)).sum()) + scale_bytes,
-    }
+def _checkpoint_tensors(name: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """The FP8 checkpoint's tensors (views) of a stacked entry or its scales: per expert ``gate_proj``
+    and ``up_proj`` (the halves of w13's rows) or ``down_proj`` (w2)."""
+    if name == "w13":
+        half = t.shape[1] // 2
+        return [part for e in t for part in (e[:half], e[half:])]
+    return list(t)
+
+
+def _slime_deltas(changed: torch.Tensor, new: torch.Tensor) -> bytes:
+    """slime's ``deltas`` encoding of one tensor: the gaps between its changed positions (the first
+    from 0) as little-endian uint16, uint32 when one exceeds 65535, then the new values."""
+    pos = changed.flatten().nonzero().flatten()
+    if not len(pos):
+        return b""
+    gaps = torch.diff(pos, prepend=pos.new_zeros(1))
+    width = "<u2" if int(gaps.max()) <= 0xFFFF else "<u4"
+    values = new.flatten()[pos].contiguous().view(torch.uint8)
+    return gaps.cpu().numpy().astype(width).tobytes() + values.cpu().numpy().tobytes()
+
+
+class Codec:
+    """zstd at ``ZSTD_LEVEL`` (one thread), with the seconds it spent and the bytes it took in."""
+
+    def __init__(self) -> None:
+        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.seconds = {"compress": 0.0, "decompress": 0.0}
+        self.nbytes = 0
+
+    def size(self, data: bytes) -> int:
+        """Compressed size of ``data``, checked by decompressing it."""
+        if not data:
+            return 0
+        t = time.perf_counter()
+        packed = self.compressor.compress(data)
+        self.seconds["compress"] += time.perf_counter() - t
+        t = time.perf_counter()
+        if self.decompressor.decompress(packed) != data:
+            raise SystemExit("zstd did not give back the bytes it compressed")
+        self.seconds["decompress"] += time.perf_counter() - t
+        self.nbytes += len(data)
+        return len(packed)
+
+
+def _segment(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes one after the other, zero-padded to 128-byte rows, as uint8 [rows, 128]:
+    how a transfer segment's bytes are compared (docs/delta.md#in-the-transfer)."""
+    flat = torch.cat([t.contiguous().flatten().view(torch.uint8) for t in tensors])
+    return torch.nn.functional.pad(flat, (0, -len(flat) % 128)).view(-1, 128)
 
 
 class Tracker:
-    """The previous step's fp8 bytes and scales of w13 and w2 for one scale format, and the stats."""
+    """The previous step's fp8 bytes and scales of w13 and w2 for one scale format, the bf16
+    checkpoint's and the segment glm_fp8 keeps, and the stats."""
 
-    def __init__(self, fmt: str, quantizer: str) -> None:
-        self.fmt, self.quantizer, self.kept = fmt, quantizer, {}
+    def __init__(self, fmt: str, quantizer: str, codec: Codec) -> None:
+        self.fmt, self.quantizer, self.codec, self.kept = fmt, quantizer, codec, {}
+        self.segment = None
 
     def step(self, tensors: dict[str, list[torch.Tensor]]) -> dict | None:
-        tot = {"bytes": 0, "changed": 0, "scales": 0, "scales_changed": 0, "dense": 0}
+        tot = dict.fromkeys(
+            ("bytes", "changed", "scales", "scales_changed", "bf16", "bf16_changed", "dense"), 0
+        )
         wire = dict.fromkeys(ENCODINGS, 0)
         first = not self.kept
+        quantized = []
         for name, srcs in tensors.items():
             srcs = [s.detach() for s in srcs]
             q, s = quantize_concat_ref(srcs, self.fmt)
+            w16 = torch.cat(srcs, dim=-2).to(torch.bfloat16)
+            quantized += [q, s]
             if first:
-                self.kept[name] = (q, s)
+                self.kept[name] = (q, s, w16)
                 continue
-            kq, ks = self.kept[name]
+            kq, ks, k16 = self.kept[name]
             if self.quantizer == "kernel":
                 from glm_fp8.kernels.delta import quantize_compare
 
-                old = kq.clone()
+                old, old_s = kq.clone(), ks.clone()
                 d = quantize_compare(srcs, kq, ks, scale_fmt=self.fmt)
                 if not (torch.equal(kq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ks, s)):
                     raise SystemExit(f"{name}: the kernel's kept copy differs from the reference's bytes")
-                counts, sch = d.counts.long(), d.scale_index.numel()
-                if not torch.equal(counts, _block_counts(q, old)):
+                if d.changed != int(_changed(q, old).sum()):
                     raise SystemExit(f"{name}: the kernel's counts differ from the reference's")
-            else:
-                counts = _block_counts(q, kq)
-                sch = int((ks.view(torch.int32) != s.view(torch.int32)).sum())
-                self.kept[name] = (q, s)
-            sizes = delta_block_sizes(q.shape, q.device)
-            for k, v in _wire(counts, sizes, sch).items():
-                wire[k] += v
+                kq, ks = old, old_s
+            cq, cs, c16 = _changed(q, kq), _changed(s, ks), _changed(w16, k16)
+            n, ns, n16 = int(cq.sum()), int(cs.sum()), int(c16.sum())
+            self.kept[name] = (q, s, w16)
+            wire["sparse_nccl"] += 5 * n + 8 * ns
+            wire["bf16_sparse_nccl"] += 6 * n16
+            deltas = b"".join(
+                _slime_deltas(c, t)
+                for c, t in [
+                    *zip(_checkpoint_tensors(name, cq), _checkpoint_tensors(name, q)),
+                    *zip(_checkpoint_tensors(name, cs), _checkpoint_tensors(name, s)),
+                ]
+            )
+            wire["slime_deltas"] += len(deltas)
+            wire["slime_deltas_zstd"] += self.codec.size(deltas)
+            for new, old in [(q, kq), (s, ks)]:
+                for a, b in zip(_checkpoint_tensors(name, new), _checkpoint_tensors(name, old)):
+                    xor = a.contiguous().view(torch.uint8) ^ b.contiguous().view(torch.uint8)
+                    wire["xor_zstd"] += self.codec.size(xor.cpu().numpy().tobytes())
             tot["bytes"] += q.numel()
-            tot["changed"] += int(counts.sum())
+            tot["changed"] += n
             tot["scales"] += s.numel()
-            tot["scales_changed"] += sch
+            tot["scales_changed"] += ns
+            tot["bf16"] += w16.numel()
+            tot["bf16_changed"] += n16
             tot["dense"] += q.numel() + 4 * s.numel()
+        segment = _segment(quantized)
         if first:
+            self.segment = segment
             return None
+        # the delta kernels' torch backend on a CPU: the interpreter would take minutes at GLM-5's shape
+        backend = None if segment.is_cuda else "torch"
+        wire["glm_fp8"] = compare_bytes(segment, self.segment, backend=backend).nbytes
         out = {
             "bytes_changed": tot["changed"] / tot["bytes"],
             "scales_changed": tot["scales_changed"] / tot["scales"],
+            "bf16_changed": tot["bf16_changed"] / tot["bf16"],
         }
         out.update({f"wire_{k}": v / tot["dense"] for k, v in wire.items()})
         return out
 
 
-def run(master: torch.dtype, lr: float, args, shape: dict, device: torch.device) -> dict[str, list[dict]]:
+def run(
+    master: torch.dtype, lr: float, args, shape: dict, device: torch.device, codec: Codec
+) -> dict[str, list[dict]]:
     gen = torch.Generator(device).manual_seed(args.seed)
     dims = (shape["experts"], shape["hidden"], shape["inter"])
     teacher = MoE(*dims, torch.bfloat16 if device.type == "cuda" else torch.float32, device, gen)
     student = MoE(*dims, master, device, gen)
     opt = torch.optim.AdamW(student.parameters(), lr=lr)
-    trackers = {fmt: Tracker(fmt, args.quantizer) for fmt in FMTS}
+    trackers = {fmt: Tracker(fmt, args.quantizer, codec) for fmt in FMTS}
     steps: dict[str, list[dict]] = {fmt: [] for fmt in FMTS}
 
     def observe() -> None:
@@ -202,11 +283,12 @@ def main() -> None:
     shape = SHAPES["tiny" if args.tiny else args.model]
     device = torch.device(args.device)
     rows, results = [], []
+    codec = Codec()
     t0 = time.perf_counter()
     for master in args.masters:
         for lr in args.lrs:
             t = time.perf_counter()
-            steps = run(torch.bfloat16 if master == "bf16" else torch.float32, lr, args, shape, device)
+            steps = run(torch.bfloat16 if master == "bf16" else torch.float32, lr, args, shape, device, codec)
             print(
                 f"masters {master}, lr {lr:g}: {args.steps} steps in {time.perf_counter() - t:.1f} s",
                 flush=True,
@@ -214,7 +296,12 @@ def main() -> None:
             for fmt, per_step in steps.items():
                 results.append({"master": master, "lr": lr, "scale_fmt": fmt, "steps": per_step})
                 col = {k: [s[k] for s in per_step] for k in per_step[0]}
-                figures = ["bytes_changed", "scales_changed", *(f"wire_{k}" for k in ENCODINGS)]
+                figures = [
+                    "bytes_changed",
+                    "scales_changed",
+                    "bf16_changed",
+                    *(f"wire_{k}" for k in ENCODINGS),
+                ]
                 rows.append([master, f"{lr:g}", fmt, *(_stats(col[k]) for k in figures)])
     headers = [
         "master",
@@ -222,10 +309,18 @@ def main() -> None:
         "scales",
         "e4m3 changed %",
         "scales changed %",
-        *(f"wire/dense {k} %" for k in ENCODINGS),
+        "bf16 changed %",
+        *(f"{k} %" for k in ENCODINGS),
     ]
     print(f"{shape} steps {args.steps}, median / worst step, {time.perf_counter() - t0:.1f} s")
+    print("encodings: wire bytes / the dense FP8 update's bytes, %")
     print(tabulate(rows, headers, "github"))
+    mb = codec.nbytes / 1e6
+    print(
+        f"zstd level {ZSTD_LEVEL}, one thread, on this host: {mb:.0f} MB in, compressed at "
+        f"{mb / max(codec.seconds['compress'], 1e-9):.0f} MB/s, decompressed at "
+        f"{mb / max(codec.seconds['decompress'], 1e-9):.0f} MB/s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
