@@ -88,8 +88,10 @@ if [ "${FLEET:-0}" = 1 ]; then
       --sender 0 --master bf16 --repeats 2; } 2>&1 | tee "$LOG/fleet.txt" | grep -v '^---'
 fi
 if [ "${DELTA:-0}" = 1 ]; then
-  # #33: the changed fraction from real AdamW steps at GLM-5's expert shape, the kernel checked
-  # against the reference at every step.
+  # The changed fraction from real AdamW steps at GLM-5's expert shape, the kernel checked against
+  # the reference at every step, and the field's encodings of it (zstd: the zstandard package; on a
+  # machine without network, a wheel carried under build/wheels/, `pip download zstandard` here).
+  python3 -c 'import zstandard' 2>/dev/null || python3 -m pip install -q --no-index build/wheels/zstandard-*.whl
   python3 bench/scripts/delta_fraction.py --device cuda --steps ${DELTA_STEPS:-20} --quantizer kernel \
     --json "$LOG/delta_fraction.json" 2>&1 | tee "$LOG/delta_fraction.txt" | tail -20
 fi

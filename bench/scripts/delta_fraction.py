@@ -4,7 +4,8 @@
     python3 bench/scripts/delta_fraction.py --device cpu --tiny --steps 2     # a seconds-long check
 
 A student MoE layer (16 experts, hidden 6144, moe intermediate 2048, a router, top-2 routing,
-SwiGLU experts; ``--tiny``: 4 experts, 256, 128) is trained towards a fixed random teacher layer
+SwiGLU experts; ``--model glm5-2``: 2 such experts and 512 tokens a step, a CPU's run; ``--tiny``:
+4 experts, 256, 128) is trained towards a fixed random teacher layer
 of the same shape on random inputs (MSE on the layer's output) with ``torch.optim.AdamW``, its
 masters in bf16 or fp32 (the parameters' dtype; matmuls under bf16 autocast on CUDA). After each
 step its experts are quantized as vLLM holds them (w13 = [w1; w3] and w2, 128x128 blocks, fp32

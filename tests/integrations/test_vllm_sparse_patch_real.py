@@ -13,9 +13,10 @@ model (poisoned, NaN / 0xFF), MLA's absorbed ``W_UK_T`` / ``W_UV`` included.
 
 What a CPU build of torch lacks, and how this test stands in: ``index_copy_`` of float8_e4m3fn,
 which vLLM's staging of an FP8 patch calls (it raises ``NotImplementedError`` on the CPU; asserted
-first). It is given its bytes' meaning, the copy of the uint8 views, which is what a GPU's
-``index_copy_`` does (``bench/scripts/fp8_patch_ops.py`` compares the two on a device). The
-``isnan`` and ``where`` of e4m3 that vLLM's masked copy calls are torch's own.
+first), and neither has torch 2.11 on an H100 (``bench/scripts/fp8_patch_ops.py``,
+bench/RESULTS.md): this test gives it its bytes' meaning, the copy of the uint8 views, and so
+tests the rest of vLLM's path. The ``isnan`` and ``where`` of e4m3 that vLLM's masked copy calls
+are torch's own.
 """
 
 import importlib.metadata
