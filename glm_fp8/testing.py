@@ -208,7 +208,7 @@ def reference_engine_params(
     targets = {p.kernel_name: p for p in engine_params(c, layout).values()}
     out = {}
     for i in layer_ids:
-        plan = plan_from_config(c, i, scale_fmt=scale_fmt)
+        plan = plan_from_config(c, i, scale_fmt=scale_fmt, indexer_form=layout.indexer_form(c))
         sd = synthetic_layer(c, i, dtype, bias_dtype=bias_dtype) if layer is None else layer(i)
         sd = {k: t for k, t in strip_layer(sd, i).items() if k in plan.inputs}
         if gathered_dtype is not None:

@@ -28,8 +28,9 @@ ENGINES: tuple[Engine, ...] = get_args(Engine)
 
 # How a DSA indexer's wk and weights_proj travel: "fused" into one bf16 wk_weights_proj (vLLM; SGLang
 # when the config interleaves the indexer's rotary), or "split": wk block-FP8, weights_proj as it is
-# (SGLang otherwise).
-IndexerForm = Literal["fused", "split"]
+# (SGLang otherwise); "both": each, for an update whose engine ranks hold it both ways (each rank
+# receives only its own form).
+IndexerForm = Literal["fused", "split", "both"]
 INDEXER_FORMS: tuple[IndexerForm, ...] = get_args(IndexerForm)
 
 # The GPU generation whose kernel layout the entries take (Blackwell packs UE8M0 scales).

@@ -10,13 +10,14 @@ prefill context parallelism, EPLB / redundant experts.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from glm_fp8.core.checks import check_int
+from glm_fp8.model.families import indexer_entry_form
 
 # config/parallel.py::ParallelConfig.use_sequence_parallel_moe ("pplx" and "naive" are rewritten
 # to "allgather_reducescatter" by ParallelConfig before that check).
@@ -180,6 +181,18 @@ class EngineLayout:
         """(size, rank) of the group that splits the vocabulary of the embedding (``head`` False) or
         of ``lm_head``: the attention TP group for both in vLLM 0.34."""
         return self.tp_size, self.tp_rank
+
+    def indexer_form(self, config: Mapping) -> str:
+        """How this rank holds a DSA indexer's wk / weights_proj (``glm_fp8.core.vocab.IndexerForm``):
+        vLLM 0.34 fuses them into the bf16 ``wk_weights_proj`` whatever the config."""
+        return "fused"
+
+    def holds(self, config: Mapping, name: str) -> bool:
+        """Whether this rank holds the kernel-format entry ``name`` (relative to its layer or with its
+        prefix): every entry but the indexer's of the form it does not hold (an update of both forms
+        sends each rank its own)."""
+        form = indexer_entry_form(name)
+        return form is None or form == self.indexer_form(config)
 
     def padded_vocab(self, vocab: int, size: int) -> int:
         """The rows of the padded table a group of ``size`` splits: ceil(V / 64) * 64 in vLLM, which

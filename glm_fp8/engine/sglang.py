@@ -175,6 +175,9 @@ class SGLangLayout(EngineLayout):
             return self.whole_tp
         return self.tp_size, self.tp_rank
 
+    def indexer_form(self, config: Mapping) -> str:
+        return sglang_indexer_form(config)
+
     def padded_vocab(self, vocab: int, size: int) -> int:
         pad = VOCAB_PAD
         if math.ceil(vocab / pad) * pad % size:
@@ -248,22 +251,14 @@ def sglang_indexer_form(config: Mapping) -> str:
 
 def update_indexer_form(config: Mapping | None, engines: Sequence[object] | None) -> str:
     """The indexer form one update's plans take (``glm_fp8.core.vocab.IndexerForm``): what its engine
-    ranks hold (vLLM 0.34: "fused"; SGLang: ``sglang_indexer_form``), "fused" with none given.
-    Raises ValueError for ranks that hold it both ways: send them in separate updates."""
+    ranks hold (``EngineLayout.indexer_form``: vLLM 0.34 "fused", SGLang ``sglang_indexer_form``),
+    "fused" with none given, and "both" where some hold it fused and some split (GLM-5 into vLLM and
+    SGLang servers together): the sender converts each form once, and each rank receives its own
+    (``EngineLayout.holds``)."""
     if config is None or engines is None:
         return "fused"
-    forms: dict[str, str] = {}
-    for lay in engines:
-        if isinstance(lay, EngineLayout):
-            form = sglang_indexer_form(config) if lay.engine == "sglang" else "fused"
-            forms.setdefault(form, lay.engine)
-    if len(forms) > 1:
-        raise ValueError(
-            "engines: the vLLM ranks hold the indexer's wk and weights_proj fused and the SGLang ranks "
-            "split (this config does not say indexer_rope_interleave: true); one update sends one "
-            f"form: update them in separate updates ({_DOC})"
-        )
-    return next(iter(forms), "fused")
+    forms = {lay.indexer_form(config) for lay in engines if isinstance(lay, EngineLayout)}
+    return forms.pop() if len(forms) == 1 else "both" if forms else "fused"
 
 
 __all__ = [

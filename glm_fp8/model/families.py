@@ -136,13 +136,26 @@ SPLIT_INDEXER = [
 
 def with_indexer_form(rules: list[Rule], form: str) -> list[Rule]:
     """``rules`` with the indexer's wk / weights_proj in ``form``: "fused" as they are, "split" with
-    ``SPLIT_INDEXER`` in place of ``FUSED_INDEXER``."""
+    ``SPLIT_INDEXER`` in place of ``FUSED_INDEXER``, "both" with ``SPLIT_INDEXER`` after it."""
     if form == "fused":
         return rules
     out: list[Rule] = []
     for r in rules:
-        out += SPLIT_INDEXER if r.out == FUSED_INDEXER else [r]
+        if r.out == FUSED_INDEXER:
+            out += [r, *SPLIT_INDEXER] if form == "both" else SPLIT_INDEXER
+        else:
+            out.append(r)
     return out
+
+
+def indexer_entry_form(name: str) -> str | None:
+    """The indexer form (``glm_fp8.core.vocab.IndexerForm``) whose entry ``name`` is (relative to its
+    layer or with its prefix): "fused" for ``FUSED_INDEXER``, "split" for ``SPLIT_INDEXER``'s, None
+    for any other entry (a quantized entry's ``_scale_inv`` is its weight's)."""
+    name = name.removesuffix("_scale_inv")
+    if name.endswith(FUSED_INDEXER):
+        return "fused"
+    return "split" if any(name.endswith(r.out) for r in SPLIT_INDEXER) else None
 
 
 _GQA_ATTENTION = [

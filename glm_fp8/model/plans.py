@@ -67,7 +67,8 @@ def build_plan(
     format). Passthrough entries take ``model_dtype`` as the engine does (float32 for
     ``glm_fp8.model.families.float32_entries``), and so do their inputs; None: their first source's dtype
     (a state dict's plan keeps the trainer's dtypes). ``indexer_form``: the DSA indexer's wk and
-    weights_proj "fused" into one bf16 entry (default) or "split" (``glm_fp8.core.vocab.IndexerForm``)."""
+    weights_proj "fused" into one bf16 entry (default), "split", or "both" (the fused entry, then the
+    split ones: ``glm_fp8.core.vocab.IndexerForm``)."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: expected one of {sorted(FAMILIES)}, got {model_type!r}")
     check_choice("target", target, TARGETS)

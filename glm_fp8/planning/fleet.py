@@ -112,16 +112,18 @@ class Server:
 @dataclass(frozen=True)
 class MegatronTrainer:
     """A Megatron-Core trainer's parallel sizes (``glm-fp8 plan --trainer megatron:tp4,pp8,cp2,ep16``):
-    tensor, pipeline, context and expert parallel, expert tensor parallel 1 (what
+    tensor, pipeline, context, expert and expert tensor parallel (what
     ``glm_fp8.integrations.megatron.MegatronSource`` maps). Its senders are the ranks of
-    expert-data-parallel rank 0 and the rest of their TP groups: each pipeline stage's first ``ep``
-    ranks (Megatron's rank order tp-cp-ep-dp-pp, experts ep-dp-pp), each sending its stage's
-    layers' own experts, and the entries they own (with TP wider than EP, the TP groups' other
-    ranks send their share of those only). ``first`` / ``last``: the decoder layers of the first
-    and last stage (Megatron's ``decoder_first_pipeline_num_layers`` and
-    ``decoder_last_pipeline_num_layers``), the other stages splitting the rest evenly, as Megatron
-    requires; neither given, the layers are split as evenly as ``torch.chunk`` splits them. The
-    MTP layer and the head are on the last stage, the embeddings on the first."""
+    expert-data-parallel rank 0 and the rest of their TP groups: each pipeline stage's first
+    ``ep * etp`` ranks (Megatron's rank order tp-cp-ep-dp-pp, experts etp-ep-dp-pp). Of those, each
+    expert tensor parallel group's first rank sends its stage's layers' own experts (the group
+    gathers each expert's rows onto it); every sender sends the other entries it owns (with TP
+    wider than EP x ETP, the TP groups' other ranks send their share of those only). ``first`` /
+    ``last``: the decoder layers of the first and last stage (Megatron's
+    ``decoder_first_pipeline_num_layers`` and ``decoder_last_pipeline_num_layers``), the other
+    stages splitting the rest evenly, as Megatron requires; neither given, the layers are split as
+    evenly as ``torch.chunk`` splits them. The MTP layer and the head are on the last stage, the
+    embeddings on the first."""
 
     tp: int = 1
     pp: int = 1
@@ -129,9 +131,10 @@ class MegatronTrainer:
     ep: int = 1
     first: int | None = None
     last: int | None = None
+    etp: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "cp", "ep"):
+        for field in ("tp", "pp", "cp", "ep", "etp"):
             object.__setattr__(self, field, check_int(f"MegatronTrainer.{field}", getattr(self, field), 1))
         for field in ("first", "last"):
             if getattr(self, field) is not None:
@@ -143,28 +146,32 @@ class MegatronTrainer:
 
     @classmethod
     def parse(cls, text: str) -> MegatronTrainer:
-        """``"megatron:tp4,pp8,cp2,ep16"`` (sizes not named are 1), with ``firstN`` / ``lastN`` for
-        uneven pipeline stages (``"megatron:pp8,ep16,first9,last9"``)."""
+        """``"megatron:tp4,pp8,cp2,ep16"`` (sizes not named are 1), with ``etpN`` for expert tensor
+        parallelism and ``firstN`` / ``lastN`` for uneven pipeline stages
+        (``"megatron:pp8,ep16,first9,last9"``)."""
         kind, _, sizes = text.partition(":")
         if kind != "megatron" or not sizes:
             raise ValueError(
-                "expected megatron:tpN,ppN,cpN,epN[,firstN][,lastN] (e.g. megatron:tp4,pp8,cp2,ep16), "
+                "expected megatron:tpN,ppN,cpN,epN[,etpN][,firstN][,lastN] (e.g. megatron:tp4,pp8,cp2,ep16), "
                 f"got {text!r}"
             )
         given: dict[str, int] = {}
+        keys = ("first", "last", "etp", "tp", "pp", "cp", "ep")  # "etp" before "ep" and "tp"
         for part in sizes.split(","):
-            key = next((k for k in ("first", "last", "tp", "pp", "cp", "ep") if part.startswith(k)), None)
+            key = next((k for k in keys if part.startswith(k)), None)
             digits = part[len(key) :] if key is not None else ""
             if key is None or not digits.isdigit() or key in given:
                 raise ValueError(
-                    f"{part!r}: expected one of tpN, ppN, cpN, epN, firstN, lastN once each, in {text!r}"
+                    f"{part!r}: expected one of tpN, ppN, cpN, epN, etpN, firstN, lastN once each, "
+                    f"in {text!r}"
                 )
             given[key] = int(digits)
         return cls(**given)
 
     def describe(self) -> str:
         uneven = "".join(f",{k}{v}" for k, v in (("first", self.first), ("last", self.last)) if v is not None)
-        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}{uneven}"
+        etp = f",etp{self.etp}" if self.etp > 1 else ""
+        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}{etp}{uneven}"
 
     def stage_layers(self, n: int) -> list[int]:
         """How many of ``n`` decoder layers each pipeline stage holds. ValueError where Megatron
@@ -196,14 +203,21 @@ class MegatronTrainer:
             raise ValueError(
                 f"trainer: {gpus} GPUs are not a multiple of TP {self.tp} x PP {self.pp} x CP {self.cp}"
             )
-        if gpus % (self.pp * self.ep):
-            raise ValueError(f"trainer: {gpus} GPUs are not a multiple of PP {self.pp} x EP {self.ep}")
+        if gpus % (self.pp * self.ep * self.etp):
+            raise ValueError(
+                f"trainer: {gpus} GPUs are not a multiple of PP {self.pp} x EP {self.ep} x ETP {self.etp}"
+            )
 
     @property
     def stage_senders(self) -> int:
-        """A stage's senders: its first ``ep`` ranks (expert-data-parallel rank 0) and the rest of
-        their TP groups (TP wider than EP)."""
-        return -(-self.ep // self.tp) * self.tp
+        """A stage's senders: its first ``ep * etp`` ranks (expert-data-parallel rank 0) and the rest
+        of their TP groups (TP wider than EP x ETP)."""
+        return -(-(self.ep * self.etp) // self.tp) * self.tp
+
+    def expert_senders(self, stage: tuple[int, ...]) -> tuple[int, ...]:
+        """Of a stage's senders (in rank order), those that send its experts: each expert tensor
+        parallel group's first rank, in expert order."""
+        return stage[: self.ep * self.etp : self.etp]
 
     @property
     def senders(self) -> int:
@@ -242,15 +256,18 @@ class MegatronTrainer:
                     {
                         e.name: head
                         if e.name == "shared_head.head.weight"
-                        else (held[: self.ep] if e.name in stacks else held)
+                        else (self.expert_senders(held) if e.name in stacks else held)
                         for e in plan.entries
                     }
                 )
-            elif s != self.ep:  # the experts from the stage's first EP ranks, the rest from all
+            elif s != self.ep:  # the experts from each ETP group's first rank, the rest from all
                 held = stage(stage_of[i])
                 stacks = {e.name for e in stack_entries(plan_from_config(config, i))}
                 entries = plan_from_config(config, i).entries
-                out.append({e.name: held[: self.ep] if e.name in stacks else held for e in entries})
+                experts = self.expert_senders(held)
+                out.append(
+                    {e.name: experts if e.name in stacks else held for e in entries} if stacks else held
+                )
             else:
                 out.append(stage(stage_of[i]))
         return out

@@ -45,6 +45,8 @@ def expected_params(
         for e in plan.entries:
             name, shape = prefix + e.name, tuple(e.shape)
             if targets is not None:
+                if name not in targets:  # an entry of the indexer form this rank does not hold
+                    continue
                 t = targets[name]
                 out.append(Expected(t.name, t.dtype, tuple(t.shape)))
             elif bf16_params is not None and name + "_scale_inv" in bf16_params:
@@ -132,8 +134,12 @@ def land_layer(
     """Land one layer's ``(name, view, rows)`` pieces: into full-size parameters under the
     kernel-format names (``targets`` None; ``quantize_fmt``: bf16 mode, quantize into an fp8
     parameter that has a ``_scale_inv`` beside it), or into engine parameters, cutting this rank's
-    shard from whole entries (``full``) or taking the cut pieces as they came. Aliases are skipped."""
+    shard from whole entries (``full``) or taking the cut pieces as they came. Aliases are skipped,
+    and so is a whole entry that ``targets`` lacks: one of the indexer form this rank does not hold
+    (an update of both forms; the receiver's ``_targets`` gave every other entry its parameter)."""
     for name, view, rows in views:
+        if targets is not None and name not in targets:
+            continue
         target = targets[name] if targets is not None else None
         key = target.name if target is not None else name
         if key in aliases:

@@ -104,11 +104,14 @@ class ShardPack:
 
 def shard_pack(plan: LayerPlan, layer_idx: int, config: Mapping, layout: EngineLayout) -> ShardPack:
     """The region a rank at ``layout`` receives for layer ``layer_idx`` (``REST`` too) in scatter
-    mode. Raises ValueError where vLLM would refuse the layout (``shard_for``)."""
+    mode: its cut of every entry it holds (``EngineLayout.holds``). Raises ValueError where vLLM
+    would refuse the layout (``shard_for``)."""
     rules = ShardRules(config, layout, plan.quantize)
     prefix = layer_prefix(layer_idx)
     pieces, offset = [], 0
     for e in plan.entries:
+        if not layout.holds(config, e.name):
+            continue
         shard = rules.shard(prefix + e.name, e.shape)
         shard = dataclasses.replace(shard, pad=0)  # padding rows are zeroed by the receiver, not sent
         piece = ShardPiece(prefix + e.name, e.dtype, shard.shape(e.shape), offset, shard)

@@ -127,9 +127,13 @@ class Receiver(Endpoint):
                 )
 
     def _targets(self, layout: EngineLayout) -> dict[str, EngineParam]:
+        """The engine parameter of every entry this rank holds, by kernel-format name (an entry of
+        the indexer form it does not hold has none: ``EngineLayout.holds``)."""
         targets = {p.kernel_name: p for p in engine_params(self.config, layout).values()}
         for layer_idx, plan in zip(self.layer_ids, self.plans):
             for e in plan.entries:
+                if not layout.holds(self.config, e.name):
+                    continue
                 p = targets[layer_prefix(layer_idx) + e.name]
                 if p.dtype != e.dtype and (p.dtype, e.dtype) not in WIDENING:
                     raise ValueError(f"{p.name}: the engine holds {p.dtype}, the wire carries {e.dtype}")
@@ -371,8 +375,8 @@ class Receiver(Endpoint):
             # padding and receive no piece of it).
             prefix = layer_prefix(self.layer_ids[pos])
             for e in self.plans[pos].entries:
-                target = self.targets[prefix + e.name]
-                if target.shard.pad and target.name not in aliases:
+                target = self.targets.get(prefix + e.name)  # None: an entry this rank does not hold
+                if target is not None and target.shard.pad and target.name not in aliases:
                     zero_padding(params[target.name], target)
         if self.delta is not None:
             self.delta.landed(pos)

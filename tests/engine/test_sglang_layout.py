@@ -129,8 +129,15 @@ def test_glm5s_indexer_is_split_for_sglang_and_fused_for_vllm():
     assert update_indexer_form(TINY_GLM5, [None, lay]) == "split"
     assert update_indexer_form(TINY_GLM5, [None, vllm]) == "fused"
     assert update_indexer_form(CONFIG, [None, lay, vllm]) == "fused"  # GLM-5.2: both fused
-    with pytest.raises(ValueError, match="separate updates"):
-        update_indexer_form(TINY_GLM5, [None, lay, vllm])
+    assert update_indexer_form(TINY_GLM5, [None, lay, vllm]) == "both"  # GLM-5: each its own
+    wk, fused = (
+        "model.layers.2.self_attn.indexer.wk.weight_scale_inv",
+        "self_attn.indexer.wk_weights_proj.weight",
+    )
+    assert lay.holds(TINY_GLM5, wk) and not lay.holds(TINY_GLM5, fused)
+    assert vllm.holds(TINY_GLM5, fused) and not vllm.holds(TINY_GLM5, wk)
+    assert lay.holds(CONFIG, fused) and not lay.holds(CONFIG, wk)
+    assert all(x.holds(TINY_GLM5, "self_attn.indexer.wq_b.weight") for x in (lay, vllm))
 
 
 def test_manifest_words_tell_the_engines_apart():
@@ -148,7 +155,11 @@ def test_an_update_plans_the_indexer_as_its_ranks_hold_it():
     names = {e.name for e in sender.plans[2].entries}
     assert {"self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"} <= names
     assert "self_attn.indexer.wk_weights_proj.weight" not in names
-    with pytest.raises(ValueError, match="separate updates"):
-        Sender(
-            HostSinkComm(size=3), 0, config=TINY_GLM5, device="cpu", engines=[None, sglang[0], EngineLayout()]
-        )
+    both = Sender(
+        HostSinkComm(size=5),
+        0,
+        config=TINY_GLM5,
+        device="cpu",
+        engines=[None, *sglang, *EngineLayout.all_ranks(2)],
+    )
+    assert {e.name for e in both.plans[2].entries} >= names | {"self_attn.indexer.wk_weights_proj.weight"}

@@ -227,10 +227,12 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
         )
         model = _build(tp, pp, ep, vocab, etp)
         source = MegatronSource(model, CONFIG)
+        planned = None
         if rank == 0:
             coord.set(
                 "plan", json.dumps({"senders": source.senders, "holders": list(source.holders.items())})
             )
+            planned = _planned_holders(source, tp, pp, ep, etp)
         from megatron.core import parallel_state as ps
 
         place = dict(
@@ -271,7 +273,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
         if delta:  # a step, then its delta: the engine must end with the new weights' bytes
             _step(model)
             sent.append(sender.send_model(source.layers(), rest=source.rest()).nbytes)
-        return "sender", place, _local(model), sent
+        return "sender", place, _local(model), sent, planned
     layout = layouts[rank - trainers]
     params = {}
     for name, p in engine_params(CONFIG, layout).items():
@@ -281,6 +283,19 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
     for _ in range(2 if delta else 1):
         receiver.load_into(params)
     return "engine", layout, params
+
+
+def _planned_holders(source, tp: int, pp: int, ep: int, etp: int) -> tuple[int, int]:
+    """The plan's senders and holders for this trainer (``glm_fp8.planning.fleet.MegatronTrainer``,
+    what ``glm-fp8 plan --trainer`` predicts from) against what ``MegatronSource`` read from
+    Megatron's own parallel state: (senders the plan counts, layers whose holders differ)."""
+    from glm_fp8.planning.fleet import MegatronTrainer
+
+    trainer = MegatronTrainer(tp=tp, pp=pp, ep=ep, etp=etp)
+    ids = list(source.holders)
+    norm = lambda h: {k: tuple(v) for k, v in h.items()} if isinstance(h, dict) else tuple(h)  # noqa: E731
+    differ = [i for i, h in zip(ids, trainer.holders(CONFIG, ids)) if norm(h) != norm(source.holders[i])]
+    return trainer.senders - len(source.senders), len(differ)
 
 
 def _local(model) -> dict:
@@ -436,6 +451,8 @@ def test_megatron_model_lands_exactly(case):
             got = params[name]
             assert got.dtype == ref.dtype and got.shape == ref.shape, name
             assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    # the plan's trainer model sends from the ranks, and each layer from the holders, Megatron's has
+    assert results[0][1][4] == (0, 0), results[0][1][4]
     if case.get("etp", 1) > 1:  # Megatron split each expert's rows over the two ranks
         assert sorted(results[r][1][1]["etp"] for r in range(trainers)) == [0, 1]
         fc1 = [

@@ -456,6 +456,8 @@ CASES = {
     "two senders into attn-dp2-ep2": dict(server="attn-dp2-ep2", senders=2),
     "deltas into tp2-ep2": dict(server="tp2-ep2", steps=3, delta=True),
     "tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2"),
+    # GLM-5: the vLLM ranks hold the indexer fused, the SGLang ranks split: each takes its own form
+    "GLM-5's split indexer, tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2", config="glm-5"),
     "SGLang's session API, two updates into attn-dp2-ep2": dict(server="attn-dp2-ep2", steps=2, api=True),
     "GLM-5's split indexer, deltas into tp2": dict(server="tp2", steps=2, delta=True, config="glm-5"),
     "GLM-5's split indexer through SGLang's session API": dict(server="tp2-ep2", api=True, config="glm-5"),

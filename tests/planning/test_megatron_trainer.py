@@ -31,6 +31,30 @@ def test_parse_and_check():
         Fleet(8, trainer=object())
 
 
+def test_expert_tensor_parallelism_sends_each_expert_from_its_etp_groups_first_rank():
+    """TP 2, ETP 2, EP 2 on 8 GPUs (PP 1, DP 4, expert-data-parallel 2): the 4 ranks of
+    expert-data-parallel rank 0 send, the experts from each ETP group's first rank (0 and 2, in
+    expert order), the other entries from all 4; parsed and described with ``etpN``."""
+    m = MegatronTrainer.parse("megatron:tp2,ep2,etp2")
+    assert (m.tp, m.ep, m.etp, m.stage_senders, m.senders) == (2, 2, 2, 4, 4)
+    assert m.describe() == "megatron:tp2,pp1,cp1,ep2,etp2"
+    assert MegatronTrainer.parse(m.describe()) == m
+    m.check(8)
+    with pytest.raises(ValueError, match="not a multiple of PP 1 x EP 2 x ETP 2"):
+        m.check(6)
+    held = m.holders(TINY_GLM5, [0, 2])
+    assert held[0] == (0, 1, 2, 3)  # a dense layer: no experts
+    experts = {n: h for n, h in held[1].items() if "experts.w" in n}
+    assert experts and set(experts.values()) == {(0, 2)}
+    assert {h for n, h in held[1].items() if n not in experts} == {(0, 1, 2, 3)}
+    tp = many_senders_plan(TINY_GLM5, Fleet(8, servers=(Server(tp=2),), trainer=m))
+    assert tp.senders == (0, 1, 2, 3)
+    for lay in tp.layers:
+        for name, rows in lay.splits.items():
+            if "experts.w" in name:  # ETP ranks 1 and 3 send no expert rows
+                assert rows[1] == rows[3] == (0, 0) and rows[0][1] > 0 and rows[2][1] > 0, (name, rows)
+
+
 def test_each_layer_goes_from_its_stage():
     """PP 2 x EP 2 on 8 GPUs (TP 2, DP 2): 4 senders; layers 0-1 from senders 0-1, layers 2-3 and
     the MTP layer from senders 2-3; the embeddings from stage 0's TP group, the head from the last

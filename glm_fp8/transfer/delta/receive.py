@@ -56,8 +56,8 @@ def check_receiver_delta(
         )
     for layer_idx, plan in zip(layer_ids, plans):
         for e in plan.entries if targets is not None else ():
-            p = targets[layer_prefix(layer_idx) + e.name]
-            if p.dtype != e.dtype:
+            p = targets.get(layer_prefix(layer_idx) + e.name)  # None: an entry this rank does not hold
+            if p is not None and p.dtype != e.dtype:
                 raise ValueError(
                     f"delta: {p.name} lands widened ({e.dtype} on the wire, {p.dtype} in the engine), so "
                     "its parameter does not hold the bytes that arrived; send it in the engine's dtype"
