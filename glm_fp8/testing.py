@@ -216,6 +216,8 @@ def reference_engine_params(
                 if e.op == "quantize" and len(e.shape) != 3:
                     sd.update({s: sd[s].to(gathered_dtype) for s in e.sources})
         for kernel_name, full in convert_layer_ref(sd, i, plan).items():
+            if not layout.holds(c, kernel_name):  # e.g. an SGLang rank's MTP layer: its drafter's
+                continue
             t = targets[kernel_name]
             out[t.name] = take_shard(full, t.shard).to(t.dtype)
     return out

@@ -188,9 +188,9 @@ class EngineLayout:
         return "fused"
 
     def holds(self, config: Mapping, name: str) -> bool:
-        """Whether this rank holds the kernel-format entry ``name`` (relative to its layer or with its
-        prefix): every entry but the indexer's of the form it does not hold (an update of both forms
-        sends each rank its own)."""
+        """Whether this rank holds the kernel-format entry ``name`` (with its layer's prefix): every
+        entry but the indexer's of the form it does not hold (an update of both forms sends each
+        rank its own)."""
         form = indexer_entry_form(name)
         return form is None or form == self.indexer_form(config)
 

@@ -36,6 +36,8 @@ import torch
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import VOCAB_PAD, EngineLayout
+from glm_fp8.model.families import mtp_layer_index
+from glm_fp8.model.trainer_layouts import layer_prefix
 
 # SGLang 0.5.23's --moe-a2a-backend values (layers/moe/utils.py::MoeA2ABackend) under which
 # DeepseekV2MoE builds the shared experts unsplit (parallel_group="replicated").
@@ -177,6 +179,15 @@ class SGLangLayout(EngineLayout):
 
     def indexer_form(self, config: Mapping) -> str:
         return sglang_indexer_form(config)
+
+    def holds(self, config: Mapping, name: str) -> bool:
+        """As ``EngineLayout.holds``, and nothing of the MTP layer: SGLang's drafter is a model of its
+        own (``GlmMoeDsaForCausalLMNextN``, the draft worker's), which glm_fp8 does not update yet, so
+        an update that carries the layer (for vLLM ranks' drafter) sends it no byte of it."""
+        mtp = mtp_layer_index(config)
+        if mtp is not None and name.startswith(layer_prefix(mtp)):
+            return False
+        return super().holds(config, name)
 
     def padded_vocab(self, vocab: int, size: int) -> int:
         pad = VOCAB_PAD

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from glm_fp8.core.errors import PlanArgumentError
+from glm_fp8.engine.sglang import update_indexer_form
 from glm_fp8.model.config import as_config
 from glm_fp8.model.families import REST, model_layer_ids, mtp_layer_index
 from glm_fp8.model.plans import plans_for_model
@@ -117,10 +118,11 @@ def engine_extra(
     regions into segments (a few hundred bytes more per layer)."""
     config = as_config(config)
 
+    form = update_indexer_form(config, layouts)  # the DSA indexer as these ranks hold it
+
     def plan_for(ids: list[int], engines: list):
-        return transfer_plan(
-            config, plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt), ids, engines, [0]
-        )
+        plans = plans_for_model(config, "fp8", layer_ids=ids, scale_fmt=scale_fmt, indexer_form=form)
+        return transfer_plan(config, plans, ids, engines, [0])
 
     mtp = mtp_layer_index(config)
     whole, target = [*model_layer_ids(config), REST], [*model_layer_ids(config, mtp=False), REST]

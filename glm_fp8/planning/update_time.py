@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from glm_fp8.engine.sglang import update_indexer_form
 from glm_fp8.model.config import as_config
 from glm_fp8.model.families import REST, model_layer_ids
 from glm_fp8.model.layer_plan import LayerPlan
@@ -146,9 +147,13 @@ def _whole(
     scale_fmt: str | None,
     master_dtype: torch.dtype,
     gather_dtype: torch.dtype | None,
+    fleet: Fleet,
 ) -> list[LayerPlan]:
-    """The whole update's plans, their inputs in the dtypes they travel in (``travel_plan``)."""
-    plans = plans_for_model(config, mode, layer_ids=[*model_layer_ids(config), REST], scale_fmt=scale_fmt)
+    """The whole update's plans, their inputs in the dtypes they travel in (``travel_plan``), the
+    DSA indexer in the form the fleet's engine ranks hold it (``update_indexer_form``)."""
+    form = update_indexer_form(config, fleet.layouts())
+    ids = [*model_layer_ids(config), REST]
+    plans = plans_for_model(config, mode, layer_ids=ids, scale_fmt=scale_fmt, indexer_form=form)
     cache: dict[int, LayerPlan] = {}  # one object per kind, so that transfer_plan's caches still hit
     return [cache.setdefault(id(p), travel_plan(p, master_dtype, gather_dtype)) for p in plans]
 
@@ -302,7 +307,7 @@ def predict(
     # rank of every server. fp8 with whole experts: each rank quantizes its experts and only fp8
     # travels to the sender (gather="quantize_then_gather", what "auto" picks).
     for strategy, mode in (("bf16 broadcast", "bf16"), ("fp8 broadcast", "fp8")):
-        plans = _whole(config, mode, scale_fmt, master_dtype, gather_dtype)
+        plans = _whole(config, mode, scale_fmt, master_dtype, gather_dtype, fleet)
         total = sum(p.nbytes for p in plans)
         gathered = gather(_sender_inputs(plans, mode == "fp8" and fleet.experts_whole))
         biggest = max(plans, key=lambda p: p.nbytes)
@@ -337,7 +342,7 @@ def predict(
     # Scatter: one sender, every distinct region once per layer. Ranks of any server (replicas,
     # DP ranks, another server's ranks) that hold the same region form one class and share one
     # broadcast, so one replica of each server stands for all (glm_fp8.transfer.routes).
-    plans = _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
+    plans = _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype, fleet)
     scatter = transfer_plan(config, plans, ids, [None, *fleet.layouts()], [0])
     per_rank = _class_bytes(scatter)
     layer_regions = [lay.wire_nbytes for lay in scatter.layers]
@@ -442,7 +447,7 @@ def many_senders_plan(
     each stage's holding its layers (``MegatronTrainer.holders``)."""
     config = as_config(config)
     ids = [*model_layer_ids(config), REST]
-    plans = plans or _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype)
+    plans = plans or _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype, fleet)
     if fleet.trainer is not None:  # Megatron: each stage's senders hold its layers
         n = fleet.trainer.senders
         engines = [None] * n + fleet.engine_layouts()

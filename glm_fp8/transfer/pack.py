@@ -110,7 +110,7 @@ def shard_pack(plan: LayerPlan, layer_idx: int, config: Mapping, layout: EngineL
     prefix = layer_prefix(layer_idx)
     pieces, offset = [], 0
     for e in plan.entries:
-        if not layout.holds(config, e.name):
+        if not layout.holds(config, prefix + e.name):
             continue
         shard = rules.shard(prefix + e.name, e.shape)
         shard = dataclasses.replace(shard, pad=0)  # padding rows are zeroed by the receiver, not sent

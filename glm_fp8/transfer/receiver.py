@@ -132,7 +132,7 @@ class Receiver(Endpoint):
         targets = {p.kernel_name: p for p in engine_params(self.config, layout).values()}
         for layer_idx, plan in zip(self.layer_ids, self.plans):
             for e in plan.entries:
-                if not layout.holds(self.config, e.name):
+                if not layout.holds(self.config, layer_prefix(layer_idx) + e.name):
                     continue
                 p = targets[layer_prefix(layer_idx) + e.name]
                 if p.dtype != e.dtype and (p.dtype, e.dtype) not in WIDENING:

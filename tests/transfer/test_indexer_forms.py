@@ -6,7 +6,8 @@
 Invariant: with a vLLM server at TP 2 and an SGLang server at TP 2 on one link, from one sender
 (scatter) and from two FSDP2 senders, the update's plans carry both forms ("both": the fused entry
 and the split ones, each converted once per sender), every engine rank receives only the form it
-holds, and every parameter of every rank equals the reference conversion of the trainer's own
+holds (the MTP layer, which only vLLM's ranks hold: SGLang's drafter is a model of its own, only to
+them), and every parameter of every rank equals the reference conversion of the trainer's own
 tensors in that rank's form, cut by its shard, bit for bit (parameters start as 0x5A: an unwritten
 byte shows).
 """
@@ -27,7 +28,7 @@ from glm_fp8.testing import launch
 
 FILL = 0x5A
 MTP = mtp_layer_index(TINY_GLM5)
-IDS = model_layer_ids(TINY_GLM5, mtp=False)  # SGLang's MTP drafter is a model of its own
+IDS = model_layer_ids(TINY_GLM5)  # the MTP layer too: the vLLM ranks' drafter's, nothing of it SGLang's
 SPLIT = {r.out for r in SPLIT_INDEXER} | {SPLIT_INDEXER[0].out + "_scale_inv"}  # wk is block-FP8
 
 
@@ -71,14 +72,15 @@ def _rank(rank, world, n_senders):
     receiver.load_into(params)
     want = reference_engine_params(TINY_GLM5, layout, [*IDS, REST])
     same = lambda a, b: torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
-    received = {p.name.split(".", 3)[-1] for segs in receiver.mine for s in segs for p in s.pieces}
+    arrived = {p.name for segs in receiver.mine for s in segs for p in s.pieces}
+    received = {n.split(".", 3)[-1] for n in arrived}
     return {
         "engine": layout.engine,
         "form": layout.indexer_form(TINY_GLM5),
         "indexer": sorted(n for n in received if indexer_entry_form(n)),
         "differ": sorted(n for n, t in want.items() if not same(params[n], t)),
-        # every parameter but the MTP layer's (not in this update) is in the reference
-        "unlisted": sorted(n for n in set(params) - set(want) if not n.startswith(f"model.layers.{MTP}.")),
+        "unlisted": sorted(set(params) - set(want)),  # every parameter is in the reference
+        "mtp": sum(n.startswith(f"model.layers.{MTP}.") for n in arrived),
     }
 
 
@@ -99,3 +101,4 @@ def test_vllm_and_sglang_ranks_each_take_their_own_indexer_form_in_one_update(n_
         own = [FUSED_INDEXER] if e["form"] == "fused" else sorted(SPLIT)
         assert e["form"] == ("fused" if e["engine"] == "vllm" else "split"), e
         assert e["indexer"] == own, e  # nothing of the other form arrived
+        assert (e["mtp"] > 0) == (e["engine"] == "vllm"), e  # the MTP layer to vLLM's ranks only
