@@ -74,9 +74,13 @@ def test_the_cli_reads_an_sglang_server():
 def test_attention_dp_ranks_receive_whole_attention():
     sglang = Server(2, 2, True, engine="sglang").layouts()  # attention TP 1: attention whole on each
     vllm = Server(2, 1, True).layouts()  # TP 2: attention split two ways
-    _, s_bytes = update_bytes(CONFIG, sglang)
-    _, v_bytes = update_bytes(CONFIG, vllm)
+    decoder = list(range(CONFIG["num_hidden_layers"]))  # the MTP layer is vLLM's drafter's alone
+    _, s_bytes = update_bytes(CONFIG, sglang, layer_ids=decoder)
+    _, v_bytes = update_bytes(CONFIG, vllm, layer_ids=decoder)
     assert min(s_bytes) > max(v_bytes)
+    mtp = [CONFIG["num_hidden_layers"]]
+    assert update_bytes(CONFIG, sglang, layer_ids=mtp, rest=False)[1] == [0, 0]  # SGLang's drafter: its own
+    assert min(update_bytes(CONFIG, vllm, layer_ids=mtp, rest=False)[1]) > 0
 
 
 def test_the_miles_shaped_sglang_preset_plans_an_update():
