@@ -58,8 +58,10 @@ def _rank(rank, world, n_senders):
     )
     if rank < n_senders:
         sender = Sender(None, 0, **kw)
-        layer = (lambda i: sharded_layer(TINY_GLM5, i, mesh)) if mesh is not None else None
-        layer = layer or (lambda i: synthetic_layer(TINY_GLM5, i))
+
+        def layer(i):
+            return synthetic_layer(TINY_GLM5, i) if mesh is None else sharded_layer(TINY_GLM5, i, mesh)
+
         stats = sender.send_model(((i, layer(i)) for i in IDS), rest=layer(REST))
         names = {e.name for plan in sender.plans for e in plan.entries}
         return sender.indexer_form, sorted(n for n in names if indexer_entry_form(n)), stats.nbytes
