@@ -706,12 +706,18 @@ def test_a_fleet_change_keeps_deltas_for_the_servers_that_stay():
 def _nan_rank(rank, world, trainers, boxes):
     if rank >= trainers:
         return _worker(rank, trainers, MEMBERSHIP_FLEET[:2], boxes, die_at=None)
-    step = [0]
+    from glm_fp8.integrations.vllm import trainer
+
+    # Waiting for the servers' accounts would now take a minute: far from the own fault's second,
+    # whatever a loaded machine adds to the interpreter's kernels.
+    trainer.FAILURE_WAIT_S = 60.0
+    step, nan_at = [0], []
 
     def layer(i):
         sd = synthetic_layer(NO_MTP, i, torch.bfloat16)
         if step[0] == 0 and i == 1:  # the trainer's own weights: a NaN in its first update
             sd["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("nan")
+            nan_at.append(time.monotonic())
         return sd
 
     source = _source(trainers, layer=layer)
@@ -726,7 +732,9 @@ def _nan_rank(rank, world, trainers, boxes):
                 side.send()
                 out.append(("ok", "", 0.0))
             except Exception as exc:  # noqa: BLE001 - the test reads every rank's outcome
-                out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+                # From the NaN layer's making to the raise: the update's start (sessions, layer 0
+                # in the interpreter) is no part of how long the failure took to stop this rank.
+                out.append((type(exc).__name__, str(exc), time.monotonic() - (nan_at or [t0])[0]))
         side.shutdown()
         return out
     finally:
@@ -738,8 +746,8 @@ def test_a_nan_in_the_trainer_is_the_trainers_on_every_trainer_rank_never_a_serv
     """One sender (rank 1 off the link), two servers: a NaN in the trainer's layer 1 stops the
     update; rank 0 raises ``NonFiniteError`` naming the tensor, and rank 1's error names the same
     tensor first, not a server whose update_weights raised after it; neither waits for the
-    servers' accounts (seconds, not ``FAILURE_WAIT_S``). The link stays whole: the next update
-    lands on both servers."""
+    servers' accounts (seconds from the NaN layer's making, not ``FAILURE_WAIT_S``, set to a
+    minute here). The link stays whole: the next update lands on both servers."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -751,7 +759,7 @@ def test_a_nan_in_the_trainer_is_the_trainers_on_every_trainer_rank_never_a_serv
         assert status == "ok", (t, status, out)
         (kind, text, seconds), landed = out
         assert landed[0] == "ok", (t, out)
-        assert kind == ("NonFiniteError" if t == 0 else "UpdateAborted") and seconds < 8, (t, out)
+        assert kind == ("NonFiniteError" if t == 0 else "UpdateAborted") and seconds < 30, (t, out)
         own = text if t == 0 else text.split("trainer rank 0: ", 1)[1]
         assert own.startswith("NonFiniteError: " if t else "") and "self_attn.o_proj.weight" in own, (t, text)
         assert "update_weights raised" not in text, (t, text)
