@@ -18,7 +18,8 @@ PIP=("$VENV/bin/python" -m pip install -q)
 # transformers and tokenizers at the versions SGLang pins; triton because SGLang's layers import it at
 # module level and the CPU torch does not bring it; IPython for sglang/utils.py; dill for
 # sampling/custom_logit_processor.py on the path of the models; fastapi, uvicorn, uvloop and
-# setproctitle for model_runner, the engine and weight_sync. scipy, xxhash, interegular and
+# setproctitle for model_runner, the engine and weight_sync; jsonschema, xgrammar and soundfile for the
+# HTTP server's module (entrypoints/http_server.py, whose routes the HTTP client's test serves). scipy, xxhash, interegular and
 # prometheus_client, also declared, are imported lazily on none of those paths and stay out.
 "${PIP[@]}" "transformers==5.19.0" "tokenizers==0.23.2" "huggingface_hub==1.33.0" "safetensors==0.8.0" \
     "triton==3.9.0" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" "openai==2.8.0" \
@@ -27,7 +28,7 @@ PIP=("$VENV/bin/python" -m pip install -q)
     "pydantic==2.14.4" "pyzmq==27.3.0" "aiohttp==3.14.5" "requests==2.34.2" "regex==2026.12.2" \
     "psutil==7.2.2" "distro==1.9.0" "packaging==26.4" "pillow==13.0.0" "numpy==2.4.6" "tqdm==4.70.1" \
     "zstandard==0.25.0" "python-multipart==0.0.34" "fastapi==0.165.0" "uvicorn==0.55.0" \
-    "uvloop==0.23.0" "setproctitle==1.3.8" \
+    "uvloop==0.23.0" "setproctitle==1.3.8" "jsonschema==4.26.0" "xgrammar==0.2.7" "soundfile==0.13.1" \
     "torch==2.13.0"
 # torchvision: PyPI's only wheel for torch 2.13 (0.28.0) is a CUDA build (its _C.so needs
 # libtorch_cuda.so), so beside the CPU torch `import torchvision` dies ("operator torchvision::nms does

@@ -33,7 +33,9 @@ IMPORT_TO_DIST: dict[str, str] = {}
 #   sglang: SGLang 0.5.23, the other engine, whose runtime context glm_fp8.integrations.sglang reads
 #   (lazily) and whose model classes tests/integrations/test_sglang_real.py builds
 #   (scripts/install_sglang_cpu.sh).
-OPTIONAL = {"vllm", "tomli", "transformers", "megatron", "sglang"}
+#   uvicorn: serves SGLang's own HTTP app in tests/integrations/test_sglang_real.py (an SGLang
+#   dependency, installed beside it by scripts/install_sglang_cpu.sh).
+OPTIONAL = {"vllm", "tomli", "transformers", "megatron", "sglang", "uvicorn"}
 
 # Needed at run time although no file of ours imports them (the reason is the value).
 RUNTIME_WITHOUT_IMPORT = {

@@ -313,6 +313,7 @@ class Receiver(Endpoint):
         *,
         aliases: Mapping[str, str] | None = None,
         unland: Unland | None = None,
+        refusal: Exception | None = None,
     ) -> UpdateStats:
         """Copy (wire 'fp8') or quantize (wire 'bf16': into an fp8 parameter with a ``_scale_inv`` beside
         it, else copied) every received entry into ``params``. ``aliases``: parameter names that
@@ -323,10 +324,13 @@ class Receiver(Endpoint):
 
         Every name, shape, dtype, device, ``requires_grad`` and aliasing is checked before the first
         byte is received; a failed check is voted on with the manifest, so every rank stops there.
-        Raises ``UpdateAborted`` if the update did not complete (``params`` then hold a mix of
-        layers and must not be served as the new weights)."""
+        ``refusal``: a problem the caller found with this rank's engine (its model, its layout),
+        voted on and raised alike, in place of the check of ``params``. Raises ``UpdateAborted`` if
+        the update did not complete (``params`` then hold a mix of layers and must not be served as
+        the new weights)."""
         aliases = dict(aliases or {})
-        self._params_error = self._check_params(params, aliases) if self._layout_error is None else None
+        if self._layout_error is None:
+            self._params_error = refusal or self._check_params(params, aliases)
         if self.delta is not None:
             self.delta.params, self.delta.aliases, self.delta.unland = params, aliases, unland
         stats = UpdateStats()

@@ -24,7 +24,7 @@ LAYOUTS = SGLangLayout.all_sglang_ranks(2, attn_dp_size=2, ep_size=2)
 
 
 def _update(**kw):
-    return SGLangUpdate(
+    fields = dict(
         host="127.0.0.1",
         port=29501,
         rank_offset=1,
@@ -32,8 +32,8 @@ def _update(**kw):
         config=CONFIG,
         layer_ids=[0, 1, 2, 3],
         engines=[None, *LAYOUTS, EngineLayout(tp_size=2, tp_rank=1)],
-        **kw,
     )
+    return SGLangUpdate(**{**fields, **kw})
 
 
 def test_the_payload_round_trips_with_every_layout_and_its_engine():
@@ -160,3 +160,46 @@ def test_an_update_with_a_bad_field_is_refused_naming_it(kw, words):
     )
     with pytest.raises(ValueError, match=words):
         SGLangUpdate(**{**fields, **kw})
+
+
+def test_the_http_payload_is_the_update_once_per_tp_rank_of_the_server():
+    """``serialized_named_tensors()``: base64 of the payload as torch's ForkingPickler pickles it
+    (SGLang's MultiprocessingSerializer), one per TP rank of the server at ``rank_offset``; it
+    unpickles to the same update."""
+    import base64
+    import pickle
+
+    update = _update()
+    texts = update.serialized_named_tensors()
+    assert len(texts) == update.server_ranks() == 2 and texts[0] == texts[1]
+    back = SGLangUpdate.from_named_tensors(pickle.loads(base64.b64decode(texts[0])))
+    assert back == update or back.to_json() == update.to_json()
+
+
+def test_an_update_call_refuses_an_update_whose_server_ranks_are_not_one_sglang_server():
+    from glm_fp8.integrations.sglang import SGLangHttpClient, SGLangUpdateCall
+
+    client = SGLangHttpClient("http://127.0.0.1:1")
+    bad = _update(rank_offset=2)  # TP rank 1 of the server, then a vLLM rank
+    with pytest.raises(ValueError, match=r"engines\[2\]: expected the server's TP rank 0 of 2"):
+        SGLangUpdateCall(client, bad)
+    with pytest.raises(ValueError, match="pause: expected None or one of"):
+        SGLangUpdateCall(client, _update(), pause="stop")
+    with pytest.raises(ValueError, match="SGLangHttpClient.url: expected http://host:port"):
+        SGLangHttpClient("127.0.0.1:30000")
+
+
+def test_an_unreachable_server_fails_the_call_naming_it_and_publishes_the_fault():
+    """Nothing listens at the URL: the call fails naming the server and its route, and the fault
+    is published on the link given (so that no sender waits for the server's ranks)."""
+    from glm_fp8.integrations.sglang import SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+    from glm_fp8.testing import free_port
+
+    reported = []
+    link = SimpleNamespace(liveness=SimpleNamespace(report=lambda rank, why: reported.append((rank, why))))
+    url = f"http://127.0.0.1:{free_port()}"
+    call = SGLangUpdateCall(SGLangHttpClient(url, timeout_s=5), _update(), link=link)
+    with pytest.raises(SGLangCallFailed, match=rf"SGLang server {url}: POST /pause_generation got no answer"):
+        call.join(30)
+    assert call.done() and len(reported) == 1 and reported[0][0] is None, reported
+    assert "pause_generation got no answer" in reported[0][1] and "generation stays paused" in reported[0][1]

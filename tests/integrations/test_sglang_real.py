@@ -37,6 +37,7 @@ Stood in: the device. The ranks are CPU processes; SGLang's DSA indexer is built
 import importlib.metadata
 import importlib.util
 import io
+import time
 from datetime import timedelta
 
 import pytest
@@ -248,18 +249,23 @@ def _rank(rank, world, case, ports):
         tp, **{k: v for k, v in server.items() if k in ("attn_dp_size", "ep_size")}
     )
     vllm = case["vllm"]
+    announced = layouts  # what the trainer says the server's ranks hold
+    if case.get("announce") is not None:
+        announced = SGLangLayout.all_sglang_ranks(tp, **case["announce"])
     kw = dict(
         config=config,
         layer_ids=list(range(config["num_hidden_layers"])),
         rest=True,
         device="cpu",
         # broadcast: every SGLang rank receives every entry whole and cuts its shard
-        engines=[None] * n_senders + ([FULL] * tp if case["broadcast"] else layouts) + vllm,
+        engines=[None] * n_senders + ([FULL] * tp if case["broadcast"] else announced) + vllm,
         senders=list(range(n_senders)),
     )
     mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and n_senders > 1 else None
     if case["api"] and n_senders <= rank < n_senders + tp:  # the link is opened by glm_fp8's loader
         return _through_sessions(rank - n_senders, case, layouts, kw, ports)
+    if case["api"] == "http" and rank == 0:
+        return _through_http(case, layouts, kw, ports, mesh)
     link = StoreLink(
         "127.0.0.1",
         ports[0],
@@ -346,10 +352,10 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils import MultiprocessingSerializer
 
-    from glm_fp8.integrations.sglang import LOADER, SGLangUpdate
+    from glm_fp8.integrations.sglang import LOADER
     from glm_fp8.testing import moved_layer
 
-    server, n_senders, steps, config = case["server"], case["senders"], case["steps"], case["config"]
+    server, steps, config = case["server"], case["steps"], case["config"]
     _sglang_world(engine_rank, server, ports[1])
     cpu = torch.device("cpu")
     last = steps - 1
@@ -391,25 +397,19 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
             record_weight_version_change=lambda new_version: versions.append(new_version)
         ),
     )
-    update = SGLangUpdate(
-        host="127.0.0.1",
-        port=ports[0],
-        rank_offset=n_senders,
-        world_size=n_senders + len(layouts),
-        config=config,
-        layer_ids=kw["layer_ids"],
-        engines=kw["engines"],
-        senders=kw["senders"],
-        rest=kw["rest"],
-        delta=case["delta"],
-        timeout_s=120,
-    )
+    update = _sglang_update(case, layouts, kw, ports)
     # as a client serializes it, once per TP rank (by value: no shared memory, any host)
     serialized = [
         MultiprocessingSerializer.serialize(update.named_tensors(), output_str=True) for _ in layouts
     ]
     replies = []
-    for step in range(steps):
+    if case["api"] == "http":  # the calls as the server's routes made them, from the trainer's client
+        requests, answers = case["boxes"][engine_rank]
+        while (call := requests.get(timeout=240)) is not None:
+            method, obj = call
+            replies.append(getattr(manager, method)(obj))
+            answers.put((replies[-1].success, replies[-1].message, method))
+    for step in range(steps if case["api"] is True else 0):
         replies.append(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="target")))
         replies.append(
             manager.update_weights_from_tensor(
@@ -430,6 +430,132 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
+
+
+def _sglang_update(case: dict, layouts, kw: dict, ports):
+    from glm_fp8.integrations.sglang import SGLangUpdate
+
+    return SGLangUpdate(
+        host="127.0.0.1",
+        port=ports[0],
+        rank_offset=case["senders"],
+        world_size=case["senders"] + len(layouts),
+        config=case["config"],
+        layer_ids=kw["layer_ids"],
+        engines=kw["engines"],
+        senders=kw["senders"],
+        rest=kw["rest"],
+        delta=case["delta"],
+        timeout_s=120,
+    )
+
+
+class _TokenizerManager:
+    """What SGLang's HTTP routes call (its ``TokenizerManager``'s methods of a weight update),
+    standing in for its fan-out to the scheduler processes over ZMQ: each call goes to every rank's
+    ``SchedulerWeightUpdaterManager`` through a queue, their answers merged as SGLang merges them
+    (``FanOutCommunicator.merge_results``); the payload normalized by SGLang's own function first."""
+
+    def __init__(self, boxes):
+        self.boxes, self.calls, self.paused = boxes, [], False
+
+    def _fan_out(self, method: str, obj):
+        for requests, _ in self.boxes:
+            requests.put((method, obj))
+        answers = [answers.get(timeout=240) for _, answers in self.boxes]
+        self.calls.append(method)
+        return all(ok for ok, _, _ in answers), " | ".join(m for _, m, _ in answers)
+
+    async def pause_generation(self, obj):
+        self.paused = True
+        self.calls.append(f"pause_generation:{obj.mode}")
+
+    async def continue_generation(self, obj):
+        self.paused = False
+        self.calls.append("continue_generation")
+
+    async def begin_weight_update(self, obj, request=None):
+        import asyncio
+
+        return await asyncio.to_thread(self._fan_out, "begin_weight_update", obj)
+
+    async def end_weight_update(self, obj, request=None):
+        import asyncio
+
+        return await asyncio.to_thread(self._fan_out, "end_weight_update", obj)
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        import asyncio
+
+        from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+
+        obj.serialized_named_tensors = normalize_serialized_named_tensor_payloads(
+            obj.serialized_named_tensors
+        )
+        return await asyncio.to_thread(self._fan_out, "update_weights_from_tensor", obj)
+
+
+def _through_http(case: dict, layouts, kw: dict, ports, mesh) -> dict:
+    """Trainer rank 0 with SGLang's own HTTP server in front of the SGLang ranks: its FastAPI app
+    (routes, request models, auth) served by uvicorn on a port of this process, its tokenizer
+    manager stood in (``_TokenizerManager``). Per step: ``SGLangUpdateCall`` over
+    ``SGLangHttpClient`` beside ``send_model``; then a call against a wrong URL fails naming it."""
+    import threading
+
+    import uvicorn
+    from sglang.srt.entrypoints import http_server
+
+    from glm_fp8.integrations.sglang import SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+    from glm_fp8.transfer import DeltaOptions, Sender
+    from glm_fp8.transfer.link import StoreLink
+
+    manager = _TokenizerManager(case["boxes"])
+    http_server.set_global_state(http_server._GlobalState(manager, None, {}))
+    server = uvicorn.Server(
+        uvicorn.Config(http_server.app, port=ports[3], lifespan="off", log_level="warning")
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    client = SGLangHttpClient(f"http://127.0.0.1:{ports[3]}", timeout_s=200)
+    update = _sglang_update(case, layouts, kw, ports)
+    link = sender = None
+    sent, messages, failed = [], [], []
+    for step in range(case["steps"]):
+        call = SGLangUpdateCall(client, update, weight_version=f"step-{step}", link=link)
+        if link is None:  # the SGLang ranks join the link in their first call: after it started
+            link = call.link = StoreLink(
+                "127.0.0.1", ports[0], 0, len(kw["engines"]), backend="gloo", timeout=timedelta(seconds=120)
+            )
+            sender = Sender(link, 0, delta=DeltaOptions() if case["delta"] else None, **kw)
+        layers = ((i, _layer(case, i, step, mesh)) for i in kw["layer_ids"])
+        t0 = time.monotonic()
+        try:
+            sent.append(sender.send_model(layers, rest=_layer(case, REST, step, mesh)).nbytes)
+            messages.append(call.finish(200))
+        except Exception as exc:  # noqa: BLE001 - a refused update: every side's account
+            failed.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+            try:
+                failed.append(("answered", call.join(200), None))
+            except SGLangCallFailed as call_exc:
+                failed.append((type(call_exc).__name__, str(call_exc), call_exc.answered))
+            break
+    for requests, _ in case["boxes"]:
+        requests.put(None)
+    try:
+        SGLangHttpClient(f"http://127.0.0.1:{ports[3]}/no-such-prefix", timeout_s=10).begin_weight_update()
+        wrong = ""
+    except SGLangCallFailed as exc:
+        wrong = str(exc)
+    server.should_exit = True
+    return {
+        "sent": sent,
+        "calls": manager.calls,
+        "paused": manager.paused,
+        "messages": messages,
+        "wrong": wrong,
+        "failed": failed,
+    }
 
 
 def _checkpoint(config: dict, weights):
@@ -459,6 +585,9 @@ CASES = {
     # GLM-5: the vLLM ranks hold the indexer fused, the SGLang ranks split: each takes its own form
     "GLM-5's split indexer, tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2", config="glm-5"),
     "SGLang's session API, two updates into attn-dp2-ep2": dict(server="attn-dp2-ep2", steps=2, api=True),
+    "SGLang's HTTP routes and glm_fp8's client, a dense update then a delta into attn-dp2-ep2": dict(
+        server="attn-dp2-ep2", steps=2, delta=True, api="http"
+    ),
     "GLM-5's split indexer, deltas into tp2": dict(server="tp2", steps=2, delta=True, config="glm-5"),
     "GLM-5's split indexer through SGLang's session API": dict(server="tp2-ep2", api=True, config="glm-5"),
     # SGLang's default on an NVIDIA GPU without EP: the shared expert as the routed experts' last
@@ -486,7 +615,12 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])
-    results = launch(world, _rank, (case, free_ports(3)), timeout_s=300)
+    if case["api"] == "http":  # the calls' way from the routes to each rank's session code
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("forkserver")
+        case["boxes"] = [(ctx.Queue(), ctx.Queue()) for _ in range(tp)]
+    results = launch(world, _rank, (case, free_ports(4)), timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     sent = [results[r][1]["sent"] for r in range(n_senders)]
     assert all(s[0] > 0 for s in sent), sent
@@ -499,14 +633,61 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         assert out["params"] > 50 and out["received"][0] > 0
         if case["api"]:  # every call of SGLang's session succeeded; each update recorded its version
             assert all(ok for ok, _ in out["replies"]), out["replies"]
+            assert len(out["replies"]) == 3 * case["steps"], out["replies"]
             assert out["versions"] == [f"step-{k}" for k in range(case["steps"])], out["versions"]
-        if case["delta"]:  # the first update dense, then only what changed
+        if case["delta"] and not case["api"]:  # the first update dense, then only what changed (sent: below)
             assert all(0 < n < out["received"][0] / 10 for n in out["received"][1:]), out["received"]
+    if case["api"] == "http":  # the routes in SGLang's order, every update's; generation resumed
+        out = results[0][1]
+        session = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+        want = ["pause_generation:retract", *session, "continue_generation"] * case["steps"]
+        assert out["calls"] == want and not out["paused"], out["calls"]
+        assert len(out["messages"]) == case["steps"], out["messages"]
+        assert "/no-such-prefix: POST /begin_weight_update answered 404: Not Found" in out["wrong"], out[
+            "wrong"
+        ]
     for r in range(n_senders + tp, world):
         out = results[r][1]
         assert out["differ"] == [] and out["params"] > 50, out
     if case["delta"]:
         assert all(0 < n < s[0] / 10 for s in sent for n in s[1:]), sent
+
+
+def test_a_refusal_through_sglangs_http_routes_stops_every_rank_and_leaves_generation_paused():
+    """The trainer announces the ranks of a TP 2 server to a server of TP 2 with EP 2: each SGLang
+    rank's loader finds its layout other than announced, and every rank votes on it before any
+    layer; the sender raises within seconds naming the rank. The loader does not raise (SGLang
+    0.5.23 would stop its server), so SGLang answers the call as a success; its session is ended
+    and generation stays paused (the trainer calls ``join``, not ``finish``)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    case = dict(
+        server=SERVERS["tp2-ep2"],
+        announce={},  # all_sglang_ranks(2): TP 2 without EP
+        senders=1,
+        steps=1,
+        delta=False,
+        vllm=[],
+        api="http",
+        config=CONFIG,
+        fused=0,
+        broadcast=False,
+        boxes=[(ctx.Queue(), ctx.Queue()) for _ in range(2)],
+    )
+    results = launch(3, _rank, (case, free_ports(4)), timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    out = results[0][1]
+    assert out["sent"] == [] and len(out["failed"]) == 2, out
+    (kind, text, seconds), (call_kind, _, _) = out["failed"]
+    assert kind == "ManifestMismatch" and "refused its parameters" in text and seconds < 30, out
+    assert "layout: expected engines[" in text, text
+    assert call_kind == "answered", out["failed"]  # SGLang's account: the loader returned
+    session = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+    assert out["calls"] == ["pause_generation:retract", *session] and out["paused"], out["calls"]
+    for r in (1, 2):  # every rank's server lives on: each call of its session answered
+        replies = torch.load(io.BytesIO(results[r][1]), weights_only=False)["replies"]
+        assert [ok for ok, _ in replies] == [True, True, True], replies
 
 
 def _published_layout(rank, world, args: dict, tp_rank: int):

@@ -1,0 +1,161 @@
+"""The SGLang rank's side of an update: SGLang's custom weight loader (``receive_update``), run by
+``update_weights_from_tensor`` in every scheduler process of the server, with the model
+(docs/sglang.md#the-hook).
+
+Each rank reads the update from the call's payload (``glm_fp8.integrations.sglang.update``), its
+own layout from SGLang's runtime context (``sglang_rank_layout``), and checks that the model holds
+exactly the parameters glm_fp8 lands (``landing_params``: a shared expert SGLang fused into the
+routed experts' stacks is landed in its slot). It joins glm_fp8's link before either check: a
+refusal is voted with the manifest, so the senders and the other ranks stop at once instead of
+waiting for this rank until the link's timeout. The link and the ``Receiver`` stay open between
+updates (a delta update needs what the last one left).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+
+from glm_fp8.core.errors import EngineNotSupported, LinkLost
+from glm_fp8.engine.sglang import SGLangLayout, sglang_params
+from glm_fp8.engine.specs import engine_param_specs
+from glm_fp8.integrations.sglang.update import SGLangUpdate
+from glm_fp8.transfer.link import StoreLink
+from glm_fp8.transfer.receiver import Receiver
+
+logger = logging.getLogger(__name__)
+KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's scales: not weights, never updated
+
+
+def sglang_rank_layout() -> SGLangLayout:
+    """This process's layout, read from SGLang 0.5.23's runtime context (the scheduler's published
+    ``ServerArgs``): its TP rank and size, attention DP, EP size, ``moe_dense_tp_size``,
+    ``moe_a2a_backend``, ``enable_dp_lm_head`` and ``SGLANG_SHARED_EXPERT_TP1``. Raises
+    ``EngineNotSupported`` for pipeline or attention context parallelism and for EPLB or
+    redundant experts."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    p, moe = get_parallel(), get_exec().moe
+    for what, size in (("pp_size", p.pp_size), ("attn_cp_size", p.attn_cp_size)):
+        if size != 1:
+            raise EngineNotSupported(f"SGLang {what} {size}: glm_fp8 models one stage, no attention CP")
+    if getattr(moe, "enable_eplb", False) or getattr(moe, "ep_num_redundant_experts", 0):
+        raise EngineNotSupported(
+            "SGLang --enable-eplb / --ep-num-redundant-experts: its experts then move between ranks and "
+            "repeat, which glm_fp8's expert placement does not follow (docs/sglang.md)"
+        )
+    return SGLangLayout.from_sglang(
+        p.tp_size,
+        p.tp_rank,
+        attn_dp_size=p.attn_dp_size,
+        ep_size=p.moe_ep_size,
+        moe_dense_tp_size=p.moe_dense_tp_size,
+        moe_a2a_backend=str(moe.moe_a2a_backend or "none"),
+        enable_dp_lm_head=bool(p.enable_dp_lm_head),
+        shared_expert_tp1=os.environ.get("SGLANG_SHARED_EXPERT_TP1", "").lower() in ("1", "true"),
+    )
+
+
+def landing_params(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` an update lands in, by the names glm_fp8 lands (``sglang_params``:
+    the shared expert SGLang fused into the routed experts' stacks under its own entry's name),
+    checked against what glm_fp8 lands at ``layout`` (names, shapes, dtypes; the KV cache's scales
+    aside): ``EngineNotSupported`` names the first parameter that differs."""
+    fused = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
+    held = {n: p.data for n, p in model.named_parameters() if not n.endswith(KV_SCALES)}
+    try:
+        params = sglang_params(held, layout, fused)
+    except ValueError as e:
+        raise EngineNotSupported(str(e)) from None
+    want = engine_param_specs(config, layout)
+    for name in sorted(set(want) | set(params)):
+        got = (tuple(params[name].shape), params[name].dtype) if name in params else None
+        if want.get(name) != got:
+            raise EngineNotSupported(
+                f"{name}: SGLang's model holds {got}, glm_fp8 lands {want.get(name)} at {layout} "
+                "(docs/sglang.md#layouts)"
+            )
+    return params
+
+
+_RECEIVERS: dict[str, tuple[StoreLink, Receiver]] = {}  # per update's link and options, kept open
+
+
+def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader (``LOADER``): land one glm_fp8 update in ``model``, this rank's
+    shard of every parameter, then run SGLang's ``post_load_weights``.
+
+    It never raises: SGLang 0.5.23 calls a custom loader with no handler around it, so an
+    exception would end the scheduler's event loop and stop the whole server
+    (``managers/scheduler.py::run_scheduler_process``). A failed update (any rank's or sender's,
+    voted on the link: a layout or a model glm_fp8 cannot land, ``EngineNotSupported``, too) is
+    logged here and raised on every sender, whose caller then leaves generation paused
+    (``SGLangUpdateCall.finish`` is not called); SGLang reports the call a success all the same."""
+    try:
+        _receive(model, named_tensors)
+    except Exception as exc:  # noqa: BLE001 - see above: the senders raise it
+        logger.error(
+            "glm_fp8: the update did not land on this rank (every sender raised): %s: %s",
+            type(exc).__name__,
+            exc,
+        )
+        if isinstance(exc, LinkLost):  # that link carries no other update: the trainer builds a new one
+            for key, (link, _) in list(_RECEIVERS.items()):
+                if getattr(getattr(link, "liveness", None), "lost", None) is not None:
+                    _RECEIVERS.pop(key)
+                    link.close()
+
+
+def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    from sglang.srt.model_loader.loader import post_load_weights
+    from sglang.srt.runtime_context import get_parallel
+
+    update = SGLangUpdate.from_named_tensors(named_tensors)
+    rank = update.rank_offset + get_parallel().tp_rank  # this rank on the link: SGLang's TP rank
+    if not rank < update.world_size or update.engines[rank] is None:
+        raise ValueError(
+            f"SGLangUpdate: SGLang's TP rank {rank - update.rank_offset} is link rank {rank}, which "
+            f"the update gives no engine layout (world_size {update.world_size}, rank_offset "
+            f"{update.rank_offset})"
+        )
+    refusal = None
+    try:
+        layout = sglang_rank_layout()
+        params = landing_params(model, update.config, layout)  # every update: SGLang may re-allocate
+    except EngineNotSupported as exc:
+        refusal, layout, params = exc, update.engines[rank], {}
+    key = update.to_json()
+    if key not in _RECEIVERS:
+        device = next(model.parameters()).device
+        link = StoreLink(
+            update.host,
+            update.port,
+            rank,
+            update.world_size,
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=update.timeout_s),
+            device=device,
+        )
+        receiver = Receiver(
+            link,
+            0,
+            config=update.config,
+            layer_ids=list(update.layer_ids),
+            rest=update.rest,
+            device=device,
+            engines=list(update.engines),
+            senders=list(update.senders),
+            layout=layout,
+            delta=update.delta,
+        )
+        _RECEIVERS[key] = (link, receiver)
+    _, receiver = _RECEIVERS[key]
+    receiver.load_into(params, refusal=refusal)
+    post_load_weights(model)
+
+
+__all__ = ["KV_SCALES", "landing_params", "receive_update", "sglang_rank_layout"]

@@ -1,0 +1,144 @@
+"""The payload of an SGLang update: what every rank of a server needs to receive one
+(``SGLangUpdate``), carried by ``update_weights_from_tensor`` as one empty tensor whose name holds
+the update as JSON (docs/sglang.md#the-hook). The trainer's client builds it; each rank's loader
+(``glm_fp8.integrations.sglang.loader``) reads it."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm_fp8.core.checks import check_int
+from glm_fp8.engine.layout import EngineLayout
+from glm_fp8.engine.sglang import SGLangLayout
+
+LOADER = "glm_fp8.integrations.sglang.receive_update"  # --custom-weight-loader, and the load_format
+PAYLOAD = "glm_fp8.update:"  # the name of the call's one named tensor starts so; the update follows
+
+
+def _layout_dict(layout: EngineLayout | None) -> dict | None:
+    return None if layout is None else {"engine": layout.engine, **dataclasses.asdict(layout)}
+
+
+def _layout_of(words: Mapping | None) -> EngineLayout | None:
+    if words is None:
+        return None
+    fields = dict(words)
+    cls = SGLangLayout if fields.pop("engine") == "sglang" else EngineLayout
+    return cls(**fields)
+
+
+@dataclass(frozen=True)
+class SGLangUpdate:
+    """What every rank of an SGLang server needs to receive an update, as the payload of
+    ``update_weights_from_tensor``.
+
+    ``host``/``port``: the link's TCP store (trainer link rank 0 serves it); ``rank_offset``: this
+    server's TP rank 0 on the link (its TP rank r is ``rank_offset + r``); ``world_size``: the link's
+    ranks; ``config``: the model's HF config as a dict; ``layer_ids``, ``rest``, ``senders``,
+    ``delta``: as the senders' ``Sender`` takes them; ``engines``: every link rank's layout (None at a
+    sender); ``timeout_s``: the link's timeout."""
+
+    host: str
+    port: int
+    rank_offset: int
+    world_size: int
+    config: Mapping
+    layer_ids: Sequence[int]
+    engines: Sequence[EngineLayout | None]
+    senders: Sequence[int] = (0,)
+    rest: bool = True
+    delta: bool = False
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"SGLangUpdate.host: expected a host name, got {self.host!r}")
+        check_int("SGLangUpdate.port", self.port, 1, 65535)
+        world = check_int("SGLangUpdate.world_size", self.world_size, 1)
+        check_int(
+            "SGLangUpdate.rank_offset", self.rank_offset, 0, world - 1, f" (a rank of the link of {world})"
+        )
+        if not isinstance(self.config, Mapping):
+            raise ValueError(
+                f"SGLangUpdate.config: expected the HF config as a dict, got {type(self.config).__name__}"
+            )
+        for k, i in enumerate(self.layer_ids):
+            check_int(f"SGLangUpdate.layer_ids[{k}]", i, 0)
+        if len(self.engines) != world:
+            raise ValueError(
+                f"SGLangUpdate.engines: expected one entry per link rank ({world}), got {len(self.engines)}"
+            )
+        for r, lay in enumerate(self.engines):
+            if lay is not None and not isinstance(lay, EngineLayout):
+                raise ValueError(f"SGLangUpdate.engines[{r}]: expected an EngineLayout or None, got {lay!r}")
+        for flag in ("rest", "delta"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"SGLangUpdate.{flag}: expected a bool, got {getattr(self, flag)!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 604800:
+            raise ValueError(f"SGLangUpdate.timeout_s: expected seconds, 0 < timeout_s <= 604800, got {t!r}")
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["engines"] = [_layout_dict(lay) for lay in self.engines]
+        data["config"] = dict(self.config)
+        data["layer_ids"], data["senders"] = list(self.layer_ids), list(self.senders)
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SGLangUpdate:
+        data = json.loads(text)
+        data["engines"] = [_layout_of(x) for x in data["engines"]]
+        return cls(**data)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The call's payload: one empty tensor, named ``PAYLOAD`` + this update as JSON. The update
+        travels in the name: SGLang's clients serialize a tensor's bytes through shared memory,
+        which a server on another host cannot read, and an empty tensor, or a name, by value."""
+        return [(PAYLOAD + self.to_json(), torch.empty(0, dtype=torch.uint8))]
+
+    def server_ranks(self) -> int:
+        """This server's TP size, ``T`` (its ranks are link ranks ``rank_offset ..
+        rank_offset + T - 1``), from its first rank's layout."""
+        first = self.engines[self.rank_offset]
+        if not isinstance(first, SGLangLayout):
+            raise ValueError(
+                f"SGLangUpdate.engines[{self.rank_offset}] (rank_offset): expected the SGLang server's TP "
+                f"rank 0, an SGLangLayout, got {first!r}"
+            )
+        return first.whole_tp[0]
+
+    def serialized_named_tensors(self) -> list[str]:
+        """The call's ``serialized_named_tensors`` as SGLang's HTTP clients send them: the payload
+        pickled by torch's ``ForkingPickler`` (SGLang's ``MultiprocessingSerializer``), base64, once
+        per TP rank of the server (each rank reads its own). The empty tensor pickles by value: no
+        shared memory, so a server on any host reads it."""
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(self.named_tensors())
+        text = base64.b64encode(buf.getvalue()).decode("ascii")
+        return [text] * self.server_ranks()
+
+    @classmethod
+    def from_named_tensors(cls, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> SGLangUpdate:
+        names = [name for name, _ in named_tensors]
+        if len(names) != 1 or not isinstance(names[0], str) or not names[0].startswith(PAYLOAD):
+            shown = [n[:40] + "..." if isinstance(n, str) and len(n) > 40 else n for n in names]
+            raise ValueError(
+                f"named_tensors: expected one tensor named {PAYLOAD!r} + the update "
+                f"(SGLangUpdate.named_tensors()), got {shown}"
+            )
+        try:
+            return cls.from_json(names[0][len(PAYLOAD) :])
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"named_tensors: the update in the tensor's name is not one: {e}") from None
