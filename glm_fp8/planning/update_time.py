@@ -384,10 +384,15 @@ def predict(
         # an owner gathers what the other ranks hold: the other FSDP shards, or the other TP ranks'
         held_by = fleet.trainer.tp if fleet.trainer is not None else t_gpus
         owned = lambda n: n * (held_by - 1) // held_by  # noqa: E731
+        # Megatron's expert tensor parallelism: each expert's rows are gathered onto its ETP group's
+        # first rank, which holds 1/ETP of them (the gather is timed at the link's rate, as the others)
+        etp = fleet.trainer.etp if fleet.trainer is not None else 1
+        experts = lambda s: sum(_inputs([lay.local_plans[s]], experts=True) for lay in tp.layers)  # noqa: E731
+        etp_gathered = lambda s: experts(s) * (etp - 1) // etp if etp > 1 else 0  # noqa: E731
         each = tp.sent_bytes()
         got = tp.received_bytes()
         loads = _loads(fleet, tp.receiver_bytes, fleet.engine_ranges(), n_send, got.__getitem__)
-        gathered = max(owned(sum(tp.gathered_bytes(s))) for s in range(n_send))
+        gathered = max(owned(sum(tp.gathered_bytes(s))) + etp_gathered(s) for s in range(n_send))
         fill = max(tp.sender_buffers(s)[0] for s in range(n_send))
         steps = _step_seconds(fleet, tp.steps_sent(), tp.steps_received(), n_send)
         t, text = _time(fleet, max(each), gathered, [x.received for x in loads], fill, steps)

@@ -55,6 +55,25 @@ def test_expert_tensor_parallelism_sends_each_expert_from_its_etp_groups_first_r
                 assert rows[1] == rows[3] == (0, 0) and rows[0][1] > 0 and rows[2][1] > 0, (name, rows)
 
 
+def test_the_etp_gather_of_each_senders_experts_is_timed():
+    """GLM-5 from 128 GPUs (TP 4, PP 8, EP 8) into 4 servers of EP 8, ETP 1 against ETP 2: with
+    ETP 2 each sender of experts gathers the other half of its experts' bf16 rows, beside the TP
+    gathers of the other entries: at least 10 layers (a full stage) of 32 experts, half of each,
+    in the plan's gathered bytes."""
+    import torch
+
+    config = PRESETS["glm-5"]
+    expert = 3 * config["hidden_size"] * config["moe_intermediate_size"] * 2  # gate, up, down in bf16
+    half_a_stage = 10 * (config["n_routed_experts"] // 8) * expert // 2
+    gathered = {}
+    for etp in (1, 2):
+        trainer = MegatronTrainer(tp=4, pp=8, ep=8, etp=etp)
+        fleet = Fleet(128, servers=(Server(tp=8, ep=True, replicas=4),), trainer=trainer)
+        preds = {p.strategy: p for p in predict(config, fleet, master_dtype=torch.bfloat16)}
+        gathered[etp] = preds["fp8 many senders"].gathered
+    assert gathered[2] >= half_a_stage > 4 * gathered[1], (half_a_stage, gathered)
+
+
 def test_each_layer_goes_from_its_stage():
     """PP 2 x EP 2 on 8 GPUs (TP 2, DP 2): 4 senders; layers 0-1 from senders 0-1, layers 2-3 and
     the MTP layer from senders 2-3; the embeddings from stage 0's TP group, the head from the last
