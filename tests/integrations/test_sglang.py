@@ -189,17 +189,86 @@ def test_an_update_call_refuses_an_update_whose_server_ranks_are_not_one_sglang_
         SGLangHttpClient("127.0.0.1:30000")
 
 
-def test_an_unreachable_server_fails_the_call_naming_it_and_publishes_the_fault():
-    """Nothing listens at the URL: the call fails naming the server and its route, and the fault
-    is published on the link given (so that no sender waits for the server's ranks)."""
+def test_an_unreachable_server_fails_the_call_at_once_naming_it():
+    """Nothing listens at the URL: the call fails in the caller's thread (before any sender waits),
+    naming the server and its route."""
     from glm_fp8.integrations.sglang import SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
     from glm_fp8.testing import free_port
 
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SGLangCallFailed, match=rf"SGLang server {url}: POST /pause_generation got no answer"):
+        SGLangUpdateCall(SGLangHttpClient(url, timeout_s=5), _update())
+
+
+def _server(answers: dict):
+    """A local HTTP server answering each route with ``answers[route]`` (status, JSON), recording
+    the routes and bodies it was sent."""
+    import http.server
+    import json
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            route = self.path.strip("/")
+            seen.append((route, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            status, body = answers[route]
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, seen
+
+
+def test_a_refused_update_call_ends_the_session_publishes_the_fault_and_stays_paused():
+    """SGLang refuses the update call (HTTP 400, as its routes answer ``success: false``): the
+    session is ended, ``join`` raises with SGLang's message, the fault is published on the link
+    (some rank never ran the loader: no sender waits for it), and generation is not resumed. A
+    landed update's ``finish`` resumes it; the payload goes once per TP rank with glm_fp8's loader."""
+    from glm_fp8.integrations.sglang import LOADER, SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+
+    ok = (200, {"success": True, "message": "ok"})
+    answers = {"pause_generation": ok, "begin_weight_update": ok, "end_weight_update": ok}
+    answers["continue_generation"] = ok
+    answers["update_weights_from_tensor"] = (400, {"success": False, "message": "not between begin and end"})
+    server, seen = _server(answers)
+    client = SGLangHttpClient(f"http://127.0.0.1:{server.server_address[1]}", api_key="k", timeout_s=10)
     reported = []
     link = SimpleNamespace(liveness=SimpleNamespace(report=lambda rank, why: reported.append((rank, why))))
-    url = f"http://127.0.0.1:{free_port()}"
-    call = SGLangUpdateCall(SGLangHttpClient(url, timeout_s=5), _update(), link=link)
-    with pytest.raises(SGLangCallFailed, match=rf"SGLang server {url}: POST /pause_generation got no answer"):
+    call = SGLangUpdateCall(client, _update(), weight_version="7", link=link)
+    with pytest.raises(SGLangCallFailed, match="update_weights_from_tensor answered 400: not between begin"):
         call.join(30)
-    assert call.done() and len(reported) == 1 and reported[0][0] is None, reported
-    assert "pause_generation got no answer" in reported[0][1] and "generation stays paused" in reported[0][1]
+    routes = [r for r, _ in seen]
+    assert routes == [
+        "pause_generation",
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+    ]
+    assert len(reported) == 1 and "generation stays paused" in reported[0][1], reported
+    body = seen[2][1]
+    assert (
+        body["load_format"] == LOADER
+        and body["weight_version"] == "7"
+        and len(body["serialized_named_tensors"]) == 2
+    )
+    assert seen[0][1] == {"mode": "retract"} and seen[1][1] == {"selector": "target"}
+
+    answers["update_weights_from_tensor"] = ok
+    seen.clear()
+    call = SGLangUpdateCall(client, _update(), link=link)
+    assert call.finish(30) == "ok" and [r for r, _ in seen][-2:] == [
+        "end_weight_update",
+        "continue_generation",
+    ]
+    assert len(reported) == 1
+    server.shutdown()

@@ -125,9 +125,10 @@ def _message(text: str) -> str:
 
 
 class SGLangUpdateCall:
-    """One update of one SGLang server, started at construction in a thread of trainer rank 0:
-    ``pause_generation`` (unless ``pause`` is None), ``begin_weight_update``,
-    ``update_weights_from_tensor`` with ``update`` (it returns once every rank is done),
+    """One update of one SGLang server, from trainer rank 0: at construction
+    ``pause_generation`` (unless ``pause`` is None) and ``begin_weight_update`` (either failing
+    raises ``SGLangCallFailed`` there, before any sender waits), then in a thread
+    ``update_weights_from_tensor`` with ``update`` (it returns once every rank is done) and
     ``end_weight_update``. Meanwhile every sending trainer rank runs its ``Sender.send_model``;
     once it returned, ``finish()``: the calls' end, then ``continue_generation``.
 
@@ -137,10 +138,10 @@ class SGLangUpdateCall:
     generation stays paused, the server's parameters holding a mix of two versions
     (docs/sglang.md#the-hook); the next update's ``finish()`` resumes it. A call that SGLang
     failed (pause, begin, a route it refused, no answer) raises from both, with the server's
-    account. ``link``: this rank's link (a ``StoreLink``):
-    when the server fails before its ranks joined the update (pause, begin) or stops answering,
-    the fault is published on it, so every sender's waits end within a beat rather than at the
-    transport's timeout (a refusal that SGLang's ranks answered was voted on the link already).
+    account. ``link``: this rank's link (a ``StoreLink``): when the update call fails (SGLang
+    refused it, or no answer), some SGLang rank did not run glm_fp8's loader, so the fault is
+    published on the link and every sender's waits end within a beat rather than at the
+    transport's timeout.
     The SGLang ranks join the link inside their first call: for the first update, start the call,
     then build the link (its constructor waits for every rank) and set ``call.link``."""
 
@@ -171,35 +172,39 @@ class SGLangUpdateCall:
                     f"SGLangUpdate.engines[{r}]: expected the server's TP rank {r - first} of {ranks} "
                     f"(an SGLangLayout), got {lay!r}"
                 )
-        self.client, self.update, self.weight_version, self.pause, self.link = (
-            client,
-            update,
-            weight_version,
-            pause,
-            link,
-        )
+        self.client, self.update, self.weight_version = client, update, weight_version
+        self.pause, self.link = pause, link
         self.message = ""
         self.error: SGLangCallFailed | None = None
+        # Here, in the caller's thread: a server that cannot take the update fails the call before
+        # any sender waits for its ranks.
+        if pause is not None:
+            client.pause_generation(pause)
+        try:
+            client.begin_weight_update()
+        except SGLangCallFailed as exc:
+            if pause is not None:
+                exc.add_note("generation stays paused: client.continue_generation() resumes it")
+            raise
         self._thread = threading.Thread(target=self._run, name=f"glm_fp8-sglang {client.url}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        c, joined = self.client, False
+        c, landed = self.client, False
         try:
-            if self.pause is not None:
-                c.pause_generation(self.pause)
-            c.begin_weight_update()
-            joined = True
             try:
                 self.message = c.update_weights_from_tensor(self.update, self.weight_version)
             except SGLangCallFailed:
                 with contextlib.suppress(SGLangCallFailed):  # the session closed; the update's error stands
                     c.end_weight_update()
                 raise
+            landed = True
             c.end_weight_update()
         except SGLangCallFailed as exc:
             self.error = exc
-            if not joined or not exc.answered:
+            # glm_fp8's loader never raises: a failed update call means some rank did not run it,
+            # and the senders would wait for that rank; after it, the senders are done.
+            if not landed:
                 self._report(exc)
         except BaseException as exc:  # noqa: BLE001 - handed to join()'s caller
             self.error = SGLangCallFailed(
