@@ -293,7 +293,8 @@ def test_a_server_killed_mid_update_is_named_on_every_rank_removed_and_replaced(
     """Servers a (TP 2) and b (EP 2), two trainer ranks: both sending their own experts, or rank 0
     alone (rank 1 off the link: its part of the sender's gathers, then rank 0's outcome). Update 1
     lands on both; b's workers are killed by their PIDs in the middle of update 2, with no word to
-    anyone (their client never answers): both trainer ranks raise ``LinkLost`` within 10 s, its
+    anyone (their client never answers): both trainer ranks raise ``LinkLost`` within 20 s of the
+    update's start (a 5 s lease, on 2 loaded cores; the link's own timeout is 60 s), its
     message naming b's worker and remove_server, and refuse the next update; a's update_weights
     (the surviving server) raised naming b; ``remove_server("b")``: update 3 lands on a alone (its
     workers at the same link ranks, on a rebuilt link: the gathers of the failed update left
@@ -315,7 +316,7 @@ def test_a_server_killed_mid_update_is_named_on_every_rank_removed_and_replaced(
         assert (
             s1 == "ok" and third == ("ok", ["a"], senders + 2) and fourth == ("ok", ["a", "c"], senders + 4)
         ), out
-        assert kind == "LinkLost" and seconds < 10, (t, kind, seconds, text)
+        assert kind == "LinkLost" and seconds < 20, (t, kind, seconds, text)
         message = text.split(" | ")[0]  # the message itself, not its notes
         assert "(server 'b' #1, its worker" in message and "is lost: no heartbeat" in message, (t, text)
         assert "engine.remove_server('b')" in message, (t, text)
