@@ -37,6 +37,7 @@ _EXPORTS = {
     "quantize_experts": "glm_fp8.kernels.quantize",
     # every exception class of the package, under GlmFp8Error (glm_fp8.core.errors)
     "BackendUnavailable": "glm_fp8.core.errors",
+    "EngineCallFailed": "glm_fp8.core.errors",
     "EngineNotSupported": "glm_fp8.core.errors",
     "GlmFp8Error": "glm_fp8.core.errors",
     "LayerOrderError": "glm_fp8.core.errors",
@@ -53,6 +54,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from glm_fp8.core.errors import (
         BackendUnavailable,
+        EngineCallFailed,
         EngineNotSupported,
         GlmFp8Error,
         LayerOrderError,

@@ -73,6 +73,16 @@ class EngineNotSupported(GlmFp8Error, ValueError):
     the setting and the vLLM source it was read from)."""
 
 
+class EngineCallFailed(GlmFp8Error, RuntimeError):
+    """An engine server's API call failed: it answered an error, or did not answer (``answered``
+    False: the server is unreachable or died). The message names the server, the call and the
+    server's account (``glm_fp8.integrations.sglang.SGLangHttpClient``)."""
+
+    def __init__(self, message: str, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
 # --- sizing (glm_fp8.planning.report) -------------------------------------------------------------
 
 
@@ -93,6 +103,7 @@ class PlanArgumentError(GlmFp8Error, ValueError):
 
 __all__ = [
     "BackendUnavailable",
+    "EngineCallFailed",
     "EngineNotSupported",
     "GlmFp8Error",
     "LayerOrderError",

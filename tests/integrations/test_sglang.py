@@ -192,11 +192,12 @@ def test_an_update_call_refuses_an_update_whose_server_ranks_are_not_one_sglang_
 def test_an_unreachable_server_fails_the_call_at_once_naming_it():
     """Nothing listens at the URL: the call fails in the caller's thread (before any sender waits),
     naming the server and its route."""
-    from glm_fp8.integrations.sglang import SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+    from glm_fp8.core.errors import EngineCallFailed
+    from glm_fp8.integrations.sglang import SGLangHttpClient, SGLangUpdateCall
     from glm_fp8.testing import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(SGLangCallFailed, match=rf"SGLang server {url}: POST /pause_generation got no answer"):
+    with pytest.raises(EngineCallFailed, match=rf"SGLang server {url}: POST /pause_generation got no answer"):
         SGLangUpdateCall(SGLangHttpClient(url, timeout_s=5), _update())
 
 
@@ -234,7 +235,8 @@ def test_a_refused_update_call_ends_the_session_publishes_the_fault_and_stays_pa
     session is ended, ``join`` raises with SGLang's message, the fault is published on the link
     (some rank never ran the loader: no sender waits for it), and generation is not resumed. A
     landed update's ``finish`` resumes it; the payload goes once per TP rank with glm_fp8's loader."""
-    from glm_fp8.integrations.sglang import LOADER, SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+    from glm_fp8.core.errors import EngineCallFailed
+    from glm_fp8.integrations.sglang import LOADER, SGLangHttpClient, SGLangUpdateCall
 
     ok = (200, {"success": True, "message": "ok"})
     answers = {"pause_generation": ok, "begin_weight_update": ok, "end_weight_update": ok}
@@ -245,7 +247,7 @@ def test_a_refused_update_call_ends_the_session_publishes_the_fault_and_stays_pa
     reported = []
     link = SimpleNamespace(liveness=SimpleNamespace(report=lambda rank, why: reported.append((rank, why))))
     call = SGLangUpdateCall(client, _update(), weight_version="7", link=link)
-    with pytest.raises(SGLangCallFailed, match="update_weights_from_tensor answered 400: not between begin"):
+    with pytest.raises(EngineCallFailed, match="update_weights_from_tensor answered 400: not between begin"):
         call.join(30)
     routes = [r for r, _ in seen]
     assert routes == [

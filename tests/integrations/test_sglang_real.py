@@ -505,7 +505,8 @@ def _through_http(case: dict, layouts, kw: dict, ports, mesh) -> dict:
     import uvicorn
     from sglang.srt.entrypoints import http_server
 
-    from glm_fp8.integrations.sglang import SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+    from glm_fp8.core.errors import EngineCallFailed
+    from glm_fp8.integrations.sglang import SGLangHttpClient, SGLangUpdateCall
     from glm_fp8.transfer import DeltaOptions, Sender
     from glm_fp8.transfer.link import StoreLink
 
@@ -537,7 +538,7 @@ def _through_http(case: dict, layouts, kw: dict, ports, mesh) -> dict:
             failed.append((type(exc).__name__, str(exc), time.monotonic() - t0))
             try:
                 failed.append(("answered", call.join(200), None))
-            except SGLangCallFailed as call_exc:
+            except EngineCallFailed as call_exc:
                 failed.append((type(call_exc).__name__, str(call_exc), call_exc.answered))
             break
     for requests, _ in case["boxes"]:
@@ -545,7 +546,7 @@ def _through_http(case: dict, layouts, kw: dict, ports, mesh) -> dict:
     try:
         SGLangHttpClient(f"http://127.0.0.1:{ports[3]}/no-such-prefix", timeout_s=10).begin_weight_update()
         wrong = ""
-    except SGLangCallFailed as exc:
+    except EngineCallFailed as exc:
         wrong = str(exc)
     server.should_exit = True
     return {

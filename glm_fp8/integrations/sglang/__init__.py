@@ -25,7 +25,7 @@ The package by role:
   ``SGLangUpdateCall`` (steps 1 to 3 in a thread of trainer rank 0, a failure reported on the link).
 """
 
-from glm_fp8.integrations.sglang.client import SGLangCallFailed, SGLangHttpClient, SGLangUpdateCall
+from glm_fp8.integrations.sglang.client import SGLangHttpClient, SGLangUpdateCall
 from glm_fp8.integrations.sglang.loader import KV_SCALES, landing_params, receive_update, sglang_rank_layout
 from glm_fp8.integrations.sglang.update import LOADER, PAYLOAD, SGLangUpdate
 
@@ -33,7 +33,6 @@ __all__ = [
     "KV_SCALES",
     "LOADER",
     "PAYLOAD",
-    "SGLangCallFailed",
     "SGLangHttpClient",
     "SGLangUpdate",
     "SGLangUpdateCall",

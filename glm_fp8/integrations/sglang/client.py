@@ -18,19 +18,11 @@ import urllib.request
 from dataclasses import dataclass
 
 from glm_fp8.core.checks import check_int
+from glm_fp8.core.errors import EngineCallFailed
 from glm_fp8.engine.sglang import SGLangLayout
 from glm_fp8.integrations.sglang.update import LOADER, SGLangUpdate
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
-
-
-class SGLangCallFailed(RuntimeError):
-    """An SGLang server's route failed: it answered an error, or did not answer (``answered``
-    False: the server is unreachable or died)."""
-
-    def __init__(self, message: str, answered: bool):
-        super().__init__(message)
-        self.answered = answered
 
 
 @dataclass(frozen=True)
@@ -57,7 +49,7 @@ class SGLangHttpClient:
             )
 
     def post(self, route: str, body: dict) -> dict:
-        """POST ``body`` as JSON to ``route``; the answer's JSON. Raises ``SGLangCallFailed`` naming
+        """POST ``body`` as JSON to ``route``; the answer's JSON. Raises ``EngineCallFailed`` naming
         the server and the route when it answers an error status or ``"success": false``, or does
         not answer."""
         where = f"SGLang server {self.url}: POST /{route}"
@@ -72,15 +64,15 @@ class SGLangHttpClient:
                 text = reply.read().decode(errors="replace")
         except urllib.error.HTTPError as exc:
             text = exc.read().decode(errors="replace")
-            raise SGLangCallFailed(f"{where} answered {exc.code}: {_message(text)}", answered=True) from None
+            raise EngineCallFailed(f"{where} answered {exc.code}: {_message(text)}", answered=True) from None
         except (urllib.error.URLError, OSError) as exc:
-            raise SGLangCallFailed(f"{where} got no answer: {exc}", answered=False) from None
+            raise EngineCallFailed(f"{where} got no answer: {exc}", answered=False) from None
         try:
             answer = json.loads(text) if text else {}
         except ValueError:
-            raise SGLangCallFailed(f"{where} answered no JSON: {text[:200]!r}", answered=True) from None
+            raise EngineCallFailed(f"{where} answered no JSON: {text[:200]!r}", answered=True) from None
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise SGLangCallFailed(f"{where} failed: {_message(text)}", answered=True)
+            raise EngineCallFailed(f"{where} failed: {_message(text)}", answered=True)
         return answer if isinstance(answer, dict) else {"answer": answer}
 
     def pause_generation(self, mode: str = "retract") -> None:
@@ -127,7 +119,7 @@ def _message(text: str) -> str:
 class SGLangUpdateCall:
     """One update of one SGLang server, from trainer rank 0: at construction
     ``pause_generation`` (unless ``pause`` is None) and ``begin_weight_update`` (either failing
-    raises ``SGLangCallFailed`` there, before any sender waits), then in a thread
+    raises ``EngineCallFailed`` there, before any sender waits), then in a thread
     ``update_weights_from_tensor`` with ``update`` (it returns once every rank is done) and
     ``end_weight_update``. Meanwhile every sending trainer rank runs its ``Sender.send_model``;
     once it returned, ``finish()``: the calls' end, then ``continue_generation``.
@@ -175,14 +167,14 @@ class SGLangUpdateCall:
         self.client, self.update, self.weight_version = client, update, weight_version
         self.pause, self.link = pause, link
         self.message = ""
-        self.error: SGLangCallFailed | None = None
+        self.error: EngineCallFailed | None = None
         # Here, in the caller's thread: a server that cannot take the update fails the call before
         # any sender waits for its ranks.
         if pause is not None:
             client.pause_generation(pause)
         try:
             client.begin_weight_update()
-        except SGLangCallFailed as exc:
+        except EngineCallFailed as exc:
             if pause is not None:
                 exc.add_note("generation stays paused: client.continue_generation() resumes it")
             raise
@@ -194,25 +186,25 @@ class SGLangUpdateCall:
         try:
             try:
                 self.message = c.update_weights_from_tensor(self.update, self.weight_version)
-            except SGLangCallFailed:
-                with contextlib.suppress(SGLangCallFailed):  # the session closed; the update's error stands
+            except EngineCallFailed:
+                with contextlib.suppress(EngineCallFailed):  # the session closed; the update's error stands
                     c.end_weight_update()
                 raise
             landed = True
             c.end_weight_update()
-        except SGLangCallFailed as exc:
+        except EngineCallFailed as exc:
             self.error = exc
             # glm_fp8's loader never raises: a failed update call means some rank did not run it,
             # and the senders would wait for that rank; after it, the senders are done.
             if not landed:
                 self._report(exc)
         except BaseException as exc:  # noqa: BLE001 - handed to join()'s caller
-            self.error = SGLangCallFailed(
+            self.error = EngineCallFailed(
                 f"SGLang server {c.url}: {type(exc).__name__}: {exc}", answered=False
             )
             self._report(self.error)
 
-    def _report(self, exc: SGLangCallFailed) -> None:
+    def _report(self, exc: EngineCallFailed) -> None:
         liveness = getattr(self.link, "liveness", None)
         if liveness is not None:
             liveness.report(None, f"{exc}; generation stays paused")
@@ -229,11 +221,11 @@ class SGLangUpdateCall:
 
     def join(self, timeout_s: float | None = None) -> str:
         """Wait for the calls (``timeout_s``: at most that long; default the client's); their last
-        message, or raise ``SGLangCallFailed`` (still running after ``timeout_s`` too)."""
+        message, or raise ``EngineCallFailed`` (still running after ``timeout_s`` too)."""
         wait = self.client.timeout_s if timeout_s is None else timeout_s
         self._thread.join(wait)
         if self._thread.is_alive():
-            raise SGLangCallFailed(
+            raise EngineCallFailed(
                 f"SGLang server {self.client.url}: the update's calls still run after {wait:g} s",
                 answered=False,
             )
@@ -242,4 +234,4 @@ class SGLangUpdateCall:
         return self.message
 
 
-__all__ = ["PAUSE_MODES", "SGLangCallFailed", "SGLangHttpClient", "SGLangUpdateCall"]
+__all__ = ["PAUSE_MODES", "SGLangHttpClient", "SGLangUpdateCall"]
