@@ -274,3 +274,62 @@ def test_a_refused_update_call_ends_the_session_publishes_the_fault_and_stays_pa
     ]
     assert len(reported) == 1
     server.shutdown()
+
+
+def _start_rank(rank, world, fail_second):
+    """Trainer rank 0 starts the update of two servers (the second's session refused when
+    ``fail_second``); rank 1 passes none: each rank's outcome, and the routes each server saw."""
+    from glm_fp8.core.errors import EngineCallFailed
+    from glm_fp8.integrations.sglang import SGLangHttpClient, start_update
+
+    servers, seen = None, []
+    if rank == 0:
+        ok = (200, {"success": True, "message": "ok"})
+        routes = (
+            "pause_generation",
+            "begin_weight_update",
+            "update_weights_from_tensor",
+            "end_weight_update",
+        )
+        answers = [{r: ok for r in (*routes, "continue_generation")} for _ in range(2)]
+        if fail_second:
+            answers[1]["begin_weight_update"] = (400, {"success": False, "message": "a session is open"})
+        made = [_server(a) for a in answers]
+        seen = [s for _, s in made]
+        servers = [
+            (SGLangHttpClient(f"http://127.0.0.1:{srv.server_address[1]}"), _update()) for srv, _ in made
+        ]
+    try:
+        calls = start_update(servers, weight_version="3")
+        out = ("ok", len(calls), [c.finish(30) for c in calls])
+    except EngineCallFailed as exc:
+        out = ("EngineCallFailed", str(exc), None)
+    return out, [[r for r, _ in s] for s in seen]
+
+
+@pytest.mark.parametrize("fail_second", [False, True], ids=["started", "refused"])
+def test_start_update_tells_every_trainer_rank_before_any_waits(fail_second):
+    """``start_update`` over two trainer ranks and two servers: rank 0 opens both sessions, then
+    launches both calls; rank 1 learns the outcome from rank 0. When the second server refuses its
+    session, both ranks raise at once naming it, and the first server's session is ended and
+    generation resumed (nothing moved), its update never called."""
+    from glm_fp8.testing import launch
+
+    results = launch(2, _start_rank, (fail_second,), timeout_s=60)
+    (out0, seen), (out1, _) = results[0][1], results[1][1]
+    assert results[0][0] == results[1][0] == "ok", results
+    pause, begin, update, end, resume = (
+        "pause_generation",
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "continue_generation",
+    )
+    if not fail_second:
+        assert out0 == ("ok", 2, ["ok", "ok"]) and out1 == ("ok", 0, []), (out0, out1)
+        assert seen == [[pause, begin, update, end, resume]] * 2, seen
+        return
+    assert out0[0] == out1[0] == "EngineCallFailed", (out0, out1)
+    assert "begin_weight_update answered 400: a session is open" in out0[1], out0
+    assert out1[1].startswith("trainer rank 0: EngineCallFailed: ") and "a session is open" in out1[1], out1
+    assert seen == [[pause, begin, end, resume], [pause, begin]], seen

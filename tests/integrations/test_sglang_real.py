@@ -498,15 +498,16 @@ class _TokenizerManager:
 def _through_http(case: dict, layouts, kw: dict, ports, mesh) -> dict:
     """Trainer rank 0 with SGLang's own HTTP server in front of the SGLang ranks: its FastAPI app
     (routes, request models, auth) served by uvicorn on a port of this process, its tokenizer
-    manager stood in (``_TokenizerManager``). Per step: ``SGLangUpdateCall`` over
-    ``SGLangHttpClient`` beside ``send_model``; then a call against a wrong URL fails naming it."""
+    manager stood in (``_TokenizerManager``). Per step: ``start_update`` (one server's
+    ``SGLangUpdateCall``) over ``SGLangHttpClient`` beside ``send_model``; then a call against a
+    wrong URL fails naming it."""
     import threading
 
     import uvicorn
     from sglang.srt.entrypoints import http_server
 
     from glm_fp8.core.errors import EngineCallFailed
-    from glm_fp8.integrations.sglang import SGLangHttpClient, SGLangUpdateCall
+    from glm_fp8.integrations.sglang import SGLangHttpClient, start_update
     from glm_fp8.transfer import DeltaOptions, Sender
     from glm_fp8.transfer.link import StoreLink
 
@@ -523,7 +524,7 @@ def _through_http(case: dict, layouts, kw: dict, ports, mesh) -> dict:
     link = sender = None
     sent, messages, failed = [], [], []
     for step in range(case["steps"]):
-        call = SGLangUpdateCall(client, update, weight_version=f"step-{step}", link=link)
+        [call] = start_update([(client, update)], weight_version=f"step-{step}", link=link)
         if link is None:  # the SGLang ranks join the link in their first call: after it started
             link = call.link = StoreLink(
                 "127.0.0.1", ports[0], 0, len(kw["engines"]), backend="gloo", timeout=timedelta(seconds=120)

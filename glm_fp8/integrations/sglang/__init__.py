@@ -21,11 +21,12 @@ The package by role:
 - ``update``: ``SGLangUpdate``, the payload: the link's address and this server's ranks on it, and
   what every rank must agree on (the config, the layers, the senders, every rank's layout);
 - ``loader``: the SGLang rank's side, ``receive_update`` (its layout, its model's parameters);
-- ``client``: the trainer's side, ``SGLangHttpClient`` (the server's HTTP routes) and
-  ``SGLangUpdateCall`` (steps 1 to 3 in a thread of trainer rank 0, a failure reported on the link).
+- ``client``: the trainer's side, ``SGLangHttpClient`` (the server's HTTP routes),
+  ``SGLangUpdateCall`` (steps 1 to 3 from trainer rank 0, the update call in a thread, a failure
+  reported on the link) and ``start_update`` (every server's, collective over the trainer's ranks).
 """
 
-from glm_fp8.integrations.sglang.client import SGLangHttpClient, SGLangUpdateCall
+from glm_fp8.integrations.sglang.client import SGLangHttpClient, SGLangUpdateCall, start_update
 from glm_fp8.integrations.sglang.loader import KV_SCALES, landing_params, receive_update, sglang_rank_layout
 from glm_fp8.integrations.sglang.update import LOADER, PAYLOAD, SGLangUpdate
 
@@ -39,4 +40,5 @@ __all__ = [
     "landing_params",
     "receive_update",
     "sglang_rank_layout",
+    "start_update",
 ]

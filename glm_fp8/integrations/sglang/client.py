@@ -15,6 +15,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from glm_fp8.core.checks import check_int
@@ -145,6 +146,7 @@ class SGLangUpdateCall:
         weight_version: str | None = None,
         pause: str | None = "retract",
         link: object | None = None,
+        launch: bool = True,
     ):
         if not isinstance(client, SGLangHttpClient):
             raise ValueError(f"client: expected an SGLangHttpClient, got {type(client).__name__}")
@@ -179,7 +181,20 @@ class SGLangUpdateCall:
                 exc.add_note("generation stays paused: client.continue_generation() resumes it")
             raise
         self._thread = threading.Thread(target=self._run, name=f"glm_fp8-sglang {client.url}", daemon=True)
+        if launch:
+            self.launch()
+
+    def launch(self) -> None:
+        """Start the update call (constructed with ``launch=False``: once every server's session
+        is open, ``start_update``)."""
         self._thread.start()
+
+    def abandon(self) -> None:
+        """Before ``launch``: end the session and resume generation (nothing moved); a failure of
+        either is dropped (the caller is raising another)."""
+        for call in (self.client.end_weight_update, self.client.continue_generation):
+            with contextlib.suppress(EngineCallFailed):
+                call()
 
     def _run(self) -> None:
         c, landed = self.client, False
@@ -234,4 +249,47 @@ class SGLangUpdateCall:
         return self.message
 
 
-__all__ = ["PAUSE_MODES", "SGLangHttpClient", "SGLangUpdateCall"]
+def start_update(
+    servers: Sequence[tuple[SGLangHttpClient, SGLangUpdate]] | None,
+    *,
+    weight_version: str | None = None,
+    pause: str | None = "retract",
+    link: object | None = None,
+    group: object | None = None,
+) -> list[SGLangUpdateCall]:
+    """Start one update of every server of ``servers`` (``(client, update)`` pairs), collectively
+    over the trainer's ranks of ``group`` (default: the default process group, where one is
+    initialized): its rank 0 opens every server's session (``SGLangUpdateCall``, ``launch=False``),
+    then launches their update calls; the other ranks pass ``servers=None``. Every rank learns the
+    outcome before any builds its link or sends: a server that could not open its session raises
+    ``EngineCallFailed`` on every rank (on the others naming trainer rank 0's account), and the
+    servers already opened are closed and resumed (nothing moved). Returns rank 0's calls (``[]``
+    on the others): ``finish()`` each after ``send_model`` returned, ``join()`` after it raised."""
+    import torch.distributed as dist
+
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    calls: list[SGLangUpdateCall] = []
+    error: BaseException | None = None
+    if not shared or dist.get_rank(group) == 0:
+        try:
+            for client, update in servers or ():
+                kw = dict(weight_version=weight_version, pause=pause, link=link, launch=False)
+                calls.append(SGLangUpdateCall(client, update, **kw))
+        except (EngineCallFailed, ValueError) as exc:
+            error = exc
+            for call in calls:
+                call.abandon()
+            calls = []
+        for call in calls:
+            call.launch()
+    if shared:  # rank 0's outcome to every rank, before any of them waits on the link
+        said = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(said, group=group, group_src=0)
+        if error is None and said[0] is not None:
+            raise EngineCallFailed(f"trainer rank 0: {said[0]}", answered=True)
+    if error is not None:
+        raise error
+    return calls
+
+
+__all__ = ["PAUSE_MODES", "SGLangHttpClient", "SGLangUpdateCall", "start_update"]
