@@ -99,7 +99,7 @@ def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, to
         _receive(model, named_tensors)
     except Exception as exc:  # noqa: BLE001 - see above: the senders raise it
         logger.error(
-            "glm_fp8: the update did not land on this rank (every sender raised): %s: %s",
+            "glm_fp8: the update did not land on this rank (the trainer's send_model says why): %s: %s",
             type(exc).__name__,
             exc,
         )
