@@ -25,9 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from glm_fp8 import EngineLayout, Receiver, Sender
-from glm_fp8.engine import engine_params
 from glm_fp8.model import TINY_GLM5
-from glm_fp8.testing import free_ports
+from glm_fp8.testing import free_ports, poisoned_engine_params
 from glm_fp8.transfer.link import StoreLink
 
 CONFIG = TINY_GLM5
@@ -89,10 +88,7 @@ def engine(k: int, ports: list[int]) -> None:
         "127.0.0.1", ports[2], n + k, n + len(ENGINE), backend="gloo", timeout=timedelta(seconds=300)
     )
     layout = ENGINE[k]
-    params = {}
-    for name, p in engine_params(CONFIG, layout).items():  # the engine's own tensors, poisoned
-        params[name] = torch.empty(p.shape, dtype=p.dtype)
-        params[name].view(torch.uint8).fill_(0xFF)  # NaN in every dtype: what no update wrote shows
+    params = poisoned_engine_params(CONFIG, layout)  # the engine's tensors, NaN bytes until written
     receiver = Receiver(
         link,
         0,

@@ -180,6 +180,16 @@ def _per_expert(layer: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def poisoned_engine_params(config: object, layout: EngineLayout, fill: int = 0xFF) -> dict[str, torch.Tensor]:
+    """An engine rank's parameters at ``layout`` (``engine_params``: names, shapes, dtypes), every
+    byte ``fill`` (0xFF: NaN in every float dtype), so that a byte no update wrote shows."""
+    params = {}
+    for name, p in engine_params(as_config(config), layout).items():
+        params[name] = torch.empty(p.shape, dtype=p.dtype)
+        params[name].view(torch.uint8).fill_(fill)
+    return params
+
+
 def reference_engine_params(
     config: object,
     layout: EngineLayout,

@@ -269,7 +269,9 @@ def update_indexer_form(config: Mapping | None, engines: Sequence[object] | None
     if config is None or engines is None:
         return "fused"
     forms = {lay.indexer_form(config) for lay in engines if isinstance(lay, EngineLayout)}
-    return forms.pop() if len(forms) == 1 else "both" if forms else "fused"
+    if not forms:
+        return "fused"
+    return forms.pop() if len(forms) == 1 else "both"
 
 
 __all__ = [

@@ -387,7 +387,7 @@ def predict(
         # Megatron's expert tensor parallelism: each expert's rows are gathered onto its ETP group's
         # first rank, which holds 1/ETP of them (the gather is timed at the link's rate, as the others)
         etp = fleet.trainer.etp if fleet.trainer is not None else 1
-        experts = lambda s: sum(_inputs([lay.local_plans[s]], experts=True) for lay in tp.layers)  # noqa: E731
+        experts = lambda s: _inputs([lay.local_plans[s] for lay in tp.layers], experts=True)  # noqa: E731
         etp_gathered = lambda s: experts(s) * (etp - 1) // etp if etp > 1 else 0  # noqa: E731
         each = tp.sent_bytes()
         got = tp.received_bytes()

@@ -96,8 +96,8 @@ def _step(model) -> None:
 def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp=1):
     import torch.distributed as dist
 
-    from glm_fp8.engine import engine_params
     from glm_fp8.integrations.megatron import MegatronSource
+    from glm_fp8.testing import poisoned_engine_params
     from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
 
@@ -158,10 +158,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
             sent.append(sender.send_model(source.layers(), rest=source.rest()).nbytes)
         return "sender", place, _local(model), sent, planned
     layout = layouts[rank - trainers]
-    params = {}
-    for name, p in engine_params(CONFIG, layout).items():
-        params[name] = torch.empty(p.shape, dtype=p.dtype)
-        params[name].view(torch.uint8).fill_(0x5A)  # what no update wrote shows
+    params = poisoned_engine_params(CONFIG, layout, 0x5A)  # what no update wrote shows
     receiver = Receiver(link, 0, layout=layout, delta=delta, **kw)
     for _ in range(2 if delta else 1):
         receiver.load_into(params)

@@ -42,8 +42,12 @@ def _layouts():
 def _rank(rank, world, n_senders):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from glm_fp8.engine import engine_params
-    from glm_fp8.testing import reference_engine_params, sharded_layer, synthetic_layer
+    from glm_fp8.testing import (
+        poisoned_engine_params,
+        reference_engine_params,
+        sharded_layer,
+        synthetic_layer,
+    )
     from glm_fp8.transfer import Receiver, Sender
 
     mesh = DeviceMesh("cpu", torch.arange(n_senders)) if n_senders > 1 else None
@@ -66,10 +70,7 @@ def _rank(rank, world, n_senders):
         names = {e.name for plan in sender.plans for e in plan.entries}
         return sender.indexer_form, sorted(n for n in names if indexer_entry_form(n)), stats.nbytes
     layout = layouts[rank - n_senders]
-    params = {}
-    for name, p in engine_params(TINY_GLM5, layout).items():
-        params[name] = torch.empty(p.shape, dtype=p.dtype)
-        params[name].view(torch.uint8).fill_(FILL)
+    params = poisoned_engine_params(TINY_GLM5, layout, FILL)
     receiver = Receiver(None, 0, layout=layout, **kw)
     receiver.load_into(params)
     want = reference_engine_params(TINY_GLM5, layout, [*IDS, REST])

@@ -39,8 +39,7 @@ def _layouts(case: str, n: int):
 def _rank(rank, world, n_senders, case, fault=None):
     from torch.distributed.device_mesh import DeviceMesh
 
-    from glm_fp8.engine import engine_params
-    from glm_fp8.testing import reference_engine_params, sharded_layer
+    from glm_fp8.testing import poisoned_engine_params, reference_engine_params, sharded_layer
     from glm_fp8.transfer import Receiver, Sender
 
     if fault in ("split", "split_replicated"):
@@ -94,10 +93,7 @@ def _rank(rank, world, n_senders, case, fault=None):
         delivered = sum(lay.delivered_nbytes(sender.me) for lay in routes.layers)
         return stats.nbytes, delivered, routes.received_bytes()
     layout = layouts[rank - n_senders]
-    params = {}
-    for name, p in engine_params(TINY_GLM5, layout).items():
-        params[name] = torch.empty(p.shape, dtype=p.dtype)
-        params[name].view(torch.uint8).fill_(FILL)
+    params = poisoned_engine_params(TINY_GLM5, layout, FILL)
     receiver = Receiver(None, 0, layout=layout, **kw)
     if fault in ("consumer", "consumer_last") and rank == world - 1:
         # the landing of a middle layer, or of the last (the non-layer tensors, voted at COMPLETE)

@@ -29,13 +29,9 @@ def _layouts():
 
 
 def _params(layout):
-    from glm_fp8.engine import engine_params
+    from glm_fp8.testing import poisoned_engine_params
 
-    params = {}
-    for name, p in engine_params(TINY_GLM5, layout).items():
-        params[name] = torch.empty(p.shape, dtype=p.dtype)
-        params[name].view(torch.uint8).fill_(0x5A)
-    return params
+    return poisoned_engine_params(TINY_GLM5, layout, 0x5A)
 
 
 def _check_landed(layout, params):

@@ -224,9 +224,6 @@ class SGLangUpdateCall:
         if liveness is not None:
             liveness.report(None, f"{exc}; generation stays paused")
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def finish(self, timeout_s: float | None = None) -> str:
         """After ``send_model`` returned (the update landed on every rank): ``join()``, then resume
         generation; the update call's message."""
