@@ -22,6 +22,7 @@ from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.model.plans import plan_from_config
 from glm_fp8.model.presets import FLEETS
 from glm_fp8.transfer.owners import stack_entries
+from glm_fp8.transfer.routes import stage_order
 
 
 def _check_gbps(name: str, value: object) -> float:
@@ -123,7 +124,8 @@ class MegatronTrainer:
     ``decoder_first_pipeline_num_layers`` and ``decoder_last_pipeline_num_layers``), the other
     stages splitting the rest evenly, as Megatron requires; neither given, the layers are split as
     evenly as ``torch.chunk`` splits them. The MTP layer and the head are on the last stage, the
-    embeddings on the first."""
+    embeddings on the first. ``step_layers`` (``stepN``) is glm_fp8's, not Megatron's: the most
+    layers one step of the update carries, one of each stage in turn (``SendOptions.step_layers``)."""
 
     tp: int = 1
     pp: int = 1
@@ -132,9 +134,10 @@ class MegatronTrainer:
     first: int | None = None
     last: int | None = None
     etp: int = 1
+    step_layers: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "cp", "ep", "etp"):
+        for field in ("tp", "pp", "cp", "ep", "etp", "step_layers"):
             object.__setattr__(self, field, check_int(f"MegatronTrainer.{field}", getattr(self, field), 1))
         for field in ("first", "last"):
             if getattr(self, field) is not None:
@@ -147,31 +150,33 @@ class MegatronTrainer:
     @classmethod
     def parse(cls, text: str) -> MegatronTrainer:
         """``"megatron:tp4,pp8,cp2,ep16"`` (sizes not named are 1), with ``etpN`` for expert tensor
-        parallelism and ``firstN`` / ``lastN`` for uneven pipeline stages
-        (``"megatron:pp8,ep16,first9,last9"``)."""
+        parallelism, ``firstN`` / ``lastN`` for uneven pipeline stages
+        (``"megatron:pp8,ep16,first9,last9"``) and ``stepN`` for steps of N layers."""
         kind, _, sizes = text.partition(":")
         if kind != "megatron" or not sizes:
             raise ValueError(
-                "expected megatron:tpN,ppN,cpN,epN[,etpN][,firstN][,lastN] (e.g. megatron:tp4,pp8,cp2,ep16), "
-                f"got {text!r}"
+                "expected megatron:tpN,ppN,cpN,epN[,etpN][,firstN][,lastN][,stepN] "
+                f"(e.g. megatron:tp4,pp8,cp2,ep16), got {text!r}"
             )
         given: dict[str, int] = {}
-        keys = ("first", "last", "etp", "tp", "pp", "cp", "ep")  # "etp" before "ep" and "tp"
+        names = {"step": "step_layers"}
+        keys = ("first", "last", "step", "etp", "tp", "pp", "cp", "ep")  # "etp" before "ep" and "tp"
         for part in sizes.split(","):
             key = next((k for k in keys if part.startswith(k)), None)
             digits = part[len(key) :] if key is not None else ""
-            if key is None or not digits.isdigit() or key in given:
+            if key is None or not digits.isdigit() or names.get(key, key) in given:
                 raise ValueError(
-                    f"{part!r}: expected one of tpN, ppN, cpN, epN, etpN, firstN, lastN once each, "
+                    f"{part!r}: expected one of tpN, ppN, cpN, epN, etpN, firstN, lastN, stepN once each, "
                     f"in {text!r}"
                 )
-            given[key] = int(digits)
+            given[names.get(key, key)] = int(digits)
         return cls(**given)
 
     def describe(self) -> str:
         uneven = "".join(f",{k}{v}" for k, v in (("first", self.first), ("last", self.last)) if v is not None)
         etp = f",etp{self.etp}" if self.etp > 1 else ""
-        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}{etp}{uneven}"
+        step = f",step{self.step_layers}" if self.step_layers > 1 else ""
+        return f"megatron:tp{self.tp},pp{self.pp},cp{self.cp},ep{self.ep}{etp}{uneven}{step}"
 
     def stage_layers(self, n: int) -> list[int]:
         """How many of ``n`` decoder layers each pipeline stage holds. ValueError where Megatron
@@ -223,17 +228,29 @@ class MegatronTrainer:
     def senders(self) -> int:
         return self.pp * self.stage_senders
 
-    def holders(self, config: object, layer_ids) -> list:
-        """Per layer of ``layer_ids`` (``REST`` included), the senders (indices) that hold it:
-        its stage's, in expert order; the non-layer tensors and the MTP layer's head per entry."""
-        n = config["num_hidden_layers"]
-        stage_of, start = {}, 0
-        for p, count in enumerate(self.stage_layers(n)):
-            stage_of.update({i: p for i in range(start, start + count)})
+    def stage_of(self, config: object) -> dict[int, int]:
+        """Each layer's pipeline stage (the MTP layer's: the last)."""
+        out, start = {}, 0
+        for p, count in enumerate(self.stage_layers(config["num_hidden_layers"])):
+            out.update({i: p for i in range(start, start + count)})
             start += count
         mtp = mtp_layer_index(config)
         if mtp is not None:
-            stage_of[mtp] = self.pp - 1
+            out[mtp] = self.pp - 1
+        return out
+
+    def update_order(self, config: object, layer_ids) -> list[int]:
+        """``layer_ids`` in the order the update sends them: as given with one layer a step, else one
+        of each stage in turn (``glm_fp8.transfer.routes.stage_order``)."""
+        if self.step_layers == 1:
+            return list(layer_ids)
+        return stage_order(layer_ids, self.stage_of(config))
+
+    def holders(self, config: object, layer_ids) -> list:
+        """Per layer of ``layer_ids`` (``REST`` included), the senders (indices) that hold it:
+        its stage's, in expert order; the non-layer tensors and the MTP layer's head per entry."""
+        stage_of = self.stage_of(config)
+        mtp = mtp_layer_index(config)
         s = self.stage_senders
         stage = lambda p: tuple(range(p * s, (p + 1) * s))  # noqa: E731
         group = lambda p: tuple(range(p * s, p * s + self.tp))  # noqa: E731 - a TP group of stage p

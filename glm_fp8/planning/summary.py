@@ -8,7 +8,6 @@ dense one (``delta_summary``). Each figure comes with a label saying what it cou
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -228,13 +227,13 @@ def _senders_engine_extra(transfer, ranks: list[int], mtp: int | None, per_engin
     """The largest extra memory of engine ranks ``ranks`` (link ranks) per vLLM session under the
     many senders' routes (the whole update's routes, split by session: each session's receiver
     rings its largest)."""
-    target_layers = tuple(lay for lay in transfer.layers if lay.layer_idx != mtp)
-    draft_layers = tuple(lay for lay in transfer.layers if lay.layer_idx == mtp)
-    tgt = dataclasses.replace(transfer, layers=target_layers)
+    target_layers = [pos for pos, lay in enumerate(transfer.layers) if lay.layer_idx != mtp]
+    draft_layers = [pos for pos, lay in enumerate(transfer.layers) if lay.layer_idx == mtp]
+    tgt = transfer.subset(target_layers)
     target = max(tgt.receiver_bytes(rank) for rank in ranks)
     draft = None
     if draft_layers:
-        drf = dataclasses.replace(transfer, layers=draft_layers)
+        drf = transfer.subset(draft_layers)
         draft = max(drf.receiver_bytes(rank, ring=1) for rank in ranks)
     return {
         "ranks": per_engine,

@@ -295,6 +295,11 @@ def predict(
     ``glm_fp8.model.config.as_config`` takes."""
     config = as_config(config)
     spec = as_delta(delta)
+    if spec is not None and fleet.trainer is not None and fleet.trainer.step_layers > 1:
+        raise ValueError(
+            f"delta: a delta update carries one layer a step; the trainer {fleet.trainer.describe()} "
+            "plans steps of several"
+        )
     per_byte, per_layer = CONVERT_SECONDS_PER_BYTE, DELTA_SECONDS_PER_LAYER
     shares = lambda tp, t, parts: sender_share(tp, t, parts, spec, per_byte, per_layer)  # noqa: E731
     t_gpus = fleet.trainer_gpus
@@ -454,10 +459,18 @@ def many_senders_plan(
     ids = [*model_layer_ids(config), REST]
     plans = plans or _whole(config, "fp8", scale_fmt, master_dtype, gather_dtype, fleet)
     if fleet.trainer is not None:  # Megatron: each stage's senders hold its layers
-        n = fleet.trainer.senders
+        trainer, n = fleet.trainer, fleet.trainer.senders
         engines = [None] * n + fleet.engine_layouts()
+        order = trainer.update_order(config, ids)  # one layer of each stage in turn, in steps of several
+        plans = [plans[ids.index(i)] for i in order]
         return transfer_plan(
-            config, plans, ids, engines, range(n), holders=fleet.trainer.holders(config, ids)
+            config,
+            plans,
+            order,
+            engines,
+            range(n),
+            holders=trainer.holders(config, order),
+            step_layers=trainer.step_layers,
         )
     engines = [None] * fleet.trainer_gpus + fleet.engine_layouts()
     return transfer_plan(config, plans, ids, engines, range(fleet.trainer_gpus))

@@ -198,6 +198,7 @@ class Endpoint:
             senders,
             groups=self.link.groups_supported,
             holders=None if options.holders is None else self._holders(options.holders, senders),
+            step_layers=options.step_layers,
         )
         self.senders = self.routes.senders
         self.step_votes = StepVotes(self.device)
@@ -317,15 +318,28 @@ class Endpoint:
         return self._payload
 
     def header_table(self) -> torch.Tensor:
-        """int64 [steps + 1, 8] on the device: every step's header (the announced layers' DATA
-        headers, then COMPLETE); the leader sends its rows, the others compare what arrives with
-        theirs, with no host round trip."""
+        """int64 [layers + 1, 8] on the device: every layer's header (the announced layers' DATA
+        headers, then COMPLETE); a step's header is its first layer's (``header_row``). The leader
+        sends its rows, the others compare what arrives with theirs, with no host round trip."""
         rows = [
             header_words(DATA, i, pos, lay.wire_nbytes)
             for pos, (i, lay) in enumerate(zip(self.layer_ids, self.routes.layers))
         ]
         rows.append(header_words(COMPLETE, -1, len(self.plans)))
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    def header_row(self, step: int) -> int:
+        """The row of ``header_table`` that step ``step`` sends (COMPLETE after the last step)."""
+        steps = self.routes.steps
+        return steps[step][0] if step < len(steps) else len(self.plans)
+
+    def step_name(self, step: int) -> str:
+        """How messages name step ``step``: its layer (or layers), or the last step."""
+        steps = self.routes.steps
+        if step >= len(steps):
+            return "after the last layer"
+        names = [step_name(pos, self.layer_ids) for pos in steps[step]]
+        return names[0] if len(names) == 1 else f"the step of {', '.join(names)}"
 
     def vote(self, code: int) -> int:
         """Contribute ``code`` (0: fine; never negative) to an all-reduce MAX on the link and return

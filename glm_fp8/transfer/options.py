@@ -35,6 +35,7 @@ from glm_fp8.model.layer_plan import LayerPlan
 from glm_fp8.transfer.wire import MAX_MANIFEST_BYTES
 
 MAX_RING = 16  # layer buffers an endpoint may keep
+MAX_STEP_LAYERS = 64  # layers one step may carry (a bound on a typo, as MAX_RING)
 
 Opts = TypeVar("Opts", bound="UpdateOptions")
 
@@ -95,6 +96,13 @@ class UpdateOptions:
     expert stacks (and its largest matrices) are divided among its holders, every other entry is
     owned by one of them; a sender hands ``send_model`` only what it holds (nothing of a layer it
     does not hold). Layers and entries not named: every sender holds them. Many senders only."""
+    step_layers: int = 1
+    """The most layers one step of the update carries. With more than 1, consecutive layers of
+    ``layer_ids`` held by disjoint senders (``holders``: a pipeline-parallel trainer's stages,
+    ordered one layer of each stage in turn by ``MegatronSource.stage_layer_ids``) share a step,
+    so every stage's senders send at once instead of each stage in its own steps. Costs memory on
+    the engine ranks: each ring slot holds a whole step (``TransferPlan.receiver_bytes``). A delta
+    update carries one layer a step."""
     wire: WireFormat = "fp8"
     """The wire format: "fp8" ships kernel-format fp8 entries; "bf16" ships them unquantized, for
     receivers that quantize on receive (one sender, full broadcast only)."""
@@ -132,6 +140,7 @@ class UpdateOptions:
             raise ValueError(f"senders: expected a list of link ranks, got {type(self.senders).__name__}")
         if self.holders is not None:
             check_holders(self.holders)
+        check_int("step_layers", self.step_layers, 1, MAX_STEP_LAYERS, " (layers a step carries)")
         if self.engines is not None and (
             isinstance(self.engines, (str, bytes)) or not isinstance(self.engines, Sequence)
         ):
@@ -234,6 +243,10 @@ class SendOptions(UpdateOptions):
             raise ValueError(
                 "delta: needs checksum=True: the checksum is what proves each rebuilt segment exact"
             )
+        if self.step_layers != 1:
+            raise ValueError(
+                f"delta: a delta update carries one layer a step; got step_layers={self.step_layers}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,10 +282,15 @@ class ReceiveOptions(UpdateOptions):
             )
         if not isinstance(self.delta, bool):
             raise ValueError(f"delta: expected True or False, got {self.delta!r}")
+        if self.delta and self.step_layers != 1:
+            raise ValueError(
+                f"delta: a delta update carries one layer a step; got step_layers={self.step_layers}"
+            )
 
 
 __all__ = [
     "MAX_RING",
+    "MAX_STEP_LAYERS",
     "check_holders",
     "device_of",
     "DeltaOptions",

@@ -21,7 +21,6 @@ from glm_fp8.transfer.endpoint import (
     checksums_bad,
     on_stream,
     segment_views,
-    step_name,
 )
 from glm_fp8.transfer.land import WIDENING, check_params, expected_params, land_layer, zero_padding
 from glm_fp8.transfer.options import ReceiveOptions, device_of
@@ -96,8 +95,10 @@ class Receiver(Endpoint):
                     self.targets = self._targets(layout)
                 except ValueError as exc:
                     self._layout_error = exc
-            # This rank's segments per layer (from each of its classes), where each lies in its buffer.
+            # This rank's segments per layer (from each of its classes), where each lies in its buffer,
+            # and where that buffer lies in its step's ring slot.
             self.mine = [lay.of_rank(self.rank) for lay in self.routes.layers]
+            self.bases = [self.routes.receive_base(self.rank, pos) for pos in range(len(self.plans))]
             self.ring = Ring(opts.ring, self.routes.receive_slot(self.rank), self.device)
             self.scratch = checksum_scratch(self.routes.receive_slot(self.rank), self.device)
             self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -185,110 +186,123 @@ class Receiver(Endpoint):
                 steps.throw(exc)  # refuses at the next vote, then re-raises exc
 
     def _steps(self) -> Iterator[tuple[int, list[tuple]]]:
-        """The update's steps, pipelined; each item is ``(layer_idx, [(name, view, rows)])``, ``rows``
-        the range of the full entry's dim 0 a piece covers (None: all this rank holds). Per layer,
-        queued with no host wait: the header, this rank's segments and every rank's vote (this
-        rank's header and checksum checks, decided on the device). Then the previous layer's vote
-        is read, and that layer handed out only if it passed: the next layer is on the link
-        meanwhile. A consumer's failure is this rank's vote at the next step it queues. Each layer
-        voted RESEND_DENSE (delta) is then received again, dense; COMPLETE is voted last."""
+        """The update's steps (``TransferPlan.steps``: one layer each, or several with
+        ``step_layers``), pipelined; each item is ``(layer_idx, [(name, view, rows)])``, ``rows``
+        the range of the full entry's dim 0 a piece covers (None: all this rank holds). Per step,
+        queued with no host wait: the header, this rank's segments of its layers and every rank's
+        vote (this rank's header and checksum checks, decided on the device). Then the previous
+        step's vote is read, and its layers handed out one by one only if it passed: the next step
+        is on the link meanwhile. A consumer's failure is this rank's vote at the next step it
+        queues. Each layer voted RESEND_DENSE (delta, one layer a step) is then received again,
+        dense; COMPLETE is voted last."""
         self.agree(self._check, self.max_manifest_bytes)
         if self.delta is not None:
             self.delta.begin()
-        n = len(self.plans)
+        n = len(self.routes.steps)
         failure: BaseException | None = None
-        # (the step queued, the step whose vote is read and whose layer is handed out); a resent
-        # layer is both at once, added when the last layer's vote was read, by every rank (they
-        # read the same votes; this rank's failure, if any, is then voted at the first of them).
-        steps = [(pos, pos - 1) for pos in range(n)] + [(None, n - 1)]
-        for post, pos in steps:
+        # (the step queued, the step whose vote is read and whose layers are handed out); a resent
+        # layer's step is both at once, added when the last step's vote was read, by every rank
+        # (they read the same votes; this rank's failure, if any, is then voted at the first).
+        order = [(g, g - 1) for g in range(n)] + [(None, n - 1)]
+        for post, g in order:
             if post is not None:
                 self._post_step(post, failure)
-            if pos < 0:
+            if g < 0:
                 continue
-            resend = self._settle_step(pos, failure)
+            resend = self._settle_step(g, failure)
             if post is None and self.delta is not None:
-                steps += [(r, r) for r in self.delta.resends()]
+                order += [(r, r) for r in self.delta.resends()]  # a delta update's steps are its layers
             if resend or failure is not None:
                 continue
-            # No stream wait: reading this layer's vote waited for everything queued before it on
+            # No stream wait: reading this step's vote waited for everything queued before it on
             # the link stream, its bytes included. The consumer's error (GeneratorExit too, when it
             # stops early) is caught here, not in a helper generator, so that the steps go on to
             # the vote that stops every rank.
-            views, slot = self.segment_views(pos)
-            try:
-                yield self.layer_ids[pos], views
-            except BaseException as exc:  # noqa: BLE001 - voted on at the next step, then raised
-                failure = exc
-            finally:
-                self.ring.release(slot, torch.cuda.current_stream(self.device) if self.link_stream else None)
+            for pos in self.routes.steps[g]:
+                views, slot = self.segment_views(pos)
+                try:
+                    yield self.layer_ids[pos], views
+                except BaseException as exc:  # noqa: BLE001 - voted on at the next step, then raised
+                    failure = exc
+                    break
+            self.ring.release(slot, torch.cuda.current_stream(self.device) if self.link_stream else None)
         self._post_step(n, failure)
         self._settle_step(n, failure)
 
-    def _post_step(self, pos: int, failure: BaseException | None) -> None:
-        """Queue step ``pos`` on the link stream: the header, this rank's segments (none at
-        COMPLETE) and its vote."""
-        i = pos % 2
+    def _post_step(self, step: int, failure: BaseException | None) -> None:
+        """Queue step ``step`` on the link stream: the header, this rank's segments of its layers
+        (none at COMPLETE) and its vote."""
+        i = step % 2
         header = self._header_bufs[i]
         try:
             with on_stream(self.link_stream):
                 self.link.broadcast(header, self.src)
-                header_bad = (header[:5] != self._headers[pos, :5]).any()
-                sum_bad = self._receive_segments(pos) if pos < len(self.plans) else None
+                header_bad = (header[:5] != self._headers[self.header_row(step), :5]).any()
+                sum_bad = self._receive_segments(step) if step < len(self.routes.steps) else None
                 self._flags[i] = (header_bad, sum_bad)
                 flags = [(header_bad, refusal_code(REFUSED_HEADER, self.rank))]
                 if sum_bad is not None:  # a delta layer that differs is resent dense, not refused
+                    pos = self.routes.steps[step][0]
                     delta = self.delta is not None and self.delta.is_delta[pos]
                     why = RESEND_DENSE if delta else BAD_CHECKSUM
                     flags.append((sum_bad, refusal_code(why, self.rank)))
                 code = refusal_code(CONSUMER_FAILED, self.rank) if failure is not None else 0
-                self.step_votes.post(self.link, pos, code, flags)
+                self.step_votes.post(self.link, step, code, flags)
         except Exception as exc:
-            raise link_failure(f"receiving {step_name(pos, self.layer_ids)} failed", exc) from exc
+            raise link_failure(f"receiving {self.step_name(step)} failed", exc) from exc
 
-    def _receive_segments(self, pos: int) -> torch.Tensor | None:
-        """Receive this rank's segments of the layer at ``pos`` into its ring slot, in the order
-        every rank posts them (``glm_fp8.transfer.routes``, "Order"): the group broadcasts of its
-        classes in class order, each class's in sender order, then one exchange for the
-        point-to-point ones; a device boolean, set when a checksum differs (None: nothing checked)."""
-        segments = self.mine[pos]
-        buf, slot = self.ring.slot(pos)
-        self.ring.wait_free(slot, self.link_stream)  # the consumer's copies out of its last layer
-        if self.delta is not None and self.delta.is_delta[pos]:
-            return self.delta.receive(pos, buf)
+    def _receive_segments(self, step: int) -> torch.Tensor | None:
+        """Receive this rank's segments of the layers of step ``step`` into its ring slot, each
+        layer's at its base, in the order every rank posts them (``glm_fp8.transfer.routes``,
+        "Order"): layer by layer, the group broadcasts of its classes in class order, each class's
+        in sender order, then one exchange for the point-to-point ones of the whole step; a device
+        boolean, set when a checksum differs (None: nothing checked)."""
+        positions = self.routes.steps[step]
+        slot_buf, slot = self.ring.slot(step)
+        self.ring.wait_free(slot, self.link_stream)  # the consumer's copies out of its last step
+        if self.delta is not None and self.delta.is_delta[positions[0]]:  # one layer a step
+            return self.delta.receive(positions[0], slot_buf[self.bases[positions[0]] :])
         recvs = []
-        for s in segments:
-            data = buf[s.recv_offset : s.recv_offset + s.nbytes]
-            if s.group is not None:
-                self.link.group_broadcast(data, self.senders[s.sender], s.group)
-            else:
-                recvs.append((data, self.senders[s.sender]))
+        for pos in positions:
+            buf = slot_buf[self.bases[pos] :]
+            for s in self.mine[pos]:
+                data = buf[s.recv_offset : s.recv_offset + s.nbytes]
+                if s.group is not None:
+                    self.link.group_broadcast(data, self.senders[s.sender], s.group)
+                else:
+                    recvs.append((data, self.senders[s.sender]))
         self.link.exchange([], recvs)
-        return checksums_bad(buf, segments, self.scratch) if self._sums else None
+        if not self._sums:
+            return None
+        bad = [checksums_bad(slot_buf[self.bases[pos] :], self.mine[pos], self.scratch) for pos in positions]
+        bad = [b for b in bad if b is not None]
+        return torch.stack(bad).any() if bad else None
 
-    def _settle_step(self, pos: int, failure: BaseException | None) -> bool:
-        """Read step ``pos``'s vote: True when its layer is to be resent dense (RESEND_DENSE);
+    def _settle_step(self, step: int, failure: BaseException | None) -> bool:
+        """Read step ``step``'s vote: True when its layer is to be resent dense (RESEND_DENSE);
         when a rank refused, wait for the step queued after it (every rank queued it), then raise:
         the consumer's error, else what this rank found, else an ``UpdateAborted`` naming the rank
         that refused."""
-        verdict = self.step_votes.read(pos)
+        verdict = self.step_votes.read(step)
         if not verdict:
             return False
         if refusal_reason(verdict) == RESEND_DENSE:
-            self.delta.resend(pos)
+            self.delta.resend(self.routes.steps[step][0])  # a delta update's steps are its layers
             return True
         if self.link_stream is not None:
             self.link_stream.synchronize()
         if failure is not None:
             raise failure
-        where = step_name(pos, self.layer_ids)
-        header_bad, sum_bad = (f is not None and bool(f) for f in self._flags[pos % 2])
+        where = self.step_name(step)
+        header_bad, sum_bad = (f is not None and bool(f) for f in self._flags[step % 2])
         # This rank's own finding when it refused for the reason every rank stops for (the vote's
         # maximum may name another rank that found the same).
         mine = BAD_CHECKSUM if sum_bad else REFUSED_HEADER if header_bad else None
         if mine == refusal_reason(verdict) == REFUSED_HEADER:
-            raise header_error(self._header_bufs[pos % 2].tolist(), self._headers[pos].tolist(), where)
+            expected = self._headers[self.header_row(step)].tolist()
+            raise header_error(self._header_bufs[step % 2].tolist(), expected, where)
         if mine == refusal_reason(verdict) == BAD_CHECKSUM:
+            pos = self.routes.steps[step][0]
             why = self.delta.why_bad(pos) if self.delta is not None else "a short, long or corrupted message"
             raise UpdateAborted(
                 f"{where}: the checksum of a segment received differs from its sender's ({why}); every rank "
@@ -298,10 +312,13 @@ class Receiver(Endpoint):
 
     def segment_views(self, pos: int, segments: Sequence | None = None) -> tuple[list[tuple], int]:
         """The views of this rank's segments of the layer at ``pos`` (or of ``segments``, some of
-        them), in the plan's entry order (``segment_views``), and its ring slot."""
-        buf, slot = self.ring.slot(pos)
+        them), in the plan's entry order (``segment_views``), and its step's ring slot."""
+        buf, slot = self.ring.slot(self.routes.step_of(pos))
         views = segment_views(
-            buf, self.layer_ids[pos], self.plans[pos], self.mine[pos] if segments is None else segments
+            buf[self.bases[pos] :],
+            self.layer_ids[pos],
+            self.plans[pos],
+            self.mine[pos] if segments is None else segments,
         )
         return views, slot
 

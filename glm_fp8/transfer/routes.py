@@ -23,12 +23,20 @@ the segments of its classes side by side, in class order then sender order
 class order (the broadcast classes first). The plan is computed once per update configuration,
 identically on every rank, and agreed on at the manifest vote.
 
-**Order**, so that no rank waits on a group whose other members wait elsewhere: per layer, every
-rank posts its group broadcasts first, then one exchange of its point-to-point segments. A sender
+**Steps.** An update moves one step at a time: by default one layer a step. With
+``step_layers`` > 1, consecutive layers whose holders are disjoint (a pipeline-parallel trainer's
+stages, handed over in turn: ``MegatronSource.stage_layer_ids``) share a step, up to that many, so
+that every stage's senders send at once (``TransferPlan.steps``). A rank's ring slot then holds
+its buffers of every layer of the step side by side, in layer order (``receive_base``,
+``sender_bases``).
+
+**Order**, so that no rank waits on a group whose other members wait elsewhere: per step, every
+rank posts its group broadcasts first (layer by layer), then one exchange of its point-to-point
+segments of every layer of the step. A sender
 posts its segments in class order; an engine rank its classes in order and, within a class, the
 senders in order. So every rank's group broadcasts follow one total order, (layer, class,
 sender), each group broadcast at one place in it: the earliest one not done always has all its
-members at it. An exchange follows every group broadcast of its layer on every rank.
+members at it. An exchange follows every group broadcast of its step on every rank.
 
 Several servers on one link (``engines`` lists every server's ranks): the full broadcast is one
 broadcast of each layer on the link; scatter sends each distinct piece once per holder set, so
@@ -143,13 +151,37 @@ class TransferPlan:
     """Routes of one update: ``senders`` (link ranks, in expert-chunk order), ``engines`` (one entry
     per link rank: None at a sender, an ``EngineLayout`` or ``FULL``), each sender's routed-expert
     ``bounds`` (in the layers it holds), every layer's routes (in the update's order) and who holds
-    each layer (``holders``, per layer; empty: every sender holds every layer)."""
+    each layer (``holders``, per layer; empty: every sender holds every layer) and the update's
+    ``steps``: the layers (positions in the update) each step carries, in order (empty: one layer a
+    step)."""
 
     senders: tuple[int, ...]
     engines: tuple[EngineLayout | str | None, ...]
     bounds: tuple[tuple[int, int], ...]
     layers: tuple[LayerRoutes, ...]
     holders: tuple[Holders, ...] = ()
+    steps: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.steps:
+            object.__setattr__(self, "steps", tuple((pos,) for pos in range(len(self.layers))))
+
+    def subset(self, positions: Sequence[int]) -> TransferPlan:
+        """The routes of the layers at ``positions`` only (e.g. one vLLM session's), each step
+        keeping those of its layers."""
+        keep = sorted(positions)
+        new = {p: k for k, p in enumerate(keep)}
+        steps = (tuple(new[p] for p in step if p in new) for step in self.steps)
+        return dataclasses.replace(
+            self,
+            layers=tuple(self.layers[p] for p in keep),
+            holders=tuple(self.holders[p] for p in keep) if self.holders else (),
+            steps=tuple(step for step in steps if step),
+        )
+
+    def step_of(self, pos: int) -> int:
+        """The step that carries the layer at ``pos``."""
+        return next(g for g, step in enumerate(self.steps) if pos in step)
 
     def class_of(self, pos: int, rank: int) -> int:
         """The first class of ``rank`` in the layer at ``pos`` (its only one with many senders)."""
@@ -177,45 +209,69 @@ class TransferPlan:
         return out
 
     def steps_sent(self) -> list[list[int]]:
-        """Per step (layer, in update order), the bytes each sender sends (as ``sent_bytes``)."""
+        """Per step (in update order), the bytes each sender sends (as ``sent_bytes``)."""
         out = []
-        for lay in self.layers:  # one pass: plans of many senders hold thousands of segments a layer
+        for positions in self.steps:
             step = [0] * len(self.senders)
-            for s in lay.segments:
-                step[s.sender] += s.nbytes * lay.messages(s)
+            for lay in (self.layers[p] for p in positions):  # one pass: thousands of segments a layer
+                for s in lay.segments:
+                    step[s.sender] += s.nbytes * lay.messages(s)
             out.append(step)
         return out
 
     def steps_received(self) -> list[dict[int, int]]:
-        """Per step (layer, in update order), the bytes each engine rank (link rank) receives."""
+        """Per step (in update order), the bytes each engine rank (link rank) receives."""
         out = []
-        for lay in self.layers:
+        for positions in self.steps:
             step: dict[int, int] = {}
-            for k, ranks in enumerate(lay.classes):
-                for r in ranks:
-                    step[r] = step.get(r, 0) + lay.recv_nbytes[k]
+            for lay in (self.layers[p] for p in positions):
+                for k, ranks in enumerate(lay.classes):
+                    for r in ranks:
+                        step[r] = step.get(r, 0) + lay.recv_nbytes[k]
             out.append(step)
         return out
 
+    def receive_base(self, rank: int, pos: int) -> int:
+        """Where engine rank ``rank``'s buffer of the layer at ``pos`` starts in its ring slot: after
+        its buffers of the step's earlier layers."""
+        step = self.steps[self.step_of(pos)]
+        return sum(align(self.layers[p].rank_nbytes(rank)) for p in step[: step.index(pos)])
+
     def receive_slot(self, rank: int) -> int:
-        """The largest layer buffer engine rank ``rank`` receives: one ring slot."""
-        return max((lay.rank_nbytes(rank) for lay in self.layers), default=0)
+        """The largest step buffer engine rank ``rank`` receives (its buffers of a step's layers side
+        by side): one ring slot."""
+        return max(
+            (side_by_side([self.layers[p].rank_nbytes(rank) for p in step]) for step in self.steps), default=0
+        )
 
     def receiver_bytes(self, rank: int, ring: int = 2, device: str = "cuda") -> int:
         """Engine rank ``rank``'s memory above its parameters during an update (what ``Receiver``
-        allocates): ``ring`` slots of its largest layer buffer, the checksum's scratch (a word per
+        allocates): ``ring`` slots of its largest step buffer, the checksum's scratch (a word per
         32 KiB on CUDA), every step's header and the vote words."""
         slot = self.receive_slot(rank)
         scratch = 8 * (checksum_rows(slot) if device == "cuda" else 1)
         return ring * slot + scratch + 64 * (len(self.layers) + 3) + 8 * 3
 
-    def sender_buffers(self, t: int) -> tuple[int, int]:
-        """(conversion slot, send slot) of sender ``t``: its largest converted share (with room for
-        a direct segment's checksum word) and its largest packed segments; one ring slot each."""
+    def sender_bases(self, t: int, pos: int) -> tuple[int, int]:
+        """Where sender ``t``'s conversion and send buffers of the layer at ``pos`` start in its ring
+        slots: after its buffers of the step's earlier layers."""
+        step = self.steps[self.step_of(pos)]
+        before = [self.layers[p] for p in step[: step.index(pos)]]
         return (
-            max((lay.local_plans[t].nbytes + CHECKSUM_BYTES for lay in self.layers), default=0),
-            max((lay.send_nbytes[t] for lay in self.layers), default=0),
+            sum(align(lay.local_plans[t].nbytes + CHECKSUM_BYTES) for lay in before),
+            sum(align(lay.send_nbytes[t]) for lay in before),
         )
+
+    def sender_buffers(self, t: int) -> tuple[int, int]:
+        """(conversion slot, send slot) of sender ``t``: its largest converted share of a step (with
+        room for a direct segment's checksum word) and its largest packed segments of a step; one
+        ring slot each."""
+        conv = send = 0
+        for step in self.steps:
+            lays = [self.layers[p] for p in step]
+            conv = max(conv, side_by_side([lay.local_plans[t].nbytes + CHECKSUM_BYTES for lay in lays]))
+            send = max(send, side_by_side([lay.send_nbytes[t] for lay in lays]))
+        return conv, send
 
     def gathered_bytes(self, t: int) -> list[int]:
         """Per layer, the trainer tensors sender ``t`` gathers (the sources of the entries it
@@ -262,7 +318,27 @@ class TransferPlan:
                 ]
                 for lay in self.layers
             ],
+            "steps": [list(step) for step in self.steps],
         }
+
+
+def stage_order(layer_ids: Sequence[int], stage_of: Mapping[int, int]) -> list[int]:
+    """``layer_ids`` one of each pipeline stage in turn (``stage_of``: layer to stage): each stage's
+    first layer in stage order, then each one's second, and so on; a layer ``stage_of`` does not
+    name (the non-layer tensors) keeps its place at the end. The order in which steps of several
+    layers (``step_layers``) carry one layer of each stage."""
+    stages: dict[int, list[int]] = {}
+    for i in layer_ids:
+        if i in stage_of:
+            stages.setdefault(stage_of[i], []).append(i)
+    lists = [stages[p] for p in sorted(stages)]
+    order = [lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists if k < len(lst)]
+    return order + [i for i in layer_ids if i not in stage_of]
+
+
+def side_by_side(sizes: Sequence[int]) -> int:
+    """The bytes of buffers of ``sizes`` laid side by side, each at a multiple of 256 bytes."""
+    return sum(align(n) for n in sizes[:-1]) + (sizes[-1] if sizes else 0)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -281,6 +357,7 @@ def transfer_plan(
     *,
     groups: bool = True,
     holders: Sequence[Holders] | None = None,
+    step_layers: int = 1,
 ) -> TransferPlan:
     """The routes of an update of ``layer_ids`` (``plans[k]`` the plan of ``layer_ids[k]``) from
     ``senders`` (link ranks) into ``engines`` (one entry per link rank, see
@@ -288,8 +365,9 @@ def transfer_plan(
     ``groups``: the link can make groups, so a single sender broadcasts once to a class of several
     ranks, and many senders each once to each such class where ``sender_groups_pay`` says so.
     ``holders``: per layer, the senders (indices) that hold it (``glm_fp8.transfer.owners.Holders``:
-    pipeline stages); default every sender every layer. Raises ValueError for a plan the senders
-    cannot carry out, or where vLLM would refuse an engine layout."""
+    pipeline stages); default every sender every layer. ``step_layers``: the most layers a step
+    carries (``plan_steps``). Raises ValueError for a plan the senders cannot carry out, or where
+    vLLM would refuse an engine layout."""
     senders, engines = tuple(int(s) for s in senders), tuple(engines)
     check_engines(engines, senders)
     n = len(senders)
@@ -367,8 +445,38 @@ def transfer_plan(
                 tuple(recv_nbytes),
             )
         )
-    tp = TransferPlan(senders, engines, bounds, tuple(layers), tuple(holders or ()))
+    steps = plan_steps(holders, len(layers), n, step_layers)
+    tp = TransferPlan(senders, engines, bounds, tuple(layers), tuple(holders or ()), steps)
     return _sender_groups(tp) if n > 1 and groups else tp
+
+
+def plan_steps(
+    holders: Sequence[Holders] | None, n_layers: int, n_senders: int, step_layers: int
+) -> tuple[tuple[int, ...], ...]:
+    """The steps of an update of ``n_layers`` layers: consecutive layers, at most ``step_layers`` a
+    step, held by disjoint senders (``holders``; a layer with none named is every sender's). Each
+    sender then converts at most one layer of a step, and senders of different pipeline stages
+    send at once; a layer that shares a holder with the step so far starts the next step."""
+    steps: list[tuple[int, ...]] = []
+    step: list[int] = []
+    busy: set[int] = set()
+    for pos in range(n_layers):
+        held = holders[pos] if holders else None
+        mine = (
+            set(range(n_senders))
+            if held is None
+            else {t for ts in held.values() for t in ts}
+            if isinstance(held, Mapping)
+            else set(held)
+        )
+        if step and (len(step) == step_layers or mine & busy):
+            steps.append(tuple(step))
+            step, busy = [], set()
+        step.append(pos)
+        busy |= mine
+    if step:
+        steps.append(tuple(step))
+    return tuple(steps)
 
 
 def _sender_groups(tp: TransferPlan) -> TransferPlan:
@@ -429,4 +537,4 @@ def describe(tp: TransferPlan, *, top: int = 8) -> Iterator[list]:
         yield [tp.senders[t], f"{lo}..{hi - 1}" if hi > lo else "-", owned, sent[t], msgs, local, send]
 
 
-__all__ = ["LayerRoutes", "Segment", "TransferPlan", "describe", "transfer_plan"]
+__all__ = ["LayerRoutes", "Segment", "TransferPlan", "describe", "plan_steps", "stage_order", "transfer_plan"]

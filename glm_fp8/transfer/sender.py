@@ -23,7 +23,6 @@ from glm_fp8.transfer.endpoint import (
     my_rank,
     on_stream,
     pack_segments,
-    step_name,
 )
 from glm_fp8.transfer.gather import collect_layer, trainer_view
 from glm_fp8.transfer.options import SendOptions, device_of
@@ -148,18 +147,20 @@ class Sender(Endpoint):
         ), REFUSED_MANIFEST
 
     def _steps(self, layers, rest, stats: UpdateStats) -> None:
-        """Every sender runs the same steps (one per announced layer, then COMPLETE), whatever its
-        ``layers`` yield: a step's own problem becomes its vote, so the senders never fall out of
-        step. Per layer: take and check it; with several senders their vote before any gather
-        (all gather or none); gather, convert and pack this sender's share; queue, with no host
-        wait, the leader's header, the segments and every rank's vote on them; then read the
-        previous step's vote. The link thus always holds the next layer while the host waits, and a
+        """Every sender runs the same steps (``TransferPlan.steps``: one announced layer each, or
+        several with ``step_layers``; then COMPLETE), whatever its ``layers`` yield: a layer's own
+        problem becomes its step's vote, so the senders never fall out of step. Per layer: take and
+        check it; with several senders their vote before any gather (all gather or none); gather,
+        convert and pack this sender's share. After a step's last layer: queue, with no host wait,
+        the leader's header, the step's segments and every rank's vote on them; then read the
+        previous step's vote. The link thus always holds the next step while the host waits, and a
         failed vote is read one step late: every rank has queued that next step and raises once it
-        is done. A delta update queues each step after the next layer's conversion (its payloads'
-        lengths are read then, while the GPU converts the next layer), with the error of either
-        step in its vote. Then each layer an engine rank voted RESEND_DENSE (delta) goes again,
-        dense, from the kept copy; COMPLETE is voted last."""
-        n = len(self.plans)
+        is done. A delta update (one layer a step) queues each step after the next layer's
+        conversion (its payloads' lengths are read then, while the GPU converts the next layer),
+        with the error of either step in its vote. Then each layer an engine rank voted
+        RESEND_DENSE (delta) goes again, dense, from the kept copy; COMPLETE is voted last."""
+        n, steps = len(self.plans), self.routes.steps
+        last = {step[-1]: g for g, step in enumerate(steps)}  # a step is queued after its last layer
         self._ready.clear()  # what a failed update left
         self._checks.clear()
         failed: BaseException | None = None
@@ -193,20 +194,21 @@ class Sender(Endpoint):
                 except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
                     err = exc
             failed = err if failed is None else failed
-            if pos >= lag:
-                self._advance(pos - lag, failed)
+            if pos in last and last[pos] >= lag:
+                self._advance(last[pos] - lag, failed)
             stats.layers.append(
                 LayerStats(self.layer_ids[pos], 0, time.perf_counter() - t_layer, self.plans[pos].nbytes)
             )
-        for pos in range(max(n - lag, 0), n):
-            self._advance(pos, failed)
-        self._settle_step(n - 1, failed)
+        for g in range(max(len(steps) - lag, 0), len(steps)):
+            self._advance(g, failed)
+        self._settle_step(len(steps) - 1, failed)
         for pos, st in enumerate(stats.layers):
             lay = self.routes.layers[pos]
             st.nbytes = self.delta.sent_nbytes(pos) if self.delta else lay.sent_nbytes(self.me)
             dense = lay.delivered_nbytes(self.me)
             st.delivered_nbytes = self.delta.delivered_nbytes(pos) if self.delta else dense
         for pos in self.delta.resends() if self.delta is not None else ():  # every rank read the votes
+            # (a delta update's steps are its layers: step ``pos`` carries the layer at ``pos``)
             t_layer = time.perf_counter()
             self._ready[pos] = self.delta.restore(pos)
             self._post_step(pos, None)
@@ -219,15 +221,15 @@ class Sender(Endpoint):
                 next_item(it, n, rest, self.layer_ids, n - self.rest, self.rest)  # a layer past the announced
             except Exception as exc:  # noqa: BLE001 - voted on below, raised at its verdict
                 failed = exc
-        self._post_step(n, failed)
-        self._settle_step(n, failed)
+        self._post_step(len(steps), failed)
+        self._settle_step(len(steps), failed)
 
-    def _advance(self, pos: int, failed: BaseException | None) -> None:
-        """Queue step ``pos`` (a step that did not convert still sends its slot's stale bytes: every
-        rank queued its messages, and its vote refuses them), then read step ``pos - 1``'s vote."""
-        self._post_step(pos, failed)
-        if pos:
-            self._settle_step(pos - 1, failed)
+    def _advance(self, step: int, failed: BaseException | None) -> None:
+        """Queue step ``step`` (a step that did not convert still sends its slot's stale bytes: every
+        rank queued its messages, and its vote refuses them), then read step ``step - 1``'s vote."""
+        self._post_step(step, failed)
+        if step:
+            self._settle_step(step - 1, failed)
 
     def _senders_vote(self, err: BaseException | None) -> bool:
         """With several senders, their own vote before any gather (their group, not the whole link):
@@ -242,7 +244,10 @@ class Sender(Endpoint):
         """Gather, convert and pack this sender's share of the layer at ``pos`` (convert stream);
         ``plan`` and ``layer`` as ``trainer_view`` gives them."""
         lay = self.routes.layers[pos]
-        buf, ci = self.conv_ring.slot(pos)
+        step = self.routes.step_of(pos)
+        conv_base, send_base = self.routes.sender_bases(self.me, pos)
+        buf, ci = self.conv_ring.slot(step)
+        buf = buf[conv_base:]  # this layer's region of the step's slot
         caller = torch.cuda.current_stream(self.device) if self.convert_stream is not None else None
         with on_stream(self.convert_stream):
             if caller is not None:
@@ -280,7 +285,8 @@ class Sender(Endpoint):
             mine = lay.of_sender(self.me)
             packed, out = [s for s in mine if not s.direct], None
             if packed:
-                out, pi = self.send_ring.slot(pos)
+                out, pi = self.send_ring.slot(step)
+                out = out[send_base:]
                 self.send_ring.wait_free(pi, self.convert_stream)
             if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
                 self.delta.zero_gaps(pos, buf, out)
@@ -306,59 +312,71 @@ class Sender(Endpoint):
             # kernels that read them (the wire, on its own stream, is not waited for).
             caller.wait_event(ready)
 
-    def _post_step(self, pos: int, failed: BaseException | None) -> None:
-        """Queue step ``pos`` on the link stream: the leader's header, this sender's segments (none
-        at COMPLETE) and its vote, SENDER_FAILED when ``failed`` or its share holds NaN/Inf
-        (decided on the device). No host wait."""
+    def _post_step(self, step: int, failed: BaseException | None) -> None:
+        """Queue step ``step`` on the link stream: the leader's header, this sender's segments of
+        the step's layers (none at COMPLETE) and its vote, SENDER_FAILED when ``failed`` or its
+        share holds NaN/Inf (decided on the device). No host wait."""
         code = refusal_code(SENDER_FAILED, self.rank)
-        checks = self._checks.get(pos)
-        flags = [(checks[3], code)] if checks is not None and checks[3] is not None else []
+        positions = self.routes.steps[step] if step < len(self.routes.steps) else ()
+        checks = [self._checks.get(pos) for pos in positions]
+        flags = [(c[3], code) for c in checks if c is not None and c[3] is not None]
         with on_stream(self.link_stream):
-            ready = self._ready.pop(pos, None)
-            if ready is not None:
-                self.link_stream.wait_event(ready)
-            self.link.broadcast(self._headers[pos] if self.rank == self.src else self._header_in, self.src)
-            if pos < len(self.plans):
-                self._send_segments(pos)
-            self.step_votes.post(self.link, pos, code if failed is not None else 0, flags)
+            for pos in positions:
+                ready = self._ready.pop(pos, None)
+                if ready is not None:
+                    self.link_stream.wait_event(ready)
+            header = self._headers[self.header_row(step)]
+            self.link.broadcast(header if self.rank == self.src else self._header_in, self.src)
+            if positions:
+                self._send_segments(step)
+            self.step_votes.post(self.link, step, code if failed is not None else 0, flags)
 
-    def _send_segments(self, pos: int) -> None:
-        lay = self.routes.layers[pos]
-        conv, ci = self.conv_ring.slot(pos)
-        out, pi = self.send_ring.slot(pos) if self.send_ring is not None else (None, 0)
-        sends = []
-        delta = self.delta is not None and self.delta.is_delta[pos]
-        for s in () if delta else lay.of_sender(self.me):
-            data = conv[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes]
-            if s.group is not None:  # in class order, before the exchange: routes' order, on every rank
-                self.link.group_broadcast(data, self.rank, s.group)
-            else:
-                sends += [(data, r) for r in lay.classes[s.cls]]
-        if delta:
-            self.delta.send(pos, conv, out)
-        else:
+    def _send_segments(self, step: int) -> None:
+        """This sender's segments of every layer of step ``step``: the group broadcasts layer by
+        layer, then one exchange of the point-to-point ones (routes' order, on every rank)."""
+        conv_slot, ci = self.conv_ring.slot(step)
+        send_slot, pi = self.send_ring.slot(step) if self.send_ring is not None else (None, 0)
+        sends, dense = [], False
+        for pos in self.routes.steps[step]:
+            lay = self.routes.layers[pos]
+            conv_base, send_base = self.routes.sender_bases(self.me, pos)
+            conv = conv_slot[conv_base:]
+            out = None if send_slot is None else send_slot[send_base:]
+            if self.delta is not None and self.delta.is_delta[pos]:  # one layer a step
+                self.delta.send(pos, conv, out)
+                continue
+            dense = True
+            for s in lay.of_sender(self.me):
+                data = conv[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes]
+                if s.group is not None:  # in class order, before the exchange
+                    self.link.group_broadcast(data, self.rank, s.group)
+                else:
+                    sends += [(data, r) for r in lay.classes[s.cls]]
+        if dense:
             self.link.exchange(sends, [])
         self.conv_ring.release(ci, self.link_stream)
         if self.send_ring is not None:
             self.send_ring.release(pi, self.link_stream)
 
-    def _settle_step(self, pos: int, failed: BaseException | None) -> None:
-        """Read step ``pos``'s vote; when a rank refused, wait for the step queued after it (every
+    def _settle_step(self, step: int, failed: BaseException | None) -> None:
+        """Read step ``step``'s vote; when a rank refused, wait for the step queued after it (every
         rank queued it), then raise: this sender's own error first, else one naming the rank."""
-        verdict = self.step_votes.read(pos)
-        checks = self._checks.pop(pos, None)
+        verdict = self.step_votes.read(step)
+        positions = self.routes.steps[step] if step < len(self.routes.steps) else ()
+        checks = [c for c in (self._checks.pop(pos, None) for pos in positions) if c is not None]
         if not verdict:
             return
         if refusal_reason(verdict) == RESEND_DENSE:  # sent again, dense, after the last layer
-            self.delta.resend(pos)
+            self.delta.resend(positions[0])  # a delta update's steps are its layers
             return
         self._sync()
         if failed is not None:
             raise failed
-        if checks is not None and checks[3] is not None and bool(checks[3]):
-            layer_idx, local, norms = checks[:3]
-            raise_if_non_finite(norms, layer_idx, local, "every rank was stopped")
-        where = step_name(pos, self.layer_ids)
+        for c in checks:
+            if c[3] is not None and bool(c[3]):
+                layer_idx, local, norms = c[:3]
+                raise_if_non_finite(norms, layer_idx, local, "every rank was stopped")
+        where = self.step_name(step)
         if refusal_reason(verdict) == SENDER_FAILED:
             raise UpdateAborted(f"{describe_refusal(verdict)} ({where}); every rank was stopped")
         raise ReceiverRefused(f"{describe_refusal(verdict)} ({where}); the update was stopped")
