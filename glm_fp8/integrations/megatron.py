@@ -24,6 +24,7 @@ from glm_fp8.model.config import as_config
 from glm_fp8.model.families import REST, is_sparse_layer, layer_shapes, model_layer_ids, mtp_layer_index
 from glm_fp8.model.plans import plan_from_config
 from glm_fp8.transfer.owners import stack_entries
+from glm_fp8.transfer.routes import stage_order
 
 # A decoder layer's Megatron-Core tensors (names inside the layer module) and the checkpoint's names
 # (inside ``model.layers.{i}.``). Several Megatron names for one tensor: Transformer Engine's specs
@@ -159,7 +160,9 @@ class MegatronSource:
 
     Attributes: ``senders`` (the trainer ranks that send, ascending: expert-data-parallel rank 0
     and the rest of their TP groups; sender k is link rank k), ``is_sender``, ``link_rank``,
-    ``layer_ids`` (every decoder layer, then the MTP layer the model holds), ``holders``
+    ``layer_ids`` (every decoder layer, then the MTP layer the model holds), ``stage_layer_ids``
+    (the same, one layer of each pipeline stage in turn: the order for ``step_layers`` > 1, so that
+    a step carries one layer of each stage), ``holders``
     (``SendOptions.holders``, in link ranks: by layer, the senders of its stage, in expert order;
     per entry where they differ: the non-layer tensors, the MTP layer's head, the expert stacks
     under ETP or a TP wider than EP). A sender opens its link at ``link_rank`` with
@@ -309,6 +312,8 @@ class MegatronSource:
         for q in senders:
             for idx in q.layers:
                 by_layer.setdefault(idx, []).append(q)
+        stage_of = {idx: held[0].pp_rank for idx, held in by_layer.items()}
+        self.stage_layer_ids = stage_order(self.layer_ids, stage_of)
         holders: dict[int, object] = {}
         for idx in self.layer_ids:
             held = sorted(by_layer.get(idx, []), key=lambda q: (q.ep_rank, q.rank))

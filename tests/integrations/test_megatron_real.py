@@ -93,7 +93,7 @@ def _step(model) -> None:
             flat[idx] += (flat[idx].abs() + 1e-2).to(flat.dtype) * 0.5
 
 
-def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp=1):
+def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp=1, step_layers=1):
     import torch.distributed as dist
 
     from glm_fp8.integrations.megatron import MegatronSource
@@ -112,8 +112,12 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
         source = MegatronSource(model, CONFIG)
         planned = None
         if rank == 0:
+            order = source.stage_layer_ids if step_layers > 1 else source.layer_ids
             coord.set(
-                "plan", json.dumps({"senders": source.senders, "holders": list(source.holders.items())})
+                "plan",
+                json.dumps(
+                    {"senders": source.senders, "holders": list(source.holders.items()), "order": order}
+                ),
             )
             planned = _planned_holders(source, tp, pp, ep, etp)
         from megatron.core import parallel_state as ps
@@ -129,7 +133,7 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
             list(source.layers()), source.rest()  # a replica: nothing to send, nothing gathered from it
             return "replica", place, _local(model)
     plan = json.loads(coord.get("plan"))
-    senders, holders = plan["senders"], {int(k): v for k, v in plan["holders"]}
+    senders, holders, order = plan["senders"], {int(k): v for k, v in plan["holders"]}, plan["order"]
     n_senders = len(senders)
     link_rank = source.link_rank if rank < trainers else n_senders + rank - trainers
     link = StoreLink(
@@ -143,19 +147,23 @@ def _update(rank, world, trainers, tp, pp, ep, vocab, layouts, delta, ports, etp
     )
     kw = dict(
         config=CONFIG,
-        layer_ids=[*range(CONFIG["num_hidden_layers"]), CONFIG["num_hidden_layers"]],
+        layer_ids=order,  # every decoder layer and the MTP layer; with steps of several, stages in turn
         rest=True,
         device="cpu",
         engines=[None] * n_senders + list(layouts),
         senders=list(range(n_senders)),
         holders=holders,
+        step_layers=step_layers,
     )
     if rank < trainers:
         sender = Sender(link, 0, delta=DeltaOptions() if delta else None, **kw)
-        sent = [sender.send_model(source.layers(), rest=source.rest()).nbytes]
+        sent = [sender.send_model(source.layers(order), rest=source.rest()).nbytes]
+        if step_layers > 1:  # a step carries one layer of each stage (the last, the MTP layer and the rest)
+            assert len(sender.routes.steps) < len(order) + 1, sender.routes.steps
+            assert max(map(len, sender.routes.steps)) == step_layers, sender.routes.steps
         if delta:  # a step, then its delta: the engine must end with the new weights' bytes
             _step(model)
-            sent.append(sender.send_model(source.layers(), rest=source.rest()).nbytes)
+            sent.append(sender.send_model(source.layers(order), rest=source.rest()).nbytes)
         return "sender", place, _local(model), sent, planned
     layout = layouts[rank - trainers]
     params = poisoned_engine_params(CONFIG, layout, 0x5A)  # what no update wrote shows
@@ -292,6 +300,10 @@ def _checkpoint(results, tp: int):
         pytest.param(
             dict(trainers=2, tp=2, pp=1, ep=1, etp=2, vocab=1000, engine="tp2"), id="tp2, etp2, into tp2"
         ),
+        pytest.param(
+            dict(trainers=4, tp=2, pp=2, ep=1, vocab=1000, engine="ep2", step_layers=2),
+            id="tp2 x pp2 in steps of a layer of each stage, into ep2",
+        ),
     ],
 )
 def test_megatron_model_lands_exactly(case):
@@ -315,6 +327,7 @@ def test_megatron_model_lands_exactly(case):
         delta,
         ports,
         case.get("etp", 1),
+        case.get("step_layers", 1),
     )
     results = launch(trainers + len(layouts), _rank, args, timeout_s=240)
     assert all(status == "ok" for status, _ in results.values()), results
@@ -339,7 +352,7 @@ def test_megatron_model_lands_exactly(case):
             t for n, (t, _, _) in results[0][1][2].items() if n.endswith("local_experts.0.linear_fc1.weight")
         ]
         assert fc1 and fc1[0].shape[0] == CONFIG["moe_intermediate_size"]  # 2 I / ETP rows: half of each
-    if case["trainers"] == 4:  # DP 2: the replicas sent nothing (with EP 1 rank 1 sends its TP shards)
+    if case["trainers"] == 4 and case["pp"] == 1:  # DP 2: the replicas sent nothing (with EP 1 rank 1 sends its TP shards)
         assert [results[r][1][0] for r in range(4)] == ["sender", "sender", "replica", "replica"]
     if delta:  # the step's update went as a delta: a small part of the dense one's bytes
         for r in range(trainers):

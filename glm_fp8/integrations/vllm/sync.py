@@ -30,7 +30,11 @@ from glm_fp8.core.vocab import (
 )
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.model.families import REST
-from glm_fp8.transfer.options import MAX_RING, check_holders  # checked at init, before any buffer is sized
+from glm_fp8.transfer.options import (
+    MAX_RING,
+    MAX_STEP_LAYERS,
+    check_holders,
+)  # checked at init, before any buffer is sized
 
 # 2: every update passes the gate (``publish_ready`` / ``open_gate``) before the link is used.
 HANDSHAKE_VERSION = 2
@@ -118,7 +122,8 @@ class SyncInit:
     across the updates of this link; mode "scatter" only. ``holders``: which senders hold which
     layers (a Megatron-Core trainer's pipeline stages; ``SendOptions.holders`` as ``[[layer,
     link ranks or [[entry, link ranks], ...]], ...]``), None: every sender every layer; mode
-    "senders" only."""
+    "senders" only. ``step_layers``: the most layers one step carries
+    (``UpdateOptions.step_layers``); 1 with ``delta``."""
 
     master_address: str
     master_port: int
@@ -132,6 +137,7 @@ class SyncInit:
     scale_fmt: ScaleFormat | None = None
     checksum: bool = True
     ring: int = 2
+    step_layers: int = 1
     timeout_s: float = 600.0
     rank_offset: int | None = None
     servers: list | None = None
@@ -164,6 +170,7 @@ class SyncInit:
             scale_fmt=_field(d, "scale_fmt", (str, type(None)), f"None or one of {SCALE_FORMATS}", None),
             checksum=_field(d, "checksum", bool, "a bool", True),
             ring=_field(d, "ring", int, "an int >= 2", 2),
+            step_layers=_field(d, "step_layers", int, "an int >= 1", 1),
             timeout_s=_field(d, "timeout_s", (int, float), "seconds", 600.0),
             rank_offset=_field(d, "rank_offset", (int, type(None)), "the server's first link rank", None),
             servers=_field(d, "servers", (list, type(None)), "[[name, first link rank, workers], ...]", None),
@@ -205,6 +212,12 @@ class SyncInit:
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"init_info.{key}: expected True or False, got {getattr(self, key)!r}")
         check_int("init_info.ring", self.ring, 2, MAX_RING, " (layer buffers per rank; 2 overlap every step)")
+        check_int("init_info.step_layers", self.step_layers, 1, MAX_STEP_LAYERS, " (layers a step carries)")
+        if self.delta and self.step_layers != 1:
+            raise ValueError(
+                f"init_info.step_layers: {self.step_layers} with delta; a delta update carries one "
+                "layer a step"
+            )
         if self.mode != "senders" and self.senders != 1:
             raise ValueError(f"init_info.senders: mode {self.mode!r} has one sender, got {self.senders}")
         check_seconds("init_info.timeout_s", self.timeout_s)

@@ -142,12 +142,18 @@ class TrainerSide(FleetMembership):
             senders=self.senders,
             mode=self.mode,
             link_backend=self.backend,
-            layer_ids=list(self.source.layer_ids),
+            # steps of several layers carry one of each pipeline stage: the stages' layers in turn
+            layer_ids=list(
+                self.source.stage_layer_ids
+                if self.opts.step_layers > 1 and self.sending is not None
+                else self.source.layer_ids
+            ),
             rest=self.source.rest,
             draft=draft,
             scale_fmt=self.opts.scale_fmt,
             checksum=self.opts.checksum,
             ring=int(self.opts.ring),
+            step_layers=int(self.opts.step_layers),
             timeout_s=float(self.opts.timeout_s),
             servers=servers if self.named else None,
             generation=generation,
@@ -294,6 +300,7 @@ class TrainerSide(FleetMembership):
                 layer_ids=ids,
                 rest=rest,
                 ring=self.init.ring,
+                step_layers=self.init.step_layers,
                 gather=self.opts.gather,
                 gather_dtype=GATHER_DTYPES[self.opts.gather_dtype],
                 checksum=self.init.checksum,

@@ -27,7 +27,7 @@ from glm_fp8.core.vocab import (
 )
 from glm_fp8.integrations.vllm.clients import VllmServer
 from glm_fp8.integrations.vllm.sync import MAX_LINK_RANKS, check_delta
-from glm_fp8.transfer.options import MAX_RING, DeltaOptions
+from glm_fp8.transfer.options import MAX_RING, MAX_STEP_LAYERS, DeltaOptions
 
 GATHER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
 
@@ -58,6 +58,10 @@ class TrainerOptions:
       halves a gather's bytes for fp32 masters, and then the FP8 bytes of the gathered tensors
       differ from the checkpoint's quantization of the fp32 masters.
     - ``timeout_s``: the link's and the rendezvous' timeout.
+    - ``step_layers``: the most layers one step of an update carries (``SendOptions.step_layers``):
+      with a Megatron-Core source of several pipeline stages, one layer of each stage in turn, so
+      every stage's ranks send at once; each engine worker's ring slot then holds a whole step.
+      1 (default) with delta.
     - ``delta``: send each update as the bytes that changed since the update the engine ranks hold
       (exact: docs/delta.md#in-the-transfer); into engine layouts, so mode "scatter" or "senders"
       (or "auto"), not "broadcast". ``delta_resync_every``: every N-th update of a session (its
@@ -84,6 +88,7 @@ class TrainerOptions:
     delta: bool = False
     delta_resync_every: int | None = None
     delta_kept: KeptCopy = "gpu"
+    step_layers: int = 1
     rank: int = field(kw_only=True)
 
     def check(self) -> None:
@@ -120,7 +125,13 @@ class TrainerOptions:
             " (layer buffers per rank: 2 overlap each layer with the wire)",
         )
         check_seconds("init_info.timeout_s", self.timeout_s)
+        check_int("init_info.step_layers", self.step_layers, 1, MAX_STEP_LAYERS, " (layers a step carries)")
         self._check_delta()
+        if self.delta and self.step_layers != 1:
+            raise ValueError(
+                f"init_info.step_layers: {self.step_layers} with delta=True; a delta update carries "
+                "one layer a step"
+            )
 
     def _check_delta(self) -> None:
         """Delta where it is built: each engine rank given its layout (scatter, many senders)."""

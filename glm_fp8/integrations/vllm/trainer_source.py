@@ -89,6 +89,7 @@ class _MegatronView:
         self.src = src
         mtp = mtp_layer_index(config)
         self.layer_ids = [i for i in src.layer_ids if i != mtp]
+        self.stage_layer_ids = [i for i in src.stage_layer_ids if i != mtp]  # for steps of several layers
         self.mtp = mtp is not None and mtp in src.layer_ids
         self.senders, self.holders = list(src.senders), src.holders
 

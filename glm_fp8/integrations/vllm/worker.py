@@ -159,6 +159,7 @@ class WorkerSide:
             rest=rest,
             scale_fmt=self.scale_fmt,
             ring=self.init_info.ring,
+            step_layers=self.init_info.step_layers,
             engines=self.engines,
             senders=list(range(self.init_info.senders)),
             checksum=self.init_info.checksum,
