@@ -352,7 +352,9 @@ def test_megatron_model_lands_exactly(case):
             t for n, (t, _, _) in results[0][1][2].items() if n.endswith("local_experts.0.linear_fc1.weight")
         ]
         assert fc1 and fc1[0].shape[0] == CONFIG["moe_intermediate_size"]  # 2 I / ETP rows: half of each
-    if case["trainers"] == 4 and case["pp"] == 1:  # DP 2: the replicas sent nothing (with EP 1 rank 1 sends its TP shards)
+    if (
+        case["trainers"] == 4 and case["pp"] == 1
+    ):  # DP 2: the replicas sent nothing (with EP 1 rank 1 sends its TP shards)
         assert [results[r][1][0] for r in range(4)] == ["sender", "sender", "replica", "replica"]
     if delta:  # the step's update went as a delta: a small part of the dense one's bytes
         for r in range(trainers):
@@ -364,22 +366,27 @@ def test_megatron_model_lands_exactly(case):
 # --- through vLLM's weight-transfer API (what vime calls) ------------------------------------------
 
 
-def _megatron_rank(rank: int, trainers: int, port: int, config: dict):
+def _megatron_rank(rank: int, trainers: int, port: int, config: dict, pp: int = 1):
     """A trainer rank of the vLLM tests: the trainers' own default group, Megatron's tiny GLM-5 over
-    TP 2 x EP 2 (DP 2 on 4 ranks), its ``MegatronSource``, and where it sits."""
+    TP 2 x EP 2 (DP 2 on 4 ranks) or TP 2 x PP 2 (``pp`` 2), its ``MegatronSource``, and where it
+    sits."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from glm_fp8.integrations.megatron import MegatronSource
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=trainers)
-    model = _build(2, 1, 2, config["vocab_size"])
+    model = _build(2, pp, 2 if pp == 1 else 1, config["vocab_size"])
     source = MegatronSource(model, config)
-    place = dict(offset=0, tp=ps.get_tensor_model_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
+    place = dict(
+        offset=ps.get_pipeline_model_parallel_rank() * config["num_hidden_layers"] // pp,  # an even split
+        tp=ps.get_tensor_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+    )
     return model, source, place
 
 
-def _trainer_init(rank, world, trainers, port, boxes, source, config, timeout_s, delta=False):
+def _trainer_init(rank, world, trainers, port, boxes, source, config, timeout_s, delta=False, step_layers=1):
     """vLLM's ``WeightTransferTrainerFactory.trainer_init`` on a trainer rank, ``source=`` its
     ``MegatronSource``, mode "auto"; rank 0 holds the client of the workers' queues."""
     from test_vllm_backend import QueueClient
@@ -397,28 +404,42 @@ def _trainer_init(rank, world, trainers, port, boxes, source, config, timeout_s,
         timeout_s=timeout_s,
         rank=rank,
         delta=delta,
+        step_layers=step_layers,
     )
     client = QueueClient(boxes) if rank == 0 else None
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-def _vllm_rank(rank, world, trainers, port, boxes, ports, delta):
+def _vllm_rank(rank, world, trainers, port, boxes, ports, case):
     buf = io.BytesIO()
-    torch.save(_vllm_update(rank, world, trainers, port, boxes, ports, delta), buf)
+    torch.save(_vllm_update(rank, world, trainers, port, boxes, ports, case), buf)
     return buf.getvalue()
 
 
-def _vllm_update(rank, world, trainers, port, boxes, ports, delta):
+def _vllm_update(rank, world, trainers, port, boxes, ports, case):
     """A Megatron trainer rank calling vLLM's ``WeightTransferTrainerFactory.trainer_init`` with
-    ``source=`` its ``MegatronSource`` and ``send_weights()`` for two steps; or an engine worker
+    ``source=`` its ``MegatronSource`` and ``send_weights()`` for two steps (``case`` "delta": the
+    second a delta; "steps": TP 2 x PP 2 in steps of a layer of each stage); or an engine worker
     built and driven as vLLM 0.34's ``Worker`` drives its engine (test_vllm_backend_real.py)."""
     import torch.distributed as dist
 
     dist.destroy_process_group()  # the launcher's world holds the engine workers too
     if rank < trainers:
         try:
-            model, source, place = _megatron_rank(rank, trainers, ports[1], CONFIG)
-            engine = _trainer_init(rank, world, trainers, port, boxes, source, CONFIG, 60, delta=delta)
+            pp, steps = (2, 2) if case == "steps" else (1, 1)
+            model, source, place = _megatron_rank(rank, trainers, ports[1], CONFIG, pp)
+            engine = _trainer_init(
+                rank,
+                world,
+                trainers,
+                port,
+                boxes,
+                source,
+                CONFIG,
+                60,
+                delta=case == "delta",
+                step_layers=steps,
+            )
             out = []
             for step in range(2):
                 if step:
@@ -455,14 +476,16 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, delta):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
-def test_megatron_through_vllms_weight_transfer_api(delta):
+@pytest.mark.parametrize("case", ["dense", "delta", "steps"])
+def test_megatron_through_vllms_weight_transfer_api(case):
     """vime's path: a Megatron-Core trainer (TP 2 x EP 2 on 4 ranks, DP 2) updates a vLLM server
     (EP 2) through vLLM 0.34's weight-transfer API with glm_fp8's backend and ``source=`` its
     ``MegatronSource``: mode "auto" picks many senders, the two senders send (the replicas put
     nothing on the link), the MTP layer goes in vLLM's draft session, and after a training step's
     second update (a delta, with ``delta=True``) every engine parameter equals the reference of the
-    new weights, as vLLM's FlashInfer MoE backend stores it."""
+    new weights, as vLLM's FlashInfer MoE backend stores it. "steps": TP 2 x PP 2, every rank a
+    sender, ``step_layers=2``: each step of the target session carries a layer of each stage."""
+    delta = case == "delta"
     pytest.importorskip("vllm.distributed.weight_transfer.base")
     import torch.multiprocessing as mp
     from test_vllm_worker import _vllm_swap_w13_to_w31
@@ -473,19 +496,22 @@ def test_megatron_through_vllms_weight_transfer_api(delta):
     trainers, engines = 4, 2
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     *ports, port = free_ports(3)
-    results = launch(trainers + engines, _vllm_rank, (trainers, port, boxes, ports, delta), timeout_s=240)
+    results = launch(trainers + engines, _vllm_rank, (trainers, port, boxes, ports, case), timeout_s=240)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {
         r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
     }
     kinds = [results[r][1][0] for r in range(trainers)]
-    assert kinds == ["sender", "sender", "replica", "replica"], kinds
+    assert kinds == ["sender"] * 4 if case == "steps" else ["sender", "sender", "replica", "replica"], kinds
     assert all(results[r][1][4] == "senders" for r in range(trainers))
     for r in range(trainers):
         for step in results[r][1][3]:
             sessions = [s for s, _, _ in step]
             assert sessions == ["target", "draft"], sessions
-            assert all((n > 0) == (r < 2) and on == (r < 2) for _, n, on in step), (r, step)
+            if case == "steps":  # every rank sends its stage's share; the MTP layer is the last stage's
+                assert step[0][1] > 0 and (step[1][1] > 0) == (r >= 2), (r, step)
+            else:
+                assert all((n > 0) == (r < 2) and on == (r < 2) for _, n, on in step), (r, step)
     if delta:  # the second step's target update is a delta: a small part of the first's bytes
         for r in range(2):
             first, second = results[r][1][3][0][0][1], results[r][1][3][1][0][1]

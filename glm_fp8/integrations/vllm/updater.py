@@ -264,17 +264,18 @@ class EngineUpdater:
         checksum: bool = True,
         delta: bool = False,
         holders: Mapping | None = None,
+        step_layers: int = 1,
     ) -> dict[str, object]:
         """Receive one update from ``src`` over ``comm`` into the engine's parameters (``engines``,
-        ``senders`` and ``holders`` as ``Receiver`` takes them: the trainer's), then redo the
-        post-load step on what landed. ``layer_ids`` default to every decoder layer, then the MTP
-        layer when there is a drafter; ``scale_fmt`` to the plan's. Refusals known before the transfer
-        (a scale format the engine cannot serve, a partial update after a failed one, the MTP layer
-        without a drafter) are voted at the manifest, so every rank stops there. Raises what
-        ``Receiver.load_into`` raises; after a failure the parameters must not be served until a
-        whole update succeeds. The receiver (plans, groups; with ``delta`` the versions it holds) is
-        kept for the next update with the same arguments, and what it holds goes on to the next
-        link's receiver of the same session (``drop_link``); its ring is given back after each."""
+        ``senders``, ``holders`` and ``step_layers`` as ``Receiver`` takes them: the trainer's),
+        then redo the post-load step on what landed. ``layer_ids`` default to every decoder layer,
+        then the MTP layer when there is a drafter; ``scale_fmt`` to the plan's. Refusals known
+        before the transfer (a scale format the engine cannot serve, a partial update after a failed
+        one, the MTP layer without a drafter) are voted at the manifest, so every rank stops there.
+        Raises what ``Receiver.load_into`` raises; after a failure the parameters must not be served
+        until a whole update succeeds. The receiver (plans, groups; with ``delta`` the versions it
+        holds) is kept for the next update with the same arguments, and what it holds goes on to the
+        next link's receiver of the same session (``drop_link``); its ring is given back after each."""
         ids = list(self.full_layer_ids if layer_ids is None else (int(i) for i in layer_ids))
         fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
         if device is None:
@@ -282,7 +283,7 @@ class EngineUpdater:
         session = (tuple(ids), rest, fmt, str(device))  # what a held copy goes on with (drop_link)
         fleet = (None if engines is None else tuple(engines), None if senders is None else tuple(senders))
         held = None if holders is None else repr(sorted(holders.items()))
-        key = (session, (id(comm), src, ring, checksum, *fleet, delta, held))
+        key = (session, (id(comm), src, ring, checksum, *fleet, delta, held, step_layers))
         receiver = self._receivers.get(key)
         if receiver is None:
             receiver = self._receivers[key] = Receiver(
@@ -300,6 +301,7 @@ class EngineUpdater:
                 checksum=checksum,
                 delta=delta,
                 holders=holders,
+                step_layers=step_layers,
             )
             if delta and session in self._held:  # the session's layers on a new link: still held
                 adopt_held(receiver, self._held.pop(session))
