@@ -6,6 +6,7 @@ and miles' GLM-5 deployment is a named fleet."""
 import json
 
 import pytest
+import torch
 
 from glm_fp8.cli.main import main
 from glm_fp8.model.families import REST, model_layer_ids
@@ -178,3 +179,24 @@ def test_cli_refuses_an_uneven_split_megatron_would_refuse(capsys):
         "trainer: megatron:tp4,pp8,cp2,ep16,first9,last8: 78 decoder layers leave 61"
         in capsys.readouterr().err
     )
+
+
+def test_steps_of_a_layer_of_each_stage_shorten_the_plan_and_cost_receive_buffers():
+    """miles' trainer in steps of 8 layers, one of each stage (``,step8``): the 8 stages send at
+    once, so the update takes about the busiest NIC's time instead of the sum of each stage's turns;
+    each server rank's ring slot holds a whole step. A delta update is planned one layer a step."""
+    import dataclasses
+
+    fleet = fleet_preset("miles-glm-5")
+    stepped = dataclasses.replace(fleet, trainer=dataclasses.replace(fleet.trainer, step_layers=8))
+    one, eight = (
+        {p.strategy: p for p in predict(PRESETS["glm-5"], f, master_dtype=torch.bfloat16)}["fp8 many senders"]
+        for f in (fleet, stepped)
+    )
+    assert eight.seconds < one.seconds / 3, (one.seconds, eight.seconds)
+    assert eight.sender_bytes == one.sender_bytes  # the same bytes from the same ranks
+    assert all(b.extra > 3 * a.extra for a, b in zip(one.servers, eight.servers))
+    tp = many_senders_plan(PRESETS["glm-5"], stepped, master_dtype=torch.bfloat16)
+    assert len(tp.steps) == 11 and max(map(len, tp.steps)) == 8  # 78 layers and the MTP layer, 8 stages
+    with pytest.raises(ValueError, match="delta: a delta update carries one layer a step"):
+        predict(PRESETS["glm-5"], stepped, delta=0.01)
