@@ -290,17 +290,6 @@ class TrainerSide(FleetMembership):
             return ["stream"]
         return ["target"] + (["draft"] if self.init.draft == "session" else [])
 
-    def _call_failed(self, call: FleetCall, step: int, session: str) -> None:
-        """A server's ``update_weights`` failed (in its thread, at once): its account in the store
-        for the ranks that wait for it, and the link's fault, so that no rank's wait on a worker
-        that never joins the transfer (it failed before its receiver did) lasts until the
-        transport's timeout; the link is rebuilt after a failed update either way."""
-        why = str(call.error(self.init))
-        publish_failure(self.store, step, session, why)
-        liveness = getattr(self.link, "liveness", None)
-        if liveness is not None:
-            liveness.report(None, f"a server's update_weights failed: {why}")
-
     def _sender(self, session: str) -> Sender:
         if session not in self._senders_cache:
             ids, rest = session_layers(self.init, session, self.mtp)
@@ -416,11 +405,12 @@ class TrainerSide(FleetMembership):
             # blocked on a live peer (another trainer rank, which failed at once on the dead one)
             # until that peer drops its link: say which server at once, for the ranks that wait
             # for this account before raising.
+            store, init = self.store, self.init
             call = FleetCall(
                 self.servers,
                 "update_weights",
                 [(SyncUpdate(session, step).to_dict(),)] * len(self.servers),
-                on_failure=lambda c: self._call_failed(c, step, session),
+                on_failure=lambda c: publish_failure(store, step, session, str(c.error(init))),
             )
             wait_ready(self.store, step, session, self.init, call)
         except BaseException as exc:
