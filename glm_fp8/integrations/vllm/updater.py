@@ -88,26 +88,6 @@ def collect_params(
 # --- the update -----------------------------------------------------------------------------------
 
 
-class _Refusing(Mapping):
-    """Params that make the receiver refuse at the manifest vote, so every rank (the trainer
-    included) stops there with this error instead of waiting for a timeout."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def __getitem__(self, key):
-        raise self.error
-
-    def __contains__(self, key) -> bool:
-        raise self.error
-
-    def __iter__(self):
-        raise self.error
-
-    def __len__(self) -> int:
-        return 0
-
-
 class EngineUpdater:
     """Lands updates in one engine worker's parameters and redoes vLLM's post-load step.
 
@@ -307,12 +287,20 @@ class EngineUpdater:
                 adopt_held(receiver, self._held.pop(session))
         refusal = self._refusal(ids, rest, fmt)
         parts = self._parts(ids, rest)
-        params: Mapping[str, torch.Tensor] = self.engine.params if refusal is None else _Refusing(refusal)
+        unland = None
+        if delta and refusal is None:
+            try:
+                unland = postload_inverse(self.plan, self.config, ids, fmt)
+            except Exception as exc:  # noqa: BLE001 - voted at the manifest like the refusals above
+                refusal = exc
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                unland = postload_inverse(self.plan, self.config, ids, fmt) if delta else None
-                stats = receiver.load_into(params, aliases=self.engine.aliases, unland=unland)
+                # A refusal is voted with the manifest: every rank (the trainer included) stops
+                # there with it instead of waiting for this rank until the transport's timeout.
+                stats = receiver.load_into(
+                    self.engine.params, aliases=self.engine.aliases, unland=unland, refusal=refusal
+                )
         except BaseException:
             if refusal is None:  # nothing landed when the refusal was ours; otherwise some may have
                 self.dirty.update({k: True for k, v in parts.items() if v})
