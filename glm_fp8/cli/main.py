@@ -259,11 +259,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     )
     p.add_argument(
         "--trainer",
-        metavar="megatron:tpN,ppN,cpN,epN[,etpN][,firstN][,lastN]",
+        metavar="megatron:tpN,ppN,cpN,epN[,etpN][,firstN][,lastN][,stepN]",
         help="a Megatron-Core trainer's parallel sizes (e.g. megatron:tp4,pp8,cp2,ep16; etpN: expert "
         "tensor parallel; firstN / lastN: "
         "the first and last pipeline stages' decoder layers, as Megatron's "
-        "--decoder-first/last-pipeline-num-layers): with many senders, each pipeline stage's "
+        "--decoder-first/last-pipeline-num-layers; stepN: steps of N layers, one of each stage in "
+        "turn, glm_fp8's step_layers): with many senders, each pipeline stage's "
         "expert-parallel ranks send its layers (default: every trainer GPU holds its share of "
         "every layer, FSDP2 / EP)",
     )

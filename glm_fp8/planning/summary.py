@@ -37,7 +37,8 @@ TRAINER_EXTRA_COUNTS = {
     "nothing: it converts its tensors where they lie)",
 }
 ENGINE_EXTRA_COUNTS = (
-    "its receiver's ring of its largest layer buffer (2 slots; 1 in the draft session, one layer), "
+    "its receiver's ring of its largest step buffer (2 slots, each a layer's buffer or a step's "
+    "layers' side by side; 1 in the draft session, one layer), "
     "checksum scratch and step headers; above its parameters"
 )
 DELTA_COUNTS = {

@@ -73,6 +73,8 @@ def deployment_lines(report: dict) -> list[str]:
             f"{m['pp'] * stage} senders, each stage's {m['ep']} expert-parallel ranks sending its "
             "layers' experts"
         )
+        if m.get("step_layers", 1) > 1:
+            experts += f", in steps of up to {m['step_layers']} layers (one of each stage in turn)"
     if report["servers"] is None:
         assumed = " (TP 8 assumed: pass --engine-tp)" if a["engine_tp_assumed"] else ""
         # as a fleet of one server is written below: replicas x name (layout): ranks

@@ -85,7 +85,7 @@ CHUNK_EXPERTS = 8
 @dataclass(frozen=True)
 class ServerLoad:
     """One server of the fleet under one strategy: its busiest rank's received bytes and its
-    receiver's extra memory in one whole-model update (ring of 2 of its largest layer buffers,
+    receiver's extra memory in one whole-model update (ring of 2 of its largest step buffers,
     checksum scratch, headers: ``TransferPlan.receiver_bytes``; None where not modelled: bf16
     broadcast, vLLM's own path)."""
 
