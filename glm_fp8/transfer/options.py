@@ -196,6 +196,29 @@ def check_holders(holders: object) -> None:
                 raise ValueError(f"{where}: a link rank is named twice in {ranks}")
 
 
+def holders_of(pairs: object) -> dict:
+    """``holders`` as JSON carries them (pairs: vLLM's ``SyncInit.holders``, ``SGLangUpdate``) as
+    ``SendOptions.holders`` takes them: by layer index, link ranks or, per entry, a mapping."""
+    if not isinstance(pairs, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs
+    ):
+        raise ValueError(f"holders: expected [[layer, link ranks], ...], got {pairs!r}")
+    out: dict = {}
+    for idx, held in pairs:
+        if isinstance(held, (list, tuple)) and held and isinstance(held[0], (list, tuple)):
+            held = {name: list(ranks) for name, ranks in held}
+        out[idx] = held
+    return out
+
+
+def holders_pairs(holders: Mapping) -> list:
+    """``SendOptions.holders`` as JSON carries them (``holders_of`` reads them back)."""
+    return [
+        [int(idx), [[k, list(v)] for k, v in h.items()] if isinstance(h, Mapping) else list(h)]
+        for idx, h in holders.items()
+    ]
+
+
 def device_of(options: object, fields: Mapping) -> object:
     """The ``device`` an endpoint's constructor was given, before its options are checked: a
     refusal in the check is voted on that device."""
@@ -292,6 +315,8 @@ __all__ = [
     "MAX_RING",
     "MAX_STEP_LAYERS",
     "check_holders",
+    "holders_of",
+    "holders_pairs",
     "device_of",
     "DeltaOptions",
     "ReceiveOptions",

@@ -49,6 +49,17 @@ def test_the_payload_round_trips_with_every_layout_and_its_engine():
         True,
     )
     assert back.config == CONFIG and list(back.layer_ids) == [0, 1, 2, 3]
+    assert back.holders is None and back.step_layers == 1
+
+
+def test_a_pipeline_trainers_holders_and_steps_round_trip():
+    """A Megatron-Core trainer's stages (``MegatronSource.holders``: by layer, or by entry for the
+    non-layer tensors) and its steps of several layers reach every SGLang rank's receiver as sent."""
+    holders = {0: [0], 1: [0], 2: [0], 3: [0], -1: {"model.embed_tokens.weight": [0], "lm_head.weight": [0]}}
+    update = _update(senders=[0], holders=holders, step_layers=2)
+    back = SGLangUpdate.from_named_tensors(update.named_tensors())
+    assert back.holders == holders and back.step_layers == 2
+    assert back.to_json() == update.to_json()  # the loader keys its receivers by it
 
 
 @pytest.mark.parametrize(
@@ -146,6 +157,9 @@ def test_a_fused_shared_expert_under_ep_is_refused_naming_the_flag():
         (dict(delta=1), "SGLangUpdate.delta"),
         (dict(timeout_s=0), "SGLangUpdate.timeout_s"),
         (dict(engines=[None, "full", LAYOUTS[1], None]), "engines\\[1\\]"),
+        (dict(holders={0: []}), r"SGLangUpdate.holders\[0\]: expected at least one link rank"),
+        (dict(step_layers=0), "SGLangUpdate.step_layers"),
+        (dict(step_layers=2, delta=True), "a delta update carries one layer a step"),
     ],
 )
 def test_an_update_with_a_bad_field_is_refused_naming_it(kw, words):

@@ -203,6 +203,11 @@ def _compare(ours, theirs) -> dict:
     return {"differ": differ, "params": len(want), "derived": len(derived_theirs), "poisoned": poisoned}
 
 
+# The non-layer tensors of two pipeline stages (link ranks 0 and 1): the embeddings on the first,
+# the final norm and the head on the last, as Megatron-Core places them.
+STAGE_REST = {"model.embed_tokens.weight": [0], "model.norm.weight": [1], "lm_head.weight": [1]}
+
+
 def _senders_world(rank: int, senders: int, port: int):
     """Two or more senders: their own default group (FSDP2's mesh of the trainer), whose DTensors
     hold whole experts (``Shard(0)``) and replicated 1-D tensors."""
@@ -261,7 +266,10 @@ def _rank(rank, world, case, ports):
         engines=[None] * n_senders + ([FULL] * tp if case["broadcast"] else announced) + vllm,
         senders=list(range(n_senders)),
     )
-    mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and n_senders > 1 else None
+    if case["stages"]:  # two pipeline stages of one sender each: even layers and odd, a step of each
+        kw.update(holders={**{i: [i % 2] for i in kw["layer_ids"]}, REST: STAGE_REST}, step_layers=2)
+    many = n_senders > 1 and not case["stages"]
+    mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and many else None
     if case["api"] and n_senders <= rank < n_senders + tp:  # the link is opened by glm_fp8's loader
         return _through_sessions(rank - n_senders, case, layouts, kw, ports)
     if case["api"] == "http" and rank == 0:
@@ -279,8 +287,14 @@ def _rank(rank, world, case, ports):
         sender = Sender(link, 0, delta=DeltaOptions() if delta else None, **kw)
         sent = []
         for step in range(steps):
-            layers = ((i, _layer(case, i, step, mesh)) for i in kw["layer_ids"])
-            sent.append(sender.send_model(layers, rest=_layer(case, REST, step, mesh)).nbytes)
+            mine = lambda i: not case["stages"] or i % 2 == rank  # noqa: E731 - this stage's layers
+            layers = ((i, _layer(case, i, step, mesh) if mine(i) else {}) for i in kw["layer_ids"])
+            rest = _layer(case, REST, step, mesh)
+            if case["stages"]:
+                rest = {k: t for k, t in rest.items() if rank in STAGE_REST[k]}
+            sent.append(sender.send_model(layers, rest=rest).nbytes)
+        if case["stages"]:
+            assert max(map(len, sender.routes.steps)) == 2, sender.routes.steps
         return {"sent": sent}
     last = steps - 1
     weights = None if last == 0 else (lambda i: moved_layer(config, i, last, layout="hf"))
@@ -447,6 +461,8 @@ def _sglang_update(case: dict, layouts, kw: dict, ports):
         rest=kw["rest"],
         delta=case["delta"],
         timeout_s=120,
+        holders=kw.get("holders"),
+        step_layers=kw.get("step_layers", 1),
     )
 
 
@@ -582,6 +598,9 @@ CASES = {
     "tp2-ep2": dict(server="tp2-ep2"),
     "attn-dp2-ep2": dict(server="attn-dp2-ep2"),
     "two senders into attn-dp2-ep2": dict(server="attn-dp2-ep2", senders=2),
+    "two pipeline stages, a layer of each a step, through SGLang's session API": dict(
+        server="attn-dp2-ep2", senders=2, stages=True, api=True
+    ),
     "deltas into tp2-ep2": dict(server="tp2-ep2", steps=3, delta=True),
     "tp2 beside a vLLM ep2 server": dict(server="tp2", vllm="ep2"),
     # GLM-5: the vLLM ranks hold the indexer fused, the SGLang ranks split: each takes its own form
@@ -614,6 +633,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         config=CONFIGS[spec.get("config", "glm-5.2")],
         fused=spec.get("fused", 0),
         broadcast=spec.get("broadcast", False),
+        stages=spec.get("stages", False),
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])

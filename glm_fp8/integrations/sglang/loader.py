@@ -149,6 +149,8 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
             device=device,
             engines=list(update.engines),
             senders=list(update.senders),
+            holders=update.holders,
+            step_layers=update.step_layers,
             layout=layout,
             delta=update.delta,
         )

@@ -17,6 +17,7 @@ import torch
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.sglang import SGLangLayout
+from glm_fp8.transfer.options import MAX_STEP_LAYERS, check_holders, holders_of, holders_pairs
 
 LOADER = "glm_fp8.integrations.sglang.receive_update"  # --custom-weight-loader, and the load_format
 PAYLOAD = "glm_fp8.update:"  # the name of the call's one named tensor starts so; the update follows
@@ -42,8 +43,9 @@ class SGLangUpdate:
     ``host``/``port``: the link's TCP store (trainer link rank 0 serves it); ``rank_offset``: this
     server's TP rank 0 on the link (its TP rank r is ``rank_offset + r``); ``world_size``: the link's
     ranks; ``config``: the model's HF config as a dict; ``layer_ids``, ``rest``, ``senders``,
-    ``delta``: as the senders' ``Sender`` takes them; ``engines``: every link rank's layout (None at a
-    sender); ``timeout_s``: the link's timeout."""
+    ``holders``, ``step_layers``, ``delta``: as the senders' ``Sender`` takes them (``holders``: a
+    Megatron-Core trainer's pipeline stages, ``MegatronSource.holders``); ``engines``: every link
+    rank's layout (None at a sender); ``timeout_s``: the link's timeout."""
 
     host: str
     port: int
@@ -56,6 +58,8 @@ class SGLangUpdate:
     rest: bool = True
     delta: bool = False
     timeout_s: float = 600.0
+    holders: Mapping | None = None
+    step_layers: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -84,18 +88,34 @@ class SGLangUpdate:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 604800:
             raise ValueError(f"SGLangUpdate.timeout_s: expected seconds, 0 < timeout_s <= 604800, got {t!r}")
+        if self.holders is not None:
+            try:
+                check_holders(self.holders)
+            except ValueError as e:
+                raise ValueError(f"SGLangUpdate.{e}") from None
+        check_int(
+            "SGLangUpdate.step_layers", self.step_layers, 1, MAX_STEP_LAYERS, " (layers a step carries)"
+        )
+        if self.delta and self.step_layers != 1:
+            raise ValueError(
+                f"SGLangUpdate.step_layers: {self.step_layers} with delta; a delta update carries one "
+                "layer a step"
+            )
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["engines"] = [_layout_dict(lay) for lay in self.engines]
         data["config"] = dict(self.config)
         data["layer_ids"], data["senders"] = list(self.layer_ids), list(self.senders)
+        data["holders"] = None if self.holders is None else holders_pairs(self.holders)
         return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> SGLangUpdate:
         data = json.loads(text)
         data["engines"] = [_layout_of(x) for x in data["engines"]]
+        if data.get("holders") is not None:
+            data["holders"] = holders_of(data["holders"])
         return cls(**data)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -30,11 +30,9 @@ from glm_fp8.core.vocab import (
 )
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.model.families import REST
-from glm_fp8.transfer.options import (
-    MAX_RING,
-    MAX_STEP_LAYERS,
-    check_holders,
-)  # checked at init, before any buffer is sized
+
+# checked at init, before any buffer is sized
+from glm_fp8.transfer.options import MAX_RING, MAX_STEP_LAYERS, check_holders, holders_of
 
 # 2: every update passes the gate (``publish_ready`` / ``open_gate``) before the link is used.
 HANDSHAKE_VERSION = 2
@@ -315,29 +313,6 @@ class SyncUpdate:
 
     def to_dict(self) -> dict:
         return {"session": self.session, "step": self.step, **self.extra}
-
-
-def holders_of(pairs: object) -> dict:
-    """``SyncInit.holders`` (JSON: pairs) as ``SendOptions.holders`` takes them: by layer index,
-    link ranks or, per entry, a mapping."""
-    if not isinstance(pairs, (list, tuple)) or not all(
-        isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs
-    ):
-        raise ValueError(f"holders: expected [[layer, link ranks], ...], got {pairs!r}")
-    out: dict = {}
-    for idx, held in pairs:
-        if isinstance(held, (list, tuple)) and held and isinstance(held[0], (list, tuple)):
-            held = {name: list(ranks) for name, ranks in held}
-        out[idx] = held
-    return out
-
-
-def holders_pairs(holders: Mapping) -> list:
-    """``SendOptions.holders`` as ``SyncInit.holders`` carries them (JSON)."""
-    return [
-        [int(idx), [[k, list(v)] for k, v in h.items()] if isinstance(h, Mapping) else list(h)]
-        for idx, h in holders.items()
-    ]
 
 
 def session_holders(init: SyncInit, layer_ids: Sequence[int], rest: bool) -> dict | None:

@@ -41,7 +41,6 @@ from glm_fp8.integrations.vllm.sync import (
     SyncUpdate,
     fleet_layouts,
     fleet_scale_fmt,
-    holders_pairs,
     publish_trainer_init,
     read_fleet,
     read_trainer_init,
@@ -55,6 +54,7 @@ from glm_fp8.model.config import as_config
 from glm_fp8.model.families import mtp_layer_index
 from glm_fp8.transfer.delta.carry import KeptCopy, adopt_kept, detach_each
 from glm_fp8.transfer.link import StoreLink
+from glm_fp8.transfer.options import holders_pairs
 from glm_fp8.transfer.sender import Sender
 from glm_fp8.transfer.topology import choose_mode
 
