@@ -266,9 +266,10 @@ def _rank(rank, world, case, ports):
         engines=[None] * n_senders + ([FULL] * tp if case["broadcast"] else announced) + vllm,
         senders=list(range(n_senders)),
     )
-    if case["stages"]:  # two pipeline stages of one sender each: even layers and odd, a step of each
+    stages = case.get("stages", False)
+    if stages:  # two pipeline stages of one sender each: even layers and odd, a step of each
         kw.update(holders={**{i: [i % 2] for i in kw["layer_ids"]}, REST: STAGE_REST}, step_layers=2)
-    many = n_senders > 1 and not case["stages"]
+    many = n_senders > 1 and not stages
     mesh = _senders_world(rank, n_senders, ports[2]) if rank < n_senders and many else None
     if case["api"] and n_senders <= rank < n_senders + tp:  # the link is opened by glm_fp8's loader
         return _through_sessions(rank - n_senders, case, layouts, kw, ports)
@@ -287,13 +288,13 @@ def _rank(rank, world, case, ports):
         sender = Sender(link, 0, delta=DeltaOptions() if delta else None, **kw)
         sent = []
         for step in range(steps):
-            mine = lambda i: not case["stages"] or i % 2 == rank  # noqa: E731 - this stage's layers
+            mine = lambda i: not stages or i % 2 == rank  # noqa: E731 - this stage's layers
             layers = ((i, _layer(case, i, step, mesh) if mine(i) else {}) for i in kw["layer_ids"])
             rest = _layer(case, REST, step, mesh)
-            if case["stages"]:
+            if stages:
                 rest = {k: t for k, t in rest.items() if rank in STAGE_REST[k]}
             sent.append(sender.send_model(layers, rest=rest).nbytes)
-        if case["stages"]:
+        if stages:
             assert max(map(len, sender.routes.steps)) == 2, sender.routes.steps
         return {"sent": sent}
     last = steps - 1
