@@ -169,8 +169,9 @@ class MegatronSource:
     ``global_ranks=source.senders`` (``StoreLink``: where the TP groups' DTensors live), passes
     ``senders=range(len(source.senders)), layer_ids=source.layer_ids, holders=source.holders,
     rest=True`` to its ``Sender`` and ``source.layers()``, ``rest=source.rest()`` to
-    ``send_model``. Through vLLM's weight-transfer backend, pass the source as ``source=``: it
-    does all that (docs/vllm.md).
+    ``send_model``. One sender instead (broadcast, scatter): ``whole_layers`` and ``whole_rest`` on
+    it, ``contribute_whole`` on every other trainer rank. Through vLLM's weight-transfer backend,
+    pass the source as ``source=``: it does all that, with many senders (docs/vllm.md).
 
     Expert tensor parallelism (``expert_tensor_parallel_size`` > 1): each expert's rows are
     gathered onto its ETP rank 0 (its [gate_i; up_i] shards reordered to [gate; up], ``linear_fc2``
@@ -381,6 +382,63 @@ class MegatronSource:
                 yield idx, self._mtp_layer(self._mtp[idx], idx)
             else:
                 yield idx, {}
+
+    def whole_layers(self, layer_ids=None, dst: int = 0) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """For the one-sender modes (broadcast, scatter): ``(layer_idx, tensors)`` for every layer
+        of ``layer_ids`` (default: ``self.layer_ids``) in order, every tensor of the layer whole
+        under the checkpoint's name on trainer rank ``dst`` (the link's one sender), nothing on the
+        other ranks. Collective over the trainer's default group, layer by layer: every rank
+        iterates it (the sender as ``send_model`` pulls it; the others with ``contribute_whole``).
+        Each piece moves once to ``dst`` (a TP-split tensor gathered on its TP group first), from
+        the lowest rank that holds it; ``dst`` holds one layer's tensors at a time."""
+        for idx, mine in self.layers(layer_ids):
+            yield idx, self._onto(mine, dst)
+
+    def whole_rest(self, dst: int = 0) -> dict[str, torch.Tensor]:
+        """The non-layer tensors, whole, on trainer rank ``dst`` (``whole_layers``); collective."""
+        return self._onto(self.rest(), dst)
+
+    def contribute_whole(self, layer_ids=None, dst: int = 0) -> None:
+        """On every trainer rank but ``dst``, while ``dst`` runs ``send_model(source.whole_layers(),
+        rest=source.whole_rest())``: its part of both, in that order (``rest=`` is read first)."""
+        self.whole_rest(dst)
+        for _ in self.whole_layers(layer_ids, dst):
+            pass
+
+    def _onto(self, mine: Mapping[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor]:
+        """``mine`` (this rank's share: ``layers`` / ``rest``) whole on rank ``dst``: every rank
+        says what it holds, then each tensor goes once, from the lowest rank that holds it, in one
+        order on every rank; {} elsewhere."""
+        from torch.distributed.tensor import DTensor
+
+        # A TP-split tensor whole on each rank of its group (collective there, in the layer's order)
+        whole = {k: (t.full_tensor() if isinstance(t, DTensor) else t) for k, t in mine.items()}
+        offers: list = [None] * dist.get_world_size()
+        dist.all_gather_object(
+            offers, [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in whole.items()]
+        )
+        source: dict[str, tuple] = {}
+        for r, held in enumerate(offers):
+            for k, shape, dtype in held:
+                source.setdefault(k, (r, shape, dtype))
+        me = dist.get_rank()
+        device = next(iter(whole.values())).device if whole else self._device()
+        out: dict[str, torch.Tensor] = {}
+        for k in sorted(source):
+            r, shape, dtype = source[k]
+            if me == dst and r == dst:
+                out[k] = whole[k]
+            elif me == dst:
+                out[k] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.recv(out[k], src=r)
+            elif me == r:
+                dist.send(whole[k].contiguous(), dst=dst)
+        return out
+
+    def _device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def rest(self) -> dict[str, torch.Tensor]:
         """The non-layer tensors this rank sends: the embeddings (first stage), the final norm and

@@ -363,6 +363,112 @@ def test_megatron_model_lands_exactly(case):
                 assert 0 < changed * 4 < dense, (r, dense, changed)
 
 
+def _one_sender_rank(rank, world, *args):
+    buf = io.BytesIO()
+    torch.save(_one_sender(rank, world, *args), buf)
+    return buf.getvalue()
+
+
+def _one_sender(rank, world, trainers, tp, pp, ep, vocab, layouts, ports, mode):
+    """The one-sender modes: trainer rank 0 is the link's only sender, handed every layer whole
+    (``MegatronSource.whole_layers``); the other trainer ranks contribute their pieces
+    (``contribute_whole``); the engine ranks scatter (their layouts) or broadcast ("full")."""
+    import torch.distributed as dist
+
+    from glm_fp8.integrations.megatron import MegatronSource
+    from glm_fp8.testing import poisoned_engine_params
+    from glm_fp8.transfer import Receiver, Sender
+    from glm_fp8.transfer.link import StoreLink
+    from glm_fp8.transfer.pack import FULL
+
+    dist.destroy_process_group()  # the launcher's world holds the engine ranks too: Megatron's holds trainers
+    if rank < trainers:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=trainers
+        )
+        model = _build(tp, pp, ep, vocab)
+        source = MegatronSource(model, CONFIG)
+        from megatron.core import parallel_state as ps
+
+        place = dict(
+            offset=ps.get_pipeline_model_parallel_rank() * CONFIG["num_hidden_layers"] // pp,
+            tp=ps.get_tensor_model_parallel_rank(),
+            ep=ps.get_expert_model_parallel_rank(),
+        )
+        kind = "sender" if source.is_sender else "replica"  # the Megatron ranks whose tensors count
+        if rank > 0:
+            source.contribute_whole()
+            return kind, place, _local(model)
+    link = StoreLink(
+        "127.0.0.1",
+        ports[2],
+        0 if rank == 0 else 1 + rank - trainers,
+        1 + len(layouts),
+        backend="gloo",
+        timeout=timedelta(seconds=120),
+    )
+    kw = dict(
+        config=CONFIG,
+        layer_ids=[*range(CONFIG["num_hidden_layers"]), CONFIG["num_hidden_layers"]],
+        rest=True,
+        device="cpu",
+        engines=[None] + (list(layouts) if mode == "scatter" else [FULL] * len(layouts)),
+    )
+    if rank == 0:
+        stats = Sender(link, 0, **kw).send_model(source.whole_layers(), rest=source.whole_rest())
+        return kind, place, _local(model), [stats.nbytes], None
+    layout = layouts[rank - trainers]
+    params = poisoned_engine_params(CONFIG, layout, 0x5A)  # what no update wrote shows
+    Receiver(link, 0, layout=layout, **kw).load_into(params)
+    return "engine", layout, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            dict(trainers=4, tp=2, pp=2, ep=1, engine="ep2", mode="scatter"), id="tp2 x pp2, scatter into ep2"
+        ),
+        pytest.param(
+            dict(trainers=4, tp=1, pp=2, ep=2, engine="tp2", mode="broadcast"),
+            id="pp2 x ep2, broadcast to tp2",
+        ),
+    ],
+)
+def test_megatron_model_lands_exactly_from_one_sender(case):
+    """The one-sender modes from a Megatron-Core model: every layer's pieces, across pipeline
+    stages, TP and EP ranks, gathered onto trainer rank 0, which converts and sends it; every
+    engine byte equals the reference of the checkpoint joined from the Megatron ranks' tensors."""
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.testing import reference_engine_params
+
+    if case["engine"] == "tp2":
+        layouts = [EngineLayout(tp_size=2, tp_rank=r) for r in range(2)]
+    else:
+        layouts = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
+    trainers = case["trainers"]
+    args = (trainers, case["tp"], case["pp"], case["ep"], 1000, layouts, free_ports(3), case["mode"])
+    results = launch(trainers + len(layouts), _one_sender_rank, args, timeout_s=240)
+    assert all(status == "ok" for status, _ in results.values()), results
+    results = {
+        r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
+    }
+    layers = _checkpoint(results, case["tp"])
+    ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
+    for r, layout in enumerate(layouts):
+        params = results[trainers + r][1][2]
+        want = reference_engine_params(CONFIG, layout, ids, layer=lambda i: layers[i])
+        assert set(want) == set(params)
+        differ = [
+            n
+            for n, ref in want.items()
+            if not torch.equal(params[n].view(torch.uint8), ref.contiguous().view(torch.uint8))
+        ]
+        assert differ == [], differ
+    assert results[0][1][3][0] > 0
+
+
 # --- through vLLM's weight-transfer API (what vime calls) ------------------------------------------
 
 
