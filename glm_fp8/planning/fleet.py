@@ -146,6 +146,11 @@ class MegatronTrainer:
                 )
         if self.pp == 1 and (self.first is not None or self.last is not None):
             raise ValueError("MegatronTrainer.first/last: uneven pipeline stages need PP > 1, got PP 1")
+        if self.pp == 1 and self.step_layers > 1:
+            raise ValueError(
+                f"MegatronTrainer.step_layers: steps of {self.step_layers} layers carry one of each "
+                "pipeline stage; PP 1 has one"
+            )
 
     @classmethod
     def parse(cls, text: str) -> MegatronTrainer:

@@ -141,6 +141,11 @@ class UpdateOptions:
         if self.holders is not None:
             check_holders(self.holders)
         check_int("step_layers", self.step_layers, 1, MAX_STEP_LAYERS, " (layers a step carries)")
+        if self.step_layers > 1 and self.holders is None:
+            raise ValueError(
+                f"step_layers: {self.step_layers} needs holders (layers held by disjoint senders: "
+                "pipeline stages); without them every sender holds every layer and a step carries one"
+            )
         if self.engines is not None and (
             isinstance(self.engines, (str, bytes)) or not isinstance(self.engines, Sequence)
         ):

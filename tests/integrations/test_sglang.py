@@ -159,7 +159,8 @@ def test_a_fused_shared_expert_under_ep_is_refused_naming_the_flag():
         (dict(engines=[None, "full", LAYOUTS[1], None]), "engines\\[1\\]"),
         (dict(holders={0: []}), r"SGLangUpdate.holders\[0\]: expected at least one link rank"),
         (dict(step_layers=0), "SGLangUpdate.step_layers"),
-        (dict(step_layers=2, delta=True), "a delta update carries one layer a step"),
+        (dict(step_layers=2, delta=True, holders={0: [0]}), "a delta update carries one layer a step"),
+        (dict(step_layers=2), "SGLangUpdate.step_layers: 2 needs holders"),
     ],
 )
 def test_an_update_with_a_bad_field_is_refused_naming_it(kw, words):

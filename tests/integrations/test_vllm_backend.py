@@ -739,6 +739,8 @@ def test_send_refuses_before_connect_and_after_shutdown():
         ("delta_resync_every", 0, r"init_info\.delta_resync_every: expected an integer >= 1"),
         ("delta_resync_every", 2.0, r"init_info\.delta_resync_every: expected an integer"),
         ("delta_resync_every", 2, r"init_info\.delta_resync_every: 2 without delta=True"),
+        ("step_layers", 0, r"init_info\.step_layers: expected an integer in \[1, 64\]"),
+        ("step_layers", 2, r"init_info\.step_layers: 2 needs holders \(a Megatron-Core source's"),
     ],
 )
 def test_trainer_init_info_numbers_are_refused_naming_the_field(field, value, match):
@@ -819,6 +821,8 @@ def test_init_and_update_infos_from_the_wire_are_checked_naming_the_field():
         ("senders", 3, r"init_info\.senders: expected an integer in \[1, 2\]"),
         ("version", 1, r"init_info\.version: expected 2"),
         ("delta", 1, r"init_info\.delta: expected a bool"),
+        ("step_layers", 65, r"init_info\.step_layers: expected an integer in \[1, 64\]"),
+        ("step_layers", 2, r"init_info\.step_layers: 2 needs holders"),
     ]:
         with pytest.raises(ValueError, match=match):
             SyncInit.from_dict({**good, key: value})

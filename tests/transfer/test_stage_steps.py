@@ -51,12 +51,18 @@ def test_stage_order_takes_one_layer_of_each_stage_in_turn():
 def test_a_delta_update_carries_one_layer_a_step():
     from glm_fp8.transfer import DeltaOptions, ReceiveOptions, SendOptions
 
+    held = {0: [0], 1: [1]}
     with pytest.raises(ValueError, match="delta: a delta update carries one layer a step; got step_layers=2"):
-        SendOptions(config=TINY_GLM5, step_layers=2, delta=DeltaOptions())
+        SendOptions(config=TINY_GLM5, step_layers=2, holders=held, delta=DeltaOptions())
     with pytest.raises(ValueError, match="delta: a delta update carries one layer a step"):
-        ReceiveOptions(config=TINY_GLM5, step_layers=2, delta=True)
+        ReceiveOptions(config=TINY_GLM5, step_layers=2, holders=held, delta=True)
     with pytest.raises(ValueError, match=r"step_layers: expected an integer in \[1, 64\]"):
         SendOptions(config=TINY_GLM5, step_layers=0)
+    # without holders every sender holds every layer: steps of several would carry one, so refused
+    with pytest.raises(ValueError, match="step_layers: 2 needs holders"):
+        SendOptions(config=TINY_GLM5, step_layers=2)
+    with pytest.raises(ValueError, match="MegatronTrainer.step_layers: steps of 4 layers carry one of each"):
+        MegatronTrainer(ep=2, step_layers=4)
 
 
 def _rank(rank, world, step_layers, fault=None):

@@ -96,6 +96,11 @@ class SGLangUpdate:
         check_int(
             "SGLangUpdate.step_layers", self.step_layers, 1, MAX_STEP_LAYERS, " (layers a step carries)"
         )
+        if self.step_layers > 1 and self.holders is None:
+            raise ValueError(
+                f"SGLangUpdate.step_layers: {self.step_layers} needs holders (a Megatron-Core trainer's "
+                "pipeline stages); every sender holds every layer"
+            )
         if self.delta and self.step_layers != 1:
             raise ValueError(
                 f"SGLangUpdate.step_layers: {self.step_layers} with delta; a delta update carries one "

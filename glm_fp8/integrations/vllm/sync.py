@@ -216,6 +216,11 @@ class SyncInit:
                 f"init_info.step_layers: {self.step_layers} with delta; a delta update carries one "
                 "layer a step"
             )
+        if self.step_layers > 1 and self.holders is None:
+            raise ValueError(
+                f"init_info.step_layers: {self.step_layers} needs holders (a Megatron-Core source's "
+                "pipeline stages); every sender holds every layer"
+            )
         if self.mode != "senders" and self.senders != 1:
             raise ValueError(f"init_info.senders: mode {self.mode!r} has one sender, got {self.senders}")
         check_seconds("init_info.timeout_s", self.timeout_s)
