@@ -286,6 +286,40 @@ def _checkpoint(results, tp: int):
     return layers
 
 
+def _engine_layouts(name: str):
+    from glm_fp8.engine import EngineLayout
+
+    if name == "tp2":
+        return [EngineLayout(tp_size=2, tp_rank=r) for r in range(2)]
+    return [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]  # ep2
+
+
+def _launched(fn, trainers: int, layouts, args: tuple) -> dict:
+    """``fn`` on the trainer ranks and the engine ranks; each rank's result read back."""
+    results = launch(trainers + len(layouts), fn, args, timeout_s=240)
+    assert all(status == "ok" for status, _ in results.values()), results
+    return {
+        r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
+    }
+
+
+def _check_engines(results, trainers: int, layouts, tp: int) -> None:
+    """Every engine rank's parameters hold, byte for byte, the reference conversion of the
+    checkpoint joined from the Megatron ranks' own tensors (``_checkpoint``)."""
+    from glm_fp8.testing import reference_engine_params
+
+    layers = _checkpoint(results, tp)
+    ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
+    for r, layout in enumerate(layouts):
+        params = results[trainers + r][1][2]
+        want = reference_engine_params(CONFIG, layout, ids, layer=lambda i: layers[i])
+        assert set(want) == set(params)
+        for name, ref in want.items():
+            got = params[name]
+            assert got.dtype == ref.dtype and got.shape == ref.shape, name
+            assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
@@ -307,13 +341,7 @@ def _checkpoint(results, tp: int):
     ],
 )
 def test_megatron_model_lands_exactly(case):
-    from glm_fp8.engine import EngineLayout
-    from glm_fp8.testing import reference_engine_params
-
-    if case["engine"] == "tp2":
-        layouts = [EngineLayout(tp_size=2, tp_rank=r) for r in range(2)]
-    else:
-        layouts = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
+    layouts = _engine_layouts(case["engine"])
     trainers = case["trainers"]
     ports = free_ports(3)
     delta = case.get("delta", False)
@@ -329,21 +357,8 @@ def test_megatron_model_lands_exactly(case):
         case.get("etp", 1),
         case.get("step_layers", 1),
     )
-    results = launch(trainers + len(layouts), _rank, args, timeout_s=240)
-    assert all(status == "ok" for status, _ in results.values()), results
-    results = {
-        r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
-    }
-    layers = _checkpoint(results, case["tp"])
-    ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
-    for r, layout in enumerate(layouts):
-        params = results[trainers + r][1][2]
-        want = reference_engine_params(CONFIG, layout, ids, layer=lambda i: layers[i])
-        assert set(want) == set(params)
-        for name, ref in want.items():
-            got = params[name]
-            assert got.dtype == ref.dtype and got.shape == ref.shape, name
-            assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+    results = _launched(_rank, trainers, layouts, args)
+    _check_engines(results, trainers, layouts, case["tp"])
     # the plan's trainer model sends from the ranks, and each layer from the holders, Megatron's has
     assert results[0][1][4] == (0, 0), results[0][1][4]
     if case.get("etp", 1) > 1:  # Megatron split each expert's rows over the two ranks
@@ -440,32 +455,11 @@ def test_megatron_model_lands_exactly_from_one_sender(case):
     """The one-sender modes from a Megatron-Core model: every layer's pieces, across pipeline
     stages, TP and EP ranks, gathered onto trainer rank 0, which converts and sends it; every
     engine byte equals the reference of the checkpoint joined from the Megatron ranks' tensors."""
-    from glm_fp8.engine import EngineLayout
-    from glm_fp8.testing import reference_engine_params
-
-    if case["engine"] == "tp2":
-        layouts = [EngineLayout(tp_size=2, tp_rank=r) for r in range(2)]
-    else:
-        layouts = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
+    layouts = _engine_layouts(case["engine"])
     trainers = case["trainers"]
     args = (trainers, case["tp"], case["pp"], case["ep"], 1000, layouts, free_ports(3), case["mode"])
-    results = launch(trainers + len(layouts), _one_sender_rank, args, timeout_s=240)
-    assert all(status == "ok" for status, _ in results.values()), results
-    results = {
-        r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
-    }
-    layers = _checkpoint(results, case["tp"])
-    ids = [*range(CONFIG["num_hidden_layers"] + 1), REST]
-    for r, layout in enumerate(layouts):
-        params = results[trainers + r][1][2]
-        want = reference_engine_params(CONFIG, layout, ids, layer=lambda i: layers[i])
-        assert set(want) == set(params)
-        differ = [
-            n
-            for n, ref in want.items()
-            if not torch.equal(params[n].view(torch.uint8), ref.contiguous().view(torch.uint8))
-        ]
-        assert differ == [], differ
+    results = _launched(_one_sender_rank, trainers, layouts, args)
+    _check_engines(results, trainers, layouts, case["tp"])
     assert results[0][1][3][0] > 0
 
 
