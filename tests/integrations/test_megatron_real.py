@@ -445,9 +445,10 @@ def _one_sender(rank, world, trainers, tp, pp, ep, vocab, layouts, ports, mode):
         pytest.param(
             dict(trainers=4, tp=2, pp=2, ep=1, engine="ep2", mode="scatter"), id="tp2 x pp2, scatter into ep2"
         ),
+        # One rank a stage: two sending ranks of a stage would hold the shared expert apart here
+        # (the tiny model's data-parallel replicas are not synchronized, as DDP's are at start).
         pytest.param(
-            dict(trainers=4, tp=1, pp=2, ep=2, engine="tp2", mode="broadcast"),
-            id="pp2 x ep2, broadcast to tp2",
+            dict(trainers=2, tp=1, pp=2, ep=1, engine="tp2", mode="broadcast"), id="pp2, broadcast to tp2"
         ),
     ],
 )
