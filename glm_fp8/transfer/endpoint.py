@@ -338,7 +338,7 @@ class Endpoint:
         steps = self.routes.steps
         if step >= len(steps):
             return "after the last layer"
-        names = [step_name(pos, self.layer_ids) for pos in steps[step]]
+        names = [layer_name(pos, self.layer_ids) for pos in steps[step]]
         return names[0] if len(names) == 1 else f"the step of {', '.join(names)}"
 
     def vote(self, code: int) -> int:
@@ -468,10 +468,8 @@ def pack_segments(
             seg.seal(region, scratch)
 
 
-def step_name(pos: int, layer_ids: Sequence[int]) -> str:
-    """How messages name step ``pos``: a layer, the non-layer tensors or the last step."""
-    if pos >= len(layer_ids):
-        return "after the last layer"
+def layer_name(pos: int, layer_ids: Sequence[int]) -> str:
+    """How messages name the layer at ``pos``: a layer or the non-layer tensors."""
     return "the non-layer tensors" if layer_ids[pos] == REST else f"layer {layer_ids[pos]}"
 
 
