@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: the Triton kernels run on the CPU
@@ -32,6 +33,14 @@ from glm_fp8.transfer.link import StoreLink
 CONFIG = TINY_GLM5
 TRAINERS = 4  # Megatron's world: TP 2 x EP 2, so DP 2 (two replicas of the attention)
 ENGINE = EngineLayout.all_ranks(tp_size=2)  # the vLLM server's ranks
+
+
+def leave(store: dist.TCPStore, serves: bool) -> None:
+    """Trainer rank 0 serves the stores (the plan's here, the link's heartbeats): it ends last, once
+    every rank has left the link, so that no rank's link loses its store while it closes."""
+    store.add("left", 1)
+    while serves and store.add("left", 0) < TRAINERS + len(ENGINE):
+        time.sleep(0.05)
 
 
 def trainer(rank: int, ports: list[int]) -> None:
@@ -52,6 +61,7 @@ def trainer(rank: int, ports: list[int]) -> None:
     if not source.is_sender:  # a DP replica: its part of its TP group's gathers, nothing to send
         list(source.layers()), source.rest()
         print(f"trainer rank {rank}: a replica, sends nothing")
+        leave(store, rank == 0)
         return
     n = len(source.senders)
     link = StoreLink(
@@ -77,6 +87,7 @@ def trainer(rank: int, ports: list[int]) -> None:
     stats = sender.send_model(source.layers(), rest=source.rest())
     print(f"trainer rank {rank}: sender {source.link_rank} of {n}, sent {stats.nbytes / 2**20:.2f} MiB")
     link.close()
+    leave(store, rank == 0)
 
 
 def engine(k: int, ports: list[int]) -> None:
@@ -108,6 +119,7 @@ def engine(k: int, ports: list[int]) -> None:
         f"{len(params)} parameters; unwritten: {unwritten or 'none'}"
     )
     link.close()
+    leave(store, False)
     assert not unwritten
 
 
