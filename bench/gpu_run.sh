@@ -2,7 +2,7 @@
 # One run on a GPU machine: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=(BENCH)
-# GATHER=1 PIPELINE=1 MEGATRON=0 FLEET=0 DELTA=0 DELTA_PIPELINE=0 ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 MEGATRON=0 FLEET=0 DELTA=0 DELTA_PIPELINE=0 (DELTA_MASTERS, DELTA_GRAPHS, DELTA_ARGS) ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
@@ -38,7 +38,7 @@ if [ "${GPU_TESTS:-0}" = 1 ]; then
   TEST_PATHS="tests/kernels/test_backends.py tests/transfer/test_broadcast.py tests/kernels/test_convert.py tests/kernels/test_errors.py
     tests/kernels/test_quantize.py tests/cli/test_cli.py tests/kernels/test_checksum.py tests/model/test_trainer_layouts.py
     tests/transfer/test_one_pass.py tests/kernels/test_delta.py tests/transfer/test_delta_wire.py
-    tests/transfer/test_delta_transfer.py"
+    tests/transfer/test_delta_transfer.py tests/transfer/test_layer_graphs.py"
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   # tests/kernels/test_fuzz.py ran in FUZZ above, if on.
@@ -101,7 +101,8 @@ if [ "${DELTA_PIPELINE:-0}" = 1 ]; then
   # two learning rates, against the dense update; the kept copy on the GPU and in pinned host memory.
   python3 bench/scripts/pipeline.py --mode senders --layers ${DELTA_LAYERS:-80} --tp 8 --ep --engines 4 \
     --senders 32 --sender 0 --master ${DELTA_MASTERS:-bf16 fp32} --repeats 2 --delta-lr 1e-6 1e-5 --delta-steps 3 \
-    --delta-kept gpu host --delta-step sign adam 2>&1 | tee "$LOG/delta_pipeline.txt" | grep -v '^---'
+    --delta-kept gpu host --delta-step sign adam --delta-graphs ${DELTA_GRAPHS:-on off} ${DELTA_ARGS:-} 2>&1 \
+    | tee "$LOG/delta_pipeline.txt" | grep -v '^---\|^prof|'
 fi
 if [ "${ENGINE:-1}" = 1 ]; then
   # ENGINE_ARGS="--delta": also the rank's delta landing against its dense one (#33)

@@ -5,7 +5,7 @@ bytes against the reference.
 
     python3 bench/scripts/pipeline.py --mode broadcast|scatter|senders [--layers 80] [--tp 8] [--ep]
         [--engines 1] [--servers 2xEP8 2xTP8] [--senders 32] [--sender 0 1] [--master bf16 fp32]
-        [--repeats 3] [--ring 2] [--delta-lr 1e-6 1e-5] [--delta-steps 3]
+        [--repeats 3] [--ring 2] [--delta-lr 1e-6 1e-5] [--delta-steps 3] [--delta-graphs on off]
 
 GLM-5 sparse layers (Gaussian x 0.02 in the master dtype); one layer's tensors are reused for every
 layer (each layer is still converted and sent). The stand-in link (``HostSinkComm``) copies every
@@ -38,7 +38,10 @@ Each delta update is timed beside its messages replayed alone, its wire bytes (e
 link carried) against the dense update's, and the GPU memory of the kept copy (or its staging
 buffer) and the delta message buffers (measured on CUDA) against the update-time model's
 (``glm_fp8.planning.update_delta.sender_share``). The stand-in link has no peers: its versions exchange
-returns this sender's row for every rank (see ``Recorder``). Each learning rate also prints its
+returns this sender's row for every rank (see ``Recorder``). ``--delta-graphs on off`` times each
+kept copy with the sender's layers captured as CUDA graphs and without (``DeltaOptions.graphs``);
+``--delta-warmup`` untimed delta updates come first (a layer is captured at its second delta
+update). Each learning rate also prints its
 median update's slowest steps and the time outside the steps, and Python's cycle collections inside
 the updates (``send_model`` pauses the collector) and between them.
 """
@@ -68,7 +71,6 @@ from glm_fp8.planning.fleet import MegatronTrainer
 from glm_fp8.planning.update_delta import Delta, sender_share
 from glm_fp8.testing import sent_layer_mismatches
 from glm_fp8.transfer import DeltaOptions, HostSinkComm, Sender
-from glm_fp8.transfer.delta.send import SenderDelta
 from glm_fp8.transfer.gather import trainer_view
 from glm_fp8.transfer.pack import update_regions
 
@@ -267,6 +269,9 @@ def measure_delta(
     link.pool = torch.empty(max(state.buf_nbytes, 1), dtype=torch.uint8, pin_memory=cuda)
     _timed_update(sender, link, stream, src)  # dense for every layer: fills the kept copy
     gen = torch.Generator(device=device).manual_seed(1)
+    for _ in range(args.delta_warmup):  # untimed: a layer's graph runs once, then is captured
+        trainer_step(shadow, layer, args.delta_lr[0], gen, args.delta_step[0])
+        _timed_update(sender, link, stream, src)
     dense_s, dense_bytes = dense
     measured, rows = None, []
     for kind, lr in [(k, lr) for k in args.delta_step for lr in args.delta_lr]:
@@ -318,6 +323,11 @@ def measure_delta(
             [
                 *head,
                 state.options.kept,
+                (
+                    f"{sender.graphs.captures}, {sender.graphs.replays}"
+                    if sender.graphs.enabled
+                    else ("off" if sender.graphs.failed is None else f"failed: {sender.graphs.failed[:60]}")
+                ),
                 kind,
                 f"{lr:g}",
                 f"{_median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})",
@@ -436,13 +446,15 @@ def measure(args, master: torch.dtype, t: int) -> tuple[list, list]:
         # The trainer's fp32 masters (a bf16 master's fp32 copy), made after the dense row's
         # measurements and its layer-0 check (whose reference of a whole GLM-5 layer needs the room).
         shadow = layer if master == torch.float32 else {k: x.float() for k, x in layer.items()}
-    for k, where in enumerate(args.delta_kept if state is not None else []):
-        if k:  # the next variant: the previous one's kept copy freed first
-            sender.delta = state = None
-            gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            state = SenderDelta(sender, DeltaOptions(kept=where))
-        last = k == len(args.delta_kept) - 1
+    variants = [(where, g == "on") for where in args.delta_kept for g in args.delta_graphs]
+    for k, (where, graphs) in enumerate(variants if state is not None else []):
+        sender.delta = state = None  # the previous variant's kept copy and graphs freed first
+        sender.graphs.clear()
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        state = sender.attach_delta(DeltaOptions(kept=where, graphs=graphs))
+        sender.delta = None
+        last = k == len(variants) - 1
         deltas += measure_delta(
             args, sender, link, stream, state, shadow, layer, (stats.seconds, nbytes), head, last
         )
@@ -519,6 +531,20 @@ def main() -> None:
         "(Adam's step once warm); bench/scripts/standin.py",
     )
     p.add_argument("--delta-steps", type=int, default=3, help="delta updates per --delta-lr (default 3)")
+    p.add_argument(
+        "--delta-graphs",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="each a variant: the sender's layers captured as CUDA graphs (DeltaOptions.graphs) or not",
+    )
+    p.add_argument(
+        "--delta-warmup",
+        type=int,
+        default=2,
+        help="untimed delta updates before the timed ones (default 2: a layer's graph is captured "
+        "at its second delta update, replayed from its third)",
+    )
     p.add_argument(
         "--delta-kept",
         nargs="+",
@@ -601,6 +627,7 @@ def main() -> None:
                     "master",
                     "sender",
                     "kept",
+                    "graphs (captured, replayed)",
                     "step",
                     "lr",
                     "delta s (median, range)",

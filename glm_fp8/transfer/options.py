@@ -52,12 +52,19 @@ class DeltaOptions:
     """Where the sender keeps what it last sent (its whole share): "gpu", or "host" (pinned host
     memory; each layer's copy is staged through one GPU buffer of the largest layer's, in and out,
     on the conversion stream)."""
+    graphs: bool = True
+    """On CUDA, capture each layer's kernels after its gathers (conversion, packing, comparison)
+    as a CUDA graph once its tensors are where they were at the update before, and replay it
+    while they stay there: one launch a layer instead of a few hundred (docs/delta.md#graphs).
+    False: queue them one by one at every update."""
 
     def __post_init__(self):
         r = self.resync_every
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise ValueError(f"delta: resync_every expected None or an integer >= 1, got {r!r}")
         check_choice("delta.kept", self.kept, KEPT_COPIES)
+        if not isinstance(self.graphs, bool):
+            raise ValueError(f"delta.graphs: expected True or False, got {self.graphs!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ A sender converts each layer once (its share, with many senders), however many s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -179,9 +180,18 @@ class TransferPlan:
             steps=tuple(step for step in steps if step),
         )
 
+    @functools.cached_property
+    def _step_table(self) -> tuple[int, ...]:
+        # per layer position its step, built once: ``step_of`` runs per layer on the hot path
+        table = [0] * len(self.layers)
+        for g, step in enumerate(self.steps):
+            for pos in step:
+                table[pos] = g
+        return tuple(table)
+
     def step_of(self, pos: int) -> int:
         """The step that carries the layer at ``pos``."""
-        return next(g for g, step in enumerate(self.steps) if pos in step)
+        return self._step_table[pos]
 
     def class_of(self, pos: int, rank: int) -> int:
         """The first class of ``rank`` in the layer at ``pos`` (its only one with many senders)."""

@@ -13,7 +13,7 @@ import torch
 from glm_fp8.core.errors import ManifestMismatch, ReceiverRefused, UpdateAborted
 from glm_fp8.kernels.convert import entry_norms, raise_if_non_finite
 from glm_fp8.model.layer_plan import LayerPlan
-from glm_fp8.model.trainer_layouts import strip_layer
+from glm_fp8.model.trainer_layouts import layer_prefix, strip_layer
 from glm_fp8.transfer.delta.send import SenderDelta
 from glm_fp8.transfer.endpoint import (
     Endpoint,
@@ -25,8 +25,9 @@ from glm_fp8.transfer.endpoint import (
     pack_segments,
 )
 from glm_fp8.transfer.gather import collect_layer, trainer_view
-from glm_fp8.transfer.options import SendOptions, device_of
-from glm_fp8.transfer.share import check_own_layer, collect_own
+from glm_fp8.transfer.graphs import LayerGraphs, tensor_key, tensors_key
+from glm_fp8.transfer.options import DeltaOptions, SendOptions, device_of
+from glm_fp8.transfer.share import check_own_layer, convert_own, own_inputs
 from glm_fp8.transfer.trainer_input import layers_arg, next_item
 from glm_fp8.transfer.votes import refusal_is_voted
 from glm_fp8.transfer.wire import (
@@ -94,17 +95,25 @@ class Sender(Endpoint):
             # flag on the device), and the event the link waits for (CUDA)
             self._checks: dict[int, tuple] = {}
             self._ready: dict[int, torch.cuda.Event] = {}
-            self.delta = None
+            self.delta: SenderDelta | None = None
+            self.graphs = LayerGraphs(self.device, enabled=False)
             if opts.delta is not None:
-                self.delta = SenderDelta(
-                    self.side(),
-                    opts.delta,
-                    me=self.me,
-                    conv_ring=self.conv_ring,
-                    send_ring=self.send_ring,
-                    convert_stream=self.convert_stream,
-                    scratch=self.scratch,
-                )
+                self.attach_delta(opts.delta)
+
+    def attach_delta(self, options: DeltaOptions) -> SenderDelta:
+        """A new delta state (nothing kept: the next update is dense for every layer) and, per
+        ``options.graphs``, new layer graphs; what ``delta=`` builds at construction."""
+        self.delta = SenderDelta(
+            self.side(),
+            options,
+            me=self.me,
+            conv_ring=self.conv_ring,
+            send_ring=self.send_ring,
+            convert_stream=self.convert_stream,
+            scratch=self.scratch,
+        )
+        self.graphs = LayerGraphs(self.device, enabled=options.graphs)
+        return self.delta
 
     def send_model(
         self,
@@ -242,68 +251,74 @@ class Sender(Endpoint):
 
     def _convert(self, pos: int, layer_idx: int, plan: LayerPlan, layer: dict[str, torch.Tensor]) -> None:
         """Gather, convert and pack this sender's share of the layer at ``pos`` (convert stream);
-        ``plan`` and ``layer`` as ``trainer_view`` gives them."""
+        ``plan`` and ``layer`` as ``trainer_view`` gives them. In a delta update the kernels after
+        the gathers are captured and replayed as one CUDA graph where they can be
+        (``_layer_kernels``, ``glm_fp8.transfer.graphs``)."""
         lay = self.routes.layers[pos]
         step = self.routes.step_of(pos)
         conv_base, send_base = self.routes.sender_bases(self.me, pos)
         buf, ci = self.conv_ring.slot(step)
         buf = buf[conv_base:]  # this layer's region of the step's slot
+        out = None
         caller = torch.cuda.current_stream(self.device) if self.convert_stream is not None else None
         with on_stream(self.convert_stream):
             if caller is not None:
                 self.convert_stream.wait_stream(caller)  # the layer may have just been written there
             self.conv_ring.wait_free(ci, self.convert_stream)
+            if any(not s.direct for s in lay.of_sender(self.me)):
+                out, pi = self.send_ring.slot(step)
+                out = out[send_base:]
+                self.send_ring.wait_free(pi, self.convert_stream)
+            inputs = None  # what the kernels read, when known before them: the graph's key
             if len(self.senders) == 1:
-                local = plan
-                views = collect_layer(
-                    plan,
-                    layer,
-                    layer_idx,
-                    buf[: plan.nbytes],
-                    sender=my_rank(),
-                    check_finite=False,
-                    **self.collect_args,
-                )
+                from torch.distributed.tensor import DTensor
+
+                if not any(isinstance(x, DTensor) for x in layer.values()):
+                    inputs = layer  # plain tensors, no gather: collect_layer queues kernels only
+
+                def convert() -> tuple[LayerPlan, dict[str, torch.Tensor]]:
+                    views = collect_layer(
+                        plan,
+                        layer,
+                        layer_idx,
+                        buf[: plan.nbytes],
+                        sender=my_rank(),
+                        check_finite=False,
+                        **self.collect_args,
+                    )
+                    return plan, views
             else:
-                local, views = collect_own(
+                local, inputs = own_inputs(  # the gathers, if any: never captured
                     lay,
                     self.me,
                     plan,
                     layer,
-                    buf,
                     senders=self.senders_global,
                     gather_dtype=self.collect_args["gather_dtype"],
                     device=self.device,
                     holders=self.routes.holders[pos] if self.routes.holders else None,
-                    check_finite=False,
                 )
-            # NaN/Inf shows in the scales and passthrough entries: decided on the device and voted
-            # with the segments; the host reads the entries' norms only when that vote fails.
-            norms = entry_norms(local, buf[: local.nbytes]) if views else ([], None)
-            bad = None if norms[1] is None else ~torch.isfinite(norms[1]).all()
-            self._checks[pos] = (layer_idx, local, norms, bad)
-            mine = lay.of_sender(self.me)
-            packed, out = [s for s in mine if not s.direct], None
-            if packed:
-                out, pi = self.send_ring.slot(step)
-                out = out[send_base:]
-                self.send_ring.wait_free(pi, self.convert_stream)
-            if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
-                self.delta.zero_gaps(pos, buf, out)
-            for s in (s for s in mine if s.direct and self.checksum):
-                s.seal(buf[: s.nbytes], self.scratch)
-            if packed:
-                pack_segments(
-                    packed,
-                    [s.send_offset for s in packed],
-                    views,
-                    out,
-                    self.scratch,
-                    lay.starts(self.me),
-                    self.checksum,
-                )
+
+                def convert() -> tuple[LayerPlan, dict[str, torch.Tensor]]:
+                    prefix = layer_prefix(layer_idx)
+                    return local, convert_own(local, inputs, prefix, buf, check_finite=False)
+
+            key = None
+            if (
+                self.delta is not None
+                and inputs is not None
+                and all(x.device == buf.device for x in inputs.values())
+            ):
+                key = (ci, tensors_key(inputs.items()), tensor_key(buf), out is not None and tensor_key(out))
+                key += self.delta.graph_key(pos)
             if self.delta is not None:
-                self.delta.compare(pos, buf, out)
+                self.delta.begin_layer(pos)
+            local, norms, bad, compared = self.graphs.run(
+                pos, key, lambda: self._layer_kernels(pos, convert, buf, out)
+            )
+            self._checks[pos] = (layer_idx, local, norms, bad)
+            if self.delta is not None:
+                self.delta.compared(pos, compared)
             if self.convert_stream is not None:
                 ready = self._ready[pos] = torch.cuda.Event()
                 ready.record(self.convert_stream)
@@ -311,6 +326,36 @@ class Sender(Endpoint):
             # The caller may free or overwrite its tensors once we move on: order that after the
             # kernels that read them (the wire, on its own stream, is not waited for).
             caller.wait_event(ready)
+
+    def _layer_kernels(self, pos: int, convert, buf: torch.Tensor, out: torch.Tensor | None) -> tuple:
+        """The layer's kernels after its gathers, on the current stream with no host read (what
+        ``LayerGraphs`` may capture): ``convert()``, the entries' norms, the checksum words, the
+        packed segments and, in a delta update, the comparison. Returns the plan converted, its
+        norms and NaN/Inf flag, and what ``SenderDelta.compared`` takes."""
+        lay = self.routes.layers[pos]
+        local, views = convert()
+        # NaN/Inf shows in the scales and passthrough entries: decided on the device and voted
+        # with the segments; the host reads the entries' norms only when that vote fails.
+        norms = entry_norms(local, buf[: local.nbytes]) if views else ([], None)
+        bad = None if norms[1] is None else ~torch.isfinite(norms[1]).all()
+        mine = lay.of_sender(self.me)
+        packed = [s for s in mine if not s.direct]
+        if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
+            self.delta.zero_gaps(pos, buf, out)
+        for s in (s for s in mine if s.direct and self.checksum):
+            s.seal(buf[: s.nbytes], self.scratch)
+        if packed:
+            pack_segments(
+                packed,
+                [s.send_offset for s in packed],
+                views,
+                out,
+                self.scratch,
+                lay.starts(self.me),
+                self.checksum,
+            )
+        compared = self.delta.compare(pos, buf, out) if self.delta is not None else None
+        return local, norms, bad, compared
 
     def _post_step(self, step: int, failed: BaseException | None) -> None:
         """Queue step ``step`` on the link stream: the leader's header, this sender's segments of

@@ -110,18 +110,60 @@ def collect_own(
     check_finite: bool = True,
 ) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
     """Sender ``t``'s share of one layer (``check_own_layer`` passed on every sender; ``plan`` and
-    ``layer`` as ``trainer_view`` gives them; ``holders`` who holds the layer): gather the sources
-    of the entries each sender owns onto it (collective over each DTensor's mesh of senders, in the
-    same order on each; a copy on a mesh without the owner stays where it is), then convert ``t``'s own
-    entries and its rows of every split entry (its experts of every stack, its vocabulary slice)
-    into ``buf``. Returns the plan it converted (``glm_fp8.transfer.owners.sender_plan``: the
-    layout of ``routes.local_plans[t]``) and the converted views by prefixed name (none when ``t``
+    ``layer`` as ``trainer_view`` gives them; ``holders`` who holds the layer): ``own_inputs``, then
+    ``convert_own`` into ``buf``. Returns the plan it converted (``glm_fp8.transfer.owners.sender_plan``:
+    the layout of ``routes.local_plans[t]``) and the converted views by prefixed name (none when ``t``
     has nothing of this layer). Memory above ``buf``: the gathered sources of the entries ``t``
     owns and its rows of a split entry held otherwise than split alike, in the dtype they travel
     in. Every tensor, held or gathered, is quantized in the dtype the trainer holds it in (fp32
     masters from fp32: the same bytes as one sender's), unless the ``gather_dtype`` opt-in casts
     what travels first (``travel_dtypes``). ``check_finite=False``: no host read; the caller
     checks ``buf`` (``entry_norms``)."""
+    local, inputs = own_inputs(
+        routes, t, plan, layer, senders=senders, gather_dtype=gather_dtype, device=device, holders=holders
+    )
+    return local, convert_own(local, inputs, layer_prefix(routes.layer_idx), buf, check_finite=check_finite)
+
+
+def convert_own(
+    local: LayerPlan,
+    inputs: Mapping[str, torch.Tensor],
+    prefix: str,
+    buf: torch.Tensor,
+    *,
+    check_finite: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Convert sender's share ``local`` from ``inputs`` (``own_inputs``) into ``buf``: the views by
+    prefixed name (none when the share is empty). Kernels only, no collective: what a sender can
+    capture as a CUDA graph (``glm_fp8.transfer.graphs``)."""
+    if not local.entries:
+        return {}
+    # ``local`` is cut from ``plan`` (already adapted) and ``inputs`` are exactly its sources at its
+    # rows: the keys, shapes and dtypes were checked on the whole layer; what the share adds is
+    # where its tensors are (held ones as they are, gathered ones on ``device``).
+    on = layer_device(local, inputs, prefix)
+    views = convert_checked(
+        inputs, local, prefix, out=buf[: local.nbytes], device=on, check_finite=check_finite
+    )
+    return dict(views)
+
+
+def own_inputs(
+    routes: LayerRoutes,
+    t: int,
+    plan: LayerPlan,
+    layer: Mapping[str, torch.Tensor],
+    *,
+    senders: Sequence[int],
+    gather_dtype: torch.dtype | None,
+    device: torch.device,
+    holders: Holders = None,
+) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
+    """What sender ``t`` converts of one layer (``check_own_layer`` passed on every sender): gather
+    the sources of the entries each sender owns onto it (collective over each DTensor's mesh of
+    senders, in the same order on each; a copy on a mesh without the owner stays where it is) and
+    its rows of every split entry (its experts of every stack, its vocabulary slice). Returns its
+    plan (``sender_plan``) and those sources by short name, plain tensors."""
     from torch.distributed.tensor import DTensor
 
     prefix = layer_prefix(routes.layer_idx)
@@ -191,14 +233,4 @@ def collect_own(
                     got = gather_rows(x, a, b, senders[u], out, dtype)
                     if mine:
                         inputs[k] = got
-    local = sender_plan(plan, prefix, routes.splits, routes.owners, t)
-    if not local.entries:
-        return local, {}
-    # ``local`` is cut from ``plan`` (already adapted) and ``inputs`` are exactly its sources at its
-    # rows: the keys, shapes and dtypes were checked on the whole layer; what the share adds is
-    # where its tensors are (held ones as they are, gathered ones on ``device``).
-    on = layer_device(local, inputs, prefix)
-    views = convert_checked(
-        inputs, local, prefix, out=buf[: local.nbytes], device=on, check_finite=check_finite
-    )
-    return local, dict(views)
+    return sender_plan(plan, prefix, routes.splits, routes.owners, t), inputs

@@ -20,10 +20,11 @@ class SenderDelta:
     sent (``kept``, persistent: the sender's whole share), their versions, the update counter.
 
     The ``Sender`` owns one and calls it at fixed points of each update (``begin``; per layer
-    ``zero_gaps``, ``compare``, ``send``; ``resend`` / ``resends`` / ``restore`` for a layer to send
-    again, dense). It is given what it uses of the sender at construction: the sender's ``Side``,
-    its index among the senders (``me``), its two rings (the conversion slots and the send slots,
-    whose buffers the dense segments are read from), its conversion stream and checksum scratch.
+    ``begin_layer``, ``zero_gaps``, ``compare``, ``compared``, ``send``; ``resend`` / ``resends`` /
+    ``restore`` for a layer to send again, dense). It is given what it uses of the sender at
+    construction: the sender's ``Side``, its index among the senders (``me``), its two rings (the
+    conversion slots and the send slots, whose buffers the dense segments are read from), its
+    conversion stream and checksum scratch.
     """
 
     def __init__(
@@ -114,24 +115,32 @@ class SenderDelta:
         for seg in self.side.routes.layers[pos].of_sender(self.me):
             zero_gaps(conv if seg.direct else out[seg.send_offset :], seg)
 
-    def compare(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> None:
+    def graph_key(self, pos: int) -> tuple:
+        """What of this update decides which kernels ``compare`` queues for ``pos`` (its buffers
+        stay where they were first allocated): a key part for ``glm_fp8.transfer.graphs``."""
+        return self.is_delta[pos], self.fresh[pos]
+
+    def begin_layer(self, pos: int) -> None:
+        """Before ``pos``'s kernels: its kept copy is about to change; no version until ``compared``."""
+        self.versions.kept[pos] = NONE
+
+    def compare(self, pos: int, conv: torch.Tensor, out: torch.Tensor | None) -> tuple | None:
         """After the layer was converted and packed (checksum words written): a delta step packs
         the changes of each segment some rank takes as a delta against the kept copy (which
         ``pack_bytes_delta`` moves to the new bytes), queued behind the conversion with no host
         read; the other segments, and every segment of a dense step, copy the new bytes into the
-        kept copy."""
+        kept copy. Kernels only (a sender may capture them: ``glm_fp8.transfer.graphs``); returns
+        what ``compared`` takes."""
         lay = self.side.routes.layers[pos]
         segs = lay.of_sender(self.me)
         datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
         if self.kept[pos] is None:
             self.kept[pos] = [self.new_kept(seg.data_nbytes) for seg in segs]
         kept = self.kept[pos]
-        self.versions.kept[pos] = NONE  # until the copy below is whole
         if not self.is_delta[pos]:
             for k, data in zip(kept, datas):
                 k.copy_(data[: k.numel()], non_blocking=True)
-            self.versions.compared(pos, self.update)
-            return
+            return None
         staged = self._stage_in(kept) if self.host else kept
         buf = self._buf(pos)
         at, msgs, lengths = 0, [], []
@@ -160,20 +169,27 @@ class SenderDelta:
         if self.host:  # the staged copy now holds the new bytes: back to the host, stream-ordered
             for k, st in zip(kept, staged):
                 k.copy_(st, non_blocking=True)
-        self.versions.compared(pos, self.update)
-        self.ready[pos] = (msgs, self._lengths(pos, lengths))
+        return msgs, (torch.cat(lengths) if lengths else None)
 
-    def _lengths(self, pos: int, lengths: list[torch.Tensor]) -> tuple[torch.Tensor | None, object]:
-        """The layer's payload lengths (int64 [1] each, on the device) on their way to the host:
-        a pinned buffer of the ring slot's and the event that tells they are there (CUDA)."""
-        if not lengths or self.convert_stream is None:
-            return (torch.cat(lengths) if lengths else None), None
+    def compared(self, pos: int, result: tuple | None) -> None:
+        """After ``compare``'s kernels were queued (run or replayed), with what it returned: the
+        kept copy's version, and a delta step's messages and their lengths on their way to the host."""
+        self.versions.compared(pos, self.update)
+        if result is not None:
+            msgs, lengths = result
+            self.ready[pos] = (msgs, self._lengths(pos, lengths))
+
+    def _lengths(self, pos: int, lengths: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
+        """The layer's payload lengths (int64, one per delta segment, on the device) on their way to
+        the host: a pinned buffer of the ring slot's and the event that tells they are there (CUDA)."""
+        if lengths is None or self.convert_stream is None:
+            return lengths, None
         i = pos % len(self.lengths_host)
         if self.lengths_host[i] is None:
             n = max(len(segs) for segs in self.segs)
             self.lengths_host[i] = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        host = self.lengths_host[i][: len(lengths)]
-        host.copy_(torch.cat(lengths), non_blocking=True)
+        host = self.lengths_host[i][: lengths.numel()]
+        host.copy_(lengths, non_blocking=True)
         event = torch.cuda.Event()
         event.record(self.convert_stream)
         return host, event
