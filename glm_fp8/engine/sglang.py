@@ -27,6 +27,7 @@ ranks, alone or beside vLLM ranks, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import VOCAB_PAD, EngineLayout
+from glm_fp8.engine.rules import MTP_OWN
 from glm_fp8.model.families import mtp_layer_index
 from glm_fp8.model.trainer_layouts import layer_prefix
 
@@ -77,7 +79,8 @@ class SGLangLayout(EngineLayout):
     ``dense_mlp_split``: the dense MLP split over the whole TP group (SGLang's default) or not
     (``moe_dense_tp_size`` 1); ``shared_experts_split``: the same for the shared experts (not with an
     all-to-all MoE backend); ``dp_lm_head``: ``lm_head`` over the attention TP group
-    (``enable_dp_lm_head``) instead of the whole TP group.
+    (``enable_dp_lm_head``) instead of the whole TP group. ``drafter``: the rank's MTP drafter
+    instead of its target model (``drafter_layout``).
     """
 
     engine: ClassVar[str] = "sglang"
@@ -85,6 +88,7 @@ class SGLangLayout(EngineLayout):
     dense_mlp_split: bool = True
     shared_experts_split: bool = True
     dp_lm_head: bool = False
+    drafter: bool = False
 
     def __post_init__(self) -> None:
         if self.sequence_parallel_moe:
@@ -94,7 +98,7 @@ class SGLangLayout(EngineLayout):
             )
         object.__setattr__(self, "sequence_parallel_moe", False)
         super().__post_init__()
-        for field in ("dense_mlp_split", "shared_experts_split", "dp_lm_head"):
+        for field in ("dense_mlp_split", "shared_experts_split", "dp_lm_head", "drafter"):
             _flag(field, getattr(self, field))
 
     @classmethod
@@ -180,12 +184,20 @@ class SGLangLayout(EngineLayout):
     def indexer_form(self, config: Mapping) -> str:
         return sglang_indexer_form(config)
 
+    @property
+    def drafter_layout(self) -> SGLangLayout:
+        """The same rank's MTP drafter (SGLang's ``GlmMoeDsaForCausalLMNextN``, the draft worker's
+        model): its decoder layer is cut as a target decoder layer is on this rank."""
+        return dataclasses.replace(self, drafter=True)
+
     def holds(self, config: Mapping, name: str) -> bool:
-        """As ``EngineLayout.holds``, and nothing of the MTP layer: SGLang's drafter is a model of its
-        own (``GlmMoeDsaForCausalLMNextN``, the draft worker's), which glm_fp8 does not update yet, so
-        an update that carries the layer (for vLLM ranks' drafter) sends it no byte of it."""
+        """As ``EngineLayout.holds``; the target model holds nothing of the MTP layer (SGLang's
+        drafter is a model of its own, in the draft worker: an update that carries the layer for
+        vLLM ranks' drafter sends it no byte of it), the drafter only the MTP layer's entries but
+        ``shared_head.head`` (it takes the target's ``lm_head``, as its embeddings)."""
         mtp = mtp_layer_index(config)
-        if mtp is not None and name.startswith(layer_prefix(mtp)):
+        in_mtp = mtp is not None and name.startswith(layer_prefix(mtp))
+        if in_mtp != self.drafter or name.endswith(DRAFTER_SHARED):
             return False
         return super().holds(config, name)
 
@@ -195,6 +207,11 @@ class SGLangLayout(EngineLayout):
             pad *= size  # VocabParallelEmbedding: "the vocab size is not divisible by the TP size"
         return math.ceil(vocab / pad) * pad
 
+
+# The one MTP-layer entry SGLang's drafter does not hold (the draft worker gives it the target's
+# lm_head: set_embed_and_head); the layer's other own entries sit under ``model.`` there.
+DRAFTER_SHARED = "shared_head.head.weight"
+DRAFTER_OWN = tuple(n for n in MTP_OWN if n != DRAFTER_SHARED)
 
 # SGLang's fused shared expert (DeepseekV2MoE with num_fused_shared_experts 1): the routed experts'
 # stacks hold it as their last expert; each stack and the shared-expert entry it stands for.
@@ -242,6 +259,20 @@ def sglang_name(kernel_name: str) -> str:
     return kernel_name.replace(".self_attn.fused_qkv_a_proj.", ".self_attn.fused_qkv_a_proj_with_mqa.")
 
 
+def sglang_drafter_name(kernel_name: str, config: Mapping) -> str:
+    """The name of an MTP-layer entry in SGLang 0.5.23's drafter (``DeepseekModelNextN``, as its
+    ``load_weights`` maps the checkpoint: deepseek_weight_loader.py): ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head.norm`` under ``model.``, the decoder layer's entries under
+    ``model.decoder.`` (with ``sglang_name``'s fused attention name)."""
+    prefix = layer_prefix(mtp_layer_index(config))
+    if not kernel_name.startswith(prefix):
+        raise ValueError(f"{kernel_name}: not an entry of the MTP layer ({prefix}*)")
+    short = kernel_name[len(prefix) :]
+    if short in DRAFTER_OWN:
+        return "model." + short
+    return sglang_name("model.decoder." + short)
+
+
 def check_sglang_config(config: Mapping) -> None:
     """Refuse, naming the setting, a model whose SGLang 0.5.23 parameters these rules were not read
     for: another family."""
@@ -280,7 +311,10 @@ __all__ = [
     "SHARED_EXPERTS_UNSPLIT_A2A",
     "SGLangLayout",
     "FUSED_SHARED_SLOTS",
+    "DRAFTER_OWN",
+    "DRAFTER_SHARED",
     "check_sglang_config",
+    "sglang_drafter_name",
     "sglang_indexer_form",
     "sglang_name",
     "sglang_params",

@@ -16,7 +16,7 @@ import torch
 
 from glm_fp8.engine.layout import EngineLayout, Shard
 from glm_fp8.engine.rules import MTP_OWN, ShardRules, split_name
-from glm_fp8.engine.sglang import check_sglang_config, sglang_indexer_form, sglang_name
+from glm_fp8.engine.sglang import check_sglang_config, sglang_drafter_name, sglang_indexer_form, sglang_name
 from glm_fp8.model.config import as_config, check_untied_vocab
 from glm_fp8.model.families import float32_entries, layer_kind, mtp_layer_index
 from glm_fp8.model.indexer import skip_topk_layers
@@ -108,33 +108,48 @@ def engine_params(
     ``embed_tokens`` is the target's (aliased), so it is listed once; ``shared_head.head`` is
     listed, though a running engine makes it the target's ``lm_head`` too (docs/vllm.md).
     An ``SGLangLayout`` (glm_fp8.engine.sglang) gives an SGLang 0.5.23 rank's target model under
-    SGLang's names instead (``sglang_name``; no MTP layer: SGLang's drafter is a model of its own).
-    Raises ValueError where the engine would refuse the layout or glm_fp8 does not support it (see
-    ``shard_for``)."""
+    SGLang's names instead (``sglang_name``; no MTP layer: SGLang's drafter is a model of its own),
+    or with ``drafter`` that drafter's: the MTP layer's entries but ``shared_head.head``, under its
+    names (``sglang_drafter_name``). Raises ValueError where the engine would refuse the layout or
+    glm_fp8 does not support it (see ``shard_for``)."""
     sglang = layout.engine == "sglang"
+    drafter = sglang and layout.drafter
     config = _check_config(config, layout.engine)
     rules = ShardRules(config, layout, quantize)
-    # SGLang's MTP drafter is a model of its own (its NextN class, in the draft worker): not listed.
-    mtp = None if sglang else mtp_layer_index(config)
+    # SGLang's MTP drafter is a model of its own (its NextN class, in the draft worker): listed
+    # for a drafter's layout alone.
+    mtp = mtp_layer_index(config) if drafter or not sglang else None
+    if drafter and mtp is None:
+        raise ValueError(
+            "SGLangLayout.drafter: the config has no MTP layer (num_nextn_predict_layers 0): no drafter "
+            "to update"
+        )
     form = sglang_indexer_form(config) if sglang else "fused"
     out: dict[str, EngineParam] = {}
 
     def add(kernel: str, full: tuple[int, ...]) -> None:
+        if drafter and not layout.holds(config, kernel):
+            return
         shard = rules.shard(kernel, full)
-        name = sglang_name(kernel) if sglang else engine_name(kernel, config)
+        if sglang:
+            name = sglang_drafter_name(kernel, config) if drafter else sglang_name(kernel)
+        else:
+            name = engine_name(kernel, config)
         dt = _dtype(kernel, config, rules.table, dtype)
         out[name] = EngineParam(name, kernel, full, shard.shape(full), dt, shard)
 
     h, v = config["hidden_size"], config["vocab_size"]
     plans: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    if drafter:
+        layer_entries = _layer_entries(config, mtp, "mtp", dtype, quantize, form, plans)
+        for short, full in layer_entries:
+            add(layer_prefix(mtp) + short, full)
+        return out
 
     def layer(i: int) -> None:
         # dense / sparse, with or without an indexer (the schedule's), or the MTP layer
         kind = "mtp" if i == mtp else layer_kind(config, i)
-        if kind not in plans:
-            plan = plan_from_config(config, i, dtype=dtype, quantize=quantize, indexer_form=form)
-            plans[kind] = [(e.name, tuple(e.shape)) for e in plan.entries]
-        for short, full in plans[kind]:
+        for short, full in _layer_entries(config, i, kind, dtype, quantize, form, plans):
             add(layer_prefix(i) + short, full)
 
     add("model.embed_tokens.weight", (v, h))
@@ -145,6 +160,22 @@ def engine_params(
     if mtp is not None:
         layer(mtp)  # its plan: the sparse layer's entries, then enorm, hnorm, eh_proj, shared_head
     return out
+
+
+def _layer_entries(
+    config: Mapping,
+    i: int,
+    kind: str,
+    dtype: torch.dtype,
+    quantize: bool,
+    form: str,
+    plans: dict[str, list[tuple[str, tuple[int, ...]]]],
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Layer ``i``'s entries (short name, full shape), its plan built once per ``kind`` in ``plans``."""
+    if kind not in plans:
+        plan = plan_from_config(config, i, dtype=dtype, quantize=quantize, indexer_form=form)
+        plans[kind] = [(e.name, tuple(e.shape)) for e in plan.entries]
+    return plans[kind]
 
 
 def engine_param_specs(

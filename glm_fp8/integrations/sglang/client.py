@@ -83,9 +83,10 @@ class SGLangHttpClient:
             raise ValueError(f"pause_generation: mode expected one of {PAUSE_MODES}, got {mode!r}")
         self.post("pause_generation", {"mode": mode})
 
-    def begin_weight_update(self) -> str:
-        """Open the target model's weight-update session (SGLang restores any in-place packing)."""
-        return str(self.post("begin_weight_update", {"selector": "target"}).get("message", ""))
+    def begin_weight_update(self, selector: str = "target") -> str:
+        """Open the weight-update session of the target model (``selector`` "target") or of the
+        target and its drafter ("all"); SGLang restores any in-place packing."""
+        return str(self.post("begin_weight_update", {"selector": selector}).get("message", ""))
 
     def update_weights_from_tensor(self, update: SGLangUpdate, weight_version: str | None = None) -> str:
         """Run glm_fp8's loader on every rank of the server with ``update`` as its payload; returns
@@ -95,7 +96,7 @@ class SGLangHttpClient:
             "load_format": LOADER,
             "flush_cache": True,
             "weight_version": weight_version,
-            "selector": "target",
+            "selector": selector_of(update),
         }
         return str(self.post("update_weights_from_tensor", body).get("message", ""))
 
@@ -105,6 +106,12 @@ class SGLangHttpClient:
 
     def continue_generation(self) -> None:
         self.post("continue_generation", {})
+
+
+def selector_of(update: SGLangUpdate) -> str:
+    """SGLang's runners an update's calls select: the target model, and with ``drafter`` its MTP
+    drafter too ("all": SGLang then runs the loader for the target, then for the drafter)."""
+    return "all" if update.drafter else "target"
 
 
 def _message(text: str) -> str:
@@ -175,7 +182,7 @@ class SGLangUpdateCall:
         if pause is not None:
             client.pause_generation(pause)
         try:
-            client.begin_weight_update()
+            client.begin_weight_update(selector_of(update))
         except EngineCallFailed as exc:
             if pause is not None:
                 exc.add_note("generation stays paused: client.continue_generation() resumes it")
@@ -289,4 +296,4 @@ def start_update(
     return calls
 
 
-__all__ = ["PAUSE_MODES", "SGLangHttpClient", "SGLangUpdateCall", "start_update"]
+__all__ = ["PAUSE_MODES", "SGLangHttpClient", "SGLangUpdateCall", "selector_of", "start_update"]

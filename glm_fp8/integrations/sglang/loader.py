@@ -60,13 +60,22 @@ def sglang_rank_layout() -> SGLangLayout:
     )
 
 
+def is_drafter(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is SGLang's MTP drafter (``DeepseekModelNextN`` under ``model``: one
+    decoder layer, ``model.decoder``) rather than a target model."""
+    return hasattr(getattr(model, "model", None), "decoder")
+
+
 def landing_params(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> dict[str, torch.Tensor]:
     """The tensors of ``model`` an update lands in, by the names glm_fp8 lands (``sglang_params``:
     the shared expert SGLang fused into the routed experts' stacks under its own entry's name),
     checked against what glm_fp8 lands at ``layout`` (names, shapes, dtypes; the KV cache's scales
-    aside): ``EngineNotSupported`` names the first parameter that differs."""
+    aside): ``EngineNotSupported`` names the first parameter that differs. The drafter's
+    ``model.embed_tokens`` and ``lm_head`` are the target's (SGLang's draft worker shares them:
+    ``set_embed_and_head``), landed by the target's update: not listed."""
     fused = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
-    held = {n: p.data for n, p in model.named_parameters() if not n.endswith(KV_SCALES)}
+    skip = DRAFTER_TARGETS if layout.drafter else ()
+    held = {n: p.data for n, p in model.named_parameters() if not n.endswith(KV_SCALES) and n not in skip}
     try:
         params = sglang_params(held, layout, fused)
     except ValueError as e:
@@ -82,7 +91,12 @@ def landing_params(model: torch.nn.Module, config: Mapping, layout: SGLangLayout
     return params
 
 
-_RECEIVERS: dict[str, tuple[StoreLink, Receiver]] = {}  # per update's link and options, kept open
+# The drafter's parameters that are the target's own tensors (aliases, not landed twice).
+DRAFTER_TARGETS = ("model.embed_tokens.weight", "lm_head.weight")
+# Kept open between updates: a link per (host, port, rank, world size), which the target's and
+# the drafter's updates share, and a Receiver per update (its options as JSON) on it.
+_LINKS: dict[tuple, StoreLink] = {}
+_RECEIVERS: dict[str, tuple[tuple, Receiver]] = {}
 
 
 def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -104,9 +118,11 @@ def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, to
             exc,
         )
         if isinstance(exc, LinkLost):  # that link carries no other update: the trainer builds a new one
-            for key, (link, _) in list(_RECEIVERS.items()):
+            for where, link in list(_LINKS.items()):
                 if getattr(getattr(link, "liveness", None), "lost", None) is not None:
-                    _RECEIVERS.pop(key)
+                    _LINKS.pop(where)
+                    for key in [k for k, (w, _) in _RECEIVERS.items() if w == where]:
+                        _RECEIVERS.pop(key)
                     link.close()
 
 
@@ -115,6 +131,21 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
     from sglang.srt.runtime_context import get_parallel
 
     update = SGLangUpdate.from_named_tensors(named_tensors)
+    drafter = is_drafter(model)
+    refusal = None
+    if drafter and not update.drafter:  # called with selector "all": no drafter's update follows
+        logger.warning(
+            "glm_fp8: SGLang called the loader for its MTP drafter, but the update says drafter=False: "
+            "the drafter keeps its weights (docs/sglang.md#the-mtp-drafter)"
+        )
+        return
+    if drafter:
+        update = update.drafter_update()
+    elif update.drafter and not _runs_drafter():
+        refusal = EngineNotSupported(
+            "SGLangUpdate.drafter: this SGLang server runs no speculative decoding "
+            "(--speculative-algorithm), so no drafter would take the MTP layer; pass drafter=False"
+        )
     rank = update.rank_offset + get_parallel().tp_rank  # this rank on the link: SGLang's TP rank
     if not rank < update.world_size or update.engines[rank] is None:
         raise ValueError(
@@ -122,16 +153,18 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
             f"the update gives no engine layout (world_size {update.world_size}, rank_offset "
             f"{update.rank_offset})"
         )
-    refusal = None
     try:
         layout = sglang_rank_layout()
+        layout = layout.drafter_layout if drafter else layout
         params = landing_params(model, update.config, layout)  # every update: SGLang may re-allocate
     except EngineNotSupported as exc:
-        refusal, layout, params = exc, update.engines[rank], {}
-    key = update.to_json()
-    if key not in _RECEIVERS:
-        device = next(model.parameters()).device
-        link = StoreLink(
+        refusal, layout, params = refusal or exc, update.engines[rank], {}
+    if refusal is not None:
+        layout, params = update.engines[rank], {}
+    where = (update.host, update.port, rank, update.world_size)
+    device = next(model.parameters()).device
+    if where not in _LINKS:
+        _LINKS[where] = StoreLink(
             update.host,
             update.port,
             rank,
@@ -140,6 +173,9 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
             timeout=timedelta(seconds=update.timeout_s),
             device=device,
         )
+    link = _LINKS[where]
+    key = update.to_json()
+    if key not in _RECEIVERS:
         receiver = Receiver(
             link,
             0,
@@ -154,10 +190,25 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
             layout=layout,
             delta=update.delta,
         )
-        _RECEIVERS[key] = (link, receiver)
+        _RECEIVERS[key] = (where, receiver)
     _, receiver = _RECEIVERS[key]
     receiver.load_into(params, refusal=refusal)
-    post_load_weights(model)
+    post_load_weights(model)  # the drafter's too: MLA's w_kc / w_vc of its decoder layer
 
 
-__all__ = ["KV_SCALES", "landing_params", "receive_update", "sglang_rank_layout"]
+def _runs_drafter() -> bool:
+    """Whether this SGLang server decodes speculatively (its published ``--speculative-algorithm``):
+    then its draft worker calls the loader again, for the drafter, after this call."""
+    from sglang.srt.runtime_context import get_spec
+
+    return bool(getattr(get_spec(), "speculative_algorithm", None))
+
+
+__all__ = [
+    "DRAFTER_TARGETS",
+    "KV_SCALES",
+    "is_drafter",
+    "landing_params",
+    "receive_update",
+    "sglang_rank_layout",
+]

@@ -17,6 +17,7 @@ import torch
 from glm_fp8.core.checks import check_int
 from glm_fp8.engine.layout import EngineLayout
 from glm_fp8.engine.sglang import SGLangLayout
+from glm_fp8.model.families import mtp_layer_index
 from glm_fp8.transfer.options import MAX_STEP_LAYERS, check_holders, holders_of, holders_pairs
 
 LOADER = "glm_fp8.integrations.sglang.receive_update"  # --custom-weight-loader, and the load_format
@@ -45,7 +46,11 @@ class SGLangUpdate:
     ranks; ``config``: the model's HF config as a dict; ``layer_ids``, ``rest``, ``senders``,
     ``holders``, ``step_layers``, ``delta``: as the senders' ``Sender`` takes them (``holders``: a
     Megatron-Core trainer's pipeline stages, ``MegatronSource.holders``); ``engines``: every link
-    rank's layout (None at a sender); ``timeout_s``: the link's timeout."""
+    rank's layout (None at a sender); ``timeout_s``: the link's timeout. ``drafter``: the servers
+    run SGLang's MTP drafter (``--speculative-algorithm`` EAGLE on GLM-5's own MTP layer), which
+    takes the MTP layer in a second update on the same link right after this one
+    (``drafter_update``; docs/sglang.md#the-mtp-drafter); ``layer_ids`` then leaves the MTP layer
+    out, and every engine rank of the link is an SGLang rank."""
 
     host: str
     port: int
@@ -60,6 +65,7 @@ class SGLangUpdate:
     timeout_s: float = 600.0
     holders: Mapping | None = None
     step_layers: int = 1
+    drafter: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -82,7 +88,7 @@ class SGLangUpdate:
         for r, lay in enumerate(self.engines):
             if lay is not None and not isinstance(lay, EngineLayout):
                 raise ValueError(f"SGLangUpdate.engines[{r}]: expected an EngineLayout or None, got {lay!r}")
-        for flag in ("rest", "delta"):
+        for flag in ("rest", "delta", "drafter"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"SGLangUpdate.{flag}: expected a bool, got {getattr(self, flag)!r}")
         t = self.timeout_s
@@ -106,6 +112,48 @@ class SGLangUpdate:
                 f"SGLangUpdate.step_layers: {self.step_layers} with delta; a delta update carries one "
                 "layer a step"
             )
+        if self.drafter:
+            self._check_drafter()
+
+    def _check_drafter(self) -> None:
+        mtp = mtp_layer_index(self.config)
+        if mtp is None:
+            raise ValueError(
+                "SGLangUpdate.drafter: the config has no MTP layer (num_nextn_predict_layers 0): no drafter "
+                "to update"
+            )
+        if mtp in self.layer_ids:
+            raise ValueError(
+                f"SGLangUpdate.layer_ids: holds the MTP layer {mtp}, which with drafter=True goes in the "
+                "drafter's own update (drafter_update()); leave it out"
+            )
+        for r, lay in enumerate(self.engines):
+            if lay is not None and not (isinstance(lay, SGLangLayout) and not lay.drafter):
+                raise ValueError(
+                    f"SGLangUpdate.engines[{r}]: {lay!r}; with drafter=True every engine rank of the link is "
+                    "an SGLang rank's target model (the drafter's update reaches each of them)"
+                )
+
+    def drafter_update(self) -> SGLangUpdate:
+        """The update after this one on the same link (``drafter``): the MTP layer alone, into each
+        SGLang rank's drafter (``SGLangLayout.drafter_layout``), from the senders that hold it. The
+        trainer's senders send it with a second ``Sender`` built from its fields, right after
+        this update's ``send_model``."""
+        if not self.drafter:
+            raise ValueError("SGLangUpdate.drafter_update: this update has drafter=False")
+        mtp = mtp_layer_index(self.config)
+        holders = None
+        if self.holders is not None and mtp in self.holders:
+            holders = {mtp: self.holders[mtp]}
+        return dataclasses.replace(
+            self,
+            layer_ids=[mtp],
+            engines=[None if lay is None else lay.drafter_layout for lay in self.engines],
+            rest=False,
+            holders=holders,
+            step_layers=1,
+            drafter=False,
+        )
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
