@@ -348,3 +348,69 @@ def test_start_update_tells_every_trainer_rank_before_any_waits(fail_second):
     assert "begin_weight_update answered 400: a session is open" in out0[1], out0
     assert out1[1].startswith("trainer rank 0: EngineCallFailed: ") and "a session is open" in out1[1], out1
     assert seen == [[pause, begin, end, resume], [pause, begin]], seen
+
+
+MTP_CONFIG = {**CONFIG, "num_nextn_predict_layers": 1}  # layer 4: the MTP layer
+
+
+def _drafter_update(**kw):
+    fields = dict(layer_ids=[0, 1, 2, 3], engines=[None, *LAYOUTS], world_size=3, config=MTP_CONFIG)
+    return _update(drafter=True, **{**fields, **kw})
+
+
+def test_the_drafters_update_carries_the_mtp_layer_into_each_ranks_drafter():
+    """``drafter=True``: the update after the target's, on the same link, is the MTP layer alone
+    into each SGLang rank's drafter (its decoder cut as a target layer is on that rank), and it
+    survives the payload as the target's does."""
+    from glm_fp8.integrations.sglang.client import selector_of
+
+    update = _drafter_update(holders={i: [0] for i in range(5)})
+    draft = update.drafter_update()
+    assert list(draft.layer_ids) == [4] and not draft.rest and not draft.drafter
+    assert draft.engines == [None, *(lay.drafter_layout for lay in LAYOUTS)]
+    assert draft.holders == {4: [0]} and (draft.host, draft.port, draft.world_size) == ("127.0.0.1", 29501, 3)
+    back = SGLangUpdate.from_named_tensors(update.named_tensors())
+    assert back.drafter and back.drafter_update() == SGLangUpdate.from_json(draft.to_json())
+    assert (selector_of(update), selector_of(draft), selector_of(_update())) == ("all", "target", "target")
+
+
+def test_a_drafters_parameters_are_its_mtp_layer_under_its_names():
+    """SGLang's ``DeepseekModelNextN``: the decoder layer's entries under ``model.decoder.`` (its shards
+    a target layer's at the same rank), ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``
+    under ``model.``, no ``shared_head.head`` (the target's ``lm_head``) and no embeddings; the
+    target's layout holds nothing of the MTP layer."""
+    for lay in LAYOUTS:
+        draft = engine_param_specs(MTP_CONFIG, lay.drafter_layout)
+        target = engine_param_specs(MTP_CONFIG, lay)
+        assert not any(".layers.4." in n for n in target)
+        own = {
+            "model.enorm.weight",
+            "model.hnorm.weight",
+            "model.eh_proj.weight",
+            "model.shared_head.norm.weight",
+        }
+        assert own <= set(draft) and not any("shared_head.head" in n or "embed_tokens" in n for n in draft)
+        for name, spec in draft.items():
+            if name not in own:
+                assert name.startswith("model.decoder.")
+                assert target["model.layers.3." + name.removeprefix("model.decoder.")] == spec, name
+        assert draft["model.eh_proj.weight"] == ((256, 512), torch.bfloat16)
+        assert lay.drafter_layout.holds(MTP_CONFIG, "model.layers.4.mlp.experts.w13_weight")
+        assert not lay.drafter_layout.holds(MTP_CONFIG, "model.layers.4.shared_head.head.weight")
+        assert not lay.holds(MTP_CONFIG, "model.layers.4.mlp.experts.w13_weight")
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(config=CONFIG), "no MTP layer"),
+        (dict(layer_ids=[0, 1, 2, 3, 4]), "holds the MTP layer 4"),
+        (dict(engines=[None, EngineLayout(tp_size=2, tp_rank=1), LAYOUTS[1]]), r"engines\[1\]"),
+        (dict(engines=[None, LAYOUTS[0].drafter_layout, LAYOUTS[1]]), r"engines\[1\]"),
+    ],
+)
+def test_a_drafters_update_is_refused_where_it_cannot_reach_each_drafter(kw, words):
+    with pytest.raises(ValueError, match=words):
+        _drafter_update(**kw)
+    with pytest.raises(ValueError, match="drafter=False"):
+        _update().drafter_update()

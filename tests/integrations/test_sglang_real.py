@@ -34,6 +34,7 @@ Stood in: the device. The ranks are CPU processes; SGLang's DSA indexer is built
 ``w_kc`` / ``w_vc`` from the block-FP8 ``kv_b_proj``).
 """
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import io
@@ -104,9 +105,10 @@ SERVERS = {
 }
 
 
-def _sglang_world(rank: int, server: dict, port: int):
+def _sglang_world(rank: int, server: dict, port: int, speculative: bool = False):
     """This process as TP rank ``rank`` of an SGLang server: its ServerArgs published, its groups
-    over gloo, attention DP placed (distributed/bootstrap.py::_init_parallel_groups' order)."""
+    over gloo, attention DP placed (distributed/bootstrap.py::_init_parallel_groups' order);
+    ``speculative``: the server decodes with GLM-5's MTP layer as its EAGLE drafter."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.layers.dp_attention import initialize_dp_attention
@@ -130,6 +132,7 @@ def _sglang_world(rank: int, server: dict, port: int):
         enable_dp_attention=dp > 1,
         pp_size=1,
         device="cpu",
+        **(SPECULATIVE if speculative else {}),
     )
     publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
@@ -138,10 +141,11 @@ def _sglang_world(rank: int, server: dict, port: int):
     initialize_dp_attention(args)
 
 
-def _model(cfg: dict, fused: int = 0):
+def _model(cfg: dict, fused: int = 0, cls=None):
     """SGLang's GLM-5 model as its loader builds it (bf16 default dtype, block-FP8 quant config;
     ``fused``: the shared experts fused into the routed experts' stacks, as its loader decides on an
-    NVIDIA GPU without EP), every byte poisoned but the KV cache's scales."""
+    NVIDIA GPU without EP), every byte poisoned but the KV cache's scales; ``cls``: another of
+    SGLang's classes for it (its MTP drafter)."""
     import sglang.srt.layers.attention.dsa.dsa_indexer as dsa_indexer
     import sglang.srt.layers.rotary_embedding.base as rotary
     import sglang.srt.models.deepseek_common.deepseek_weight_loader as mla_loader
@@ -169,7 +173,7 @@ def _model(cfg: dict, fused: int = 0):
     shared = SharedExpertsConfig(num_fused_shared_experts=fused)
     try:
         with get_model().override(shared_experts=shared):  # as model_loader/loader.py builds it
-            model = GlmMoeDsaForCausalLM(config, quant_config=quant)
+            model = (cls or GlmMoeDsaForCausalLM)(config, quant_config=quant)
     finally:
         torch.set_default_dtype(default)
     model.shared_experts_config = shared
@@ -181,14 +185,63 @@ def _model(cfg: dict, fused: int = 0):
 
 
 def _derived(model) -> dict[str, torch.Tensor]:
-    """MLA's tensors ``post_load_weights`` derives (not parameters): every layer's ``w_kc``, ``w_vc``."""
+    """MLA's tensors ``post_load_weights`` derives (not parameters): every layer's ``w_kc``, ``w_vc``
+    (the drafter's one decoder layer's)."""
     out = {}
-    for i, layer in enumerate(model.model.layers):
+    drafter = hasattr(model.model, "decoder")
+    layers = (
+        {"model.decoder": model.model.decoder}
+        if drafter
+        else {f"model.layers.{i}": layer for i, layer in enumerate(model.model.layers)}
+    )
+    for at, layer in layers.items():
         for name in ("w_kc", "w_vc"):
             t = getattr(layer.self_attn, name, None)
             if t is not None:
-                out[f"model.layers.{i}.self_attn.{name}"] = t
+                out[f"{at}.self_attn.{name}"] = t
     return out
+
+
+# The server decodes speculatively with the model's own MTP layer (SGLang's EAGLE on a NextN drafter).
+SPECULATIVE = dict(
+    speculative_algorithm="EAGLE",
+    speculative_num_steps=1,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=2,
+)
+
+
+def _drafter(cfg: dict, target):
+    """SGLang's MTP drafter (``GlmMoeDsaForCausalLMNextN``) as its draft worker builds it (inside the
+    draft scopes of ``EagleDraftWorker``), every byte poisoned, then given ``target``'s embeddings and
+    ``lm_head`` as the draft worker gives them (``set_embed_and_head``)."""
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+    from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLMNextN
+    from sglang.srt.speculative.draft_parallel import model_draft_parallel_spec, resolve_draft_parallel_layout
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
+
+    layout = resolve_draft_parallel_layout(
+        model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE"))
+    )
+    scopes = (
+        draft_tp_context(layout),
+        draft_pp_context(),
+        speculative_moe_backend_context(),
+        speculative_moe_a2a_backend_context(),
+        draft_model_build_scope(),
+    )
+    with contextlib.ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(scope)
+        model = _model(cfg, cls=GlmMoeDsaForCausalLMNextN)
+    torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None  # set_embed_and_head's, CPU
+    model.set_embed_and_head(*target.get_embed_and_head())
+    return model
 
 
 def _compare(ours, theirs) -> dict:
@@ -755,3 +808,205 @@ def test_each_rank_reads_its_layout_from_sglangs_published_server_args(args, tp_
         assert got[1][0] == "EngineNotSupported" and want in got[1][1], got
         return
     assert got[1] == SGLangLayout.from_sglang(args["tp_size"], tp_rank, **want), got
+
+
+# GLM-5.2 with its MTP layer (layer 4): the server's drafter decodes with it.
+MTP_CONFIG = {**CONFIG, "num_nextn_predict_layers": 1}
+
+
+def _drafter_rank(rank, world, ports, steps, speculative=True):
+    """Trainer rank 0: per step the target's update (the decoder layers and the non-layer tensors),
+    then the drafter's (the MTP layer) on the same link, both deltas after the first. SGLang ranks
+    1 and 2 (TP 2 with EP 2, ``speculative``): SGLang's session code with a draft worker beside the
+    TP worker, its calls with selector "all", so that SGLang runs glm_fp8's loader for the target,
+    then for the drafter; without ``speculative``, no draft worker and no drafter."""
+    import torch.distributed as dist
+
+    from glm_fp8.engine import SGLangLayout
+    from glm_fp8.integrations.sglang import SGLangUpdate
+    from glm_fp8.transfer import DeltaOptions, Sender
+    from glm_fp8.transfer.link import StoreLink
+
+    dist.destroy_process_group()
+    config, mtp = MTP_CONFIG, MTP_CONFIG["num_hidden_layers"]
+    case = {"config": config}
+    layouts = SGLangLayout.all_sglang_ranks(2, ep_size=2)
+    ids = list(range(mtp))  # the target's layers: the MTP layer goes in the drafter's update
+    update = SGLangUpdate(
+        host="127.0.0.1",
+        port=ports[0],
+        rank_offset=1,
+        world_size=3,
+        config=config,
+        layer_ids=ids,
+        engines=[None, *layouts],
+        delta=True,
+        timeout_s=120,
+        drafter=True,
+    )
+    if rank == 0:
+        link = StoreLink("127.0.0.1", ports[0], 0, 3, backend="gloo", timeout=timedelta(seconds=120))
+        kw = dict(config=config, device="cpu", delta=DeltaOptions())
+        sender = Sender(link, 0, layer_ids=ids, rest=True, engines=update.engines, **kw)
+        draft = update.drafter_update()
+        drafter_sender, sent = None, []
+        for step in range(steps):
+            layers = ((i, _layer(case, i, step, None)) for i in ids)
+            t0 = time.monotonic()
+            try:
+                target_bytes = sender.send_model(layers, rest=_layer(case, REST, step, None)).nbytes
+            except Exception as exc:  # noqa: BLE001 - a refused update: its account
+                return {"failed": (type(exc).__name__, str(exc), time.monotonic() - t0)}
+            if (
+                drafter_sender is None
+            ):  # as each SGLang rank builds the drafter's receiver: after the target's
+                drafter_sender = Sender(link, 0, layer_ids=list(draft.layer_ids), engines=draft.engines, **kw)
+            mtp_layer = [(mtp, _layer(case, mtp, step, None))]
+            sent.append((target_bytes, drafter_sender.send_model(mtp_layer).nbytes))
+        return {"sent": sent}
+    return _drafter_sessions(rank - 1, update, steps, ports, speculative)
+
+
+def _drafter_sessions(engine_rank: int, update, steps: int, ports, speculative: bool) -> bytes:
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from glm_fp8.engine import engine_param_specs
+    from glm_fp8.engine.sglang import sglang_params
+    from glm_fp8.integrations.sglang import LOADER
+    from glm_fp8.integrations.sglang.loader import DRAFTER_TARGETS
+    from glm_fp8.testing import moved_layer
+
+    config = MTP_CONFIG
+    _sglang_world(engine_rank, SERVERS["tp2-ep2"], ports[1], speculative=speculative)
+    cpu = torch.device("cpu")
+    weights = None if steps == 1 else (lambda i: moved_layer(config, i, steps - 1, layout="hf"))
+    theirs = _model(config)
+    theirs_drafter = _drafter(config, theirs)
+    for model in (theirs, theirs_drafter):  # SGLang's own load of the checkpoint, the drafter's too
+        model.load_weights(_checkpoint(config, weights))
+        DefaultModelLoader.postprocess_weights(model, cpu)
+    ours = _model(config)
+    ours_drafter = _drafter(config, ours)
+
+    def runner(model):
+        updater = WeightUpdater(
+            tp_rank=engine_rank,
+            device="cpu",
+            gpu_id=0,
+            model_config=None,
+            custom_weight_loaders=[LOADER],
+            get_model=lambda: model,
+            update_model_fields=lambda **_: None,
+            recapture_cuda_graph=lambda: None,
+            get_model_runner=lambda: None,
+        )
+        return SimpleNamespace(weight_updater=updater)
+
+    target_runner, draft_runner = runner(ours), runner(ours_drafter)
+
+    class Worker:  # the TP worker's members the manager reads; deserialization is SGLang's own
+        model_runner = target_runner
+        deserialize_own_rank = TpModelWorker.deserialize_own_rank
+
+        def weight_update_runners(self):
+            return [("target", target_runner)]
+
+    class DraftWorker:  # BaseSpecWorker.weight_update_runners
+        def weight_update_runners(self):
+            return [("draft", draft_runner)]
+
+    versions: list = []
+    manager = SchedulerWeightUpdaterManager(
+        tp_worker=Worker(),
+        draft_worker=DraftWorker() if speculative else None,
+        memory_saver_adapter=None,
+        flush_cache=lambda **_: True,
+        is_fully_idle=lambda: True,
+        scheduler=SimpleNamespace(
+            record_weight_version_change=lambda new_version: versions.append(new_version)
+        ),
+    )
+    serialized = [MultiprocessingSerializer.serialize(update.named_tensors(), output_str=True)] * 2
+    replies = []
+    for step in range(steps):
+        replies.append(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all")))
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=serialized,
+            load_format=LOADER,
+            weight_version=f"step-{step}",
+            selector="all",
+        )
+        replies.append(manager.update_weights_from_tensor(request))
+        replies.append(manager.end_weight_update(EndWeightUpdateReqInput()))
+    if not speculative:
+        return {"replies": [(r.success, r.message) for r in replies]}
+    layout = update.engines[update.rank_offset + engine_rank].drafter_layout
+    held = {
+        n: p.data
+        for n, p in theirs_drafter.named_parameters()
+        if not n.endswith(KV_SCALES) and n not in DRAFTER_TARGETS
+    }
+    built = {n: (tuple(t.shape), t.dtype) for n, t in sglang_params(held, layout).items()}
+    specs = engine_param_specs(config, layout)
+    out = {
+        "target": _compare(ours, theirs),
+        "drafter": _compare(ours_drafter, theirs_drafter),
+        "shared": ours_drafter.lm_head.weight is ours.lm_head.weight,
+        "specs_differ": sorted(n for n in set(specs) | set(built) if specs.get(n) != built.get(n)),
+        "replies": [(r.success, r.message) for r in replies],
+        "versions": versions,
+    }
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api():
+    """A speculative server (TP 2 with EP 2): SGLang's session code runs glm_fp8's loader for the
+    target, then for its MTP drafter (``SGLangUpdate(drafter=True)``: selector "all"); the trainer
+    sends the target's update, then the drafter's on the same link. After a dense update and a
+    delta, every parameter of both models (the drafter's embeddings and ``lm_head`` the target's)
+    and both models' ``w_kc`` / ``w_vc`` equal SGLang's own load of the same block-FP8 checkpoint,
+    and ``engine_param_specs`` of the drafter's layout lists exactly what SGLang built."""
+    steps = 2
+    results = launch(3, _drafter_rank, (free_ports(2), steps), timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    sent = results[0][1]["sent"]
+    assert all(t > 0 and d > 0 for t, d in sent), sent
+    assert sent[1][0] < sent[0][0] / 10 and sent[1][1] < sent[0][1] / 10, sent  # the second: deltas
+    for r in (1, 2):
+        out = torch.load(io.BytesIO(results[r][1]), weights_only=False)
+        assert out["specs_differ"] == [], out["specs_differ"]
+        for model in ("target", "drafter"):
+            got = out[model]
+            assert got["differ"] == [] and got["poisoned"] == [], (model, got)
+        assert (
+            out["target"]["derived"] == 2 * MTP_CONFIG["num_hidden_layers"] and out["drafter"]["derived"] == 2
+        )
+        assert out["shared"] and out["drafter"]["params"] > 30
+        assert all(ok for ok, _ in out["replies"]) and len(out["replies"]) == 3 * steps, out["replies"]
+        assert out["versions"] == [f"step-{k}" for k in range(steps)], out["versions"]
+
+
+def test_a_drafters_update_into_a_server_without_one_is_refused_at_once():
+    """``drafter=True`` into a server that decodes without a drafter: each SGLang rank's loader
+    refuses it in the target's call (no drafter would take the MTP layer, and the trainer would
+    wait for it), voted with the manifest: the sender raises within seconds naming the setting,
+    and every call of SGLang's session succeeds (the loader never raises)."""
+    results = launch(3, _drafter_rank, (free_ports(2), 1, False), timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    kind, text, seconds = results[0][1]["failed"]
+    assert kind == "ManifestMismatch" and "runs no speculative decoding" in text and seconds < 30, text
+    for r in (1, 2):
+        assert [ok for ok, _ in results[r][1]["replies"]] == [True, True, True], results[r][1]
