@@ -417,7 +417,6 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     )
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils import MultiprocessingSerializer
 
     from glm_fp8.integrations.sglang import LOADER
@@ -434,18 +433,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
 
     DefaultModelLoader.postprocess_weights(theirs, cpu)
     ours = _model(config, case["fused"])
-    updater = WeightUpdater(
-        tp_rank=engine_rank,
-        device="cpu",
-        gpu_id=0,
-        model_config=None,
-        custom_weight_loaders=[LOADER],
-        get_model=lambda: ours,
-        update_model_fields=lambda **_: None,
-        recapture_cuda_graph=lambda: None,
-        get_model_runner=lambda: None,
-    )
-    runner = SimpleNamespace(weight_updater=updater)
+    runner = _runner(ours, engine_rank)
 
     class Worker:  # the TP worker's two members the manager reads; deserialization is SGLang's own
         model_runner = runner
@@ -498,6 +486,29 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
+
+
+def _runner(model, engine_rank: int):
+    """A model runner as SGLang's session code reads it: its ``WeightUpdater`` over ``model``, with
+    glm_fp8's loader listed as a custom weight loader."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    from glm_fp8.integrations.sglang import LOADER
+
+    updater = WeightUpdater(
+        tp_rank=engine_rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders=[LOADER],
+        get_model=lambda: model,
+        update_model_fields=lambda **_: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
+    )
+    return SimpleNamespace(weight_updater=updater)
 
 
 def _sglang_update(case: dict, layouts, kw: dict, ports):
@@ -877,7 +888,6 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, speculative: 
     )
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.utils import MultiprocessingSerializer
 
@@ -899,21 +909,7 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, speculative: 
     ours = _model(config)
     ours_drafter = _drafter(config, ours)
 
-    def runner(model):
-        updater = WeightUpdater(
-            tp_rank=engine_rank,
-            device="cpu",
-            gpu_id=0,
-            model_config=None,
-            custom_weight_loaders=[LOADER],
-            get_model=lambda: model,
-            update_model_fields=lambda **_: None,
-            recapture_cuda_graph=lambda: None,
-            get_model_runner=lambda: None,
-        )
-        return SimpleNamespace(weight_updater=updater)
-
-    target_runner, draft_runner = runner(ours), runner(ours_drafter)
+    target_runner, draft_runner = _runner(ours, engine_rank), _runner(ours_drafter, engine_rank)
 
     class Worker:  # the TP worker's members the manager reads; deserialization is SGLang's own
         model_runner = target_runner
