@@ -535,7 +535,7 @@ def main() -> None:
         "--delta-graphs",
         nargs="+",
         choices=("on", "off"),
-        default=["on"],
+        default=["off"],
         help="each a variant: the sender's layers captured as CUDA graphs (DeltaOptions.graphs) or not",
     )
     p.add_argument(

@@ -52,11 +52,11 @@ class DeltaOptions:
     """Where the sender keeps what it last sent (its whole share): "gpu", or "host" (pinned host
     memory; each layer's copy is staged through one GPU buffer of the largest layer's, in and out,
     on the conversion stream)."""
-    graphs: bool = True
+    graphs: bool = False
     """On CUDA, capture each layer's kernels after its gathers (conversion, packing, comparison)
     as a CUDA graph once its tensors are where they were at the update before, and replay it
     while they stay there: one launch a layer instead of a few hundred (docs/delta.md#graphs).
-    False: queue them one by one at every update."""
+    Off by default until measured on a GPU; False: queue them one by one at every update."""
 
     def __post_init__(self):
         r = self.resync_every

@@ -96,7 +96,7 @@ def _rank(rank, world):
     kw = dict(config=CONFIG, layer_ids=IDS, engines=[None, *layouts], device=dev)
     out = []
     if rank == 0:
-        sender = Sender(None, 0, delta=DeltaOptions(), **kw)
+        sender = Sender(None, 0, delta=DeltaOptions(graphs=True), **kw)
         # The trainer's tensors, allocated once and written in place at every step, as an
         # optimizer does: the graphs read them where they are.
         held = {i: {k: t.to(dev) for k, t in _layer(0, i).items()} for i in IDS}

@@ -116,6 +116,9 @@ def test_delta_options():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="resync_every expected None or an integer >= 1"):
             DeltaOptions(resync_every=bad)
+    assert DeltaOptions().graphs is False and DeltaOptions(graphs=True).graphs
+    with pytest.raises(ValueError, match=r"^delta.graphs: expected True or False, got 1$"):
+        DeltaOptions(graphs=1)
 
 
 def test_the_vocabularies_and_their_one_check():
