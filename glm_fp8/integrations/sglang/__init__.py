@@ -16,6 +16,10 @@ scheduler process, with the model. So the server starts with
 3. the trainer: ``end_weight_update`` (SGLang's ``process_weights_after_loading``),
    ``continue_generation``.
 
+A speculative server's MTP drafter (``SGLangUpdate(drafter=True)``) takes the MTP layer in a second
+update on the same link, inside the same call: SGLang runs the loader again, for the drafter
+(docs/sglang.md#the-mtp-drafter).
+
 The package by role:
 
 - ``update``: ``SGLangUpdate``, the payload: the link's address and this server's ranks on it, and

@@ -8,7 +8,10 @@ exactly the parameters glm_fp8 lands (``landing_params``: a shared expert SGLang
 routed experts' stacks is landed in its slot). It joins glm_fp8's link before either check: a
 refusal is voted with the manifest, so the senders and the other ranks stop at once instead of
 waiting for this rank until the link's timeout. The link and the ``Receiver`` stay open between
-updates (a delta update needs what the last one left).
+updates (a delta update needs what the last one left). On a speculative server with
+``SGLangUpdate.drafter``, SGLang runs the loader a second time in the same call, for its MTP
+drafter: that call lands the drafter's update (the MTP layer) on the same link
+(docs/sglang.md#the-mtp-drafter).
 """
 
 from __future__ import annotations
