@@ -825,12 +825,13 @@ def test_each_rank_reads_its_layout_from_sglangs_published_server_args(args, tp_
 MTP_CONFIG = {**CONFIG, "num_nextn_predict_layers": 1}
 
 
-def _drafter_rank(rank, world, ports, steps, speculative=True):
+def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=False):
     """Trainer rank 0: per step the target's update (the decoder layers and the non-layer tensors),
     then the drafter's (the MTP layer) on the same link, both deltas after the first. SGLang ranks
     1 and 2 (TP 2 with EP 2, ``speculative``): SGLang's session code with a draft worker beside the
     TP worker, its calls with selector "all", so that SGLang runs glm_fp8's loader for the target,
-    then for the drafter; without ``speculative``, no draft worker and no drafter."""
+    then for the drafter; without ``speculative``, no draft worker and no drafter.
+    ``wrong_layouts``: the trainer announces the ranks of a TP 2 server without EP."""
     import torch.distributed as dist
 
     from glm_fp8.engine import SGLangLayout
@@ -841,7 +842,7 @@ def _drafter_rank(rank, world, ports, steps, speculative=True):
     dist.destroy_process_group()
     config, mtp = MTP_CONFIG, MTP_CONFIG["num_hidden_layers"]
     case = {"config": config}
-    layouts = SGLangLayout.all_sglang_ranks(2, ep_size=2)
+    layouts = SGLangLayout.all_sglang_ranks(2, **({} if wrong_layouts else {"ep_size": 2}))
     ids = list(range(mtp))  # the target's layers: the MTP layer goes in the drafter's update
     update = SGLangUpdate(
         host="127.0.0.1",
@@ -875,10 +876,11 @@ def _drafter_rank(rank, world, ports, steps, speculative=True):
             mtp_layer = [(mtp, _layer(case, mtp, step, None))]
             sent.append((target_bytes, drafter_sender.send_model(mtp_layer).nbytes))
         return {"sent": sent}
-    return _drafter_sessions(rank - 1, update, steps, ports, speculative)
+    compare = speculative and not wrong_layouts  # a refused update: only the calls' outcome
+    return _drafter_sessions(rank - 1, update, steps, ports, speculative=speculative, compare=compare)
 
 
-def _drafter_sessions(engine_rank: int, update, steps: int, ports, speculative: bool) -> bytes:
+def _drafter_sessions(engine_rank: int, update, steps: int, ports, *, speculative: bool, compare: bool):
     from types import SimpleNamespace
 
     from sglang.srt.managers.io_struct import (
@@ -934,7 +936,7 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, speculative: 
         ),
     )
     serialized = [MultiprocessingSerializer.serialize(update.named_tensors(), output_str=True)] * 2
-    replies = []
+    replies, t0 = [], time.monotonic()
     for step in range(steps):
         replies.append(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all")))
         request = UpdateWeightsFromTensorReqInput(
@@ -945,8 +947,8 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, speculative: 
         )
         replies.append(manager.update_weights_from_tensor(request))
         replies.append(manager.end_weight_update(EndWeightUpdateReqInput()))
-    if not speculative:
-        return {"replies": [(r.success, r.message) for r in replies]}
+    if not compare:
+        return {"replies": [(r.success, r.message) for r in replies], "seconds": time.monotonic() - t0}
     layout = update.engines[update.rank_offset + engine_rank].drafter_layout
     held = {
         n: p.data
@@ -1006,3 +1008,17 @@ def test_a_drafters_update_into_a_server_without_one_is_refused_at_once():
     assert kind == "ManifestMismatch" and "runs no speculative decoding" in text and seconds < 30, text
     for r in (1, 2):
         assert [ok for ok, _ in results[r][1]["replies"]] == [True, True, True], results[r][1]
+
+
+def test_a_refused_target_update_ends_the_drafters_call_at_once():
+    """A speculative server refuses the target's update (the trainer announced other layouts): every
+    rank stops at the manifest, the trainer sends no drafter's update, and the loader's call for
+    the drafter, which SGLang still makes in the same call, returns at once instead of waiting for
+    it until the link's timeout (120 s here)."""
+    results = launch(3, _drafter_rank, (free_ports(2), 1, True, True), timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    kind, text, seconds = results[0][1]["failed"]
+    assert kind == "ManifestMismatch" and "layout: expected engines[" in text and seconds < 30, text
+    for r in (1, 2):
+        out = results[r][1]
+        assert [ok for ok, _ in out["replies"]] == [True, True, True] and out["seconds"] < 60, out

@@ -100,6 +100,13 @@ DRAFTER_TARGETS = ("model.embed_tokens.weight", "lm_head.weight")
 # the drafter's updates share, and a Receiver per update (its options as JSON) on it.
 _LINKS: dict[tuple, StoreLink] = {}
 _RECEIVERS: dict[str, tuple[tuple, Receiver]] = {}
+# The payloads whose target update failed on this rank: SGLang still runs the loader for the
+# drafter in the same call, and no sender sends the drafter's update then (it would wait for it).
+_TARGET_FAILED: set[str] = set()
+
+
+def _payload_key(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    return str(named_tensors[0][0]) if len(named_tensors) == 1 else ""
 
 
 def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -115,6 +122,8 @@ def receive_update(model: torch.nn.Module, named_tensors: Sequence[tuple[str, to
     try:
         _receive(model, named_tensors)
     except Exception as exc:  # noqa: BLE001 - see above: the senders raise it
+        if not is_drafter(model):  # the drafter's call that follows in this call returns at once
+            _TARGET_FAILED.add(_payload_key(named_tensors))
         logger.error(
             "glm_fp8: the update did not land on this rank (the trainer's send_model says why): %s: %s",
             type(exc).__name__,
@@ -135,6 +144,12 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
 
     update = SGLangUpdate.from_named_tensors(named_tensors)
     drafter = is_drafter(model)
+    if drafter and update.drafter and _payload_key(named_tensors) in _TARGET_FAILED:
+        _TARGET_FAILED.discard(_payload_key(named_tensors))
+        logger.error("glm_fp8: the drafter's update is not sent: the target's update failed on this rank")
+        return
+    if not drafter:
+        _TARGET_FAILED.discard(_payload_key(named_tensors))
     refusal = None
     if drafter and not update.drafter:  # called with selector "all": no drafter's update follows
         logger.warning(
