@@ -6,8 +6,8 @@ the transfer plan (``routes``) and how a segment travels (``topology``), the vot
 what a trainer hands in (``trainer_input``), landing in an engine rank's parameters (``land``),
 the options a sender and an engine rank are built with (``options``), what both ends share
 (``endpoint``), the gathers of sharded trainer weights (``gather``, ``share``),
-delta updates (``delta/``), and on top the two ends: ``Sender`` (``sender``) and ``Receiver``
-(``receiver``)."""
+delta updates (``delta/``), a sender's layers captured as CUDA graphs (``graphs``), and on top the
+two ends: ``Sender`` (``sender``) and ``Receiver`` (``receiver``)."""
 
 from glm_fp8.transfer.gather import contribute_shards
 from glm_fp8.transfer.link import HostSinkComm, Link, ObjectLink, StoreLink, TorchLink, as_link
