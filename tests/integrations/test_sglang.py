@@ -80,9 +80,9 @@ class _Model(torch.nn.Module):
     """Parameters under SGLang's names, as engine_param_specs lists them (and the KV-cache scales);
     ``fused``: the shared expert as the routed experts' last, as SGLang fuses it."""
 
-    def __init__(self, layout, drop=None, reshape=None, extra=None, fused=False):
+    def __init__(self, layout, drop=None, reshape=None, extra=None, fused=False, config=CONFIG):
         super().__init__()
-        specs = engine_param_specs(CONFIG, layout)
+        specs = engine_param_specs(config, layout)
         for name, (shape, dtype) in specs.items():
             if name == drop or (fused and ".shared_experts." in name):
                 continue
@@ -414,3 +414,21 @@ def test_a_drafters_update_is_refused_where_it_cannot_reach_each_drafter(kw, wor
         _drafter_update(**kw)
     with pytest.raises(ValueError, match="drafter=False"):
         _update().drafter_update()
+
+
+def test_a_drafter_lands_its_mtp_layer_and_leaves_the_targets_embeddings_and_head():
+    """SGLang's drafter holds the target's ``model.embed_tokens`` and ``lm_head`` (shared by its draft
+    worker): its landing lists neither, and whatever else it holds must be what glm_fp8 lands."""
+    from glm_fp8.integrations.sglang.loader import DRAFTER_TARGETS, is_drafter
+
+    lay = LAYOUTS[0].drafter_layout
+    model = _Model(lay, config=MTP_CONFIG)
+    for name in DRAFTER_TARGETS:  # the target's, as set_embed_and_head leaves them in the drafter
+        model.register_parameter(name.replace(".", "__"), torch.nn.Parameter(torch.empty(3, 2), False))
+    params = landing_params(model, MTP_CONFIG, lay)
+    assert set(params) == set(engine_param_specs(MTP_CONFIG, lay))
+    assert not is_drafter(model) and is_drafter(SimpleNamespace(model=SimpleNamespace(decoder=None)))
+    with pytest.raises(EngineNotSupported, match="model.decoder.mlp.experts.w13_weight: SGLang's"):
+        landing_params(
+            _Model(lay, drop="model.decoder.mlp.experts.w13_weight", config=MTP_CONFIG), MTP_CONFIG, lay
+        )
