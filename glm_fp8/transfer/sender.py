@@ -271,10 +271,11 @@ class Sender(Endpoint):
                 self.send_ring.wait_free(pi, self.convert_stream)
             inputs = None  # what the kernels read, when known before them: the graph's key
             if len(self.senders) == 1:
-                from torch.distributed.tensor import DTensor
+                if self.graphs.enabled:
+                    from torch.distributed.tensor import DTensor
 
-                if not any(isinstance(x, DTensor) for x in layer.values()):
-                    inputs = layer  # plain tensors, no gather: collect_layer queues kernels only
+                    if not any(isinstance(x, DTensor) for x in layer.values()):
+                        inputs = layer  # plain tensors, no gather: collect_layer queues kernels only
 
                 def convert() -> tuple[LayerPlan, dict[str, torch.Tensor]]:
                     views = collect_layer(
@@ -303,9 +304,10 @@ class Sender(Endpoint):
                     prefix = layer_prefix(layer_idx)
                     return local, convert_own(local, inputs, prefix, buf, check_finite=False)
 
-            key = None
+            key = None  # built only where a graph may be captured: the default path skips it
             if (
-                self.delta is not None
+                self.graphs.enabled
+                and self.delta is not None
                 and inputs is not None
                 and all(x.device == buf.device for x in inputs.values())
             ):
