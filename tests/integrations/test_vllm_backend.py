@@ -384,6 +384,39 @@ def _rank(rank, world, trainers, port, boxes, case, opts):
             return real(info)
 
         side.receive = refuse_once
+    if opts.get("fail_early") and r == 1:  # its first update fails before its receiver exists
+        where = opts["fail_early"]
+        if where == "gate":  # working out the update's holders, before the gate
+            import glm_fp8.integrations.vllm.worker as worker_module
+
+            real_holders = worker_module.session_holders
+
+            def holders_once(*args):
+                if not hasattr(holders_once, "done"):
+                    holders_once.done = True
+                    raise KeyError("a stand-in failure of session_holders")
+                return real_holders(*args)
+
+            worker_module.session_holders = holders_once
+        else:  # inside EngineUpdater.update, after the gate, before its receiver is built
+            real_update = None
+
+            def update_once(comm, src=0, **kw):
+                if not hasattr(update_once, "done"):
+                    update_once.done = True
+                    kw["layer_ids"] = ["not a layer"]
+                return real_update(comm, src, **kw)
+
+            real_make = make
+
+            def make_patched():
+                nonlocal real_update
+                updater = real_make()
+                real_update = updater.update
+                updater.update = update_once
+                return updater
+
+            side.make_updater = make_patched
     snapshots = []  # delta: every parameter after each update, checked against that step's reference
     if delta:
         real_receive = side.receive
@@ -576,6 +609,25 @@ def test_a_workers_refusal_stops_every_rank_and_the_next_update_lands():
         assert len(out["log"]) == 1, out["log"]
     assert "o_proj.weight" in results[3][1]["log"][0]
     assert "rank 3 refused its parameters" in results[2][1]["log"][0]
+
+
+@pytest.mark.parametrize("where", ["gate", "update"])
+def test_a_worker_error_before_its_receiver_exists_stops_every_rank_at_once(where):
+    """Engine rank 1 fails its first update before its receiver joins the link: while working out
+    what the update holds (a refusal at the gate), or inside ``EngineUpdater.update`` after the
+    "go", where the other ranks are already in the transfer (voted at the update's first vote).
+    Both trainer ranks raise naming it within seconds, not after the link's timeout (60 s here),
+    and the next update lands every byte on the same link."""
+    results = _run(2, "ep2", mode="senders", fail_early=where, steps=2)
+    said = "a stand-in failure of session_holders" if where == "gate" else "not a layer"
+    for t in (0, 1):
+        (kind, msg, sec), second = results[t][1]
+        assert said in msg and sec < 20, results[t]
+        assert second[0] == "ok", results[t]
+    for r in (2, 3):
+        status, out = results[r]
+        assert status == "ok" and out["bad"] == [] and out["checked"] > 50, (r, out)
+        assert len(out["log"]) == 1 and said in out["log"][0], out["log"]
 
 
 def test_a_worker_that_cannot_take_part_stops_every_rank_at_init():

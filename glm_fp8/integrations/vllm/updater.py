@@ -24,6 +24,7 @@ from glm_fp8.model.plans import plans_for_model
 from glm_fp8.transfer.delta.carry import HeldCopy, adopt_held, detach_held
 from glm_fp8.transfer.delta.receive import check_receiver_delta
 from glm_fp8.transfer.receiver import Receiver
+from glm_fp8.transfer.votes import refusal_is_voted
 
 # --- the parameters -------------------------------------------------------------------------------
 
@@ -256,14 +257,17 @@ class EngineUpdater:
         until a whole update succeeds. The receiver (plans, groups; with ``delta`` the versions it
         holds) is kept for the next update with the same arguments, and what it holds goes on to the
         next link's receiver of the same session (``drop_link``); its ring is given back after each."""
-        ids = list(self.full_layer_ids if layer_ids is None else (int(i) for i in layer_ids))
-        fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
-        if device is None:
-            device = next(iter(self.engine.params.values())).device
-        session = (tuple(ids), rest, fmt, str(device))  # what a held copy goes on with (drop_link)
-        fleet = (None if engines is None else tuple(engines), None if senders is None else tuple(senders))
-        held = None if holders is None else repr(sorted(holders.items()))
-        key = (session, (id(comm), src, ring, checksum, *fleet, delta, held, step_layers))
+        # The other ranks may already be in the transfer: an error before the receiver exists is
+        # voted at the update's first vote, as the receiver's own refusals are.
+        with refusal_is_voted(comm, src, device):
+            ids = list(self.full_layer_ids if layer_ids is None else (int(i) for i in layer_ids))
+            fmt = self.plan.scale_fmt if scale_fmt is None else scale_fmt
+            if device is None:
+                device = next(iter(self.engine.params.values())).device
+            session = (tuple(ids), rest, fmt, str(device))  # what a held copy goes on with (drop_link)
+            fleet = (None if engines is None else tuple(engines), None if senders is None else tuple(senders))
+            held = None if holders is None else repr(sorted(holders.items()))
+            key = (session, (id(comm), src, ring, checksum, *fleet, delta, held, step_layers))
         receiver = self._receivers.get(key)
         if receiver is None:
             receiver = self._receivers[key] = Receiver(

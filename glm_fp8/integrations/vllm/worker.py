@@ -142,16 +142,26 @@ class WorkerSide:
         update = SyncUpdate.from_dict(update_info)
         if self.init_info is None:
             raise RuntimeError("glm_fp8: init_weight_transfer_engine first (the trainer's trainer_init)")
-        refusal = None
+        refusal = error = None
         if self.session is None:
             refusal = "start_weight_update first: no weight-update session is open on this worker"
+            error = RuntimeError(f"glm_fp8: {refusal}")
         elif (update.session == "draft") != (self.session == "draft"):
             refusal = f"update_info.session: {update.session!r} in a {self.session} session"
+            error = ValueError(f"glm_fp8: {refusal}")
+        else:
+            # What the update holds is worked out before this worker says it is ready: an error
+            # here is a refusal at the gate, which every rank raises at once. After the "go" the
+            # other ranks are in the transfer, and would wait for this one until the link's timeout.
+            try:
+                ids, rest = session_layers(self.init_info, update.session, self.updater.mtp_index)
+                holders = session_holders(self.init_info, ids, rest)
+            except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+                refusal, error = f"{type(exc).__name__}: {exc}", exc
         publish_ready(self.link.store, update.step, update.session, self.rank, refusal)
-        if refusal is not None:
-            raise (RuntimeError if self.session is None else ValueError)(f"glm_fp8: {refusal}")
+        if error is not None:
+            raise error
         wait_gate(self.link.store, update.step, update.session)
-        ids, rest = session_layers(self.init_info, update.session, self.updater.mtp_index)
         result = self.updater.update(
             self.link,
             0,
@@ -165,7 +175,7 @@ class WorkerSide:
             checksum=self.init_info.checksum,
             device=self.device,
             delta=self.init_info.delta,
-            holders=session_holders(self.init_info, ids, rest),
+            holders=holders,
         )
         self.results.append(result)
         return result
