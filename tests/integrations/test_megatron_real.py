@@ -487,9 +487,12 @@ def _megatron_rank(rank: int, trainers: int, port: int, config: dict, pp: int = 
     return model, source, place
 
 
-def _trainer_init(rank, world, trainers, port, boxes, source, config, timeout_s, delta=False, step_layers=1):
+def _trainer_init(
+    rank, world, trainers, port, boxes, source, config, timeout_s, delta=False, step_layers=1, mode="auto"
+):
     """vLLM's ``WeightTransferTrainerFactory.trainer_init`` on a trainer rank, ``source=`` its
-    ``MegatronSource``, mode "auto"; rank 0 holds the client of the workers' queues."""
+    ``MegatronSource``, ``mode`` ("auto": many senders); rank 0 holds the client of the workers'
+    queues."""
     from test_vllm_backend import QueueClient
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
@@ -500,7 +503,7 @@ def _trainer_init(rank, world, trainers, port, boxes, source, config, timeout_s,
         port,
         engine_ranks=world - trainers,
         config=config,
-        mode="auto",
+        mode=mode,
         trainer_ranks=trainers,
         timeout_s=timeout_s,
         rank=rank,
@@ -520,8 +523,9 @@ def _vllm_rank(rank, world, trainers, port, boxes, ports, case):
 def _vllm_update(rank, world, trainers, port, boxes, ports, case):
     """A Megatron trainer rank calling vLLM's ``WeightTransferTrainerFactory.trainer_init`` with
     ``source=`` its ``MegatronSource`` and ``send_weights()`` for two steps (``case`` "delta": the
-    second a delta; "steps": TP 2 x PP 2 in steps of a layer of each stage); or an engine worker
-    built and driven as vLLM 0.34's ``Worker`` drives its engine (test_vllm_backend_real.py)."""
+    second a delta; "steps": TP 2 x PP 2 in steps of a layer of each stage; "scatter" /
+    "broadcast": one sender, the second a delta with "scatter"); or an engine worker built and driven as vLLM
+    0.34's ``Worker`` drives its engine (test_vllm_backend_real.py)."""
     import torch.distributed as dist
 
     dist.destroy_process_group()  # the launcher's world holds the engine workers too
@@ -538,8 +542,9 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
                 source,
                 CONFIG,
                 60,
-                delta=case == "delta",
+                delta=case in ("delta", "scatter"),
                 step_layers=steps,
+                mode=case if case in ("scatter", "broadcast") else "auto",
             )
             out = []
             for step in range(2):
@@ -577,7 +582,7 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dense", "delta", "steps"])
+@pytest.mark.parametrize("case", ["dense", "delta", "steps", "scatter", "broadcast"])
 def test_megatron_through_vllms_weight_transfer_api(case):
     """vime's path: a Megatron-Core trainer (TP 2 x EP 2 on 4 ranks, DP 2) updates a vLLM server
     (EP 2) through vLLM 0.34's weight-transfer API with glm_fp8's backend and ``source=`` its
@@ -585,8 +590,12 @@ def test_megatron_through_vllms_weight_transfer_api(case):
     nothing on the link), the MTP layer goes in vLLM's draft session, and after a training step's
     second update (a delta, with ``delta=True``) every engine parameter equals the reference of the
     new weights, as vLLM's FlashInfer MoE backend stores it. "steps": TP 2 x PP 2, every rank a
-    sender, ``step_layers=2``: each step of the target session carries a layer of each stage."""
-    delta = case == "delta"
+    sender, ``step_layers=2``: each step of the target session carries a layer of each stage.
+    "scatter" / "broadcast": the one-sender modes, trainer rank 0 the only sender, every layer
+    gathered onto it whole as it sends (the other three ranks take part in the gathers and put
+    nothing on the link), the second update a delta with "scatter" (a broadcast has no delta)."""
+    delta = case in ("delta", "scatter")
+    one = case in ("scatter", "broadcast")
     pytest.importorskip("vllm.distributed.weight_transfer.base")
     import torch.multiprocessing as mp
     from test_vllm_worker import _vllm_swap_w13_to_w31
@@ -604,7 +613,7 @@ def test_megatron_through_vllms_weight_transfer_api(case):
     }
     kinds = [results[r][1][0] for r in range(trainers)]
     assert kinds == ["sender"] * 4 if case == "steps" else ["sender", "sender", "replica", "replica"], kinds
-    assert all(results[r][1][4] == "senders" for r in range(trainers))
+    assert all(results[r][1][4] == (case if one else "senders") for r in range(trainers))
     for r in range(trainers):
         for step in results[r][1][3]:
             sessions = [s for s, _, _ in step]
@@ -612,9 +621,10 @@ def test_megatron_through_vllms_weight_transfer_api(case):
             if case == "steps":  # every rank sends its stage's share; the MTP layer is the last stage's
                 assert step[0][1] > 0 and (step[1][1] > 0) == (r >= 2), (r, step)
             else:
-                assert all((n > 0) == (r < 2) and on == (r < 2) for _, n, on in step), (r, step)
+                on_link = r == 0 if one else r < 2
+                assert all((n > 0) == on_link and on == on_link for _, n, on in step), (r, step)
     if delta:  # the second step's target update is a delta: a small part of the first's bytes
-        for r in range(2):
+        for r in range(1 if one else 2):
             first, second = results[r][1][3][0][0][1], results[r][1][3][1][0][1]
             assert 0 < second * 4 < first, (r, first, second)
     layers = _checkpoint(results, 2)

@@ -166,7 +166,7 @@ class WeightSourceLayers:
             for i in layer_ids:
                 yield i, self._layer(i)
 
-        return layers(), (_Lazy(lambda: self._layer(REST)) if rest else None)
+        return layers(), (LazyMapping(lambda: self._layer(REST)) if rest else None)
 
     def _as_dtensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``iter_local``'s piece as the DTensor it was cut from (its mesh made once per owners)."""
@@ -368,7 +368,7 @@ def _is_member(t: torch.Tensor) -> bool:
     return mesh is None or mesh.get_coordinate() is not None
 
 
-class _Lazy(Mapping):
+class LazyMapping(Mapping):
     """A mapping read on first use: the non-layer tensors, which a module yields around its layers
     (the embeddings first, the final norm and head last) and which travel after them."""
 
@@ -390,4 +390,11 @@ class _Lazy(Mapping):
         return len(self._data())
 
 
-__all__ = ["LayerSource", "ModuleStateSource", "WeightSourceLayers", "check_metadata", "group_names"]
+__all__ = [
+    "LayerSource",
+    "LazyMapping",
+    "ModuleStateSource",
+    "WeightSourceLayers",
+    "check_metadata",
+    "group_names",
+]

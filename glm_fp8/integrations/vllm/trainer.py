@@ -99,10 +99,13 @@ class TrainerSide(FleetMembership):
         self.source = trainer_source(
             source, self.config, rank=self.rank, trainer_ranks=self.trainer_ranks, device=device
         )
-        # A Megatron-Core source names the trainer ranks that send (sender k is link rank k); else
-        # trainer ranks 0..S-1 are the link's senders.
-        self.sending = list(self.source.senders) if hasattr(self.source, "senders") else None
+        # A Megatron-Core source with many senders names the trainer ranks that send (sender k is
+        # link rank k); else trainer ranks 0..S-1 are the link's senders.
         self.mode = self._mode()
+        megatron = hasattr(self.source, "send_whole")
+        if megatron and self.mode != "senders":
+            self.source.send_whole(self.rank)
+        self.sending = list(self.source.senders) if megatron and self.mode == "senders" else None
         if self.sending is not None:
             self.senders = len(self.sending)
         else:
@@ -165,13 +168,8 @@ class TrainerSide(FleetMembership):
 
     def _mode(self) -> str:
         mode = self.opts.mode
-        if self.sending is not None:  # Megatron-Core: its stages' ranks send their own layers
-            if mode not in ("auto", "senders"):
-                raise ValueError(
-                    f"init_info.mode: {mode!r}, but a Megatron-Core source sends from its ranks: "
-                    "each pipeline stage's its layers (mode 'senders' or 'auto')"
-                )
-            return "senders"
+        if hasattr(self.source, "send_whole"):  # Megatron-Core: its stages' ranks send their own layers
+            return "senders" if mode == "auto" else mode  # or, in a one-sender mode, rank 0 every layer
         whole = self.source.experts_whole and self.trainer_ranks > 1
         if mode == "auto":
             return choose_mode(self.trainer_ranks, self.source.experts_whole)[0]

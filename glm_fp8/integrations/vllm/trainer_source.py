@@ -13,7 +13,7 @@ import torch
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.integrations.megatron import MegatronSource
-from glm_fp8.integrations.vllm.sources import LayerSource, WeightSourceLayers
+from glm_fp8.integrations.vllm.sources import LayerSource, LazyMapping, WeightSourceLayers
 from glm_fp8.model.families import REST, mtp_layer_index
 from glm_fp8.transfer.gather import contribute_shards
 
@@ -62,7 +62,7 @@ def contribute(
                 return
             yield item
 
-    if isinstance(source, WeightSourceLayers):
+    if isinstance(source, (WeightSourceLayers, _MegatronView)):  # gathered as they are read
         for idx, tensors in gated():
             if idx == REST:
                 dict(tensors)  # read when used: its full_tensor() gathers
@@ -80,7 +80,10 @@ def contribute(
 
 class _MegatronView:
     """A ``MegatronSource`` as ``TrainerSide`` reads sources: many senders, each pipeline stage's
-    holding its layers (``senders``, ``holders``); the ranks that do not send hand nothing."""
+    holding its layers (``senders``, ``holders``); the ranks that do not send hand nothing. After
+    ``send_whole()`` (the one-sender modes) it reads as one sender's source instead: every layer
+    whole on trainer rank 0 (``MegatronSource.whole_layers``), gathered as the sender reads it,
+    while every other rank runs its part of the same gathers (``contribute``)."""
 
     experts_whole = True
     rest = True
@@ -92,6 +95,20 @@ class _MegatronView:
         self.stage_layer_ids = [i for i in src.stage_layer_ids if i != mtp]  # for steps of several layers
         self.mtp = mtp is not None and mtp in src.layer_ids
         self.senders, self.holders = list(src.senders), src.holders
+        self.whole = False
+
+    def send_whole(self, rank: int) -> None:
+        """Read as one sender's source: trainer rank 0 is the link's only sender. ``rank``: this
+        trainer rank, which must be its rank in ``torch.distributed``'s default group (the group
+        Megatron's gathers run in, onto its rank 0)."""
+        import torch.distributed as dist
+
+        if dist.get_rank() != rank:
+            raise ValueError(
+                f"init_info.rank: {rank}, but this process is rank {dist.get_rank()} of torch.distributed's "
+                "default group, where a Megatron-Core source gathers each layer onto rank 0; pass that rank"
+            )
+        self.whole = True
 
     def begin_step(self) -> None:
         return None
@@ -100,6 +117,10 @@ class _MegatronView:
         return None
 
     def session(self, layer_ids, rest: bool):
+        if self.whole:  # collectives over the default group, run as each layer (then the rest) is read
+            return self.src.whole_layers(list(layer_ids)), (
+                LazyMapping(self.src.whole_rest) if rest else None
+            )
         return self.src.layers(list(layer_ids)), (self.src.rest() if rest else None)
 
 
