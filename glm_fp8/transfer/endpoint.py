@@ -291,16 +291,20 @@ class Endpoint:
                 indexer_form=self.indexer_form,
             )
 
+    def _rings(self) -> list[Ring]:
+        names = ("ring", "conv_ring", "send_ring")
+        return [r for r in (getattr(self, n, None) for n in names) if r is not None]
+
     def release(self) -> None:
         """Give the ring buffers back once the work queued on them finished (between updates: the
         next update allocates them again; plans and groups are kept)."""
-        for ring in (
-            getattr(self, "ring", None),
-            getattr(self, "conv_ring", None),
-            getattr(self, "send_ring", None),
-        ):
-            if ring is not None:
-                ring.drop()
+        for ring in self._rings():
+            ring.drop()
+
+    @property
+    def held_nbytes(self) -> int:
+        """The bytes of ring buffers this endpoint holds now (0 after ``release``)."""
+        return sum(ring.nbytes for ring in self._rings() for slot in ring.slots if slot is not None)
 
     # --- what every rank agrees on ----------------------------------------------------------------
 

@@ -420,6 +420,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     from sglang.srt.utils import MultiprocessingSerializer
 
     from glm_fp8.integrations.sglang import LOADER
+    from glm_fp8.integrations.sglang.loader import held_receive_bytes
     from glm_fp8.testing import moved_layer
 
     server, steps, config = case["server"], case["steps"], case["config"]
@@ -458,12 +459,13 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     serialized = [
         MultiprocessingSerializer.serialize(update.named_tensors(), output_str=True) for _ in layouts
     ]
-    replies = []
+    replies, held = [], []  # held: the receive buffers the loader holds after each call
     if case["api"] == "http":  # the calls as the server's routes made them, from the trainer's client
         requests, answers = case["boxes"][engine_rank]
         while (call := requests.get(timeout=240)) is not None:
             method, obj = call
             replies.append(getattr(manager, method)(obj))
+            held.append(held_receive_bytes())
             answers.put((replies[-1].success, replies[-1].message, method))
     for step in range(steps if case["api"] is True else 0):
         replies.append(manager.begin_weight_update(BeginWeightUpdateReqInput(selector="target")))
@@ -474,6 +476,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
                 )
             )
         )
+        held.append(held_receive_bytes())
         replies.append(manager.end_weight_update(EndWeightUpdateReqInput()))
     out = _compare(ours, theirs)
     out.update(
@@ -482,6 +485,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
         specs_differ=[],
         replies=[(r.success, r.message) for r in replies],
         versions=versions,
+        held=held,
     )
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -722,6 +726,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
             assert all(ok for ok, _ in out["replies"]), out["replies"]
             assert len(out["replies"]) == 3 * case["steps"], out["replies"]
             assert out["versions"] == [f"step-{k}" for k in range(case["steps"])], out["versions"]
+            assert out["held"] and set(out["held"]) == {0}, out["held"]  # the ring given back each time
         if case["delta"] and not case["api"]:  # the first update dense, then only what changed (sent: below)
             assert all(0 < n < out["received"][0] / 10 for n in out["received"][1:]), out["received"]
     if case["api"] == "http":  # the routes in SGLang's order, every update's; generation resumed

@@ -8,7 +8,8 @@ exactly the parameters glm_fp8 lands (``landing_params``: a shared expert SGLang
 routed experts' stacks is landed in its slot). It joins glm_fp8's link before either check: a
 refusal is voted with the manifest, so the senders and the other ranks stop at once instead of
 waiting for this rank until the link's timeout. The link and the ``Receiver`` stay open between
-updates (a delta update needs what the last one left). On a speculative server with
+updates (a delta update needs what the last one left); its receive buffers (the ring) are given
+back after each (``held_receive_bytes``). On a speculative server with
 ``SGLangUpdate.drafter``, SGLang runs the loader a second time in the same call, for its MTP
 drafter: that call lands the drafter's update (the MTP layer) on the same link
 (docs/sglang.md#the-mtp-drafter).
@@ -210,8 +211,21 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
         )
         _RECEIVERS[key] = (where, receiver)
     _, receiver = _RECEIVERS[key]
-    receiver.load_into(params, refusal=refusal)
+    try:
+        receiver.load_into(params, refusal=refusal)
+    finally:
+        # The ring goes back after every update, landed or not: SGLang sized its KV cache at start
+        # and serves between updates, so nothing of the transfer stays held.
+        receiver.release()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     post_load_weights(model)  # the drafter's too: MLA's w_kc / w_vc of its decoder layer
+
+
+def held_receive_bytes() -> int:
+    """The bytes of receive buffers this process's glm_fp8 receivers hold now: 0 between updates
+    (each update allocates its ring and gives it back; plans and links stay)."""
+    return sum(receiver.held_nbytes for _, receiver in _RECEIVERS.values())
 
 
 def _runs_drafter() -> bool:
@@ -225,6 +239,7 @@ def _runs_drafter() -> bool:
 __all__ = [
     "DRAFTER_TARGETS",
     "KV_SCALES",
+    "held_receive_bytes",
     "is_drafter",
     "landing_params",
     "receive_update",
