@@ -123,6 +123,10 @@ def test_miles_glm5_fleet_predicts_beside_their_measured_times(capsys):
     assert report["summary"]["auto_mode"] == "senders"
     assert len(report["summary"]["sender_bytes"]) == 128 and min(report["summary"]["sender_bytes"]) > 0
     assert many["seconds"] < strategies["fp8 scatter"]["seconds"] < strategies["bf16 broadcast"]["seconds"]
+    # TP-split tensors are gathered onto their owners (docs/trainers.md#tp-pieces-or-gathered): in the
+    # other direction of a sender's NIC, under 1/40 of what any listed sender sends, so never the bound.
+    rows = report["update"]["transfer_plan"]["rows"]
+    assert rows and all(0 < 40 * r["gathered_bytes"] < r["sent_bytes"] for r in rows), rows
     main(["plan", "--fleet", "miles-glm-5", "--master-dtype", "bf16"])
     assert "Megatron-Core TP 4 x PP 8 x CP 2, EP 16: 128 senders" in capsys.readouterr().out
     # The same trainer into 4 servers of EP 8 (one node each): every rank of a server receives
