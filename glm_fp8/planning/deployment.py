@@ -114,8 +114,11 @@ def engine_extra(
 ) -> list[tuple[int, int, int, int]]:
     """Per engine rank of ``layouts`` (one engine): its receiver's extra memory for a whole-model
     update in one stream (scatter), the same from a full broadcast, and in vLLM's target and
-    draft sessions (scatter; 0 for the draft without an MTP layer). Many senders cut the same
-    regions into segments (a few hundred bytes more per layer)."""
+    draft sessions (scatter; 0 for the draft without an MTP layer). An SGLang rank's "draft
+    session" is its drafter's update (the MTP layer into SGLang's draft model, right after the
+    target's in the same call; docs/sglang.md#the-mtp-drafter), whose receiver holds its own ring
+    after the target's gave its back. Many senders cut the same regions into segments (a few
+    hundred bytes more per layer)."""
     config = as_config(config)
 
     form = update_indexer_form(config, layouts)  # the DSA indexer as these ranks hold it
@@ -128,9 +131,9 @@ def engine_extra(
     whole, target = [*model_layer_ids(config), REST], [*model_layer_ids(config, mtp=False), REST]
     scatter = [None, *layouts]
     one, broadcast = plan_for(whole, scatter), plan_for(whole, [None, *[FULL] * len(layouts)])
-    # SGLang's drafter is a model of its own, which glm_fp8 does not update yet (docs/sglang.md): no session.
-    draft = mtp is not None and all(lay.engine == "vllm" for lay in layouts)
-    tgt, drf = plan_for(target, scatter), plan_for([mtp], scatter) if draft else None
+    # SGLang's drafter is a model of its own: the MTP layer lands in its drafter's layout.
+    drafters = [None, *(lay.drafter_layout if lay.engine == "sglang" else lay for lay in layouts)]
+    tgt, drf = plan_for(target, scatter), plan_for([mtp], drafters) if mtp is not None else None
     return [
         (
             one.receiver_bytes(r),

@@ -38,7 +38,7 @@ TRAINER_EXTRA_COUNTS = {
 }
 ENGINE_EXTRA_COUNTS = (
     "its receiver's ring of its largest step buffer (2 slots, each a layer's buffer or a step's "
-    "layers' side by side; 1 in the draft session, one layer), "
+    "layers' side by side; 1 in the draft session or SGLang's drafter's update, one layer), "
     "checksum scratch and step headers; above its parameters"
 )
 DELTA_COUNTS = {
@@ -115,6 +115,9 @@ def summary_section(
             _senders_engine_extra(transfer, [t + r for r in ranks], mtp, sec["ranks"])
             for ranks, sec in zip(fleet.engine_ranges(), sections)
         ]
+        for x, server, sec in zip(extras, fleet.servers, sections):
+            if server.engine == "sglang":  # its drafter's update has routes of its own: scatter's figure
+                x["draft_session_bytes"] = _engine_extra_summary(sec)["draft_session_bytes"]
     else:
         trainer = [
             {
@@ -141,6 +144,7 @@ def summary_section(
         per_server.append(
             {
                 "name": name,
+                "engine": server.engine,
                 "layout": server.describe(),
                 "replicas": server.replicas,
                 "ranks": server.ranks,

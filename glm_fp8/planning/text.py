@@ -126,11 +126,8 @@ def deployment_lines(report: dict) -> list[str]:
         )
     if report["servers"] is not None:
         for x in s["servers"]:
-            draft = (
-                f", {gib(x['draft_session_bytes'])} GiB in the draft session"
-                if x["draft_session_bytes"]
-                else ""
-            )
+            where = "its drafter's update" if x.get("engine") == "sglang" else "the draft session"
+            draft = f", {gib(x['draft_session_bytes'])} GiB in {where}" if x["draft_session_bytes"] else ""
             out += wrap(
                 f"{x['name']} ranks ({x['replicas']} replica{'s' if x['replicas'] > 1 else ''} x "
                 f"{x['ranks']}): "

@@ -83,6 +83,24 @@ def test_attention_dp_ranks_receive_whole_attention():
     assert min(update_bytes(CONFIG, vllm, layer_ids=mtp, rest=False)[1]) > 0
 
 
+def test_an_sglang_ranks_drafter_update_is_planned_in_its_drafters_layout(capsys):
+    """The plan's "draft session" of an SGLang rank is its drafter's update: the MTP layer's bytes
+    as ``SGLangLayout.drafter_layout`` holds them (a decoder layer's cut, its own entries whole,
+    no head), in every mode's figure, said as the drafter's update in the text."""
+    from glm_fp8.planning.deployment import engine_extra
+
+    server = Server(2, 2, True, engine="sglang")
+    layouts = server.layouts()
+    mtp = CONFIG["num_hidden_layers"]
+    drafters = [lay.drafter_layout for lay in layouts]
+    _, want = update_bytes(CONFIG, drafters, layer_ids=[mtp], rest=False)
+    extra = engine_extra(CONFIG, layouts)
+    assert all(0 < w <= e[3] < w + 2**20 for w, e in zip(want, extra)), (want, extra)
+    assert main(["plan", "--server", "engine=sglang,tp=8,ep", "--trainer-gpus", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB in its drafter's update" in out and "in the draft session," not in out, out
+
+
 def test_the_miles_shaped_sglang_preset_plans_an_update():
     fleet = fleet_preset("miles-glm-5-sglang")
     (server,) = fleet.servers
@@ -104,6 +122,10 @@ def test_miles_glm5_sglang_fleet_predicts_beside_their_measured_times(capsys):
     assert round(by["fp8 many senders"]["seconds"], 2) == 6.85
     assert round(by["bf16 broadcast"]["seconds"], 2) == 60.51
     assert by["fp8 many senders"]["seconds"] < by["fp8 scatter"]["seconds"] < by["bf16 broadcast"]["seconds"]
+    # The drafter's update (the MTP layer into SGLang's draft model): its receiver's ring, one slot
+    # of the MTP layer as the drafter's layout holds it, the target's given back before it.
+    (srv,) = report["summary"]["servers"]
+    assert srv["engine"] == "sglang" and 0 < srv["draft_session_bytes"] < srv["target_session_bytes"], srv
     fleet = fleet_preset("miles-glm-5-sglang")
     (server,) = fleet.servers
     dp8 = dataclasses.replace(fleet, servers=(dataclasses.replace(server, dp=8),))
