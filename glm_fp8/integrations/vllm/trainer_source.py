@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from glm_fp8.core.checks import check_int
 from glm_fp8.integrations.megatron import MegatronSource
@@ -101,8 +102,6 @@ class _MegatronView:
         """Read as one sender's source: trainer rank 0 is the link's only sender. ``rank``: this
         trainer rank, which must be its rank in ``torch.distributed``'s default group (the group
         Megatron's gathers run in, onto its rank 0)."""
-        import torch.distributed as dist
-
         if dist.get_rank() != rank:
             raise ValueError(
                 f"init_info.rank: {rank}, but this process is rank {dist.get_rank()} of torch.distributed's "
