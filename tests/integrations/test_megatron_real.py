@@ -699,7 +699,8 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
     if rank < trainers:
         dist.destroy_process_group()
         try:
-            model, source, place = _megatron_rank(rank, trainers, ports[1], config)
+            pp = 2 if case.startswith("pp2") else 1
+            model, source, place = _megatron_rank(rank, trainers, ports[1], config, pp)
             kind = "sender" if source.is_sender else "replica"
             path = os.path.join(tmp, f"trainer{rank}.pt")
             torch.save((kind, place, _local(model)), path + ".part")
@@ -726,7 +727,7 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
         world - trainers,
         vllm_port,
         boxes,
-        case,
+        case.removeprefix("pp2-"),
         config,
         tmp,
         torch.bfloat16,
@@ -735,10 +736,11 @@ def _vllm_model_update(rank, world, trainers, port, vllm_port, boxes, ports, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["ep2", "tp2"])
+@pytest.mark.parametrize("case", ["ep2", "tp2", "pp2-ep2"])
 def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(case, tmp_path):
     """The issue's measure: Megatron-Core's tiny GLM-5 over TP 2 x EP 2 (DP 2) updates vLLM 0.34's own
-    ``GlmMoeDsaForCausalLM`` and its MTP drafter at EP 2 and at TP 2 through vLLM's weight-transfer API; every
+    ``GlmMoeDsaForCausalLM`` and its MTP drafter at EP 2 and at TP 2 through vLLM's weight-transfer API
+    ("pp2-ep2": over TP 2 x PP 2, every rank sending its stage's layers, into EP 2); every
     parameter of both (MLA's rebuilt ``W_UK_T`` / ``W_UV`` too) then holds the bytes vLLM's own
     ``load_weights`` gives them from a block-FP8 checkpoint that this test builds from the same
     Megatron tensors by its own table (no glm_fp8 conversion in the expected bytes but the
@@ -760,7 +762,8 @@ def test_megatron_update_lands_in_vllms_glm5_model_as_vllms_own_load(case, tmp_p
     results = launch(trainers + engines, _vllm_model_rank, args, timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {r: torch.load(io.BytesIO(res), weights_only=False) for r, (_, res) in results.items()}
-    assert [results[r][0] for r in range(trainers)] == ["sender", "sender", "replica", "replica"]
+    kinds = ["sender"] * 4 if case.startswith("pp2") else ["sender", "sender", "replica", "replica"]
+    assert [results[r][0] for r in range(trainers)] == kinds
     for r in range(trainers):
         assert [s for s, _ in results[r][1]] == ["target", "draft"], results[r]
     for r in range(trainers, trainers + engines):
