@@ -533,6 +533,18 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
         try:
             pp, steps = (2, 2) if case == "steps" else (1, 1)
             model, source, place = _megatron_rank(rank, trainers, ports[1], CONFIG, pp)
+            refused = None
+            if case == "scatter" and rank == 0:  # one sender: init_info.rank must be the group's rank
+                from glm_fp8.integrations.vllm.trainer import TrainerSide
+                from glm_fp8.integrations.vllm.trainer_options import TrainerOptions
+
+                opts = TrainerOptions(
+                    "127.0.0.1", port, engine_ranks=2, config=CONFIG, mode="scatter", rank=1, trainer_ranks=4
+                )
+                try:
+                    TrainerSide(opts, None, source, torch.device("cpu"))
+                except ValueError as exc:
+                    refused = str(exc)
             engine = _trainer_init(
                 rank,
                 world,
@@ -553,7 +565,7 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
                 out.append([(o["session"], o["bytes"], o["sender"]) for o in engine.send_weights()])
             engine.shutdown()
             kind = "sender" if source.is_sender else "replica"
-            return kind, place, _local(model), out, engine.side.mode
+            return kind, place, _local(model), out, engine.side.mode, refused
         finally:
             if rank == 0:
                 for inbox, _ in boxes:
@@ -614,6 +626,11 @@ def test_megatron_through_vllms_weight_transfer_api(case):
     kinds = [results[r][1][0] for r in range(trainers)]
     assert kinds == ["sender"] * 4 if case == "steps" else ["sender", "sender", "replica", "replica"], kinds
     assert all(results[r][1][4] == (case if one else "senders") for r in range(trainers))
+    if case == "scatter":  # a trainer rank other than its rank in the default group: refused, naming both
+        refused = results[0][1][5]
+        assert refused and "init_info.rank: 1" in refused and "rank 0 of torch.distributed" in refused, (
+            refused
+        )
     for r in range(trainers):
         for step in results[r][1][3]:
             sessions = [s for s, _, _ in step]
