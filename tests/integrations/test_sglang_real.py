@@ -211,7 +211,7 @@ SPECULATIVE = dict(
 )
 
 
-def _drafter(cfg: dict, target):
+def _drafter(cfg: dict, target, fused: int = 0):
     """SGLang's MTP drafter (``GlmMoeDsaForCausalLMNextN``) as its draft worker builds it (inside the
     draft scopes of ``EagleDraftWorker``), every byte poisoned, then given ``target``'s embeddings and
     ``lm_head`` as the draft worker gives them (``set_embed_and_head``)."""
@@ -238,7 +238,7 @@ def _drafter(cfg: dict, target):
     with contextlib.ExitStack() as stack:
         for scope in scopes:
             stack.enter_context(scope)
-        model = _model(cfg, cls=GlmMoeDsaForCausalLMNextN)
+        model = _model(cfg, fused, cls=GlmMoeDsaForCausalLMNextN)
     torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None  # set_embed_and_head's, CPU
     model.set_embed_and_head(*target.get_embed_and_head())
     return model
@@ -830,13 +830,15 @@ def test_each_rank_reads_its_layout_from_sglangs_published_server_args(args, tp_
 MTP_CONFIG = {**CONFIG, "num_nextn_predict_layers": 1}
 
 
-def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=False):
+def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=False, fused=0):
     """Trainer rank 0: per step the target's update (the decoder layers and the non-layer tensors),
     then the drafter's (the MTP layer) on the same link, both deltas after the first. SGLang ranks
     1 and 2 (TP 2 with EP 2, ``speculative``): SGLang's session code with a draft worker beside the
     TP worker, its calls with selector "all", so that SGLang runs glm_fp8's loader for the target,
     then for the drafter; without ``speculative``, no draft worker and no drafter.
-    ``wrong_layouts``: the trainer announces the ranks of a TP 2 server without EP."""
+    ``wrong_layouts``: the trainer announces the ranks of a TP 2 server without EP. ``fused``: a TP 2
+    server without EP whose models (target and drafter) fuse the shared expert into the routed
+    experts' stacks, as SGLang's loader decides on an NVIDIA GPU without EP."""
     import torch.distributed as dist
 
     from glm_fp8.engine import SGLangLayout
@@ -847,7 +849,7 @@ def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=Fal
     dist.destroy_process_group()
     config, mtp = MTP_CONFIG, MTP_CONFIG["num_hidden_layers"]
     case = {"config": config}
-    layouts = SGLangLayout.all_sglang_ranks(2, **({} if wrong_layouts else {"ep_size": 2}))
+    layouts = SGLangLayout.all_sglang_ranks(2, **({} if wrong_layouts or fused else {"ep_size": 2}))
     ids = list(range(mtp))  # the target's layers: the MTP layer goes in the drafter's update
     update = SGLangUpdate(
         host="127.0.0.1",
@@ -882,10 +884,14 @@ def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=Fal
             sent.append((target_bytes, drafter_sender.send_model(mtp_layer).nbytes))
         return {"sent": sent}
     compare = speculative and not wrong_layouts  # a refused update: only the calls' outcome
-    return _drafter_sessions(rank - 1, update, steps, ports, speculative=speculative, compare=compare)
+    return _drafter_sessions(
+        rank - 1, update, steps, ports, speculative=speculative, compare=compare, fused=fused
+    )
 
 
-def _drafter_sessions(engine_rank: int, update, steps: int, ports, *, speculative: bool, compare: bool):
+def _drafter_sessions(
+    engine_rank: int, update, steps: int, ports, *, speculative: bool, compare: bool, fused: int = 0
+):
     from types import SimpleNamespace
 
     from sglang.srt.managers.io_struct import (
@@ -905,16 +911,16 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, *, speculativ
     from glm_fp8.testing import moved_layer
 
     config = MTP_CONFIG
-    _sglang_world(engine_rank, SERVERS["tp2-ep2"], ports[1], speculative=speculative)
+    _sglang_world(engine_rank, SERVERS["tp2" if fused else "tp2-ep2"], ports[1], speculative=speculative)
     cpu = torch.device("cpu")
     weights = None if steps == 1 else (lambda i: moved_layer(config, i, steps - 1, layout="hf"))
-    theirs = _model(config)
-    theirs_drafter = _drafter(config, theirs)
+    theirs = _model(config, fused)
+    theirs_drafter = _drafter(config, theirs, fused)
     for model in (theirs, theirs_drafter):  # SGLang's own load of the checkpoint, the drafter's too
         model.load_weights(_checkpoint(config, weights))
         DefaultModelLoader.postprocess_weights(model, cpu)
-    ours = _model(config)
-    ours_drafter = _drafter(config, ours)
+    ours = _model(config, fused)
+    ours_drafter = _drafter(config, ours, fused)
 
     target_runner, draft_runner = _runner(ours, engine_rank), _runner(ours_drafter, engine_rank)
 
@@ -960,12 +966,14 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, *, speculativ
         for n, p in theirs_drafter.named_parameters()
         if not n.endswith(KV_SCALES) and n not in DRAFTER_TARGETS
     }
-    built = {n: (tuple(t.shape), t.dtype) for n, t in sglang_params(held, layout).items()}
+    built = {n: (tuple(t.shape), t.dtype) for n, t in sglang_params(held, layout, fused).items()}
     specs = engine_param_specs(config, layout)
     out = {
         "target": _compare(ours, theirs),
         "drafter": _compare(ours_drafter, theirs_drafter),
         "shared": ours_drafter.lm_head.weight is ours.lm_head.weight,
+        # the drafter's expert stack: the routed experts, then the fused shared expert's slot
+        "stack": ours_drafter.model.decoder.mlp.experts.w13_weight.shape[0],
         "specs_differ": sorted(n for n in set(specs) | set(built) if specs.get(n) != built.get(n)),
         "replies": [(r.success, r.message) for r in replies],
         "versions": versions,
@@ -975,15 +983,17 @@ def _drafter_sessions(engine_rank: int, update, steps: int, ports, *, speculativ
     return buf.getvalue()
 
 
-def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api():
-    """A speculative server (TP 2 with EP 2): SGLang's session code runs glm_fp8's loader for the
-    target, then for its MTP drafter (``SGLangUpdate(drafter=True)``: selector "all"); the trainer
-    sends the target's update, then the drafter's on the same link. After a dense update and a
-    delta, every parameter of both models (the drafter's embeddings and ``lm_head`` the target's)
-    and both models' ``w_kc`` / ``w_vc`` equal SGLang's own load of the same block-FP8 checkpoint,
-    and ``engine_param_specs`` of the drafter's layout lists exactly what SGLang built."""
+@pytest.mark.parametrize("fused", [0, 1], ids=["tp2-ep2", "tp2 fused shared expert"])
+def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api(fused):
+    """A speculative server (TP 2 with EP 2; or TP 2 whose models fuse the shared expert into the
+    routed experts' stacks): SGLang's session code runs glm_fp8's loader for the target, then for
+    its MTP drafter (``SGLangUpdate(drafter=True)``: selector "all"); the trainer sends the
+    target's update, then the drafter's on the same link. After a dense update and a delta, every
+    parameter of both models (the drafter's embeddings and ``lm_head`` the target's) and both
+    models' ``w_kc`` / ``w_vc`` equal SGLang's own load of the same block-FP8 checkpoint, and
+    ``engine_param_specs`` of the drafter's layout lists exactly what SGLang built."""
     steps = 2
-    results = launch(3, _drafter_rank, (free_ports(2), steps), timeout_s=300)
+    results = launch(3, _drafter_rank, (free_ports(2), steps, True, False, fused), timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     sent = results[0][1]["sent"]
     assert all(t > 0 and d > 0 for t, d in sent), sent
@@ -998,6 +1008,7 @@ def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api():
             out["target"]["derived"] == 2 * MTP_CONFIG["num_hidden_layers"] and out["drafter"]["derived"] == 2
         )
         assert out["shared"] and out["drafter"]["params"] > 30
+        assert out["stack"] == MTP_CONFIG["n_routed_experts"] // (1 if fused else 2) + fused, out["stack"]
         assert all(ok for ok, _ in out["replies"]) and len(out["replies"]) == 3 * steps, out["replies"]
         assert out["versions"] == [f"step-{k}" for k in range(steps)], out["versions"]
 
