@@ -488,29 +488,49 @@ def _megatron_rank(rank: int, trainers: int, port: int, config: dict, pp: int = 
 
 
 def _trainer_init(
-    rank, world, trainers, port, boxes, source, config, timeout_s, delta=False, step_layers=1, mode="auto"
+    rank,
+    world,
+    trainers,
+    port,
+    boxes,
+    source,
+    config,
+    timeout_s,
+    delta=False,
+    step_layers=1,
+    mode="auto",
+    servers=None,
 ):
     """vLLM's ``WeightTransferTrainerFactory.trainer_init`` on a trainer rank, ``source=`` its
     ``MegatronSource``, ``mode`` ("auto": many senders); rank 0 holds the client of the workers'
-    queues."""
+    queues (``servers``: a fleet, each server's worker count: a client per server)."""
     from test_vllm_backend import QueueClient
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from glm_fp8.integrations.vllm.backend import GlmFp8TrainerInitInfo
 
+    fleet = {} if servers is None else dict(server_names=[f"s{k}" for k in range(len(servers))])
     info = GlmFp8TrainerInitInfo(
         "127.0.0.1",
         port,
-        engine_ranks=world - trainers,
+        engine_ranks=world - trainers if servers is None else list(servers),
         config=config,
         mode=mode,
+        **fleet,
         trainer_ranks=trainers,
         timeout_s=timeout_s,
         rank=rank,
         delta=delta,
         step_layers=step_layers,
     )
-    client = QueueClient(boxes) if rank == 0 else None
+    client = None
+    if rank == 0:
+        cuts = [sum(servers[:k]) for k in range(len(servers) + 1)] if servers is not None else None
+        client = (
+            QueueClient(boxes)
+            if servers is None
+            else [QueueClient(boxes[a:b]) for a, b in zip(cuts, cuts[1:])]
+        )
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
@@ -554,9 +574,10 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
                 source,
                 CONFIG,
                 60,
-                delta=case in ("delta", "scatter"),
+                delta=case in ("delta", "scatter", "fleet"),
                 step_layers=steps,
                 mode=case if case in ("scatter", "broadcast") else "auto",
+                servers=[2, 2] if case == "fleet" else None,
             )
             out = []
             for step in range(2):
@@ -579,7 +600,8 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
 
     integ.register()
     r = rank - trainers
-    layout = _layouts("ep2")[r]
+    # "fleet": a server of EP 2 (workers 0, 1), then one of TP 2 (workers 2, 3)
+    layout = _layouts("ep2")[r] if r < 2 else _layouts("tp2")[r - 2]
     parallel_state.get_tp_group = lambda: _Group(layout.tp_rank)
     parallel_state.get_dp_group = lambda: _Group(layout.dp_rank)
     target, drafter = _engine(layout)
@@ -594,7 +616,7 @@ def _vllm_update(rank, world, trainers, port, boxes, ports, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dense", "delta", "steps", "scatter", "broadcast"])
+@pytest.mark.parametrize("case", ["dense", "delta", "steps", "scatter", "broadcast", "fleet"])
 def test_megatron_through_vllms_weight_transfer_api(case):
     """vime's path: a Megatron-Core trainer (TP 2 x EP 2 on 4 ranks, DP 2) updates a vLLM server
     (EP 2) through vLLM 0.34's weight-transfer API with glm_fp8's backend and ``source=`` its
@@ -605,8 +627,9 @@ def test_megatron_through_vllms_weight_transfer_api(case):
     sender, ``step_layers=2``: each step of the target session carries a layer of each stage.
     "scatter" / "broadcast": the one-sender modes, trainer rank 0 the only sender, every layer
     gathered onto it whole as it sends (the other three ranks take part in the gathers and put
-    nothing on the link), the second update a delta with "scatter" (a broadcast has no delta)."""
-    delta = case in ("delta", "scatter")
+    nothing on the link), the second update a delta with "scatter" (a broadcast has no delta).
+    "fleet": two servers of two layouts (EP 2, TP 2) in one update, the second a delta."""
+    delta = case in ("delta", "scatter", "fleet")
     one = case in ("scatter", "broadcast")
     pytest.importorskip("vllm.distributed.weight_transfer.base")
     import torch.multiprocessing as mp
@@ -615,10 +638,10 @@ def test_megatron_through_vllms_weight_transfer_api(case):
     from glm_fp8.testing import reference_engine_params
 
     ctx = mp.get_context("spawn")
-    trainers, engines = 4, 2
+    trainers, engines = 4, 4 if case == "fleet" else 2
     boxes = [(ctx.Queue(), ctx.Queue()) for _ in range(engines)]
     *ports, port = free_ports(3)
-    results = launch(trainers + engines, _vllm_rank, (trainers, port, boxes, ports, case), timeout_s=240)
+    results = launch(trainers + engines, _vllm_rank, (trainers, port, boxes, ports, case), timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     results = {
         r: (status, torch.load(io.BytesIO(res), weights_only=False)) for r, (status, res) in results.items()
