@@ -131,17 +131,10 @@ def postload_plan(
     )
 
 
-def swap_w13_halves_(w13: torch.Tensor, w13_scale_inv: torch.Tensor | None = None) -> None:
-    """Swap the two row halves of every expert of ``w13`` [E, 2I, H] in place: [w1; w3] <->
-    [w3; w1], and likewise the block-scale halves of ``w13_scale_inv`` [E, 2I/128, nb(H)]
-    (an involution: a second call restores the input). Same result as vLLM 0.34's
-    ``quantization/utils/flashinfer_utils.py::swap_w13_to_w31`` (``reshape(-1, 2, I, H).flip(1)``),
-    which builds a full-size copy; this goes one expert at a time.
-
-    Allocates one half of one expert, [I, H] in w13's dtype (GLM-5 at EP: 12 MiB), and [I/128,
-    nb(H)] float32 for the scales, each once per call. Raises ValueError naming the tensor when
-    the shapes do not have two halves of whole 128-row blocks.
-    """
+def check_w13_halves(w13: torch.Tensor, w13_scale_inv: torch.Tensor | None = None) -> int:
+    """The row count of each half of ``w13`` [E, 2I, H], checked as ``swap_w13_halves_`` needs it
+    (with its block scales [E, 2I/128, nb(H)]: halves of whole 128-row blocks); ValueError naming
+    the tensor otherwise. Reads no element."""
     if w13.dim() != 3 or w13.shape[1] % 2:
         raise ValueError(f"w13: expected [E, 2I, H] with an even row count, got {list(w13.shape)}")
     half = w13.shape[1] // 2
@@ -157,6 +150,21 @@ def swap_w13_halves_(w13: torch.Tensor, w13_scale_inv: torch.Tensor | None = Non
                 f"w13: each half has {half} rows, not a multiple of {BLOCK}: a block row of the scales "
                 "would straddle w1 and w3, so the scale halves cannot be swapped"
             )
+    return half
+
+
+def swap_w13_halves_(w13: torch.Tensor, w13_scale_inv: torch.Tensor | None = None) -> None:
+    """Swap the two row halves of every expert of ``w13`` [E, 2I, H] in place: [w1; w3] <->
+    [w3; w1], and likewise the block-scale halves of ``w13_scale_inv`` [E, 2I/128, nb(H)]
+    (an involution: a second call restores the input). Same result as vLLM 0.34's
+    ``quantization/utils/flashinfer_utils.py::swap_w13_to_w31`` (``reshape(-1, 2, I, H).flip(1)``),
+    which builds a full-size copy; this goes one expert at a time.
+
+    Allocates one half of one expert, [I, H] in w13's dtype (GLM-5 at EP: 12 MiB), and [I/128,
+    nb(H)] float32 for the scales, each once per call. Raises ValueError naming the tensor when
+    the shapes do not have two halves of whole 128-row blocks (``check_w13_halves``).
+    """
+    half = check_w13_halves(w13, w13_scale_inv)
     _swap_halves(w13, half)
     if w13_scale_inv is not None:
         _swap_halves(w13_scale_inv, half // BLOCK)
@@ -298,5 +306,6 @@ __all__ = [
     "mla_absorbed_ref",
     "postload_inverse",
     "postload_plan",
+    "check_w13_halves",
     "swap_w13_halves_",
 ]

@@ -5,7 +5,9 @@ name) unchanged, its layouts with their engine; a payload of any other shape is 
 was expected; a model whose parameters are not exactly what glm_fp8 lands at the rank's layout (a
 missing, extra or reshaped parameter) is refused naming the parameter, before any link is opened; a
 shared expert SGLang fused into the routed experts' stacks is landed in their last slot (views of
-the stacks), and refused naming the flag where SGLang fuses it otherwise (under EP). The loader run
+the stacks), and refused naming the flag where SGLang fuses it otherwise (under EP); on Blackwell, a
+scale SGLang packed for DeepGEMM lands in the checkpoint's format and goes back to the model only
+after the landing, and experts in FlashInfer TRT-LLM's order get their halves swapped. The loader run
 by SGLang's own session code is in tests/integrations/test_sglang_real.py.
 """
 
@@ -16,7 +18,8 @@ import torch
 
 from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine import EngineLayout, SGLangLayout, engine_param_specs
-from glm_fp8.integrations.sglang import PAYLOAD, SGLangUpdate, landing_params
+from glm_fp8.integrations.sglang import PAYLOAD, SGLangUpdate, sglang_landing
+from glm_fp8.integrations.sglang.loader import packed_ue8m0_shape
 from glm_fp8.model.presets import TINY_GLM5
 
 CONFIG = {**TINY_GLM5, "indexer_rope_interleave": True, "num_nextn_predict_layers": 0}
@@ -101,9 +104,90 @@ class _Model(torch.nn.Module):
         for name, p in super().named_parameters(*args, **kwargs):
             yield name.replace("__", "."), p
 
+    def named_modules(self, *args, **kwargs):
+        for name, m in super().named_modules(*args, **kwargs):
+            yield name.replace("__", "."), m
+
+
+def _blackwell_model(layout, trtllm=False):
+    """A model as SGLang leaves it on Blackwell after its own load (``process_weights_after_loading``
+    with DeepGEMM): every block-FP8 scale but the routed experts' packed as DeepGEMM's UE8M0 int32
+    (``format_ue8m0``), with bytes in it; ``trtllm``: the routed experts run with FlashInfer TRT-LLM."""
+    model = _Model(layout)
+    held = dict(model.named_parameters())
+    for name in list(held):
+        if name.endswith("weight_scale_inv") and ".mlp.experts." not in name:
+            weight = held[name.removesuffix("_scale_inv")]
+            packed = torch.nn.Parameter(
+                torch.randint(0, 2**20, packed_ue8m0_shape(tuple(weight.shape)), dtype=torch.int32), False
+            )
+            packed.format_ue8m0 = True
+            model.register_parameter(name.replace(".", "__"), packed)
+    if trtllm:
+        experts = [n.removesuffix(".w13_weight") for n in held if n.endswith("mlp.experts.w13_weight")]
+        for name in experts:  # SGLang's FusedMoE modules, as far as the landing reads them
+            module = torch.nn.Module()
+            module.use_flashinfer_trtllm_moe = True
+            model.add_module(name.replace(".", "__"), module)
+    return model
+
+
+def test_blackwells_packed_scales_land_in_the_checkpoints_format_then_go_back_for_sglang_to_requantize():
+    """On Blackwell each packed UE8M0 scale lands in a float32 tensor of the checkpoint's shape
+    (poisoned: NaN), and only ``finish()`` (after every byte landed) makes it the parameter's data
+    again, marked not UE8M0, for the session's end to requantize as SGLang's own load does."""
+    lay = LAYOUTS[1]
+    model = _blackwell_model(lay)
+    landing = sglang_landing(model, CONFIG, lay)
+    name = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
+    param = dict(model.named_parameters())[name]
+    staged = landing.params[name]
+    assert (tuple(staged.shape), staged.dtype) == engine_param_specs(CONFIG, lay)[name]
+    assert staged.isnan().all() and param.dtype == torch.int32
+    assert len(landing.restore) >= 10 and not landing.swap
+    assert "UE8M0 requantization" in landing.converts
+    staged.fill_(0.5)  # the update's bytes
+    landing.finish()
+    assert (
+        param.data_ptr() == staged.data_ptr() and param.dtype == torch.float32 and param.format_ue8m0 is False
+    )
+    assert sglang_landing(model, CONFIG, lay).converts is None  # as after a failed end: lands as is
+
+
+def test_a_packed_scale_of_another_shape_is_refused_naming_it():
+    lay = LAYOUTS[1]
+    model = _blackwell_model(lay)
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    odd = torch.nn.Parameter(torch.zeros(3, 1, dtype=torch.int32), False)
+    odd.format_ue8m0 = True
+    model.register_parameter(name.replace(".", "__"), odd)
+    with pytest.raises(EngineNotSupported, match=f"{name}: SGLang marks it UE8M0"):
+        sglang_landing(model, CONFIG, lay)
+
+
+def test_trtllm_experts_get_their_w13_halves_swapped_after_landing():
+    """FlashInfer TRT-LLM's routed experts hold w13 as [w3; w1] (SGLang's loader swaps the shards):
+    glm_fp8 lands [w1; w3] and ``finish()`` swaps the halves, scales alike."""
+    lay = LAYOUTS[1]
+    model = _blackwell_model(lay, trtllm=True)
+    landing = sglang_landing(model, CONFIG, lay)
+    assert len(landing.swap) == CONFIG["num_hidden_layers"] - CONFIG["first_k_dense_replace"]
+    assert "[w3; w1]" in landing.converts
+    w13, scale = landing.swap[0]
+    w13.view(torch.uint8).copy_(torch.randint(0, 256, w13.shape, dtype=torch.uint8))
+    scale.copy_(torch.rand(scale.shape))
+    before_w, before_s = w13.clone(), scale.clone()
+    landing.finish()
+    half, blocks = w13.shape[1] // 2, scale.shape[1] // 2
+    assert torch.equal(w13[:, :half].view(torch.uint8), before_w[:, half:].view(torch.uint8))
+    assert torch.equal(w13[:, half:].view(torch.uint8), before_w[:, :half].view(torch.uint8))
+    assert torch.equal(scale[:, :blocks], before_s[:, blocks:]) and torch.equal(
+        scale[:, blocks:], before_s[:, :blocks]
+    )
+
 
 def test_a_model_that_holds_what_glm_fp8_lands_passes():
-    landing_params(_Model(LAYOUTS[1]), CONFIG, LAYOUTS[1])
+    sglang_landing(_Model(LAYOUTS[1]), CONFIG, LAYOUTS[1])
 
 
 @pytest.mark.parametrize(
@@ -119,13 +203,13 @@ def test_a_model_that_holds_what_glm_fp8_lands_passes():
 )
 def test_a_model_that_holds_anything_else_is_refused_naming_the_parameter(kw, words):
     with pytest.raises(EngineNotSupported, match=words):
-        landing_params(_Model(LAYOUTS[1], **kw), CONFIG, LAYOUTS[1])
+        sglang_landing(_Model(LAYOUTS[1], **kw), CONFIG, LAYOUTS[1])
 
 
 def test_a_fused_shared_expert_lands_in_the_routed_experts_last_slot():
     tp2 = SGLangLayout.from_sglang(2, 1)
     model = _Model(tp2, fused=True)
-    params = landing_params(model, CONFIG, tp2)
+    params = sglang_landing(model, CONFIG, tp2).params
     held = dict(model.named_parameters())
     for stack, shared in [
         ("model.layers.2.mlp.experts.w13_weight", "model.layers.2.mlp.shared_experts.gate_up_proj.weight"),
@@ -142,7 +226,7 @@ def test_a_fused_shared_expert_lands_in_the_routed_experts_last_slot():
 def test_a_fused_shared_expert_under_ep_is_refused_naming_the_flag():
     model = _Model(LAYOUTS[0], fused=True)
     with pytest.raises(EngineNotSupported, match="--disable-shared-experts-fusion"):
-        landing_params(model, CONFIG, LAYOUTS[0])
+        sglang_landing(model, CONFIG, LAYOUTS[0])
 
 
 @pytest.mark.parametrize(
@@ -425,10 +509,10 @@ def test_a_drafter_lands_its_mtp_layer_and_leaves_the_targets_embeddings_and_hea
     model = _Model(lay, config=MTP_CONFIG)
     for name in DRAFTER_TARGETS:  # the target's, as set_embed_and_head leaves them in the drafter
         model.register_parameter(name.replace(".", "__"), torch.nn.Parameter(torch.empty(3, 2), False))
-    params = landing_params(model, MTP_CONFIG, lay)
+    params = sglang_landing(model, MTP_CONFIG, lay).params
     assert set(params) == set(engine_param_specs(MTP_CONFIG, lay))
     assert not is_drafter(model) and is_drafter(SimpleNamespace(model=SimpleNamespace(decoder=None)))
     with pytest.raises(EngineNotSupported, match="model.decoder.mlp.experts.w13_weight: SGLang's"):
-        landing_params(
+        sglang_landing(
             _Model(lay, drop="model.decoder.mlp.experts.w13_weight", config=MTP_CONFIG), MTP_CONFIG, lay
         )

@@ -105,10 +105,13 @@ SERVERS = {
 }
 
 
-def _sglang_world(rank: int, server: dict, port: int, speculative: bool = False):
+def _sglang_world(
+    rank: int, server: dict, port: int, speculative: bool = False, blackwell: str | None = None
+):
     """This process as TP rank ``rank`` of an SGLang server: its ServerArgs published, its groups
     over gloo, attention DP placed (distributed/bootstrap.py::_init_parallel_groups' order);
-    ``speculative``: the server decodes with GLM-5's MTP layer as its EAGLE drafter."""
+    ``speculative``: the server decodes with GLM-5's MTP layer as its EAGLE drafter; ``blackwell``:
+    on an SM100 GPU with DeepGEMM, its MoE runner ``--moe-runner-backend`` (``_blackwell``)."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.layers.dp_attention import initialize_dp_attention
@@ -133,8 +136,14 @@ def _sglang_world(rank: int, server: dict, port: int, speculative: bool = False)
         pp_size=1,
         device="cpu",
         **(SPECULATIVE if speculative else {}),
+        **({"moe_runner_backend": blackwell} if blackwell else {}),
     )
     publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
+    if blackwell:
+        from sglang.srt.layers.moe.utils import initialize_moe_config
+
+        _blackwell()
+        initialize_moe_config()  # as the scheduler does after publishing: the runner every FusedMoE reads
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
     set_global_server_args_for_scheduler(args)
@@ -182,6 +191,39 @@ def _model(cfg: dict, fused: int = 0, cls=None):
             if not name.endswith(KV_SCALES):  # SGLang's own defaults: its KV-cache method checks them
                 p.data.reshape(-1).view(torch.uint8).fill_(0xFF)
     return model
+
+
+def _blackwell():
+    """SGLang on an SM100 GPU with DeepGEMM (its default there), stood in on the CPU: SGLang's own
+    switches (``deep_gemm_wrapper``: DeepGEMM enabled, UE8M0 scales, Blackwell; the device's SM for
+    ``should_deepgemm_weight_requant_ue8m0``), so that SGLang's own dispatch picks DeepGEMM for its
+    block-FP8 linears and its own ``process_weights_after_loading`` requantizes. DeepGEMM itself is
+    not installed on a CPU: its packing of the scales (``get_mn_major_tma_aligned_packed_ue8m0_tensor``)
+    is SGLang's own copy of DeepGEMM's torch reference
+    (``fp8_utils._get_mn_major_tma_aligned_packed_ue8m0_tensor_torch_impl``), which imports two of
+    DeepGEMM's helpers, given here as DeepGEMM defines them (csrc/utils/math.hpp: ``align``, and
+    ``get_tma_aligned_size``, 16-byte alignment)."""
+    import sys
+    import types
+
+    import sglang.srt.model_loader.utils as loader_utils
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.quantization import fp8_utils
+
+    utils, layout = types.ModuleType("deep_gemm.utils"), types.ModuleType("deep_gemm.utils.layout")
+    utils.align = lambda x, y: -(-x // y) * y
+    utils.get_tma_aligned_size = lambda x, element_size: utils.align(x, 16 // element_size)
+    layout.get_mn_major_tma_aligned_packed_ue8m0_tensor = (
+        fp8_utils._get_mn_major_tma_aligned_packed_ue8m0_tensor_torch_impl
+    )
+    utils.layout = layout
+    package = types.ModuleType("deep_gemm")
+    package.utils = utils
+    sys.modules.update({"deep_gemm": package, "deep_gemm.utils": utils, "deep_gemm.utils.layout": layout})
+    deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = True
+    deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0 = True
+    deep_gemm_wrapper.DEEPGEMM_BLACKWELL = True
+    loader_utils.get_device_sm = lambda: 100
 
 
 def _derived(model) -> dict[str, torch.Tensor]:
@@ -293,7 +335,7 @@ def _rank(rank, world, case, ports):
 
     from glm_fp8.engine import SGLangLayout, engine_param_specs, engine_params
     from glm_fp8.engine.sglang import sglang_params
-    from glm_fp8.integrations.sglang import landing_params
+    from glm_fp8.integrations.sglang import sglang_landing
     from glm_fp8.testing import moved_layer, reference_engine_params
     from glm_fp8.transfer import DeltaOptions, Receiver, Sender
     from glm_fp8.transfer.link import StoreLink
@@ -384,7 +426,7 @@ def _rank(rank, world, case, ports):
     received = []
     for _ in range(steps):  # each update in a session, as SGLang frames a direct write
         DefaultModelLoader.restore_weights_before_loading(ours, cpu)  # begin_weight_update
-        stats = receiver.load_into(landing_params(ours, config, layout))
+        stats = receiver.load_into(sglang_landing(ours, config, layout).params)
         post_load_weights(ours)  # end_weight_update, no load_weights having run
         DefaultModelLoader.postprocess_weights(ours, cpu)
         received.append(stats.nbytes)
@@ -424,7 +466,8 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
     from glm_fp8.testing import moved_layer
 
     server, steps, config = case["server"], case["steps"], case["config"]
-    _sglang_world(engine_rank, server, ports[1])
+    blackwell = case.get("blackwell")
+    _sglang_world(engine_rank, server, ports[1], blackwell=blackwell)
     cpu = torch.device("cpu")
     last = steps - 1
     weights = None if last == 0 else (lambda i: moved_layer(config, i, last, layout="hf"))
@@ -434,6 +477,11 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
 
     DefaultModelLoader.postprocess_weights(theirs, cpu)
     ours = _model(config, case["fused"])
+    if blackwell:  # a running server: it loaded a checkpoint at start, and SGLang requantized it
+        ours.load_weights(_checkpoint(config, lambda i: moved_layer(config, i, 7, layout="hf")))
+        DefaultModelLoader.postprocess_weights(ours, cpu)
+        ue8m0 = sorted(n for n, p in ours.named_parameters() if getattr(p, "format_ue8m0", False))
+        trtllm = [n for n, m in ours.named_modules() if getattr(m, "use_flashinfer_trtllm_moe", False)]
     runner = _runner(ours, engine_rank)
 
     class Worker:  # the TP worker's two members the manager reads; deserialization is SGLang's own
@@ -487,6 +535,13 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
         versions=versions,
         held=held,
     )
+    if blackwell:  # what SGLang's own load requantized (theirs) and runs with TRT-LLM
+        out.update(
+            ue8m0=ue8m0,
+            ue8m0_theirs=sorted(n for n, p in theirs.named_parameters() if getattr(p, "format_ue8m0", False)),
+            trtllm=trtllm,
+            int32=sorted(n for n, p in ours.named_parameters() if p.dtype == torch.int32),
+        )
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -686,6 +741,14 @@ CASES = {
     "a fused shared expert through SGLang's session API": dict(
         server="tp2", api=True, fused=1, config="glm-5"
     ),
+    # Blackwell: SGLang requantized its block-FP8 linears and (DeepGEMM's runner) its experts to UE8M0
+    "Blackwell with DeepGEMM's MoE runner, two updates through SGLang's session API into tp2-ep2": dict(
+        server="tp2-ep2", api=True, steps=2, blackwell="deep_gemm"
+    ),
+    # Blackwell's default for GLM-5's experts: FlashInfer TRT-LLM ([w3; w1], float32 scales)
+    "Blackwell with FlashInfer TRT-LLM's experts, GLM-5's split indexer, through SGLang's sessions": dict(
+        server="tp2", api=True, blackwell="flashinfer_trtllm", config="glm-5"
+    ),
 }
 
 
@@ -703,6 +766,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         fused=spec.get("fused", 0),
         broadcast=spec.get("broadcast", False),
         stages=spec.get("stages", False),
+        blackwell=spec.get("blackwell"),
     )
     tp, n_senders = case["server"]["tp_size"], case["senders"]
     world = n_senders + tp + len(case["vllm"])
@@ -727,6 +791,14 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
             assert len(out["replies"]) == 3 * case["steps"], out["replies"]
             assert out["versions"] == [f"step-{k}" for k in range(case["steps"])], out["versions"]
             assert out["held"] and set(out["held"]) == {0}, out["held"]  # the ring given back each time
+        if case[
+            "blackwell"
+        ]:  # SGLang requantized every block-FP8 parameter of this model, again after each update
+            assert out["ue8m0"] == out["ue8m0_theirs"] and len(out["ue8m0"]) >= 10, out["ue8m0"]
+            assert out["int32"] == out["ue8m0"], out["int32"]  # each packed, as SGLang's own load leaves it
+            experts = [n for n in out["ue8m0"] if ".mlp.experts." in n]
+            assert bool(experts) == (case["blackwell"] == "deep_gemm"), experts
+            assert bool(out["trtllm"]) == (case["blackwell"] == "flashinfer_trtllm"), out["trtllm"]
         if case["delta"] and not case["api"]:  # the first update dense, then only what changed (sent: below)
             assert all(0 < n < out["received"][0] / 10 for n in out["received"][1:]), out["received"]
     if case["api"] == "http":  # the routes in SGLang's order, every update's; generation resumed
@@ -778,6 +850,40 @@ def test_a_refusal_through_sglangs_http_routes_stops_every_rank_and_leaves_gener
     session = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
     assert out["calls"] == ["pause_generation:retract", *session] and out["paused"], out["calls"]
     for r in (1, 2):  # every rank's server lives on: each call of its session answered
+        replies = torch.load(io.BytesIO(results[r][1]), weights_only=False)["replies"]
+        assert [ok for ok, _ in replies] == [True, True, True], replies
+
+
+def test_a_delta_update_into_a_blackwell_server_is_refused_at_once_naming_its_requantization():
+    """SGLang on Blackwell requantizes the landed bytes (DeepGEMM's UE8M0 scales), so its parameters
+    no longer hold what a delta update rebuilds the last update from: every rank's loader refuses
+    ``delta=True`` at the manifest, the sender raises within seconds naming it, and the server's
+    session calls all answer (generation stays paused)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    case = dict(
+        server=SERVERS["tp2"],
+        senders=1,
+        steps=1,
+        delta=True,
+        vllm=[],
+        api="http",
+        config=CONFIG,
+        fused=0,
+        broadcast=False,
+        blackwell="deep_gemm",
+        boxes=[(ctx.Queue(), ctx.Queue()) for _ in range(2)],
+    )
+    results = launch(3, _rank, (case, free_ports(4)), timeout_s=300)
+    assert all(status == "ok" for status, _ in results.values()), results
+    out = results[0][1]
+    assert out["sent"] == [] and len(out["failed"]) == 2, out
+    (kind, text, seconds), _ = out["failed"]
+    assert "refused its parameters" in text and seconds < 30, out
+    assert "SGLangUpdate.delta" in text and "UE8M0" in text and "delta=False" in text, text
+    assert out["paused"], out["calls"]
+    for r in (1, 2):
         replies = torch.load(io.BytesIO(results[r][1]), weights_only=False)["replies"]
         assert [ok for ok, _ in replies] == [True, True, True], replies
 

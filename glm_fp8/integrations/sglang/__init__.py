@@ -31,7 +31,13 @@ The package by role:
 """
 
 from glm_fp8.integrations.sglang.client import SGLangHttpClient, SGLangUpdateCall, start_update
-from glm_fp8.integrations.sglang.loader import KV_SCALES, landing_params, receive_update, sglang_rank_layout
+from glm_fp8.integrations.sglang.loader import (
+    KV_SCALES,
+    SGLangLanding,
+    receive_update,
+    sglang_landing,
+    sglang_rank_layout,
+)
 from glm_fp8.integrations.sglang.update import LOADER, PAYLOAD, SGLangUpdate
 
 __all__ = [
@@ -39,10 +45,11 @@ __all__ = [
     "LOADER",
     "PAYLOAD",
     "SGLangHttpClient",
+    "SGLangLanding",
     "SGLangUpdate",
     "SGLangUpdateCall",
-    "landing_params",
     "receive_update",
+    "sglang_landing",
     "sglang_rank_layout",
     "start_update",
 ]

@@ -4,8 +4,10 @@
 
 Each rank reads the update from the call's payload (``glm_fp8.integrations.sglang.update``), its
 own layout from SGLang's runtime context (``sglang_rank_layout``), and checks that the model holds
-exactly the parameters glm_fp8 lands (``landing_params``: a shared expert SGLang fused into the
-routed experts' stacks is landed in its slot). It joins glm_fp8's link before either check: a
+exactly the parameters glm_fp8 lands (``sglang_landing``: a shared expert SGLang fused into the
+routed experts' stacks is landed in its slot; on Blackwell, the scales SGLang repacked for DeepGEMM
+are landed in the checkpoint's format for the session's end to requantize them, as SGLang's own load
+does). It joins glm_fp8's link before either check: a
 refusal is voted with the manifest, so the senders and the other ranks stop at once instead of
 waiting for this rank until the link's timeout. The link and the ``Receiver`` stay open between
 updates (a delta update needs what the last one left); its receive buffers (the ring) are given
@@ -20,11 +22,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
 from glm_fp8.core.errors import EngineNotSupported, LinkLost
+from glm_fp8.core.numerics import ceil_blocks
+from glm_fp8.engine.postload import check_w13_halves, swap_w13_halves_
 from glm_fp8.engine.sglang import SGLangLayout, sglang_params
 from glm_fp8.engine.specs import engine_param_specs
 from glm_fp8.integrations.sglang.update import SGLangUpdate
@@ -70,16 +75,78 @@ def is_drafter(model: torch.nn.Module) -> bool:
     return hasattr(getattr(model, "model", None), "decoder")
 
 
-def landing_params(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> dict[str, torch.Tensor]:
-    """The tensors of ``model`` an update lands in, by the names glm_fp8 lands (``sglang_params``:
-    the shared expert SGLang fused into the routed experts' stacks under its own entry's name),
-    checked against what glm_fp8 lands at ``layout`` (names, shapes, dtypes; the KV cache's scales
-    aside): ``EngineNotSupported`` names the first parameter that differs. The drafter's
-    ``model.embed_tokens`` and ``lm_head`` are the target's (SGLang's draft worker shares them:
-    ``set_embed_and_head``), landed by the target's update: not listed."""
+@dataclass
+class SGLangLanding:
+    """Where one update lands on one SGLang rank (``sglang_landing``), and what follows the landing.
+
+    ``params``: the tensors the ``Receiver`` writes, by the names glm_fp8 lands: the model's own
+    parameters (``.data``), but for each scale SGLang repacked for DeepGEMM, a float32 tensor of the
+    checkpoint's shape (``restore``). ``finish()``, once every byte landed, puts SGLang's model
+    back in the state its own ``load_weights`` of a checkpoint leaves before
+    ``process_weights_after_loading``: each restored scale becomes its parameter's data again
+    (``format_ue8m0`` False), so that the session's ``end_weight_update`` requantizes exactly those
+    parameters as SGLang's own load does; and each routed-expert stack that SGLang's loader fills in
+    FlashInfer TRT-LLM's order gets its w13 halves swapped to [w3; w1] (``swap``)
+    (docs/sglang.md#blackwell).
+    """
+
+    params: dict[str, torch.Tensor]
+    restore: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    swap: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def converts(self) -> str | None:
+        """What this landing does to the bytes after they arrive (None: nothing), in words: a delta
+        update rebuilds the last update's bytes from the parameters, which then no longer hold them."""
+        what = []
+        if self.restore:
+            what.append(f"DeepGEMM's UE8M0 requantization of {len(self.restore)} block-FP8 parameters")
+        if self.swap:
+            what.append(f"FlashInfer TRT-LLM's [w3; w1] order of {len(self.swap)} expert stacks")
+        return " and ".join(what) or None
+
+    def finish(self) -> None:
+        """After every byte landed (never after a failed update: the model keeps its packed scales)."""
+        for w13, scale in self.swap:
+            swap_w13_halves_(w13, scale)
+        for param, staged in self.restore:
+            param.data = staged
+            param.format_ue8m0 = False
+
+
+def sglang_landing(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> SGLangLanding:
+    """Where an update lands in ``model`` (``SGLangLanding``), checked against what glm_fp8 lands at
+    ``layout`` (names, shapes, dtypes; the KV cache's scales aside): ``EngineNotSupported`` names the
+    first parameter that differs. A shared expert SGLang fused into the routed experts' stacks lands
+    in its slot (``sglang_params``). The drafter's ``model.embed_tokens`` and ``lm_head`` are the
+    target's (SGLang's draft worker shares them: ``set_embed_and_head``), landed by the target's
+    update: not listed.
+
+    On Blackwell (docs/sglang.md#blackwell): a block-FP8 scale SGLang requantized for DeepGEMM
+    (``format_ue8m0``: int32 [(E,) N, ceil(nb(K) / 4)], packed) is landed in a float32 tensor of the
+    checkpoint's shape, allocated here (the checkpoint's scales of those parameters: 4 bytes per
+    128 x 128 block); a routed-expert module SGLang runs with FlashInfer TRT-LLM
+    (``use_flashinfer_trtllm_moe``) gets its w13 halves swapped after landing."""
     fused = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
     skip = DRAFTER_TARGETS if layout.drafter else ()
-    held = {n: p.data for n, p in model.named_parameters() if not n.endswith(KV_SCALES) and n not in skip}
+    named = {n: p for n, p in model.named_parameters() if not n.endswith(KV_SCALES) and n not in skip}
+    held, restore = {}, []
+    for name, p in named.items():
+        held[name] = p.data
+        if not getattr(p, "format_ue8m0", False):
+            continue
+        weight = named.get(name.removesuffix("_scale_inv")) if name.endswith("weight_scale_inv") else None
+        packed = None if weight is None else packed_ue8m0_shape(tuple(weight.shape))
+        if p.dtype != torch.int32 or tuple(p.shape) != packed:
+            raise EngineNotSupported(
+                f"{name}: SGLang marks it UE8M0 (format_ue8m0) as {tuple(p.shape)} {p.dtype}; glm_fp8 "
+                "lands DeepGEMM's requantized block scales of a block-FP8 weight only, int32 "
+                f"{packed} here (docs/sglang.md#blackwell)"
+            )
+        *g, n, k = weight.shape
+        staged = torch.full((*g, ceil_blocks(n), ceil_blocks(k)), float("nan"), device=p.device)
+        held[name] = staged
+        restore.append((p, staged))
     try:
         params = sglang_params(held, layout, fused)
     except ValueError as e:
@@ -92,7 +159,26 @@ def landing_params(model: torch.nn.Module, config: Mapping, layout: SGLangLayout
                 f"{name}: SGLang's model holds {got}, glm_fp8 lands {want.get(name)} at {layout} "
                 "(docs/sglang.md#layouts)"
             )
-    return params
+    swap = []
+    for prefix, module in model.named_modules():
+        if getattr(module, "use_flashinfer_trtllm_moe", False) and prefix + ".w13_weight" in held:
+            w13, scale = held[prefix + ".w13_weight"], held.get(prefix + ".w13_weight_scale_inv")
+            try:
+                check_w13_halves(w13, scale)
+            except ValueError as e:
+                raise EngineNotSupported(
+                    f"{prefix}.{e} (SGLang runs these experts with FlashInfer TRT-LLM, whose order "
+                    "glm_fp8 lands by swapping the halves; docs/sglang.md#blackwell)"
+                ) from None
+            swap.append((w13, scale))
+    return SGLangLanding(params, restore, swap)
+
+
+def packed_ue8m0_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of DeepGEMM's packed UE8M0 scales of a weight [(E,) N, K] on SM100: one row per
+    weight row, four K-blocks' exponents per int32 (docs/layouts.md#deepgemm-sm100-packed-ue8m0-scales)."""
+    *g, n, k = weight_shape
+    return (*g, n, -(-ceil_blocks(k) // 4))
 
 
 # The drafter's parameters that are the target's own tensors (aliases, not landed twice).
@@ -172,14 +258,21 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
             f"the update gives no engine layout (world_size {update.world_size}, rank_offset "
             f"{update.rank_offset})"
         )
+    landing = SGLangLanding({})
     try:
         layout = sglang_rank_layout()
         layout = layout.drafter_layout if drafter else layout
-        params = landing_params(model, update.config, layout)  # every update: SGLang may re-allocate
+        landing = sglang_landing(model, update.config, layout)  # every update: SGLang may re-allocate
+        if update.delta and landing.converts:
+            raise EngineNotSupported(
+                f"SGLangUpdate.delta: this rank's landing converts what arrives ({landing.converts}), "
+                "so its parameters do not hold the bytes a delta update rebuilds from; send this "
+                "server dense updates (delta=False; docs/sglang.md#blackwell)"
+            )
     except Exception as exc:  # noqa: BLE001 - voted at the manifest: the senders are in the transfer
-        refusal, layout, params = refusal or exc, update.engines[rank], {}
+        refusal, layout = refusal or exc, update.engines[rank]
     if refusal is not None:
-        layout, params = update.engines[rank], {}
+        layout, landing = update.engines[rank], SGLangLanding({})
     where = (update.host, update.port, rank, update.world_size)
     device = next(model.parameters()).device
     if where not in _LINKS:
@@ -212,7 +305,8 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
         _RECEIVERS[key] = (where, receiver)
     _, receiver = _RECEIVERS[key]
     try:
-        receiver.load_into(params, refusal=refusal)
+        receiver.load_into(landing.params, refusal=refusal)
+        landing.finish()  # Blackwell: checkpoint-format scales back, for the session's end to requantize
     finally:
         # The ring goes back after every update, landed or not: SGLang sized its KV cache at start
         # and serves between updates, so nothing of the transfer stays held.
@@ -241,7 +335,9 @@ __all__ = [
     "KV_SCALES",
     "held_receive_bytes",
     "is_drafter",
-    "landing_params",
+    "SGLangLanding",
+    "packed_ue8m0_shape",
+    "sglang_landing",
     "receive_update",
     "sglang_rank_layout",
 ]
