@@ -109,14 +109,15 @@ class _Model(torch.nn.Module):
             yield name.replace("__", "."), m
 
 
-def _blackwell_model(layout, trtllm=False):
+def _blackwell_model(layout, trtllm=False, ue8m0=True):
     """A model as SGLang leaves it on Blackwell after its own load (``process_weights_after_loading``
     with DeepGEMM): every block-FP8 scale but the routed experts' packed as DeepGEMM's UE8M0 int32
-    (``format_ue8m0``), with bytes in it; ``trtllm``: the routed experts run with FlashInfer TRT-LLM."""
+    (``format_ue8m0``), with bytes in it (``ue8m0``); ``trtllm``: the routed experts run with FlashInfer
+    TRT-LLM."""
     model = _Model(layout)
     held = dict(model.named_parameters())
     for name in list(held):
-        if name.endswith("weight_scale_inv") and ".mlp.experts." not in name:
+        if ue8m0 and name.endswith("weight_scale_inv") and ".mlp.experts." not in name:
             weight = held[name.removesuffix("_scale_inv")]
             packed = torch.nn.Parameter(
                 torch.randint(0, 2**20, packed_ue8m0_shape(tuple(weight.shape)), dtype=torch.int32), False
@@ -132,26 +133,42 @@ def _blackwell_model(layout, trtllm=False):
     return model
 
 
-def test_blackwells_packed_scales_land_in_the_checkpoints_format_then_go_back_for_sglang_to_requantize():
+def test_blackwells_packed_scales_land_in_the_checkpoints_format_and_are_requantized_in_place():
     """On Blackwell each packed UE8M0 scale lands in a float32 tensor of the checkpoint's shape
-    (poisoned: NaN), and only ``finish()`` (after every byte landed) makes it the parameter's data
-    again, marked not UE8M0, for the session's end to requantize as SGLang's own load does."""
+    (poisoned: NaN); ``finish()`` then runs the post-load step with those scales in the parameters
+    (``format_ue8m0`` False), puts the packed storage back and copies the requantization's results
+    into the weights and packed scales in place: no parameter moves (SGLang's CUDA graphs read them
+    where they were captured). The requantization here is a marker, not SGLang's: the real one is
+    tested against SGLang's own load in test_sglang_real.py."""
     lay = LAYOUTS[1]
     model = _blackwell_model(lay)
     landing = sglang_landing(model, CONFIG, lay)
     name = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
-    param = dict(model.named_parameters())[name]
+    held = dict(model.named_parameters())
+    param, weight = held[name], held[name.removesuffix("_scale_inv")]
+    where = {n: p.data_ptr() for n, p in held.items()}
     staged = landing.params[name]
     assert (tuple(staged.shape), staged.dtype) == engine_param_specs(CONFIG, lay)[name]
     assert staged.isnan().all() and param.dtype == torch.int32
     assert len(landing.restore) >= 10 and not landing.swap
     assert "UE8M0 requantization" in landing.converts
-    staged.fill_(0.5)  # the update's bytes
-    landing.finish()
-    assert (
-        param.data_ptr() == staged.data_ptr() and param.dtype == torch.float32 and param.format_ue8m0 is False
-    )
-    assert sglang_landing(model, CONFIG, lay).converts is None  # as after a failed end: lands as is
+    for _, _, scales in landing.restore:  # the update's bytes
+        scales.fill_(0.5)
+    seen = []
+
+    def post_load(m):
+        seen.append((param.dtype, param.format_ue8m0, float(param.data.reshape(-1)[0])))
+
+    def requantize(w, s):  # a marker: every weight byte 3, every packed word its scale's first value
+        return torch.full_like(w.view(torch.uint8), 3).view(w.dtype), torch.full(
+            packed_ue8m0_shape(tuple(w.shape)), int(s.reshape(-1)[0] * 4), dtype=torch.int32
+        )
+
+    landing.finish(model, post_load, requantize)
+    assert seen == [(torch.float32, False, 0.5)]  # the post-load step saw the checkpoint's scales
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == where
+    assert param.dtype == torch.int32 and param.format_ue8m0 is True and bool((param == 2).all())
+    assert bool((weight.view(torch.uint8) == 3).all())
 
 
 def test_a_packed_scale_of_another_shape_is_refused_naming_it():
@@ -169,15 +186,15 @@ def test_trtllm_experts_get_their_w13_halves_swapped_after_landing():
     """FlashInfer TRT-LLM's routed experts hold w13 as [w3; w1] (SGLang's loader swaps the shards):
     glm_fp8 lands [w1; w3] and ``finish()`` swaps the halves, scales alike."""
     lay = LAYOUTS[1]
-    model = _blackwell_model(lay, trtllm=True)
+    model = _blackwell_model(lay, trtllm=True, ue8m0=False)
     landing = sglang_landing(model, CONFIG, lay)
     assert len(landing.swap) == CONFIG["num_hidden_layers"] - CONFIG["first_k_dense_replace"]
-    assert "[w3; w1]" in landing.converts
+    assert landing.converts == f"FlashInfer TRT-LLM's [w3; w1] order of {len(landing.swap)} expert stacks"
     w13, scale = landing.swap[0]
     w13.view(torch.uint8).copy_(torch.randint(0, 256, w13.shape, dtype=torch.uint8))
     scale.copy_(torch.rand(scale.shape))
     before_w, before_s = w13.clone(), scale.clone()
-    landing.finish()
+    landing.finish(model, lambda m: None, None)  # nothing to requantize: no packed scale
     half, blocks = w13.shape[1] // 2, scale.shape[1] // 2
     assert torch.equal(w13[:, :half].view(torch.uint8), before_w[:, half:].view(torch.uint8))
     assert torch.equal(w13[:, half:].view(torch.uint8), before_w[:, :half].view(torch.uint8))

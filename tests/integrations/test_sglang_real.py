@@ -226,6 +226,14 @@ def _blackwell():
     loader_utils.get_device_sm = lambda: 100
 
 
+def _storage(model) -> dict[str, int]:
+    """Where each parameter and MLA's derived ``w_kc`` / ``w_vc`` live: an update must leave them there
+    (SGLang's decode CUDA graphs read them where they were captured; ``w_kc`` / ``w_vc`` exist once a
+    load derived them)."""
+    out = {n: p.data_ptr() for n, p in model.named_parameters()}
+    return out | {n: t.data_ptr() for n, t in _derived(model).items()}
+
+
 def _derived(model) -> dict[str, torch.Tensor]:
     """MLA's tensors ``post_load_weights`` derives (not parameters): every layer's ``w_kc``, ``w_vc``
     (the drafter's one decoder layer's)."""
@@ -483,6 +491,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
         ue8m0 = sorted(n for n, p in ours.named_parameters() if getattr(p, "format_ue8m0", False))
         trtllm = [n for n, m in ours.named_modules() if getattr(m, "use_flashinfer_trtllm_moe", False)]
     runner = _runner(ours, engine_rank)
+    where = _storage(ours)
 
     class Worker:  # the TP worker's two members the manager reads; deserialization is SGLang's own
         model_runner = runner
@@ -534,6 +543,7 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
         replies=[(r.success, r.message) for r in replies],
         versions=versions,
         held=held,
+        moved=sorted(n for n, ptr in _storage(ours).items() if where.get(n, ptr) != ptr),
     )
     if blackwell:  # what SGLang's own load requantized (theirs) and runs with TRT-LLM
         out.update(
@@ -791,6 +801,7 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
             assert len(out["replies"]) == 3 * case["steps"], out["replies"]
             assert out["versions"] == [f"step-{k}" for k in range(case["steps"])], out["versions"]
             assert out["held"] and set(out["held"]) == {0}, out["held"]  # the ring given back each time
+            assert out["moved"] == [], out["moved"]  # every tensor where SGLang's CUDA graphs read it
         if case[
             "blackwell"
         ]:  # SGLang requantized every block-FP8 parameter of this model, again after each update
@@ -936,7 +947,7 @@ def test_each_rank_reads_its_layout_from_sglangs_published_server_args(args, tp_
 MTP_CONFIG = {**CONFIG, "num_nextn_predict_layers": 1}
 
 
-def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=False, fused=0):
+def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=False, fused=0, blackwell=None):
     """Trainer rank 0: per step the target's update (the decoder layers and the non-layer tensors),
     then the drafter's (the MTP layer) on the same link, both deltas after the first. SGLang ranks
     1 and 2 (TP 2 with EP 2, ``speculative``): SGLang's session code with a draft worker beside the
@@ -944,7 +955,8 @@ def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=Fal
     then for the drafter; without ``speculative``, no draft worker and no drafter.
     ``wrong_layouts``: the trainer announces the ranks of a TP 2 server without EP. ``fused``: a TP 2
     server without EP whose models (target and drafter) fuse the shared expert into the routed
-    experts' stacks, as SGLang's loader decides on an NVIDIA GPU without EP."""
+    experts' stacks, as SGLang's loader decides on an NVIDIA GPU without EP. ``blackwell``: the
+    server on Blackwell with that MoE runner (``_blackwell``), its updates dense."""
     import torch.distributed as dist
 
     from glm_fp8.engine import SGLangLayout
@@ -965,13 +977,13 @@ def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=Fal
         config=config,
         layer_ids=ids,
         engines=[None, *layouts],
-        delta=True,
+        delta=blackwell is None,
         timeout_s=120,
         drafter=True,
     )
     if rank == 0:
         link = StoreLink("127.0.0.1", ports[0], 0, 3, backend="gloo", timeout=timedelta(seconds=120))
-        kw = dict(config=config, device="cpu", delta=DeltaOptions())
+        kw = dict(config=config, device="cpu", delta=DeltaOptions() if update.delta else None)
         sender = Sender(link, 0, layer_ids=ids, rest=True, engines=update.engines, **kw)
         draft = update.drafter_update()
         drafter_sender, sent = None, []
@@ -991,12 +1003,27 @@ def _drafter_rank(rank, world, ports, steps, speculative=True, wrong_layouts=Fal
         return {"sent": sent}
     compare = speculative and not wrong_layouts  # a refused update: only the calls' outcome
     return _drafter_sessions(
-        rank - 1, update, steps, ports, speculative=speculative, compare=compare, fused=fused
+        rank - 1,
+        update,
+        steps,
+        ports,
+        speculative=speculative,
+        compare=compare,
+        fused=fused,
+        blackwell=blackwell,
     )
 
 
 def _drafter_sessions(
-    engine_rank: int, update, steps: int, ports, *, speculative: bool, compare: bool, fused: int = 0
+    engine_rank: int,
+    update,
+    steps: int,
+    ports,
+    *,
+    speculative: bool,
+    compare: bool,
+    fused: int = 0,
+    blackwell: str | None = None,
 ):
     from types import SimpleNamespace
 
@@ -1017,7 +1044,8 @@ def _drafter_sessions(
     from glm_fp8.testing import moved_layer
 
     config = MTP_CONFIG
-    _sglang_world(engine_rank, SERVERS["tp2" if fused else "tp2-ep2"], ports[1], speculative=speculative)
+    server = SERVERS["tp2" if fused else "tp2-ep2"]
+    _sglang_world(engine_rank, server, ports[1], speculative=speculative, blackwell=blackwell)
     cpu = torch.device("cpu")
     weights = None if steps == 1 else (lambda i: moved_layer(config, i, steps - 1, layout="hf"))
     theirs = _model(config, fused)
@@ -1027,8 +1055,13 @@ def _drafter_sessions(
         DefaultModelLoader.postprocess_weights(model, cpu)
     ours = _model(config, fused)
     ours_drafter = _drafter(config, ours, fused)
+    if blackwell:  # a running server: both models loaded another checkpoint at start, then requantized
+        for model in (ours, ours_drafter):
+            model.load_weights(_checkpoint(config, lambda i: moved_layer(config, i, 7, layout="hf")))
+            DefaultModelLoader.postprocess_weights(model, cpu)
 
     target_runner, draft_runner = _runner(ours, engine_rank), _runner(ours_drafter, engine_rank)
+    where = [_storage(ours), _storage(ours_drafter)]
 
     class Worker:  # the TP worker's members the manager reads; deserialization is SGLang's own
         model_runner = target_runner
@@ -1080,30 +1113,46 @@ def _drafter_sessions(
         "shared": ours_drafter.lm_head.weight is ours.lm_head.weight,
         # the drafter's expert stack: the routed experts, then the fused shared expert's slot
         "stack": ours_drafter.model.decoder.mlp.experts.w13_weight.shape[0],
-        "specs_differ": sorted(n for n in set(specs) | set(built) if specs.get(n) != built.get(n)),
+        # the checkpoint's shapes: on Blackwell SGLang has repacked the requantized scales since
+        "specs_differ": []
+        if blackwell
+        else sorted(n for n in set(specs) | set(built) if specs.get(n) != built.get(n)),
         "replies": [(r.success, r.message) for r in replies],
         "versions": versions,
+        "ue8m0": [
+            sum(getattr(p, "format_ue8m0", False) for p in m.parameters()) for m in (ours, ours_drafter)
+        ],
+        "moved": [
+            sorted(n for n, ptr in _storage(m).items() if w.get(n, ptr) != ptr)
+            for m, w in zip((ours, ours_drafter), where)
+        ],
     }
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("fused", [0, 1], ids=["tp2-ep2", "tp2 fused shared expert"])
-def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api(fused):
+@pytest.mark.parametrize(
+    "fused, blackwell",
+    [(0, None), (1, None), (0, "deep_gemm")],
+    ids=["tp2-ep2", "tp2 fused shared expert", "tp2-ep2 on Blackwell, dense"],
+)
+def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api(fused, blackwell):
     """A speculative server (TP 2 with EP 2; or TP 2 whose models fuse the shared expert into the
     routed experts' stacks): SGLang's session code runs glm_fp8's loader for the target, then for
     its MTP drafter (``SGLangUpdate(drafter=True)``: selector "all"); the trainer sends the
     target's update, then the drafter's on the same link. After a dense update and a delta, every
     parameter of both models (the drafter's embeddings and ``lm_head`` the target's) and both
     models' ``w_kc`` / ``w_vc`` equal SGLang's own load of the same block-FP8 checkpoint, and
-    ``engine_param_specs`` of the drafter's layout lists exactly what SGLang built."""
+    ``engine_param_specs`` of the drafter's layout lists exactly what SGLang built. On Blackwell
+    (DeepGEMM's UE8M0 scales in both models, the updates dense), the same after two updates."""
     steps = 2
-    results = launch(3, _drafter_rank, (free_ports(2), steps, True, False, fused), timeout_s=300)
+    results = launch(3, _drafter_rank, (free_ports(2), steps, True, False, fused, blackwell), timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     sent = results[0][1]["sent"]
     assert all(t > 0 and d > 0 for t, d in sent), sent
-    assert sent[1][0] < sent[0][0] / 10 and sent[1][1] < sent[0][1] / 10, sent  # the second: deltas
+    if blackwell is None:  # the second: deltas
+        assert sent[1][0] < sent[0][0] / 10 and sent[1][1] < sent[0][1] / 10, sent
     for r in (1, 2):
         out = torch.load(io.BytesIO(results[r][1]), weights_only=False)
         assert out["specs_differ"] == [], out["specs_differ"]
@@ -1117,6 +1166,8 @@ def test_the_mtp_drafter_takes_the_mtp_layer_through_sglangs_session_api(fused):
         assert out["stack"] == MTP_CONFIG["n_routed_experts"] // (1 if fused else 2) + fused, out["stack"]
         assert all(ok for ok, _ in out["replies"]) and len(out["replies"]) == 3 * steps, out["replies"]
         assert out["versions"] == [f"step-{k}" for k in range(steps)], out["versions"]
+        assert all(n >= 5 for n in out["ue8m0"]) if blackwell else out["ue8m0"] == [0, 0], out["ue8m0"]
+        assert out["moved"] == [[], []], out["moved"]  # both models' tensors where CUDA graphs read them
 
 
 def test_a_drafters_update_into_a_server_without_one_is_refused_at_once():

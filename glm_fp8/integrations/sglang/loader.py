@@ -5,9 +5,9 @@
 Each rank reads the update from the call's payload (``glm_fp8.integrations.sglang.update``), its
 own layout from SGLang's runtime context (``sglang_rank_layout``), and checks that the model holds
 exactly the parameters glm_fp8 lands (``sglang_landing``: a shared expert SGLang fused into the
-routed experts' stacks is landed in its slot; on Blackwell, the scales SGLang repacked for DeepGEMM
-are landed in the checkpoint's format for the session's end to requantize them, as SGLang's own load
-does). It joins glm_fp8's link before either check: a
+routed experts' stacks is landed in its slot; on Blackwell, the parameters SGLang requantized for
+DeepGEMM are landed in the checkpoint's format, then requantized in place by SGLang's own code).
+It joins glm_fp8's link before either check: a
 refusal is voted with the manifest, so the senders and the other ranks stop at once instead of
 waiting for this rank until the link's timeout. The link and the ``Receiver`` stay open between
 updates (a delta update needs what the last one left); its receive buffers (the ring) are given
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
 from glm_fp8.core.errors import EngineNotSupported, LinkLost
-from glm_fp8.core.numerics import ceil_blocks
+from glm_fp8.core.numerics import BLOCK, ceil_blocks
 from glm_fp8.engine.postload import check_w13_halves, swap_w13_halves_
 from glm_fp8.engine.sglang import SGLangLayout, sglang_params
 from glm_fp8.engine.specs import engine_param_specs
@@ -75,23 +75,26 @@ def is_drafter(model: torch.nn.Module) -> bool:
     return hasattr(getattr(model, "model", None), "decoder")
 
 
+# SGLang 0.5.23's requantization of one block-FP8 weight [N, K] with its float32 block scales:
+# (fp8 weight, packed int32 UE8M0 scales [N, ceil(nb(K) / 4)]), as
+# ``sglang.srt.layers.quantization.fp8_utils.requant_weight_ue8m0(weight, scale, [128, 128])``.
+Requantize = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class SGLangLanding:
-    """Where one update lands on one SGLang rank (``sglang_landing``), and what follows the landing.
+    """Where one update lands on one SGLang rank (``sglang_landing``), and what follows the landing
+    (docs/sglang.md#blackwell).
 
     ``params``: the tensors the ``Receiver`` writes, by the names glm_fp8 lands: the model's own
-    parameters (``.data``), but for each scale SGLang repacked for DeepGEMM, a float32 tensor of the
-    checkpoint's shape (``restore``). ``finish()``, once every byte landed, puts SGLang's model
-    back in the state its own ``load_weights`` of a checkpoint leaves before
-    ``process_weights_after_loading``: each restored scale becomes its parameter's data again
-    (``format_ue8m0`` False), so that the session's ``end_weight_update`` requantizes exactly those
-    parameters as SGLang's own load does; and each routed-expert stack that SGLang's loader fills in
-    FlashInfer TRT-LLM's order gets its w13 halves swapped to [w3; w1] (``swap``)
-    (docs/sglang.md#blackwell).
+    parameters (``.data``), but for each scale SGLang requantized and packed for DeepGEMM, a float32
+    tensor of the checkpoint's shape. ``restore``: those (weight, packed scale parameter, float32
+    scales). ``swap``: the routed-expert stacks (w13, its scales) SGLang's loader fills in FlashInfer
+    TRT-LLM's order, [w3; w1].
     """
 
     params: dict[str, torch.Tensor]
-    restore: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    restore: list[tuple[torch.Tensor, torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
     swap: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
@@ -105,13 +108,38 @@ class SGLangLanding:
             what.append(f"FlashInfer TRT-LLM's [w3; w1] order of {len(self.swap)} expert stacks")
         return " and ".join(what) or None
 
-    def finish(self) -> None:
-        """After every byte landed (never after a failed update: the model keeps its packed scales)."""
+    def finish(
+        self, model: torch.nn.Module, post_load: Callable[[torch.nn.Module], None], requantize: Requantize
+    ) -> None:
+        """After every byte landed (never after a failed update: the model keeps the scales it had),
+        leave ``model`` as SGLang's own load of the update's checkpoint leaves it, in the storage it
+        had: SGLang's decode CUDA graphs read the parameters where they were captured.
+
+        1. The TRT-LLM stacks' w13 halves swapped, scales alike (``swap_w13_halves_``).
+        2. ``post_load`` (SGLang's ``post_load_weights``: MLA's ``w_kc`` / ``w_vc``, copied into
+           their tensors) with the checkpoint's float32 scales in the requantized parameters
+           (``format_ue8m0`` False meanwhile), as SGLang's own load derives them before requantizing.
+        3. Each requantized parameter back in its packed storage (``format_ue8m0`` True, so the
+           session's ``process_weights_after_loading`` leaves it), then ``requantize``'s result for
+           each weight (each expert of a stack alone: one expert's temporaries) copied into the
+           weight and the packed scales in place.
+        """
         for w13, scale in self.swap:
             swap_w13_halves_(w13, scale)
-        for param, staged in self.restore:
-            param.data = staged
-            param.format_ue8m0 = False
+        packed = [param.data for _, param, _ in self.restore]
+        for _, param, staged in self.restore:
+            param.data, param.format_ue8m0 = staged, False
+        try:
+            post_load(model)
+        finally:
+            for (_, param, _), storage in zip(self.restore, packed):
+                param.data, param.format_ue8m0 = storage, True
+        for (weight, _, staged), scales in zip(self.restore, packed):
+            pieces = [(weight, staged, scales)] if weight.dim() == 2 else zip(weight, staged, scales)
+            for w, s, out in pieces:
+                new_w, new_s = requantize(w, s)
+                w.copy_(new_w)
+                out.copy_(new_s)
 
 
 def sglang_landing(model: torch.nn.Module, config: Mapping, layout: SGLangLayout) -> SGLangLanding:
@@ -124,9 +152,9 @@ def sglang_landing(model: torch.nn.Module, config: Mapping, layout: SGLangLayout
 
     On Blackwell (docs/sglang.md#blackwell): a block-FP8 scale SGLang requantized for DeepGEMM
     (``format_ue8m0``: int32 [(E,) N, ceil(nb(K) / 4)], packed) is landed in a float32 tensor of the
-    checkpoint's shape, allocated here (the checkpoint's scales of those parameters: 4 bytes per
-    128 x 128 block); a routed-expert module SGLang runs with FlashInfer TRT-LLM
-    (``use_flashinfer_trtllm_moe``) gets its w13 halves swapped after landing."""
+    checkpoint's shape, allocated here (4 bytes per 128 x 128 block of the weight), and a
+    routed-expert module SGLang runs with FlashInfer TRT-LLM (``use_flashinfer_trtllm_moe``) is
+    listed for its w13 halves' swap: ``SGLangLanding.finish`` does both after the landing."""
     fused = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
     skip = DRAFTER_TARGETS if layout.drafter else ()
     named = {n: p for n, p in model.named_parameters() if not n.endswith(KV_SCALES) and n not in skip}
@@ -146,7 +174,7 @@ def sglang_landing(model: torch.nn.Module, config: Mapping, layout: SGLangLayout
         *g, n, k = weight.shape
         staged = torch.full((*g, ceil_blocks(n), ceil_blocks(k)), float("nan"), device=p.device)
         held[name] = staged
-        restore.append((p, staged))
+        restore.append((weight.data, p, staged))
     try:
         params = sglang_params(held, layout, fused)
     except ValueError as e:
@@ -306,14 +334,21 @@ def _receive(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Te
     _, receiver = _RECEIVERS[key]
     try:
         receiver.load_into(landing.params, refusal=refusal)
-        landing.finish()  # Blackwell: checkpoint-format scales back, for the session's end to requantize
     finally:
         # The ring goes back after every update, landed or not: SGLang sized its KV cache at start
         # and serves between updates, so nothing of the transfer stays held.
         receiver.release()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    post_load_weights(model)  # the drafter's too: MLA's w_kc / w_vc of its decoder layer
+    # post_load_weights: the drafter's too (MLA's w_kc / w_vc of its decoder layer)
+    landing.finish(model, post_load_weights, _requantize)
+
+
+def _requantize(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's own requantization for DeepGEMM (``SGLangLanding.finish``)."""
+    from sglang.srt.layers.quantization.fp8_utils import requant_weight_ue8m0
+
+    return requant_weight_ue8m0(weight, scale, [BLOCK, BLOCK])
 
 
 def held_receive_bytes() -> int:
