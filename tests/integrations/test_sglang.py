@@ -182,6 +182,16 @@ def test_a_packed_scale_of_another_shape_is_refused_naming_it():
         sglang_landing(model, CONFIG, lay)
 
 
+def test_bytes_sglang_shuffled_for_aiter_are_refused_naming_the_parameter():
+    """ROCm's AITER kernels take their fp8 bytes shuffled in place (same shape and dtype, marked
+    ``is_shuffled``): landing the checkpoint's order there would be silently wrong."""
+    model = _Model(LAYOUTS[1])
+    name = "model.layers.2.mlp.experts.w2_weight"
+    dict(model.named_parameters())[name].is_shuffled = True
+    with pytest.raises(EngineNotSupported, match=f"{name}: SGLang shuffled its bytes for AITER"):
+        sglang_landing(model, CONFIG, LAYOUTS[1])
+
+
 def test_trtllm_experts_get_their_w13_halves_swapped_after_landing():
     """FlashInfer TRT-LLM's routed experts hold w13 as [w3; w1] (SGLang's loader swaps the shards):
     glm_fp8 lands [w1; w3] and ``finish()`` swaps the halves, scales alike."""

@@ -161,6 +161,11 @@ def sglang_landing(model: torch.nn.Module, config: Mapping, layout: SGLangLayout
     held, restore = {}, []
     for name, p in named.items():
         held[name] = p.data
+        if getattr(p, "is_shuffled", False):
+            raise EngineNotSupported(
+                f"{name}: SGLang shuffled its bytes for AITER's kernels (is_shuffled), a layout glm_fp8 "
+                "does not land (docs/sglang.md#layouts)"
+            )
         if not getattr(p, "format_ue8m0", False):
             continue
         weight = named.get(name.removesuffix("_scale_inv")) if name.endswith("weight_scale_inv") else None
