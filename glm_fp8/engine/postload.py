@@ -301,11 +301,11 @@ __all__ = [
     "MOE_BACKENDS",
     "PostLoadPlan",
     "apply_postload_",
+    "check_w13_halves",
     "clamp_scales_",
     "expert_param_names",
     "mla_absorbed_ref",
     "postload_inverse",
     "postload_plan",
-    "check_w13_halves",
     "swap_w13_halves_",
 ]

@@ -373,11 +373,11 @@ def _runs_drafter() -> bool:
 __all__ = [
     "DRAFTER_TARGETS",
     "KV_SCALES",
+    "SGLangLanding",
     "held_receive_bytes",
     "is_drafter",
-    "SGLangLanding",
     "packed_ue8m0_shape",
-    "sglang_landing",
     "receive_update",
+    "sglang_landing",
     "sglang_rank_layout",
 ]
