@@ -759,6 +759,10 @@ CASES = {
     "Blackwell with FlashInfer TRT-LLM's experts, GLM-5's split indexer, through SGLang's sessions": dict(
         server="tp2", api=True, blackwell="flashinfer_trtllm", config="glm-5"
     ),
+    # SGLang's default for GLM-5 on SM100 without EP: TRT-LLM's experts, the shared expert fused in
+    "Blackwell's default, TRT-LLM's experts with the shared expert fused in, through SGLang's sessions": dict(
+        server="tp2", api=True, blackwell="flashinfer_trtllm", fused=1
+    ),
 }
 
 
