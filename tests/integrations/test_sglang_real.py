@@ -832,18 +832,16 @@ def test_an_update_lands_in_sglangs_glm5_model_as_sglangs_own_load_weights(name)
         assert all(0 < n < s[0] / 10 for s in sent for n in s[1:]), sent
 
 
-def test_a_refusal_through_sglangs_http_routes_stops_every_rank_and_leaves_generation_paused():
-    """The trainer announces the ranks of a TP 2 server to a server of TP 2 with EP 2: each SGLang
-    rank's loader finds its layout other than announced, and every rank votes on it before any
-    layer; the sender raises within seconds naming the rank. The loader does not raise (SGLang
-    0.5.23 would stop its server), so SGLang answers the call as a success; its session is ended
-    and generation stays paused (the trainer calls ``join``, not ``finish``)."""
+def _refused_through_http(server: str, **kw) -> str:
+    """One update from one sender through SGLang's HTTP routes into a TP 2 server, which every rank
+    refuses at the manifest: the sender raises within seconds (its message returned) and nothing is
+    sent; SGLang answers every call of the session (the loader returned: its server lives on) and
+    generation stays paused (the trainer calls ``join``, not ``finish``)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     case = dict(
-        server=SERVERS["tp2-ep2"],
-        announce={},  # all_sglang_ranks(2): TP 2 without EP
+        server=SERVERS[server],
         senders=1,
         steps=1,
         delta=False,
@@ -854,19 +852,29 @@ def test_a_refusal_through_sglangs_http_routes_stops_every_rank_and_leaves_gener
         broadcast=False,
         boxes=[(ctx.Queue(), ctx.Queue()) for _ in range(2)],
     )
-    results = launch(3, _rank, (case, free_ports(4)), timeout_s=300)
+    results = launch(3, _rank, ({**case, **kw}, free_ports(4)), timeout_s=300)
     assert all(status == "ok" for status, _ in results.values()), results
     out = results[0][1]
     assert out["sent"] == [] and len(out["failed"]) == 2, out
     (kind, text, seconds), (call_kind, _, _) = out["failed"]
     assert kind == "ManifestMismatch" and "refused its parameters" in text and seconds < 30, out
-    assert "layout: expected engines[" in text, text
     assert call_kind == "answered", out["failed"]  # SGLang's account: the loader returned
     session = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
     assert out["calls"] == ["pause_generation:retract", *session] and out["paused"], out["calls"]
     for r in (1, 2):  # every rank's server lives on: each call of its session answered
         replies = torch.load(io.BytesIO(results[r][1]), weights_only=False)["replies"]
         assert [ok for ok, _ in replies] == [True, True, True], replies
+    return text
+
+
+def test_a_refusal_through_sglangs_http_routes_stops_every_rank_and_leaves_generation_paused():
+    """The trainer announces the ranks of a TP 2 server to a server of TP 2 with EP 2: each SGLang
+    rank's loader finds its layout other than announced, and every rank votes on it before any
+    layer; the sender raises within seconds naming the rank. The loader does not raise (SGLang
+    0.5.23 would stop its server), so SGLang answers the call as a success; its session is ended
+    and generation stays paused (the trainer calls ``join``, not ``finish``)."""
+    text = _refused_through_http("tp2-ep2", announce={})  # announced: all_sglang_ranks(2), TP 2 without EP
+    assert "layout: expected engines[" in text, text
 
 
 def test_a_delta_update_into_a_blackwell_server_is_refused_at_once_naming_its_requantization():
@@ -874,33 +882,8 @@ def test_a_delta_update_into_a_blackwell_server_is_refused_at_once_naming_its_re
     no longer hold what a delta update rebuilds the last update from: every rank's loader refuses
     ``delta=True`` at the manifest, the sender raises within seconds naming it, and the server's
     session calls all answer (generation stays paused)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    case = dict(
-        server=SERVERS["tp2"],
-        senders=1,
-        steps=1,
-        delta=True,
-        vllm=[],
-        api="http",
-        config=CONFIG,
-        fused=0,
-        broadcast=False,
-        blackwell="deep_gemm",
-        boxes=[(ctx.Queue(), ctx.Queue()) for _ in range(2)],
-    )
-    results = launch(3, _rank, (case, free_ports(4)), timeout_s=300)
-    assert all(status == "ok" for status, _ in results.values()), results
-    out = results[0][1]
-    assert out["sent"] == [] and len(out["failed"]) == 2, out
-    (kind, text, seconds), _ = out["failed"]
-    assert "refused its parameters" in text and seconds < 30, out
+    text = _refused_through_http("tp2", delta=True, blackwell="deep_gemm")
     assert "SGLangUpdate.delta" in text and "UE8M0" in text and "delta=False" in text, text
-    assert out["paused"], out["calls"]
-    for r in (1, 2):
-        replies = torch.load(io.BytesIO(results[r][1]), weights_only=False)["replies"]
-        assert [ok for ok, _ in replies] == [True, True, True], replies
 
 
 def _published_layout(rank, world, args: dict, tp_rank: int):
