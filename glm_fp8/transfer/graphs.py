@@ -37,23 +37,31 @@ class LayerGraphs:
     caller keeps of them (views and small result tensors). ``key`` names everything the kernels
     read and write that may change between calls: every tensor by ``tensor_key`` (the trainer's
     tensors, the buffers written), and the choices that change which kernels run. The first call
-    with a key runs ``work`` as it is; the next with the same key captures it (the graph's
-    allocations come from one memory pool shared by the position's graphs, which run one after
-    the other on one stream) and replays it; later calls with that key replay it and return the
-    captured results, tensors that each replay rewrites. A call with another key runs ``work``
-    and drops the position's graph. A capture that fails (some kernel cannot be captured) turns
-    the graphs off for good (``failed`` says why) and runs ``work`` as it is.
+    with a key runs ``work`` as it is; the next with the same key captures it and replays it;
+    later calls with that key replay it and return the captured results, tensors that each replay
+    rewrites. A call with another key runs ``work`` and drops the position's graph. A capture
+    that fails (some kernel cannot be captured) turns the graphs off for good (``failed`` says
+    why) and runs ``work`` as it is.
 
-    Off on the CPU. Memory: the pool holds what the captured kernels allocate (the comparison's
-    bitmaps and offsets of the largest layer, and each position's small results), beside the
-    caching allocator's blocks of the uncaptured calls.
+    Memory pools: graphs captured in position order share one pool, since they replay in that
+    order on one stream: a graph's temporaries may reuse an earlier graph's, never its results,
+    which stay referenced. A graph captured after a later position's (its key changed: a
+    trainer tensor moved) gets a pool of its own: in the shared pool its results could take the
+    memory of a later graph's temporaries, which that graph's replay rewrites before the host
+    reads them (a layer's non-finite check and its lengths are read after the next layer's
+    kernels).
+
+    Off on the CPU. Memory: the shared pool holds what the captured kernels allocate (the
+    comparison's bitmaps and offsets of the largest layer, and each position's small results), a
+    private pool its one graph's, beside the caching allocator's blocks of the uncaptured calls.
     """
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled = enabled and device.type == "cuda"
         self.failed: str | None = None
         self.captures = self.replays = 0
-        self._pool = None
+        self._pool = None  # shared by the graphs captured in position order
+        self._last = -1  # the last position captured into it
         self._graphs: dict[int, tuple[Hashable, torch.cuda.CUDAGraph, object]] = {}
         self._seen: dict[int, Hashable] = {}
 
@@ -74,9 +82,13 @@ class LayerGraphs:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if pos > self._last:
+            pool, self._last = self._pool, pos
+        else:  # out of order: a pool of its own (see the class)
+            pool = torch.cuda.graph_pool_handle()
         try:
             # thread_local: another thread's CUDA calls (an engine's, a trainer's) do not break it
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 out = work()
             finally:
@@ -96,6 +108,7 @@ class LayerGraphs:
         """Drop every graph (their pool's memory goes back once no result is referenced)."""
         self._graphs.clear()
         self._seen.clear()
+        self._pool, self._last = None, -1
 
 
 __all__ = ["LayerGraphs", "tensor_key", "tensors_key"]
