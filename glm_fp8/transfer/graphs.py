@@ -98,6 +98,7 @@ class LayerGraphs:
             self._graphs.clear()
             with contextlib.suppress(Exception):
                 torch.cuda.current_stream().synchronize()
+            _end_generator_capture()
             return work()
         graph.replay()
         self.captures += 1
@@ -109,6 +110,18 @@ class LayerGraphs:
         self._graphs.clear()
         self._seen.clear()
         self._pool, self._last = None, -1
+
+
+def _end_generator_capture() -> None:
+    """After a capture whose end failed. ``CUDAGraph.capture_end`` raises when the capture was
+    invalidated (a kernel that cannot be captured) before it tells the CUDA generators the capture
+    is over, so they stay marked as capturing, and torch raises at the process's next random op on
+    the GPU ("Offset increment outside graph capture"): the trainer's, not only ours. An empty
+    capture, begun and ended on a stream of its own, marks them not capturing again."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_end()
 
 
 __all__ = ["LayerGraphs", "tensor_key", "tensors_key"]

@@ -74,6 +74,8 @@ def test_graphs_run_then_capture_then_replay():
         assert graphs.run(1, ("x",), not_capturable) == want
         assert graphs.run(1, ("x",), not_capturable) == want  # the capture fails: run as it is
     assert not graphs.enabled and graphs.failed is not None
+    # the process's random ops on the GPU still work (the trainer's dropout, its init)
+    assert torch.randn(8, device="cuda").isfinite().all()
     assert graphs.run(0, ("k", tensor_key(src)), work) is not captured  # off for good
 
 
