@@ -281,18 +281,25 @@ def _ephemeral_floor() -> int:
         return 32768
 
 
+# Every port this process has handed out: never handed out again, so that a test's own ports and
+# its launcher's (``launch`` draws one after the test drew its own, all free at their draw) cannot
+# be the same port, and a port whose last store may still linger is not reused.
+_HANDED: set[int] = set()
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 now, for rendezvous addresses: drawn at random
     below the ephemeral range (no listener of another process group's mesh or client socket is
-    given one by the OS meanwhile) and bound together, so that no two are the same port."""
+    given one by the OS meanwhile), none handed out before by this process."""
     low, high = _PORT_RANGE[0], min(_PORT_RANGE[1], _ephemeral_floor())
     rng = random.SystemRandom()
     out: list[int] = []
     for _ in range(200 * max(n, 1)):
         if len(out) == n:
+            _HANDED.update(out)
             return out
         port = rng.randrange(low, high)
-        if port in out:
+        if port in out or port in _HANDED:
             continue
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -302,6 +309,7 @@ def free_ports(n: int) -> list[int]:
                 continue
         out.append(port)
     if len(out) == n:
+        _HANDED.update(out)
         return out
     raise RuntimeError(f"free_ports: found {len(out)} of {n} free ports in [{low}, {high})")
 
