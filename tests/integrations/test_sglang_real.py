@@ -16,7 +16,11 @@ session frames a direct write (``begin_weight_update``: ``restore_weights_before
 ``postprocess_weights``), holds the bytes that SGLang's ``load_weights`` of the same weights as a
 block-FP8 checkpoint (per-expert names, ``weight_scale_inv``, each weight quantized alone by
 glm_fp8's reference; of the last update's weights) followed by ``postprocess_weights`` gives it; a
-delta update sends and receives under a tenth of the first, dense one. Both models start poisoned (0xFF),
+delta update sends and receives under a tenth of the first, dense one. On Blackwell (SGLang's
+DeepGEMM switches set: its own load requantizes to UE8M0 and packs the scales; or its experts in
+FlashInfer TRT-LLM's order) the same holds of a server that loaded another checkpoint at start,
+and a delta is refused at once. No session moves a parameter or ``w_kc`` / ``w_vc`` (SGLang's CUDA
+graphs read them where they were captured). Both models start poisoned (0xFF),
 so a byte either path leaves unwritten shows as a difference, and none is left unwritten by
 SGLang's own load (the KV cache's ``k_scale`` / ``v_scale``, which no checkpoint here holds, keep
 SGLang's defaults: its KV-cache method checks them). And ``engine_param_specs`` for the rank's
@@ -27,7 +31,8 @@ the update's weight version.
 
 Real: SGLang's model classes, layers, weight loaders, post-load steps, parallel groups (gloo over
 the server's ranks, placed from its published ``ServerArgs`` as SGLang's bootstrap places them).
-Stood in: the device. The ranks are CPU processes; SGLang's DSA indexer is built as on CUDA
+Stood in: the device, and on Blackwell DeepGEMM's scale packing (``_blackwell``). The ranks are
+CPU processes; SGLang's DSA indexer is built as on CUDA
 (``dsa_indexer._is_cuda``, so that ``wk`` and ``weights_proj`` are fused into the bf16
 ``wk_weights_proj`` a GPU server holds), the rotary embedding takes its CPU path, and MLA's
 ``post_load_weights`` its CUDA (Hopper) branch (``deepseek_weight_loader._is_cuda``: bf16
