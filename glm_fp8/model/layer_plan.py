@@ -212,10 +212,17 @@ def align(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
+def packed_ue8m0_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of DeepGEMM's SM100 packed UE8M0 scales of a weight [(E,) N, K]: one row per weight
+    row, four K-blocks' exponents per int32 (docs/layouts.md#deepgemm-sm100-packed-ue8m0-scales)."""
+    *g, n, k = weight_shape
+    return (*g, n, -(-ceil_blocks(k) // 4))
+
+
 def scale_entry(name: str, shape: tuple[int, ...], target: str, offset: int) -> PlanEntry:
     *g, n, k = shape
-    nb = (ceil_blocks(n), ceil_blocks(k))
     if target == "hopper":
-        return PlanEntry(name, "scale", torch.float32, (*g, *nb), offset)
-    p = -(-nb[1] // 4)  # four ue8m0 exponent bytes per int32, DeepGEMM SM100
-    return PlanEntry(name, "scale", torch.int32, (*g, n, p), offset, storage_shape=(*g, p, align(n, 4)))
+        return PlanEntry(name, "scale", torch.float32, (*g, ceil_blocks(n), ceil_blocks(k)), offset)
+    packed = packed_ue8m0_shape(shape)
+    storage = (*g, packed[-1], align(n, 4))  # MN-major
+    return PlanEntry(name, "scale", torch.int32, packed, offset, storage_shape=storage)

@@ -19,7 +19,7 @@ import torch
 from glm_fp8.core.errors import EngineNotSupported
 from glm_fp8.engine import EngineLayout, SGLangLayout, engine_param_specs
 from glm_fp8.integrations.sglang import PAYLOAD, SGLangUpdate, sglang_landing
-from glm_fp8.integrations.sglang.loader import packed_ue8m0_shape
+from glm_fp8.model.layer_plan import packed_ue8m0_shape
 from glm_fp8.model.presets import TINY_GLM5
 
 CONFIG = {**TINY_GLM5, "indexer_rope_interleave": True, "num_nextn_predict_layers": 0}

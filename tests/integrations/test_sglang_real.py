@@ -231,6 +231,17 @@ def _blackwell():
     loader_utils.get_device_sm = lambda: 100
 
 
+def _started(model, config: dict) -> None:
+    """``model`` as a running server holds it: SGLang's own load of another checkpoint than any update
+    sends (``moved_layer``'s step 7), then its post-load step (on Blackwell: the requantization)."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from glm_fp8.testing import moved_layer
+
+    model.load_weights(_checkpoint(config, lambda i: moved_layer(config, i, 7, layout="hf")))
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+
+
 def _storage(model) -> dict[str, int]:
     """Where each parameter and MLA's derived ``w_kc`` / ``w_vc`` live: an update must leave them there
     (SGLang's decode CUDA graphs read them where they were captured; ``w_kc`` / ``w_vc`` exist once a
@@ -490,9 +501,8 @@ def _through_sessions(engine_rank: int, case: dict, layouts, kw: dict, ports) ->
 
     DefaultModelLoader.postprocess_weights(theirs, cpu)
     ours = _model(config, case["fused"])
-    if blackwell:  # a running server: it loaded a checkpoint at start, and SGLang requantized it
-        ours.load_weights(_checkpoint(config, lambda i: moved_layer(config, i, 7, layout="hf")))
-        DefaultModelLoader.postprocess_weights(ours, cpu)
+    if blackwell:
+        _started(ours, config)
         ue8m0 = sorted(n for n, p in ours.named_parameters() if getattr(p, "format_ue8m0", False))
         trtllm = [n for n, m in ours.named_modules() if getattr(m, "use_flashinfer_trtllm_moe", False)]
     runner = _runner(ours, engine_rank)
@@ -1047,10 +1057,9 @@ def _drafter_sessions(
         DefaultModelLoader.postprocess_weights(model, cpu)
     ours = _model(config, fused)
     ours_drafter = _drafter(config, ours, fused)
-    if blackwell:  # a running server: both models loaded another checkpoint at start, then requantized
+    if blackwell:
         for model in (ours, ours_drafter):
-            model.load_weights(_checkpoint(config, lambda i: moved_layer(config, i, 7, layout="hf")))
-            DefaultModelLoader.postprocess_weights(model, cpu)
+            _started(model, config)
 
     target_runner, draft_runner = _runner(ours, engine_rank), _runner(ours_drafter, engine_rank)
     where = [_storage(ours), _storage(ours_drafter)]

@@ -33,6 +33,7 @@ from glm_fp8.engine.postload import check_w13_halves, swap_w13_halves_
 from glm_fp8.engine.sglang import SGLangLayout, sglang_params
 from glm_fp8.engine.specs import engine_param_specs
 from glm_fp8.integrations.sglang.update import SGLangUpdate
+from glm_fp8.model.layer_plan import packed_ue8m0_shape
 from glm_fp8.transfer.link import StoreLink
 from glm_fp8.transfer.receiver import Receiver
 
@@ -207,13 +208,6 @@ def sglang_landing(model: torch.nn.Module, config: Mapping, layout: SGLangLayout
     return SGLangLanding(params, restore, swap)
 
 
-def packed_ue8m0_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of DeepGEMM's packed UE8M0 scales of a weight [(E,) N, K] on SM100: one row per
-    weight row, four K-blocks' exponents per int32 (docs/layouts.md#deepgemm-sm100-packed-ue8m0-scales)."""
-    *g, n, k = weight_shape
-    return (*g, n, -(-ceil_blocks(k) // 4))
-
-
 # The drafter's parameters that are the target's own tensors (aliases, not landed twice).
 DRAFTER_TARGETS = ("model.embed_tokens.weight", "lm_head.weight")
 # Kept open between updates: a link per (host, port, rank, world size), which the target's and
@@ -376,7 +370,6 @@ __all__ = [
     "SGLangLanding",
     "held_receive_bytes",
     "is_drafter",
-    "packed_ue8m0_shape",
     "receive_update",
     "sglang_landing",
     "sglang_rank_layout",
