@@ -116,7 +116,7 @@ def test_delta_options():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="resync_every expected None or an integer >= 1"):
             DeltaOptions(resync_every=bad)
-    assert DeltaOptions().graphs is False and DeltaOptions(graphs=True).graphs
+    assert DeltaOptions().graphs is True and DeltaOptions(graphs=False).graphs is False
     with pytest.raises(ValueError, match=r"^delta.graphs: expected True or False, got 1$"):
         DeltaOptions(graphs=1)
 
