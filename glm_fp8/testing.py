@@ -321,42 +321,49 @@ def free_port() -> int:
 def _worker(rank, world, port, backend, timeout_s, fn, args, queue):
     import torch.distributed as dist
 
+    store = None
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        _all_joined(store, rank, world, timeout)
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         queue.put((rank, type(exc).__name__, f"{exc}\n{traceback.format_exc(limit=3)}"))
     finally:
+        if store is not None:
+            _leave_last(store, rank, world)
         if dist.is_initialized():
-            _leave_last(rank, world)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a dead peer can make this fail too
                 pass
 
 
+def _all_joined(store, rank: int, world: int, timeout: timedelta) -> None:
+    """Return once every rank's ``init_process_group`` has returned. A rank returns from gloo's
+    full-mesh connection as soon as its own side of every pair is up, while a peer may still be
+    reading the handshake on its side; a rank that then went straight on to close the group (a
+    test that destroys the launcher's world to build its own) failed that peer's connection
+    ("Gloo connectFullMesh failed ... Connection closed by peer", about 1 start in 30 of 14
+    ranks on two cores)."""
+    store.set(f"glm_fp8/testing/joined/{rank}", "1")
+    store.wait([f"glm_fp8/testing/joined/{r}" for r in range(world)], timeout)
+
+
 # How long rank 0 waits for the other ranks to finish before its process ends.
 LEAVE_WAIT_S = 10.0
 
 
-def _leave_last(rank: int, world: int) -> None:
+def _leave_last(store, rank: int, world: int) -> None:
     """Rank 0's process serves the default group's store, where every link over that group beats
     (``glm_fp8.transfer.liveness``): it ends only after every other rank finished (or after
     ``LEAVE_WAIT_S``, for a rank that died), so that a rank still reading the outcome of a failed
     update is not told "rank 0 is lost" by the store going away."""
-    import torch.distributed as dist
-
     try:
-        store = dist.distributed_c10d._get_default_store()
         store.add("glm_fp8/testing/done", 1)
         if rank != 0:
             return
