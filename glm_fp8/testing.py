@@ -360,10 +360,9 @@ LEAVE_WAIT_S = 10.0
 
 def _leave_last(store, rank: int, world: int) -> None:
     """Rank 0's process serves the launcher's store (the default group's, unless the test built its
-    own), where every link over that group beats
-    (``glm_fp8.transfer.liveness``): it ends only after every other rank finished (or after
-    ``LEAVE_WAIT_S``, for a rank that died), so that a rank still reading the outcome of a failed
-    update is not told "rank 0 is lost" by the store going away."""
+    own), where every link over that group beats (``glm_fp8.transfer.liveness``): it ends only after
+    every other rank finished (or after ``LEAVE_WAIT_S``, for a rank that died), so that a rank still
+    reading the outcome of a failed update is not told "rank 0 is lost" by the store going away."""
     try:
         store.add("glm_fp8/testing/done", 1)
         if rank != 0:
