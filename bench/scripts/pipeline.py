@@ -35,8 +35,8 @@ master does; an fp32 master is its own shadow), the masters then copied from it;
 along dim 0 (a seeded generator; no full-size temporary). Both are stand-ins for an optimizer
 step: the changed fractions of real AdamW steps are measured by ``bench/scripts/delta_fraction.py``.
 Each delta update is timed beside its messages replayed alone, its wire bytes (every message the
-link carried) against the dense update's, and the GPU memory of the kept copy (or its staging
-buffer) and the delta message buffers (measured on CUDA) against the update-time model's
+link carried) against the dense update's, and the GPU memory of the kept copy (none when it is
+kept in host memory) and the delta message buffers (measured on CUDA) against the update-time model's
 (``glm_fp8.planning.update_delta.sender_share``). The stand-in link has no peers: its versions exchange
 returns this sender's row for every rank (see ``Recorder``). ``--delta-graphs on off`` times each
 kept copy with the sender's layers captured as CUDA graphs and without (``DeltaOptions.graphs``);
@@ -251,7 +251,7 @@ def measure_delta(
     alloc = lambda: torch.cuda.memory_allocated(device) if cuda else 0  # noqa: E731
     lays = sender.routes.layers
     # Predicted GPU memory (the update-time model, glm_fp8.planning.update_delta.sender_share): the kept copy
-    # (in host memory: its one staging buffer instead) and the delta message buffers.
+    # (in host memory: none of it on the GPU) and the delta message buffers.
     share = sender_share(
         sender.routes,
         sender.me,
@@ -261,7 +261,7 @@ def measure_delta(
         0.0,
         ring=args.ring,
     )
-    kept = share.staging if state.host else share.kept
+    kept = 0 if state.host else share.kept
     predicted = kept + share.buffers
     model = share.scratch  # pack_bytes_delta's scratch for the largest piece: part of the transient
     before = alloc()
@@ -641,7 +641,7 @@ def main() -> None:
                     "step ms (max)",
                     "layers as delta (min)",
                     "GPU kept+bufs GiB measured",
-                    "GPU kept+bufs GiB predicted (kept or staging + bufs)",
+                    "GPU kept+bufs GiB predicted (kept on the GPU + bufs)",
                     "compare scratch GiB (model)",
                     "delta transient GiB (max)",
                     "kept layer-0 checked/differ",

@@ -65,8 +65,8 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--delta-kept",
         choices=["gpu", "host"],
-        help="with --delta: where each sender keeps what it last sent: gpu, or host (pinned memory, "
-        "streamed in and out through one layer's staging buffer on the GPU) (default: gpu)",
+        help="with --delta: where each sender keeps what it last sent: gpu, or host (pinned memory "
+        "the comparison reads and writes in place over PCIe) (default: gpu)",
     )
     p.add_argument(
         "--delta-scales",

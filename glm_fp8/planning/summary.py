@@ -196,7 +196,6 @@ def delta_summary(update: dict, summary: dict, fits: dict) -> dict | None:
         "sent_bytes": d["sent"],
         "received_bytes": d["received"],
         "sender_kept_bytes": d["kept"],
-        "sender_staging_bytes": d["staging"],
         "sender_peak_bytes": d["sender_peak"],
         "sender_gpu_bytes": gpu,
         "trainer_gpu_bytes": total,

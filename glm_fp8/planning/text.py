@@ -184,11 +184,10 @@ def delta_lines(report: dict) -> list[str]:
         f"{d['dense_seconds']:.2f} s dense ({d['strategy']}), {pct(d['wire_fraction'])} of the dense "
         f"bytes on the trainer's NICs: {d['arithmetic']}"
     )
-    staged = f", {gib(d['sender_staging_bytes'])} GiB of it staged on the GPU" if d["kept"] == "host" else ""
     verdict = "fits" if d["fits"] else "does NOT fit"
     fits = report["fits"]
     out += wrap(
-        f"a sender keeps what it last sent: {gib(d['sender_kept_bytes'])} GiB {where}{staged}; on its GPU "
+        f"a sender keeps what it last sent: {gib(d['sender_kept_bytes'])} GiB {where}; on its GPU "
         f"{gib(d['sender_gpu_bytes'])} GiB with the transient peak, + "
         f"{gib(fits['resident_master_bytes'], 1)} GiB of master shards = {gib(d['trainer_gpu_bytes'], 1)} "
         f"GiB: {verdict} {fits['gpu_gib']:g} GiB (optimizer state, gradients, activations not counted)",

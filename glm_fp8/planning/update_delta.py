@@ -43,11 +43,10 @@ SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
 # offset check's int32 count (delta_check_kernel) per block.
 COMPARE_SCRATCH_PER_BLOCK = 2048 + 16
 APPLY_SCRATCH_PER_BLOCK = 16 + 4
-STAGING_LAYERS = 1  # kept in host memory: one staging buffer of a layer's (DeltaOptions(kept="host"))
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
-# (the one-GPU stand-in link's) at 55.3 GB/s; the kept copy in host memory is streamed in and
-# written back at that rate, one after the other on the conversion stream (the H200's 80-layer run
-# at 0383511, 2026-12-05: 12.9 ms a layer for 2 x 0.335 GB, bench/RESULTS.md).
+# (the one-GPU stand-in link's) at 55.3 GB/s. Kept in host memory, a delta step's comparison reads
+# the layer's kept copy once over PCIe, in place (glm_fp8.transfer.delta.send.device_alias), and
+# writes back only its changed bytes; taken at that rate.
 HOST_COPY_BYTES_PER_S = 55.3e9
 
 
@@ -65,8 +64,8 @@ class Delta:
     (the measured median steps, bench/RESULTS.md: 0.0012 at lr 1e-6, 0.0031 at 3e-6, 0.0090 at 1e-5);
     ``scales_changed``: the fraction of block scales changed (1: float32 scales from float32
     masters, which nearly all change, the default; 0: UE8M0 scales, which never did);
-    ``kept``: where each sender keeps what it last sent, "gpu" or "host" (pinned, streamed layer by
-    layer through ``STAGING_LAYERS`` layers on the GPU); ``passthrough``: the fraction of the
+    ``kept``: where each sender keeps what it last sent, "gpu" or "host" (pinned, read and written
+    in place by the comparison, nothing of it on the GPU); ``passthrough``: the fraction of the
     passthrough entries' bytes changed, None to send them dense (the default: not measured)."""
 
     fraction: float
@@ -204,15 +203,13 @@ def receiver_bytes(tp: TransferPlan, rank: int, ring: int = 2) -> int:
 @dataclass(frozen=True)
 class SenderShare:
     """One sender's side of a delta update (``glm_fp8.transfer.delta.send``): ``kept`` (its copy of
-    what it last sent: every data byte of its segments), ``staging`` (kept in host memory:
-    ``STAGING_LAYERS`` of its largest layer of it on the GPU; 0 on the GPU), ``scratch``
+    what it last sent: every data byte of its segments, on the GPU or in host memory), ``scratch``
     (``pack_bytes_delta``'s for its largest piece), ``buffers`` (a counts message and payload bound
     per segment of its largest layer, one per conversion ring slot) and ``converted`` (its
     seconds of conversion over the update, at ``per_byte`` s a kernel-format byte and at least
     ``per_layer`` s a layer it converts any of)."""
 
     kept: int
-    staging: int
     scratch: int
     buffers: int
     converted: float
@@ -232,19 +229,17 @@ def sender_share(
     segs = [[SegmentDelta.of(s) for s in lay.of_sender(sender)] for lay in tp.layers]
     sizes = [LayerSizes.of(layer) for layer in segs]  # what SenderDelta allocates from
     kept = [x.data for x in sizes]
-    staging = STAGING_LAYERS * max(kept, default=0) if delta.kept == "host" else 0
     scratch = COMPARE_SCRATCH_PER_BLOCK * max((_piece_blocks(layer) for layer in segs), default=0)
     per_slot = max((x.messages + x.bounds for x in sizes), default=0)
     buffers = min(ring, len(segs)) * per_slot
     converted = sum(max(per_byte * p.nbytes, per_layer) for p in layer_plans if p.nbytes)
-    return SenderShare(sum(kept), staging, scratch, buffers, converted)
+    return SenderShare(sum(kept), scratch, buffers, converted)
 
 
 __all__ = [
     "APPLY_SCRATCH_PER_BLOCK",
     "COMPARE_SCRATCH_PER_BLOCK",
     "HOST_COPY_BYTES_PER_S",
-    "STAGING_LAYERS",
     "Delta",
     "DeltaTraffic",
     "SenderShare",

@@ -121,9 +121,9 @@ class DeltaPrediction:
     """One strategy's delta update (``predict(..., delta=...)``): what was asked (``delta``), the
     busiest sender's NIC bytes, the busiest engine rank's, the gathers (as dense), the predicted
     seconds and their arithmetic; ``wire_fraction``: every sender's NIC bytes over the dense
-    update's; the largest sender's ``kept`` copy, its GPU ``staging`` (kept in host memory) and its
-    transient ``sender_peak``: the dense one (a layer sent dense still needs it) plus
-    ``pack_bytes_delta``'s scratch, the delta message buffers and the staging, the kept copy not
+    update's; the largest sender's ``kept`` copy (on the GPU or in host memory, per
+    ``delta.kept``) and its transient ``sender_peak``: the dense one (a layer sent dense still needs
+    it) plus ``pack_bytes_delta``'s scratch and the delta message buffers, the kept copy not
     included; each server's busiest rank (its delta bytes and its receiver's extra memory: the
     dense receiver's and its delta buffers); each trainer rank's NIC bytes."""
 
@@ -135,7 +135,6 @@ class DeltaPrediction:
     arithmetic: str
     wire_fraction: float
     kept: int
-    staging: int
     sender_peak: int
     servers: tuple[ServerLoad, ...] = ()
     sender_bytes: tuple[int, ...] = ()
@@ -254,7 +253,7 @@ def _delta(
     terms.append((share.converted, f"conversion {share.converted * 1e3:.1f} ms"))
     if spec.kept == "host":
         host = HOST_COPY_BYTES_PER_S
-        terms.append((2 * share.kept / host, "host copy in and out " + gb(2 * share.kept, host)))
+        terms.append((share.kept / host, "host copy read in place " + gb(share.kept, host)))
     busiest, text = max(terms, key=lambda x: x[0])
     fill_s = CONVERT_SECONDS_PER_BYTE * fill
     t = PIPELINE_FACTOR * busiest + fill_s
@@ -268,8 +267,7 @@ def _delta(
         text,
         sum(each) / sum(dense_each),
         share.kept,
-        share.staging,
-        dense_peak + share.scratch + share.buffers + share.staging,
+        dense_peak + share.scratch + share.buffers,
         tuple(loads),
         tuple(each),
     )

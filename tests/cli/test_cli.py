@@ -710,8 +710,8 @@ def test_plan_delta_summary_detail_and_json(capsys):
             ],
         )
     )
-    assert re.search(r"GiB in pinned host memory, [\d.]+ GiB of it staged on the GPU", host), host
-    assert re.search(r"1\.01 x host copy in and out [\d.]+ GB / 55\.3 GB/s", host), host
+    assert re.search(r"GiB in pinned host memory; on its GPU", host), host
+    assert re.search(r"1\.01 x host copy read in place [\d.]+ GB / 55\.3 GB/s", host), host
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from glm_fp8.kernels.delta import apply_delta, compare_bytes, quantize_compare
 from glm_fp8.kernels.quantize import quantize_blockwise
 from glm_fp8.kernels.reference import delta_block_sizes
 from glm_fp8.transfer.delta.segments import SegmentDelta
+from glm_fp8.transfer.delta.send import device_alias
 from glm_fp8.transfer.delta.wire import (
     DeltaPiece,
     counts_numel,
@@ -145,23 +146,34 @@ def _byte_step(nbytes, fraction, seed):
         (0, 0.5),  # no piece
     ],
 )
-def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fraction):
+@pytest.mark.parametrize("kept_in", ["device", "pinned host"])
+def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fraction, kept_in):
     """``pack_bytes_delta`` on the device (Triton: no host read; offsets and the length computed
     by the offsets kernel) writes the counts, the payload's fields and its length exactly as the
     torch reference (``compare_bytes`` on the CPU, then ``pack_delta``), into poisoned outputs, and
-    moves the kept copy to the new bytes."""
+    moves the kept copy to the new bytes; on a GPU also with the kept copy in pinned host memory,
+    which the kernels read and write in place through its ``device_alias`` (``kept="host"``)."""
     if "triton" not in BACKENDS:
         pytest.skip("Triton does not run here")
+    if kept_in == "pinned host" and device.type != "cuda":
+        pytest.skip("host memory mapped into a GPU's address space: a CUDA device")
     old, new = _byte_step(nbytes, fraction, seed=nbytes)
     sd = SegmentDelta.of_nbytes(nbytes)
     got = []
     for backend, dev in (("torch", torch.device("cpu")), ("triton", device)):
         kept, fresh = old.to(dev, copy=True), new.to(dev, copy=True)
+        if backend == "triton" and kept_in == "pinned host":
+            host = old.clone().pin_memory()
+            kept = device_alias(host, dev)
         counts = torch.full((counts_numel(sd.pieces),), -7, dtype=torch.int32, device=dev)
         length = torch.full((1,), -1, dtype=torch.int64, device=dev)
         payload = torch.full((max(sd.bound, 2),), 0xFF, dtype=torch.uint8, device=dev)
         pack_bytes_delta(sd.views(fresh), sd.views(kept), sd.pieces, counts, length, payload, backend=backend)
-        assert torch.equal(kept.cpu(), new), backend
+        if backend == "triton" and kept_in == "pinned host":
+            torch.cuda.synchronize(dev)
+            assert torch.equal(host, new)  # written in host memory, in place
+        else:
+            assert torch.equal(kept.cpu(), new), backend
         deltas = unpack_delta(counts.cpu(), payload.cpu(), sd.pieces)
         got.append((counts.cpu(), int(length), [(d.counts, d.positions, d.values) for d in deltas]))
     (ref_counts, ref_n, ref), (counts, n, out) = got

@@ -86,7 +86,7 @@ def _layer(step: int, layer_idx: int, nan: bool = False) -> dict[str, torch.Tens
     return sd
 
 
-def _rank(rank, world):
+def _rank(rank, world, kept):
     from glm_fp8.transfer import Receiver, Sender
     from glm_fp8.transfer.options import DeltaOptions
 
@@ -98,7 +98,7 @@ def _rank(rank, world):
     kw = dict(config=CONFIG, layer_ids=IDS, engines=[None, *layouts], device=dev)
     out = []
     if rank == 0:
-        sender = Sender(None, 0, delta=DeltaOptions(graphs=True), **kw)
+        sender = Sender(None, 0, delta=DeltaOptions(graphs=True, kept=kept), **kw)
         # The trainer's tensors, allocated once and written in place at every step, as an
         # optimizer does: the graphs read them where they are.
         held = {i: {k: t.to(dev) for k, t in _layer(0, i).items()} for i in IDS}
@@ -136,8 +136,9 @@ def _rank(rank, world):
 
 
 @pytest.mark.slow
-def test_replayed_layers_land_exactly_the_reference_bytes():
-    results = launch(3, _rank, timeout_s=180)
+@pytest.mark.parametrize("kept", ["gpu", "host"])  # on a GPU, "host": the kernels in host memory, captured
+def test_replayed_layers_land_exactly_the_reference_bytes(kept):
+    results = launch(3, _rank, (kept,), timeout_s=180)
     assert all(status == "ok" for status, _ in results.values()), results
     sender, enabled, failed = results[0][1]
     assert failed is None

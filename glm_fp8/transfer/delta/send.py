@@ -48,10 +48,11 @@ class SenderDelta:
         self.proposal, self.count, self.update = time.time_ns(), 0, NONE
         self.segs = [[SegmentDelta.of(seg) for seg in lay.of_sender(me)] for lay in side.routes.layers]
         self.kept: list[list[torch.Tensor] | None] = [None] * n
-        self.host = options.kept == "host"
+        # Kept in pinned host memory on a GPU: the comparison reads it and writes its changed bytes
+        # in place, through the device's mapping of that memory (``device_alias``), so only the
+        # old bytes cross PCIe, once, and the few changed ones back.
+        self.host = options.kept == "host" and side.device.type == "cuda"
         sizes = [LayerSizes.of(segs) for segs in self.segs]
-        self.stage_nbytes = max((x.data for x in sizes), default=0) if self.host else 0
-        self.stage: torch.Tensor | None = None
         # The Triton kernels run on the CPU only under the interpreter (a test tool): the torch path there.
         self.backend = "torch" if side.device.type == "cpu" else None
         self.is_delta = [False] * n  # some engine rank takes the layer as a delta
@@ -141,22 +142,21 @@ class SenderDelta:
             for k, data in zip(kept, datas):
                 k.copy_(data[: k.numel()], non_blocking=True)
             return None
-        staged = self._stage_in(kept) if self.host else kept
         buf = self._buf(pos)
         at, msgs, lengths = 0, [], []
-        for seg, sd, data, k in zip(segs, self.segs[pos], datas, staged):
+        for seg, sd, data, k in zip(segs, self.segs[pos], datas, kept):
             msg = buf[at : at + sd.message_nbytes]
             payload = buf[at + sd.message_nbytes : at + sd.message_nbytes + sd.bound]
             at += sd.message_nbytes + sd.bound
             if not delta_to(lay, seg, self.fresh[pos]):  # every rank of it takes it dense
-                k.copy_(data[: k.numel()])
+                k.copy_(data[: k.numel()], non_blocking=True)
                 msgs.append((msg, None))
                 continue
             words = sd.words(msg)
             # No host read here: the lengths are read once for the layer, when it is sent.
             pack_bytes_delta(
                 sd.views(data),
-                sd.views(k),
+                sd.views(device_alias(k, data.device) if self.host else k),
                 sd.pieces,
                 sd.counts(msg),
                 words[:1],
@@ -166,9 +166,6 @@ class SenderDelta:
             words[1].copy_(seg.checksum_word(data))
             msgs.append((msg, payload))
             lengths.append(words[:1])
-        if self.host:  # the staged copy now holds the new bytes: back to the host, stream-ordered
-            for k, st in zip(kept, staged):
-                k.copy_(st, non_blocking=True)
         return msgs, (torch.cat(lengths) if lengths else None)
 
     def compared(self, pos: int, result: tuple | None) -> None:
@@ -195,23 +192,10 @@ class SenderDelta:
         return host, event
 
     def new_kept(self, nbytes: int) -> torch.Tensor:
-        if not self.host:
+        if not self.host:  # on the device (kept="gpu", or any copy of a sender on the CPU)
             return torch.empty(nbytes, dtype=torch.uint8, device=self.side.device)
-        # Pinned, so that the copies in and out are asynchronous (pinning needs CUDA).
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-
-    def _stage_in(self, kept: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A layer's host-kept copy in the GPU staging buffer (one, reused layer after layer: the
-        copies and the comparison are ordered on the conversion stream)."""
-        if self.stage is None:
-            self.stage = torch.empty(self.stage_nbytes, dtype=torch.uint8, device=self.side.device)
-        out, at = [], 0
-        for k in kept:
-            st = self.stage[at : at + k.numel()]
-            st.copy_(k, non_blocking=True)
-            out.append(st)
-            at += k.numel()
-        return out
+        # Pinned: mapped into the device's address space, and copied in and out asynchronously.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _buf(self, pos: int) -> torch.Tensor:
         i = pos % len(self.bufs)
@@ -276,4 +260,31 @@ class SenderDelta:
         return self.side.routes.layers[pos].delivered_nbytes(self.me)
 
 
-__all__ = ["SenderDelta"]
+class _CudaArray:
+    """The CUDA array interface (version 3) of ``nbytes`` bytes at ``ptr``: what ``torch.as_tensor``
+    makes a CUDA tensor of, without a copy."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (pinned, uint8, contiguous) as a tensor of the CUDA ``device`` at the same bytes: under
+    unified addressing CUDA maps pinned host memory into every device's address space, so a kernel
+    given the alias reads and writes host memory in place, over PCIe (Triton's launcher asks the
+    driver for each pointer's device address). The alias does not own the memory: ``host`` must
+    outlive every kernel queued on it."""
+    if not host.is_pinned() or host.dtype != torch.uint8 or not host.is_contiguous():
+        raise ValueError(
+            f"device_alias: expected a pinned contiguous uint8 tensor, got {host.dtype} {host.device}"
+        )
+    with torch.cuda.device(device):
+        return torch.as_tensor(_CudaArray(host.data_ptr(), host.numel()), device=device)
+
+
+__all__ = ["SenderDelta", "device_alias"]
