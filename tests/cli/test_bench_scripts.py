@@ -125,6 +125,22 @@ def test_delta_fraction_script_measures_real_adamw_steps(tmp_path):
     assert re.search(r"^\|\s*fp32\s*\|\s*1e-05\s*\|\s*ue8m0\s*\|", out, flags=re.M), out
 
 
+def test_delta_apply_script_lands_every_encoding_exactly(tmp_path):
+    """bench/scripts/delta_apply.py on tiny shapes (partial blocks): every encoding of the same
+    change lands the new checkpoint bit for bit on the engine's copy of the old one; glm_fp8's wire
+    is smaller than vLLM sparse_nccl's patches of that change and a sliver of the dense bytes."""
+    out = _run("delta_apply.py", "--repeats", "2", "--json", str(tmp_path / "apply.json"))
+    rows = json.loads((tmp_path / "apply.json").read_text())["rows"]
+    names = ("dense", "glm_fp8", "sparse_nccl", "slime_deltas", "slime_deltas_zstd", "xor_zstd")
+    assert [r["encoding"] for r in rows] == [*names, *names], out
+    assert all(r["exact"] for r in rows), out
+    for lr in (1e-6, 1e-5):
+        wire = {r["encoding"]: r["wire_bytes"] / r["dense_bytes"] for r in rows if r["lr"] == lr}
+        assert wire["dense"] == 1 and 0 < wire["glm_fp8"] < wire["sparse_nccl"] < 0.05, out
+        assert 0 < wire["xor_zstd"] < 0.05 and 0 < wire["slime_deltas_zstd"] < 0.05, out
+    assert re.search(r"^\|\s*1e-05\s*\|\s*xor_zstd\s*\|.*\|\s*yes\s*\|$", out, flags=re.M), out
+
+
 def test_layer_path_goes_down_the_layers_as_docs_map_says(tmp_path):
     """bench/scripts/layer_path.py: no call climbs a layer on a dense or a delta layer's path, and
     the modules and layers each side enters are the "after" figures of docs/map.md's table."""
