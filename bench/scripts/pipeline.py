@@ -204,6 +204,30 @@ def _watch_collections(phase: str, info: dict) -> None:
 gc.callbacks.append(_watch_collections)
 
 
+def _gpu_profile(update, device: torch.device, layers: int, top: int) -> str:
+    """One update under torch.profiler: its wall time beside the GPU's own time (kernels and copies,
+    summed over streams) and the launches a layer, then the ``top`` costliest GPU operations. A GPU
+    time near the wall time says the step is bound by the GPU's work, one well under it by the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        update()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in gpu) / 1e6
+    per_layer = len(gpu) / max(layers, 1)
+    lines = [
+        f"gpu profile (one update; the profiler's own cost inflates the wall time): wall "
+        f"{1e3 * wall:.1f} ms, GPU operations {len(gpu)} ({per_layer:.0f} a layer), their time "
+        f"{1e3 * busy:.1f} ms ({busy / wall:.2f} of the wall time, summed over streams)"
+    ]
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=top)
+    lines += ["gprof| " + ln for ln in table.splitlines() if ln.strip()]
+    return "\n".join(lines)
+
+
 def _timed_update(sender: Sender, link: Recorder, stream, src: int) -> tuple:
     """One update and the same messages sent alone, interleaved (the same clocks): (its stats,
     the link-alone seconds, the bytes the link carried). The GPU work queued before it (the
@@ -318,6 +342,13 @@ def measure_delta(
                 "inflates it), each line marked 'prof|':"
             )
             print("\n".join("prof| " + ln for ln in text.getvalue().splitlines() if ln.strip()))
+        if args.gpu_profile and device.type == "cuda":
+            trainer_step(shadow, layer, lr, gen, kind)
+            _sync(device)
+            print(
+                _gpu_profile(lambda: sender.send_model(stream()), device, len(stats.layers), args.gpu_profile)
+            )
+            link.log = []
         peaks = [r[4] for r in runs if r[4] is not None]
         rows.append(
             [
@@ -559,6 +590,14 @@ def main() -> None:
         metavar="N",
         help="after each --delta-lr's timed updates, one more profiled by cProfile: its N "
         "costliest functions (host time, own and cumulative)",
+    )
+    p.add_argument(
+        "--gpu-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each --delta-lr's timed updates, one more under torch.profiler (CUDA): its GPU "
+        "time beside its wall time, and its N costliest GPU operations",
     )
     p.add_argument("--device", default="cuda", help="default cuda; cpu checks the script")
     p.add_argument("--model", choices=("glm-5", "tiny"), default="glm-5")
