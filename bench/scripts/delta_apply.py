@@ -288,8 +288,9 @@ def run_lr(args, lr: float, device: torch.device, gen: torch.Generator) -> list[
     engine = old.clone()
     rows = []
 
+    kept = old.clone()  # the sender's kept copy of what the engine holds
+
     def glm_encode():
-        kept = old.clone()
         d13 = quantize_compare([masters["w1"], masters["w3"]], kept.q13, kept.s13, backend=backend)
         d2 = quantize_compare(masters["w2"], kept.q2, kept.s2, backend=backend)
         return d13, d2
