@@ -279,6 +279,8 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     given the alias reads and writes host memory in place, over PCIe (Triton's launcher asks the
     driver for each pointer's device address). The alias does not own the memory: ``host`` must
     outlive every kernel queued on it."""
+    if host.numel() == 0 and host.dtype == torch.uint8:  # no bytes, no pinned allocation to map
+        return torch.empty(0, dtype=torch.uint8, device=device)
     if not host.is_pinned() or host.dtype != torch.uint8 or not host.is_contiguous():
         raise ValueError(
             f"device_alias: expected a pinned contiguous uint8 tensor, got {host.dtype} {host.device}"

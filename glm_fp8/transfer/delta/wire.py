@@ -185,11 +185,13 @@ def pack_bytes_delta(
         start += p.blocks + 1
         bits = torch.empty(p.blocks * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=payload.device)
         offsets = torch.empty(2, p.blocks, dtype=torch.int64, device=payload.device)
-        kept3 = kept.view(shape)
-        triton_delta.launch_compare_bytes(new.view(shape), kept3, bits, counts)
+        new3 = new.view(shape)
+        triton_delta.launch_compare_bytes(new3, kept.view(shape), bits, counts)
         triton_delta.launch_offsets(shape, counts, offsets[0], offsets[1], length, ALIGN)
         wire = triton_delta.Wire(counts, offsets[0], offsets[1], positions, payload)
-        triton_delta.launch_pack(kept3, bits, wire)
+        # The changed blocks' bytes from ``new`` (the kept copy holds the same bytes now): a kept
+        # copy in host memory (``device_alias``) is then read once over PCIe, by the comparison.
+        triton_delta.launch_pack(new3, bits, wire)
 
 
 def unpack_delta(
