@@ -309,21 +309,25 @@ def delta_pack_kernel(
     i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
     if n > 0:
         p_kt = p_kq + i_e * s_ke + (r0 + o_r)[:, None] * s_kr + (c0 + o_c)[None, :] * s_kc
-        b_v = tl.load(p_kt, mask=m_t, other=0)
         v0 = tl.load(p_voff + i_b)
         if 3 * n > nr * nc:  # dense: every valid byte, row-major over the valid columns
+            b_v = tl.load(p_kt, mask=m_t, other=0)
             tl.store(p_val + v0 + o_r[:, None] * nc + o_c[None, :], b_v, mask=m_t)
         else:
             p_w = p_bits + i_b * (BR * BC // WBITS) + o_r[:, None] * (BC // WBITS) + o_c[None, :] // WBITS
             b_w = tl.load(p_w).to(tl.int32)
             b_m = ((b_w >> (o_c[None, :] % WBITS).to(tl.int32)) & 1).to(tl.int32)
-            b_m = tl.reshape(b_m, [BR * BC])
-            b_rank = tl.cumsum(b_m, axis=0) - 1  # row-major rank: offsets come out ascending
-            o_p = tl.arange(0, BR * BC)
             m_p = b_m != 0
+            # Each changed byte's row-major rank (offsets come out ascending): the changes of the
+            # rows above it, then of its own row up to it; scans along each row and over the row
+            # counts rather than one over the whole block. Only the changed bytes are read.
+            n_row = tl.sum(b_m, axis=1)
+            b_rank = (tl.cumsum(n_row, axis=0) - n_row)[:, None] + tl.cumsum(b_m, axis=1) - 1
+            b_v = tl.load(p_kt, mask=m_p, other=0)  # the changed bytes only
             p0 = tl.load(p_poff + i_b)
+            o_p = o_r[:, None] * BC + o_c[None, :]
             tl.store(p_pos + p0 + b_rank, o_p.to(tl.int16), mask=m_p)
-            tl.store(p_val + v0 + b_rank, tl.reshape(b_v, [BR * BC]), mask=m_p)
+            tl.store(p_val + v0 + b_rank, b_v, mask=m_p)
 
 
 @triton.jit
