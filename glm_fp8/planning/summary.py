@@ -46,7 +46,7 @@ DELTA_COUNTS = {
     "passthrough entries), resident between updates where it is kept",
     "sender_peak": "the dense update's sender peak (a layer sent dense needs it) + the comparison's scratch "
     "for its largest piece + a counts message and payload bound per segment of its largest layer, per "
-    "conversion ring slot + one layer of the kept copy staged on the GPU when kept in host memory",
+    "conversion ring slot (kept in host memory, nothing of the kept copy is on the GPU)",
     "engine_extra": "the dense receiver (a delta layer is rebuilt and checked in a dense ring slot) + its "
     "largest layer's counts messages and payload bounds + apply_delta's offsets for its largest piece",
 }

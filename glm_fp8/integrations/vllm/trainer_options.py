@@ -67,7 +67,7 @@ class TrainerOptions:
       (or "auto"), not "broadcast". ``delta_resync_every``: every N-th update of a session (its
       first included) is dense; None: only where an engine rank holds nothing of it.
       ``delta_kept``: where each sender keeps what it last sent, "gpu" (default) or "host" (pinned
-      host memory, staged through the GPU a layer at a time; ``DeltaOptions.kept``).
+      host memory, read and written in place by the comparison; ``DeltaOptions.kept``).
     """
 
     master_address: str

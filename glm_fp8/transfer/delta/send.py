@@ -194,7 +194,8 @@ class SenderDelta:
     def new_kept(self, nbytes: int) -> torch.Tensor:
         if not self.host:  # on the device (kept="gpu", or any copy of a sender on the CPU)
             return torch.empty(nbytes, dtype=torch.uint8, device=self.side.device)
-        # Pinned: mapped into the device's address space, and copied in and out asynchronously.
+        # Pinned: mapped into the device's address space (the comparison reads and writes it in
+        # place), and a dense layer's bytes copied into it asynchronously.
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _buf(self, pos: int) -> torch.Tensor:
