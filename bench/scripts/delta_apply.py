@@ -63,7 +63,6 @@ SHAPES = {
 }
 ENCODINGS = ("dense", "glm_fp8", "sparse_nccl", "slime_deltas", "slime_deltas_zstd", "xor_zstd")
 ZSTD_LEVEL = 1  # slime's and miles' level
-NAN_E4M3 = 0x7F  # the byte torch.full(nan) writes for float8_e4m3fn
 
 
 class Checkpoint:
@@ -107,7 +106,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous view's bytes, flat (a checkpoint tensor is a contiguous view of its stack)."""
+    """A contiguous view, flat: e4m3 as its bytes (uint8), float32 scales as they are (a checkpoint
+    tensor is a contiguous view of its stack)."""
     return t.view(-1).view(torch.uint8) if t.element_size() == 1 else t.view(-1)
 
 
