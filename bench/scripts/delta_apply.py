@@ -39,30 +39,26 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import zstandard
+from field import ZSTD_LEVEL, checkpoint_tensors, slime_deltas
+from standin import STEPS, trainer_step
 from tabulate import tabulate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # standin.py beside this file
-
-from standin import STEPS, trainer_step  # noqa: E402
-
-from glm_fp8 import quantize_blockwise  # noqa: E402
-from glm_fp8.core.numerics import BLOCK  # noqa: E402
-from glm_fp8.kernels.delta import BlockDelta, apply_delta, quantize_compare  # noqa: E402
-from glm_fp8.kernels.reference import quantize_concat_ref  # noqa: E402
+from glm_fp8 import quantize_blockwise
+from glm_fp8.kernels.delta import BlockDelta, apply_delta, quantize_compare
+from glm_fp8.kernels.reference import quantize_concat_ref
 
 SHAPES = {
     "glm5": dict(hidden=6144, inter=2048),
     "tiny": dict(hidden=320, inter=256),
 }
 ENCODINGS = ("dense", "glm_fp8", "sparse_nccl", "slime_deltas", "slime_deltas_zstd", "xor_zstd")
-ZSTD_LEVEL = 1  # slime's and miles' level
 
 
 class Checkpoint:
@@ -88,17 +84,13 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def checkpoint_tensors(self, inter: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The checkpoint's tensors as views of these: per expert gate_proj, up_proj (w13's two
-        halves), down_proj (w2), each ``(weight, weight_scale_inv)``. ``inter`` rows of each half
-        (a multiple of 128: GLM-5's 2048; each half then owns whole scale rows)."""
-        rb = inter // BLOCK
-        out = []
-        for e in range(self.q13.shape[0]):
-            out.append((self.q13[e, :inter], self.s13[e, :rb]))
-            out.append((self.q13[e, inter:], self.s13[e, rb:]))
-            out.append((self.q2[e], self.s2[e]))
-        return out
+    def checkpoint_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The checkpoint's tensors as views of these, each ``(weight, weight_scale_inv)``: every
+        expert's gate_proj and up_proj (w13's halves, each of whole scale rows: the intermediate
+        size is a multiple of 128), then every expert's down_proj (w2)."""
+        weights = checkpoint_tensors("w13", self.q13) + checkpoint_tensors("w2", self.q2)
+        scales = checkpoint_tensors("w13", self.s13) + checkpoint_tensors("w2", self.s2)
+        return list(zip(weights, scales))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -135,11 +127,11 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
 # --- the encodings: encode(old, new) -> wire; apply(wire, engine) ---
 
 
-def sparse_encode(old: Checkpoint, new: Checkpoint, inter: int) -> list:
+def sparse_encode(old: Checkpoint, new: Checkpoint) -> list:
     """vLLM sparse_nccl's patches: per changed checkpoint tensor (``(i, j)``: the ``i``-th of
     ``checkpoint_tensors``, its weight or its scale) its flat int32 indices and new values."""
     patches = []
-    for i, (o_pair, n_pair) in enumerate(zip(old.checkpoint_tensors(inter), new.checkpoint_tensors(inter))):
+    for i, (o_pair, n_pair) in enumerate(zip(old.checkpoint_tensors(), new.checkpoint_tensors())):
         for j, (o, n) in enumerate(zip(o_pair, n_pair)):
             idx = (_flat(n) != _flat(o)).nonzero().flatten()
             if idx.numel():
@@ -170,10 +162,10 @@ def sparse_validate(patches: list, numels: dict, device: torch.device) -> None:
             raise SystemExit("sparse_nccl: an invalid patch")
 
 
-def sparse_apply(patches: list, engine: Checkpoint, inter: int) -> None:
+def sparse_apply(patches: list, engine: Checkpoint) -> None:
     """Stage each patch as vLLM does (NaN-filled, ``index_copy_``), then the loader's masked copy
     into the engine's tensor."""
-    tensors = engine.checkpoint_tensors(inter)
+    tensors = engine.checkpoint_tensors()
     numels = {(i, j): t.numel() for i, pair in enumerate(tensors) for j, t in enumerate(pair)}
     sparse_validate(patches, numels, engine.q13.device)
     for i, j, idx, values in patches:
@@ -185,35 +177,27 @@ def sparse_apply(patches: list, engine: Checkpoint, inter: int) -> None:
         torch.where(torch.isnan(src), dst, src, out=dst)
 
 
-def deltas_encode(old: Checkpoint, new: Checkpoint, inter: int) -> list:
-    """slime's ``deltas`` of each changed checkpoint tensor: its gaps (uint16, or uint32 when one
-    exceeds 65535; the first from 0) and its values, as host bytes."""
+def deltas_encode(old: Checkpoint, new: Checkpoint) -> list:
+    """slime's ``deltas`` of each changed checkpoint tensor (``(i, j)`` as ``sparse_encode``'s), as
+    host bytes (``field.slime_deltas``)."""
     out = []
-    for i, ((ow, os_), (nw, ns)) in enumerate(
-        zip(old.checkpoint_tensors(inter), new.checkpoint_tensors(inter))
-    ):
-        for j, (o, n) in enumerate(((ow, nw), (os_, ns))):
-            pos = (_flat(n) != _flat(o)).nonzero().flatten()
-            if not pos.numel():
-                continue
-            gaps = torch.diff(pos, prepend=pos.new_zeros(1))
-            wide = int(gaps.max()) > 0xFFFF
-            g = gaps.to(torch.int32 if wide else torch.int16)  # the low bytes: uint16 / uint32 on the wire
-            values = _flat(n)[pos]
-            out.append(
-                (i, j, pos.numel(), wide, g.cpu().numpy().tobytes() + _bytes(values).cpu().numpy().tobytes())
-            )
+    for i, (o_pair, n_pair) in enumerate(zip(old.checkpoint_tensors(), new.checkpoint_tensors())):
+        for j, (o, n) in enumerate(zip(o_pair, n_pair)):
+            d = slime_deltas(_flat(n) != _flat(o), _flat(n))
+            if d.count:
+                out.append((i, j, d))
     return out
 
 
-def deltas_apply(wire: list, engine: Checkpoint, inter: int, decompress=None, wire_on_device=None) -> None:
+def deltas_apply(wire: list, engine: Checkpoint, decompress=None, wire_on_device=None) -> None:
     """Decode slime's ``deltas`` on the device: the gaps' cumulative sum is the positions; the
     values go there. ``decompress`` (host) first for ``deltas_zstd``."""
-    tensors = engine.checkpoint_tensors(inter)
+    tensors = engine.checkpoint_tensors()
     device = engine.q13.device
-    for k, (i, j, n, wide, data) in enumerate(wire):
+    for k, (i, j, d) in enumerate(wire):
+        n, wide = d.count, d.wide
         if decompress is not None:
-            raw = decompress(data)
+            raw = decompress(d.data)
             buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
         else:
             buf = wire_on_device[k]
@@ -224,26 +208,26 @@ def deltas_apply(wire: list, engine: Checkpoint, inter: int, decompress=None, wi
             gaps &= 0xFFFF
         pos = gaps.cumsum(0)
         values = buf[n * gw :]
-        if dst.element_size() > 1:  # a view of another dtype starts at a multiple of its size
-            values = (values if values.storage_offset() % dst.element_size() == 0 else values.clone()).view(
-                dst.dtype
-            )
+        if dst.element_size() > 1:  # float32 scales: a view of them starts at a multiple of 4 bytes
+            if values.storage_offset() % dst.element_size():
+                values = values.clone()
+            values = values.view(dst.dtype)
         dst[pos] = values
 
 
-def xor_encode(old: Checkpoint, new: Checkpoint, inter: int, compress) -> list[bytes]:
+def xor_encode(old: Checkpoint, new: Checkpoint, compress) -> list[bytes]:
     """Each checkpoint tensor's new bytes XOR its old ones, compressed on the host."""
     out = []
-    for (ow, os_), (nw, ns) in zip(old.checkpoint_tensors(inter), new.checkpoint_tensors(inter)):
+    for (ow, os_), (nw, ns) in zip(old.checkpoint_tensors(), new.checkpoint_tensors()):
         for o, n in ((ow, nw), (os_, ns)):
             x = _bytes(n).view(-1) ^ _bytes(o).view(-1)
             out.append(compress(x.cpu().numpy().tobytes()))
     return out
 
 
-def xor_apply(wire: list[bytes], engine: Checkpoint, inter: int, decompress) -> None:
+def xor_apply(wire: list[bytes], engine: Checkpoint, decompress) -> None:
     device = engine.q13.device
-    dsts = [t for pair in engine.checkpoint_tensors(inter) for t in pair]
+    dsts = [t for pair in engine.checkpoint_tensors() for t in pair]
     for data, dst in zip(wire, dsts):
         x = torch.frombuffer(bytearray(decompress(data)), dtype=torch.uint8).to(device)
         _bytes(dst).view(-1).bitwise_xor_(x)
@@ -261,10 +245,8 @@ def wire_nbytes(name: str, wire) -> int:
         return sum(d.nbytes for d in wire)
     if name == "sparse_nccl":
         return sum(idx.numel() * 4 + v.numel() * v.element_size() for _, _, idx, v in wire)
-    if name == "slime_deltas":
-        return sum(len(w[4]) for w in wire)
-    if name == "slime_deltas_zstd":
-        return sum(len(w[4]) for w in wire)
+    if name in ("slime_deltas", "slime_deltas_zstd"):
+        return sum(len(d.data) for _, _, d in wire)
     return sum(len(w) for w in wire)
 
 
@@ -310,13 +292,13 @@ def run_lr(args, lr: float, device: torch.device, gen: torch.Generator) -> list[
     encoders = {
         "dense": (lambda: new.nbytes, 0.0),
         "glm_fp8": (glm_encode, 0.0),
-        "sparse_nccl": (lambda: sparse_encode(old, new, i), t_quant),
-        "slime_deltas": (lambda: deltas_encode(old, new, i), t_quant),
+        "sparse_nccl": (lambda: sparse_encode(old, new), t_quant),
+        "slime_deltas": (lambda: deltas_encode(old, new), t_quant),
         "slime_deltas_zstd": (
-            lambda: [(*w[:4], zc.compress(w[4])) for w in deltas_encode(old, new, i)],
+            lambda: [(a, b, replace(d, data=zc.compress(d.data))) for a, b, d in deltas_encode(old, new)],
             t_quant,
         ),
-        "xor_zstd": (lambda: xor_encode(old, new, i, zc.compress), t_quant),
+        "xor_zstd": (lambda: xor_encode(old, new, zc.compress), t_quant),
     }
     for name in ENCODINGS:
         encode, extra = encoders[name]
@@ -325,14 +307,16 @@ def run_lr(args, lr: float, device: torch.device, gen: torch.Generator) -> list[
         t_enc, wire = timed(encode, device)
         on_device = None
         if name == "slime_deltas":  # the wire as the engine holds it: on the device
-            on_device = [torch.frombuffer(bytearray(w[4]), dtype=torch.uint8).to(device) for w in wire]
+            on_device = [
+                torch.frombuffer(bytearray(d.data), dtype=torch.uint8).to(device) for _, _, d in wire
+            ]
         apply = {
             "dense": lambda: engine.load(new),
             "glm_fp8": lambda: glm_apply(wire, engine, backend),
-            "sparse_nccl": lambda: sparse_apply(wire, engine, i),
-            "slime_deltas": lambda: deltas_apply(wire, engine, i, wire_on_device=on_device),
-            "slime_deltas_zstd": lambda: deltas_apply(wire, engine, i, decompress=zdecompress(name)),
-            "xor_zstd": lambda: xor_apply(wire, engine, i, zdecompress(name)),
+            "sparse_nccl": lambda: sparse_apply(wire, engine),
+            "slime_deltas": lambda: deltas_apply(wire, engine, wire_on_device=on_device),
+            "slime_deltas_zstd": lambda: deltas_apply(wire, engine, decompress=zdecompress(name)),
+            "xor_zstd": lambda: xor_apply(wire, engine, zdecompress(name)),
         }[name]
         times, host, peaks, exact = [], [], [], True
         for _ in range(args.repeats):

@@ -44,6 +44,7 @@ import time
 import torch
 import torch.nn.functional as F
 import zstandard
+from field import ZSTD_LEVEL, changed, checkpoint_tensors, slime_deltas
 from tabulate import tabulate
 
 from glm_fp8.kernels.delta import compare_bytes
@@ -57,7 +58,6 @@ SHAPES = {
     "tiny": dict(experts=4, hidden=256, inter=128, tokens=64),
 }
 ENCODINGS = ("glm_fp8", "sparse_nccl", "slime_deltas", "slime_deltas_zstd", "xor_zstd", "bf16_sparse_nccl")
-ZSTD_LEVEL = 1  # slime's and miles' level
 FMTS = ("fp32", "ue8m0")
 
 
@@ -91,33 +91,6 @@ class MoE(torch.nn.Module):
             y = (F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t()
             out = out.index_add(0, tok, y * top_p[tok, slot, None])
         return out
-
-
-def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Where the bytes of an element differ (any dtype), as bool of ``new``'s shape."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[new.element_size()]
-    return new.view(ints) != old.view(ints)
-
-
-def _checkpoint_tensors(name: str, t: torch.Tensor) -> list[torch.Tensor]:
-    """The FP8 checkpoint's tensors (views) of a stacked entry or its scales: per expert ``gate_proj``
-    and ``up_proj`` (the halves of w13's rows) or ``down_proj`` (w2)."""
-    if name == "w13":
-        half = t.shape[1] // 2
-        return [part for e in t for part in (e[:half], e[half:])]
-    return list(t)
-
-
-def _slime_deltas(changed: torch.Tensor, new: torch.Tensor) -> bytes:
-    """slime's ``deltas`` encoding of one tensor: the gaps between its changed positions (the first
-    from 0) as little-endian uint16, uint32 when one exceeds 65535, then the new values."""
-    pos = changed.flatten().nonzero().flatten()
-    if not len(pos):
-        return b""
-    gaps = torch.diff(pos, prepend=pos.new_zeros(1))
-    width = "<u2" if int(gaps.max()) <= 0xFFFF else "<u4"
-    values = new.flatten()[pos].contiguous().view(torch.uint8)
-    return gaps.cpu().numpy().astype(width).tobytes() + values.cpu().numpy().tobytes()
 
 
 class Codec:
@@ -182,25 +155,25 @@ class Tracker:
                 d = quantize_compare(srcs, kq, ks, scale_fmt=self.fmt)
                 if not (torch.equal(kq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ks, s)):
                     raise SystemExit(f"{name}: the kernel's kept copy differs from the reference's bytes")
-                if d.changed != int(_changed(q, old).sum()):
+                if d.changed != int(changed(q, old).sum()):
                     raise SystemExit(f"{name}: the kernel's counts differ from the reference's")
                 kq, ks = old, old_s
-            cq, cs, c16 = _changed(q, kq), _changed(s, ks), _changed(w16, k16)
+            cq, cs, c16 = changed(q, kq), changed(s, ks), changed(w16, k16)
             n, ns, n16 = int(cq.sum()), int(cs.sum()), int(c16.sum())
             self.kept[name] = (q, s, w16)
             wire["sparse_nccl"] += 5 * n + 8 * ns
             wire["bf16_sparse_nccl"] += 6 * n16
             deltas = b"".join(
-                _slime_deltas(c, t)
+                slime_deltas(c, t).data
                 for c, t in [
-                    *zip(_checkpoint_tensors(name, cq), _checkpoint_tensors(name, q)),
-                    *zip(_checkpoint_tensors(name, cs), _checkpoint_tensors(name, s)),
+                    *zip(checkpoint_tensors(name, cq), checkpoint_tensors(name, q)),
+                    *zip(checkpoint_tensors(name, cs), checkpoint_tensors(name, s)),
                 ]
             )
             wire["slime_deltas"] += len(deltas)
             wire["slime_deltas_zstd"] += self.codec.size(deltas)
             for new, old in [(q, kq), (s, ks)]:
-                for a, b in zip(_checkpoint_tensors(name, new), _checkpoint_tensors(name, old)):
+                for a, b in zip(checkpoint_tensors(name, new), checkpoint_tensors(name, old)):
                     xor = a.contiguous().view(torch.uint8) ^ b.contiguous().view(torch.uint8)
                     wire["xor_zstd"] += self.codec.size(xor.cpu().numpy().tobytes())
             tot["bytes"] += q.numel()
