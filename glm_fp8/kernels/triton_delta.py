@@ -8,12 +8,13 @@
 - ``delta_bytes_kernel``: the same comparison of bytes already converted (a segment of the
   transfer, any entry's bytes seen as uint8 rows): new against kept, the kept copy moved to the new
   bytes, the count and the bitmap; no quantization.
-- ``delta_offsets_kernel``: one program per piece, the pack kernel's per-block offsets on the
-  device, laid out as the wire's payload (``glm_fp8.transfer.delta.wire``) and the payload's running
-  length updated, so that a sender packs a segment with no host read (``pack_bytes_delta``).
-- ``delta_pack_kernel``: turns the bitmap into the wire's sorted int16 offsets and the uint8
-  values (read back from the updated kept copy) at offsets given by a prefix sum of the counts;
-  a dense block copies all its bytes. Reads the bitmap and the kept copy of changed blocks only.
+- ``delta_totals_kernel`` and ``delta_offsets_kernel``: a program per 1,024 blocks each, the
+  chunks' totals and then the pack kernel's per-block offsets on the device, laid out as the
+  wire's payload (``glm_fp8.transfer.delta.wire``) and the payload's running length updated, so
+  that a sender packs a segment with no host read (``pack_bytes_delta``).
+- ``delta_pack_kernel``: turns the bitmap, word by word, into the wire's sorted int16 offsets and
+  the uint8 values at offsets given by a prefix sum of the counts; a dense block copies all its
+  bytes. Reads the bitmap and the changed bytes of changed blocks only.
 - ``delta_check_kernel``: the engine's check of received offsets before anything is written: per
   sparse block, its offsets outside its valid rows and columns (no per-offset temporaries).
 - ``delta_apply_kernel``: the engine's side, writes the values at their positions (or a dense
@@ -46,7 +47,7 @@ from glm_fp8.kernels.triton_quantize import (
 WORD = 16  # bits per bitmap word: int16 words, so no sum of shifted bits ever overflows
 BITMAP_WORDS = BLOCK * BLOCK // WORD  # per block
 APPLY_CHUNK = 256  # sparse positions one step of the apply loop writes
-OFFSETS_CHUNK = 1024  # blocks one step of the offsets kernel's loops scans
+OFFSETS_CHUNK = 1024  # blocks a program of the offsets kernels sums and scans
 
 
 def _delta_compare(
@@ -233,24 +234,55 @@ def _block_fields(
     p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr
 ):
     """Blocks ``start + [0, CHUNK)``: their offsets and values on the wire (a block with more than
-    a third of its valid bytes changed goes whole: no offsets, every valid byte), their indices."""
-    o_k = start + tl.arange(0, CHUNK).to(tl.int64)
+    a third of its valid bytes changed goes whole: no offsets, every valid byte), their indices
+    and mask. Indices in int32 (a piece has far fewer than 2**31 blocks): int64 division is
+    emulated on the GPU, and it dominated this helper."""
+    o_k = start + tl.arange(0, CHUNK)
     m_k = o_k < n_blocks
     n = tl.load(p_cnt + o_k, mask=m_k, other=0).to(tl.int64)
     rows = tl.minimum(R - ((o_k // n_cb) % n_rb) * BR, BR)
     cols = tl.minimum(C - (o_k % n_cb) * BC, BC)
-    v = tl.where(m_k, rows * cols, 0)
+    v = tl.where(m_k, rows * cols, 0).to(tl.int64)
     dense = 3 * n > v
-    return tl.where(dense, 0, n), tl.where(dense, v, n), o_k
+    return tl.where(dense, 0, n), tl.where(dense, v, n), o_k, m_k
+
+
+@triton.jit
+def delta_totals_kernel(
+    p_cnt,
+    p_tot,
+    p_len,
+    n_blocks,
+    n_chunks,
+    R,
+    C,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The offsets' first launch, a program per CHUNK blocks: the chunk's totals of positions and
+    values into ``p_tot[0, chunk]`` and ``p_tot[1, chunk]`` (``p_tot`` int64 [2, n_chunks + 1]);
+    program 0 also copies the payload's length ``*p_len`` into ``p_tot[0, n_chunks]``, so that the
+    second launch reads it there while its last program moves ``*p_len``."""
+    i_c = tl.program_id(0)
+    pos, val, _, _ = _block_fields(p_cnt, i_c * CHUNK, n_blocks, R, C, n_rb, n_cb, BR, BC, CHUNK)
+    tl.store(p_tot + i_c, tl.sum(pos, axis=0))
+    tl.store(p_tot + (n_chunks + 1) + i_c, tl.sum(val, axis=0))
+    if i_c == 0:
+        tl.store(p_tot + n_chunks, tl.load(p_len))
 
 
 @triton.jit
 def delta_offsets_kernel(
     p_cnt,
+    p_tot,
     p_poff,
     p_voff,
     p_len,
     n_blocks,
+    n_chunks,
     R,
     C,
     n_rb,
@@ -260,30 +292,45 @@ def delta_offsets_kernel(
     CHUNK: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """The payload fields of an unscaled piece at byte ``*p_len`` (the segment's earlier pieces):
-    its offsets (int16) there, its values after them at the next multiple of ALIGN, each block's
-    start in them (positions in int16 units, values in bytes, from the payload's start); then
-    ``*p_len`` past both fields, each padded to ALIGN. Two passes over the counts: the totals place
-    the values field, then the exclusive prefix sums."""
-    base = tl.load(p_len)
-    acc_p = tl.zeros([CHUNK], dtype=tl.int64)
-    acc_v = tl.zeros([CHUNK], dtype=tl.int64)
-    for start in range(0, n_blocks, CHUNK):
-        pos, val, _ = _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR, BC, CHUNK)
-        acc_p += pos
-        acc_v += val
-    n_pos = tl.sum(acc_p, axis=0)
+    """The offsets' second launch, a program per CHUNK blocks, for an unscaled piece at payload
+    byte ``base`` (``delta_totals_kernel`` left it and the chunks' totals in ``p_tot``): its
+    offsets (int16) there, its values after them at the next multiple of ALIGN, each block's start
+    in them (positions in int16 units, values in bytes, from the payload's start). The last
+    program moves ``*p_len`` past both fields, each padded to ALIGN."""
+    i_c = tl.program_id(0)
+    base = tl.load(p_tot + n_chunks)
+    before_p = tl.zeros([CHUNK], dtype=tl.int64)
+    all_p = tl.zeros([CHUNK], dtype=tl.int64)
+    before_v = tl.zeros([CHUNK], dtype=tl.int64)
+    all_v = tl.zeros([CHUNK], dtype=tl.int64)
+    for start in range(0, n_chunks, CHUNK):
+        o_t = start + tl.arange(0, CHUNK)
+        m_t = o_t < n_chunks
+        t_p = tl.load(p_tot + o_t, mask=m_t, other=0)
+        t_v = tl.load(p_tot + (n_chunks + 1) + o_t, mask=m_t, other=0)
+        all_p += t_p
+        all_v += t_v
+        before_p += tl.where(o_t < i_c, t_p, 0)
+        before_v += tl.where(o_t < i_c, t_v, 0)
+    n_pos = tl.sum(all_p, axis=0)
     v0 = base + (2 * n_pos + ALIGN - 1) // ALIGN * ALIGN
-    c_p = base // 2  # positions: int16 units
-    c_v = v0
-    for start in range(0, n_blocks, CHUNK):
-        pos, val, o_k = _block_fields(p_cnt, start, n_blocks, R, C, n_rb, n_cb, BR, BC, CHUNK)
-        m_k = o_k < n_blocks
-        tl.store(p_poff + o_k, c_p + tl.cumsum(pos, axis=0) - pos, mask=m_k)
-        tl.store(p_voff + o_k, c_v + tl.cumsum(val, axis=0) - val, mask=m_k)
-        c_p += tl.sum(pos, axis=0)
-        c_v += tl.sum(val, axis=0)
-    tl.store(p_len, v0 + (tl.sum(acc_v, axis=0) + ALIGN - 1) // ALIGN * ALIGN)
+    pos, val, o_k, m_k = _block_fields(p_cnt, i_c * CHUNK, n_blocks, R, C, n_rb, n_cb, BR, BC, CHUNK)
+    c_p = base // 2 + tl.sum(before_p, axis=0)  # positions: int16 units
+    c_v = v0 + tl.sum(before_v, axis=0)
+    tl.store(p_poff + o_k, c_p + tl.cumsum(pos, axis=0) - pos, mask=m_k)
+    tl.store(p_voff + o_k, c_v + tl.cumsum(val, axis=0) - val, mask=m_k)
+    if i_c == n_chunks - 1:
+        tl.store(p_len, v0 + (tl.sum(all_v, axis=0) + ALIGN - 1) // ALIGN * ALIGN)
+
+
+@triton.jit
+def _popcount16(x):
+    """Set bits of each int32 lane holding a 16-bit word (SWAR: no popcount instruction in
+    Triton's language, and none in its interpreter)."""
+    x = x - ((x >> 1) & 0x5555)
+    x = (x & 0x3333) + ((x >> 2) & 0x3333)
+    x = (x + (x >> 4)) & 0x0F0F
+    return (x + (x >> 8)) & 0x1F
 
 
 @triton.jit
@@ -308,26 +355,34 @@ def delta_pack_kernel(
 ):
     i_b, n, i_e, r0, c0, nr, nc, o_r, o_c, m_t = _program_block(p_cnt, R, C, n_rb, n_cb, BR, BC)
     if n > 0:
-        p_kt = p_kq + i_e * s_ke + (r0 + o_r)[:, None] * s_kr + (c0 + o_c)[None, :] * s_kc
         v0 = tl.load(p_voff + i_b)
         if 3 * n > nr * nc:  # dense: every valid byte, row-major over the valid columns
+            p_kt = p_kq + i_e * s_ke + (r0 + o_r)[:, None] * s_kr + (c0 + o_c)[None, :] * s_kc
             b_v = tl.load(p_kt, mask=m_t, other=0)
             tl.store(p_val + v0 + o_r[:, None] * nc + o_c[None, :], b_v, mask=m_t)
         else:
-            p_w = p_bits + i_b * (BR * BC // WBITS) + o_r[:, None] * (BC // WBITS) + o_c[None, :] // WBITS
-            b_w = tl.load(p_w).to(tl.int32)
-            b_m = ((b_w >> (o_c[None, :] % WBITS).to(tl.int32)) & 1).to(tl.int32)
-            m_p = b_m != 0
-            # Each changed byte's row-major rank (offsets come out ascending): the changes of the
-            # rows above it, then of its own row up to it; scans along each row and over the row
-            # counts rather than one over the whole block. Only the changed bytes are read.
-            n_row = tl.sum(b_m, axis=1)
-            b_rank = (tl.cumsum(n_row, axis=0) - n_row)[:, None] + tl.cumsum(b_m, axis=1) - 1
-            b_v = tl.load(p_kt, mask=m_p, other=0)  # the changed bytes only
+            # Word by word of the bitmap, not byte by byte of the block: a changed byte's
+            # row-major rank is the set bits of the words before its word (one scan over the
+            # block's 1,024 words) plus the bits below it in its own word. Each round takes every
+            # word's lowest set bit, so a block runs as many rounds as its fullest word has bits
+            # (one or two at a step's usual fraction, 16 at most), and reads only changed bytes.
+            o_w = tl.arange(0, BR * BC // WBITS)
+            b_w = tl.load(p_bits + i_b * (BR * BC // WBITS) + o_w).to(tl.int32) & ((1 << WBITS) - 1)
+            b_n = _popcount16(b_w)
+            b_rank = tl.cumsum(b_n, axis=0) - b_n
+            o_wr = (o_w // (BC // WBITS)).to(tl.int64)  # the word's row in the block
+            o_wc = (o_w % (BC // WBITS)) * WBITS  # its first column
             p0 = tl.load(p_poff + i_b)
-            o_p = o_r[:, None] * BC + o_c[None, :]
-            tl.store(p_pos + p0 + b_rank, o_p.to(tl.int16), mask=m_p)
-            tl.store(p_val + v0 + b_rank, b_v, mask=m_p)
+            p_kb = p_kq + i_e * s_ke + (r0 + o_wr) * s_kr + c0 * s_kc
+            while tl.max(b_w, axis=0) > 0:
+                m_p = b_w != 0
+                b_low = b_w & -b_w
+                o_cc = o_wc + _popcount16(b_low - 1)  # the lowest set bit's column
+                b_v = tl.load(p_kb + o_cc.to(tl.int64) * s_kc, mask=m_p, other=0)
+                tl.store(p_pos + p0 + b_rank, (o_wr * BC + o_cc).to(tl.int16), mask=m_p)
+                tl.store(p_val + v0 + b_rank, b_v, mask=m_p)
+                b_rank += m_p.to(tl.int32)
+                b_w = b_w ^ b_low
 
 
 @triton.jit
@@ -502,25 +557,32 @@ def launch_offsets(
 ) -> None:
     """A piece of ``shape`` [E, R, C] with its block ``counts`` (int32): fill ``pos_offsets`` and
     ``val_offsets`` (int64 [blocks]) at payload byte ``length`` (int64 [1], on the device), which
-    moves past the piece's fields (``delta_offsets_kernel``)."""
+    moves past the piece's fields. Two launches of a program per OFFSETS_CHUNK blocks
+    (``delta_totals_kernel``, ``delta_offsets_kernel``); allocates int64 [2, chunks + 1]."""
     e, r, c = shape
     n_rb, n_cb = ceil_blocks(r), ceil_blocks(c)
+    n_blocks = e * n_rb * n_cb
+    if n_blocks == 0:
+        return
+    n_chunks = triton.cdiv(n_blocks, OFFSETS_CHUNK)
+    totals = torch.empty(2, n_chunks + 1, dtype=torch.int64, device=counts.device)
+    meta = {"BR": BLOCK, "BC": BLOCK, "CHUNK": OFFSETS_CHUNK, "num_warps": 4}
     with _on_device(counts):
-        delta_offsets_kernel[(1,)](
+        delta_totals_kernel[(n_chunks,)](counts, totals, length, n_blocks, n_chunks, r, c, n_rb, n_cb, **meta)
+        delta_offsets_kernel[(n_chunks,)](
             counts,
+            totals,
             pos_offsets,
             val_offsets,
             length,
-            e * n_rb * n_cb,
+            n_blocks,
+            n_chunks,
             r,
             c,
             n_rb,
             n_cb,
-            BR=BLOCK,
-            BC=BLOCK,
-            CHUNK=OFFSETS_CHUNK,
             ALIGN=align,
-            num_warps=4,
+            **meta,
         )
 
 
@@ -584,6 +646,7 @@ __all__ = [
     "delta_compare_kernel",
     "delta_offsets_kernel",
     "delta_pack_kernel",
+    "delta_totals_kernel",
     "launch_apply",
     "launch_check",
     "launch_compare",

@@ -379,3 +379,49 @@ def test_cut_delta_refuses_a_cut_off_the_blocks(device):
     short = BlockDelta(d.shape, d.counts, d.positions[:-1], d.values, d.scale_index, d.scale_values)
     with pytest.raises(ValueError, match=r"^delta: not a delta of a \[2, 300, 260\] entry"):
         cut_delta(short, rows=(0, 128))
+
+
+def _patterned(shape: tuple[int, int], pattern: str, gen: torch.Generator) -> torch.Tensor:
+    """Which bytes of a [R, C] byte tensor change, as the pack kernel's word-by-word ranking sees
+    them: whole 16-byte words, a block's first and last bytes, every other byte, a block just at the
+    dense threshold (v // 3 changes: still sparse) and just over it."""
+    r, c = shape
+    m = torch.zeros(shape, dtype=torch.bool)
+    if pattern == "full words":
+        m[5, :128] = True  # a row of block 0: 8 words of 16 set bits
+        m[130:140, 16:32] = True  # one word in each of 10 rows of block 1's rows
+    elif pattern == "first and last":
+        m[0, 0] = m[127, 127] = m[128, 128] = m[r - 1, c - 1] = True
+    elif pattern == "every other":
+        k = torch.arange(128 * 128).view(128, 128)
+        m[:128, :128] = k % 2 == 0  # 8,192 of 16,384: dense
+        m[128:256, :128] = k % 7 == 0  # sparse, every word touched
+    elif pattern == "threshold":
+        v = 128 * 128
+        for b, n in ((0, v // 3), (1, v // 3 + 1)):  # sparse at v // 3, dense one past it
+            block = torch.zeros(v, dtype=torch.bool)
+            block[torch.randperm(v, generator=gen)[:n]] = True
+            m[b * 128 : (b + 1) * 128, :128] = block.view(128, 128)
+    return m
+
+
+@pytest.mark.parametrize("pattern", ["full words", "first and last", "every other", "threshold"])
+def test_compare_bytes_change_patterns(device, dbackend, pattern):
+    """Structured changes through compare_bytes (the bitmap, the offsets and the word-by-word pack)
+    equal delta_encode_ref field for field: words with every bit set, the first and the last byte
+    of blocks and of a partial edge block, a block at the dense threshold and one past it."""
+    shape = (300, 260)
+    gen = torch.Generator().manual_seed(7)
+    old = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    m = _patterned(shape, pattern, gen)
+    new = torch.where(m, old ^ torch.randint(1, 256, shape, dtype=torch.uint8, generator=gen), old)
+    old, new = old.to(device), new.to(device)
+    kept = old.clone()
+    d = compare_bytes(new, kept, backend=dbackend)
+    f8 = lambda t: t.view(torch.float8_e4m3fn)  # noqa: E731
+    no_scale = torch.zeros((3, 3), device=device)
+    want = delta_encode_ref(f8(old), no_scale, f8(new), no_scale)
+    for field, w in zip(("counts", "positions", "values"), want[:3]):
+        _same(getattr(d, field), w, f"compare_bytes {field}")
+    _same(kept, new, "kept after compare_bytes")
+    assert int(d.counts.sum()) == int(m.sum())

@@ -182,3 +182,37 @@ def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fra
     for a, b in zip(ref, out):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+def test_the_offsets_kernels_over_many_chunks(device):
+    """``launch_offsets`` on a piece of several of its kernels' chunks (4,800 blocks, partial edge
+    blocks, sparse, dense and empty blocks) at a payload already 40 bytes long: each block's start
+    of positions and of values and the moved length equal the wire's layout (``payload_layout``),
+    into poisoned outputs."""
+    if "triton" not in BACKENDS:
+        pytest.skip("Triton does not run here")
+    from glm_fp8.kernels import triton_delta
+
+    shape = (5, 1000, 3000)  # 8 x 24 blocks an expert
+    piece = DeltaPiece(shape, scaled=False)
+    v = delta_block_sizes(shape)
+    g = torch.Generator().manual_seed(3)
+    pick = torch.randint(0, 4, v.shape, generator=g)
+    counts = torch.where(pick == 0, 0, torch.where(pick == 1, v, torch.randint(1, 400, v.shape, generator=g)))
+    counts = torch.minimum(counts, v).to(torch.int32)
+    msg = torch.cat([counts, torch.zeros(1, dtype=torch.int32)])
+    (lay,), total = payload_layout(msg, [piece])
+    ALIGN_ = 16
+    base = 40
+    pos_at, val_at = lay.fields[0][0] + base, lay.fields[1][0] + base
+    dense = 3 * counts.long() > v
+    n_pos = torch.where(dense, 0, counts.long())
+    n_val = torch.where(dense, v, counts.long())
+    want_p = pos_at // 2 + n_pos.cumsum(0) - n_pos
+    want_v = val_at + n_val.cumsum(0) - n_val
+    offsets = torch.full((2, len(v)), -5, dtype=torch.int64, device=device)
+    length = torch.tensor([base], dtype=torch.int64, device=device)
+    triton_delta.launch_offsets(shape, counts.to(device), offsets[0], offsets[1], length, ALIGN_)
+    assert torch.equal(offsets[0].cpu(), want_p)
+    assert torch.equal(offsets[1].cpu(), want_v)
+    assert int(length) == base + total
