@@ -168,7 +168,8 @@ def pack_bytes_delta(
     to the host: offsets and the length are computed on the device, so that a sender queues a whole
     layer's comparison behind its conversion and reads its lengths once. Allocates per piece a
     2 KiB bitmap and two int64 offsets per block
-    (``glm_fp8.planning.update_delta.COMPARE_SCRATCH_PER_BLOCK``)."""
+    (``glm_fp8.planning.update_delta.COMPARE_SCRATCH_PER_BLOCK``), and two int64 totals per 1,024
+    blocks."""
     if len(news) != len(pieces) or len(kepts) != len(pieces) or any(p.scaled for p in pieces):
         raise ValueError(f"pieces: expected {len(pieces)} unscaled pieces, one per new and kept tensor")
     if resolve_backend(backend, payload.device, delta=True) != "triton":
