@@ -1,6 +1,7 @@
 """A small workload for compute-sanitizer (memcheck, racecheck): every GPU backend on partial
 blocks, straddling sources, strided and misaligned views, 2-D and 3-D, both scale formats,
-and the non-finite flag; the message checksum's kernel. Exits non-zero if any result differs
+and the non-finite flag; the message checksum's kernel; the delta kernels (compare, offsets,
+pack, check, apply) on sparse, dense and empty blocks. Exits non-zero if any result differs
 from the reference.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/scripts/sanitize.py [cuda] [triton]
@@ -14,7 +15,10 @@ import torch
 
 from glm_fp8 import NonFiniteError, available_backends, quantize_blockwise, quantize_experts
 from glm_fp8.kernels.checksum import checksum_torch
+from glm_fp8.kernels.delta import apply_delta, quantize_compare
 from glm_fp8.kernels.reference import quantize_concat_ref, quantize_experts_ref
+from glm_fp8.transfer.delta.segments import SegmentDelta
+from glm_fp8.transfer.delta.wire import counts_numel, pack_bytes_delta
 from glm_fp8.transfer.wire import checksum_scratch, message_checksum
 
 
@@ -30,6 +34,50 @@ def _cases(device: torch.device):
         yield f"{name} transposed", [b.transpose(1, 2)[:, :200], b.transpose(1, 2)[:, 200:]]
         yield f"{name} 2-D", [b[0, :130], b[1, :7]]
         yield f"{name} whole stack", [b]
+
+
+def _delta_failures(device: torch.device) -> int:
+    """The delta kernels (Triton, their only GPU backend) against the torch backend: a step's
+    quantize_compare and apply_delta on an expert stack with partial blocks, then a transfer
+    segment's pack_bytes_delta (compare, offsets, pack) with sparse, dense and empty blocks."""
+    failures = 0
+    g = torch.Generator(device).manual_seed(1)
+    old = torch.randn(3, 300, 272, device=device, generator=g).to(torch.bfloat16)
+    moved = torch.rand(old.shape, device=device, generator=g) < 0.01
+    new = torch.where(moved, old * 1.05, old)
+    new[1, :128, :128] = -old[1, :128, :128]  # a dense block
+    q_old, s_old = quantize_concat_ref([old], "fp32")
+    q_new, s_new = quantize_concat_ref([new], "fp32")
+    kept_q, kept_s = q_old.clone(), s_old.clone()
+    d = quantize_compare(new, kept_q, kept_s, backend="triton")
+    engine_q, engine_s = q_old.clone(), s_old.clone()
+    apply_delta(d, engine_q, engine_s, backend="triton")
+    for what, a, b in (("kept", kept_q, q_new), ("engine", engine_q, q_new)):
+        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            failures += 1
+            print(f"FAIL delta: the {what} bytes differ from the new quantization")
+    if not torch.equal(engine_s.view(torch.int32), s_new.view(torch.int32)):
+        failures += 1
+        print("FAIL delta: the engine's scales differ from the new quantization")
+    n = 128 * 257 + 64
+    a = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=g)
+    flip = torch.rand(n, device=device, generator=g) < 0.2
+    b = torch.where(flip, a ^ 0x5A, a)
+    b[: 128 * 128] ^= 0x11  # a dense block
+    sd = SegmentDelta.of_nbytes(n)
+    got = []
+    for backend in ("torch", "triton"):
+        kept = a.clone()
+        counts = torch.full((counts_numel(sd.pieces),), -7, dtype=torch.int32, device=device)
+        length = torch.full((1,), -1, dtype=torch.int64, device=device)
+        payload = torch.full((sd.bound,), 0xFF, dtype=torch.uint8, device=device)
+        pack_bytes_delta(sd.views(b), sd.views(kept), sd.pieces, counts, length, payload, backend=backend)
+        got.append((kept, counts, payload[: int(length)]))
+    if any(not torch.equal(x, y) for x, y in zip(*got)) or not torch.equal(got[1][0], b):
+        failures += 1
+        print("FAIL delta: pack_bytes_delta differs from the torch backend")
+    print("delta: checked")
+    return failures
 
 
 def main(only: list[str]) -> int:
@@ -78,6 +126,8 @@ def main(only: list[str]) -> int:
             failures += 1
             print(f"FAIL checksum of {data.numel()} bytes")
     print("checksum: checked")
+    if not only or "triton" in only:
+        failures += _delta_failures(device)
     torch.cuda.synchronize()
     print(f"failures: {failures}")
     return int(failures > 0)
