@@ -2,8 +2,8 @@
 
 Why: without them a delta step is bound by the host, not the GPU or the link. Converting, packing
 and comparing a GLM-5 layer's share queues a few hundred kernels through a few thousand Python
-calls (3.7 ms a layer on an H100; replayed, 2.1 ms, most of it the GPU's own work: bench/RESULTS.md
-R32, R35). The same layer at the same position queues the same kernels on the same tensors update
+calls (3.7 ms a layer on an H100; replayed, 1.2 ms, the GPU's own work: bench/RESULTS.md
+R32, R36). The same layer at the same position queues the same kernels on the same tensors update
 after update, so the sender captures them once and replays them: one launch a layer.
 """
 

@@ -52,7 +52,8 @@ class DeltaOptions:
     """Where the sender keeps what it last sent (its whole share): "gpu", or "host" (pinned host
     memory, nothing of it on the GPU: the comparison reads it over PCIe and writes its changed
     bytes back in place, through the GPU's mapping of that memory; on an H100 a delta update then
-    took 0.358x of the dense one, against 0.101x kept on the GPU: docs/delta.md#in-the-transfer)."""
+    took 0.358x of the dense one, against 0.101x kept on the GPU in the same run, bound by that
+    read over PCIe: docs/delta.md#in-the-transfer)."""
     graphs: bool = True
     """On CUDA, capture each layer's kernels after its gathers (conversion, packing, comparison)
     as a CUDA graph once its tensors are where they were at the update before, and replay it
