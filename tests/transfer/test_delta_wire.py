@@ -12,6 +12,7 @@ from glm_fp8.kernels.reference import delta_block_sizes
 from glm_fp8.transfer.delta.segments import SegmentDelta
 from glm_fp8.transfer.delta.send import device_alias
 from glm_fp8.transfer.delta.wire import (
+    ALIGN,
     DeltaPiece,
     counts_numel,
     pack_bytes_delta,
@@ -186,7 +187,7 @@ def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fra
 
 def test_the_offsets_kernels_over_many_chunks(device):
     """``launch_offsets`` on a piece of several of its kernels' chunks (4,800 blocks, partial edge
-    blocks, sparse, dense and empty blocks) at a payload already 40 bytes long: each block's start
+    blocks, sparse, dense and empty blocks) at a payload already 48 bytes long: each block's start
     of positions and of values and the moved length equal the wire's layout (``payload_layout``),
     into poisoned outputs."""
     if "triton" not in BACKENDS:
@@ -202,8 +203,7 @@ def test_the_offsets_kernels_over_many_chunks(device):
     counts = torch.minimum(counts, v).to(torch.int32)
     msg = torch.cat([counts, torch.zeros(1, dtype=torch.int32)])
     (lay,), total = payload_layout(msg, [piece])
-    ALIGN_ = 16
-    base = 40
+    base = 3 * ALIGN  # the earlier pieces' fields, each padded to ALIGN
     pos_at, val_at = lay.fields[0][0] + base, lay.fields[1][0] + base
     dense = 3 * counts.long() > v
     n_pos = torch.where(dense, 0, counts.long())
@@ -212,7 +212,7 @@ def test_the_offsets_kernels_over_many_chunks(device):
     want_v = val_at + n_val.cumsum(0) - n_val
     offsets = torch.full((2, len(v)), -5, dtype=torch.int64, device=device)
     length = torch.tensor([base], dtype=torch.int64, device=device)
-    triton_delta.launch_offsets(shape, counts.to(device), offsets[0], offsets[1], length, ALIGN_)
+    triton_delta.launch_offsets(shape, counts.to(device), offsets[0], offsets[1], length, ALIGN)
     assert torch.equal(offsets[0].cpu(), want_p)
     assert torch.equal(offsets[1].cpu(), want_v)
     assert int(length) == base + total
