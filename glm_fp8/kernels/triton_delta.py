@@ -365,7 +365,7 @@ def delta_pack_kernel(
             # row-major rank is the set bits of the words before its word (one scan over the
             # block's 1,024 words) plus the bits below it in its own word. Each round takes every
             # word's lowest set bit, so a block runs as many rounds as its fullest word has bits
-            # (one or two at a step's usual fraction, 16 at most), and reads only changed bytes.
+            # (16 at most, few where changes are sparse), and reads only changed bytes.
             o_w = tl.arange(0, BR * BC // WBITS)
             b_w = tl.load(p_bits + i_b * (BR * BC // WBITS) + o_w).to(tl.int32) & ((1 << WBITS) - 1)
             b_n = _popcount16(b_w)
