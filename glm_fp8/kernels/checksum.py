@@ -29,19 +29,26 @@ def _signed(k: int) -> int:
 
 
 @triton.jit
+def checksum_terms(b_w, o_w, k1, k2, k3):
+    """Each word's term of the sum, ``mix(w XOR (i * K1))`` (uint64): ``b_w`` the words as uint64,
+    ``o_w`` their positions in the message. The keys come in as arguments (a kernel's uint64
+    parameters), as ``checksum_rows_kernel`` and the delta comparison pass them."""
+    b_x = b_w ^ (o_w.to(tl.uint64) * k1)
+    b_x = b_x ^ (b_x >> 31)
+    b_x = b_x * k2
+    b_x = b_x ^ (b_x >> 29)
+    b_x = b_x * k3
+    return b_x ^ (b_x >> 32)
+
+
+@triton.jit
 def checksum_rows_kernel(p_words, p_partial, n_words, k1, k2, k3, ROW: tl.constexpr):
     """Program r writes the wrapping sum of ``mix`` over words [r * ROW, (r + 1) * ROW)."""
     i_r = tl.program_id(0).to(tl.int64)
     o_w = i_r * ROW + tl.arange(0, ROW)
     m_w = o_w < n_words
     b_w = tl.load(p_words + o_w, mask=m_w, other=0).to(tl.uint64, bitcast=True)
-    b_x = b_w ^ (o_w.to(tl.uint64) * k1)
-    b_x = b_x ^ (b_x >> 31)
-    b_x = b_x * k2
-    b_x = b_x ^ (b_x >> 29)
-    b_x = b_x * k3
-    b_x = b_x ^ (b_x >> 32)
-    b_x = tl.where(m_w, b_x, 0)
+    b_x = tl.where(m_w, checksum_terms(b_w, o_w, k1, k2, k3), 0)
     tl.store(p_partial + i_r, tl.sum(b_x, axis=0).to(tl.int64, bitcast=True))
 
 
@@ -62,13 +69,15 @@ def checksum_triton(words: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return partial.sum()
 
 
-def checksum_torch(words: torch.Tensor) -> torch.Tensor:
-    """The same function in torch ops, chunk by chunk (CPU tensors; any device works)."""
+def checksum_torch(words: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """The same function in torch ops, chunk by chunk (CPU tensors; any device works). ``first``:
+    the position of ``words[0]`` in its message (the terms of a part of a message, summed)."""
     total = torch.zeros((), dtype=torch.int64, device=words.device)
     k1, k2, k3 = _signed(K1), _signed(K2), _signed(K3)
     for start in range(0, words.numel(), _CPU_CHUNK):
         w = words[start : start + _CPU_CHUNK]
-        x = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device).mul_(k1)
+        at = first + start
+        x = torch.arange(at, at + w.numel(), dtype=torch.int64, device=w.device).mul_(k1)
         x.bitwise_xor_(w)
         x.bitwise_xor_((x >> 31) & ((1 << 33) - 1))  # >> is arithmetic on int64: mask it logical
         x.mul_(k2)
@@ -86,6 +95,7 @@ __all__ = [
     "ROW_WORDS",
     "checksum_rows",
     "checksum_rows_kernel",
+    "checksum_terms",
     "checksum_torch",
     "checksum_triton",
 ]

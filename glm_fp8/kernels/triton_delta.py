@@ -8,6 +8,8 @@
 - ``delta_bytes_kernel``: the same comparison of bytes already converted (a segment of the
   transfer, any entry's bytes seen as uint8 rows): new against kept, the kept copy moved to the new
   bytes, the count and the bitmap; no quantization.
+- ``delta_words_kernel``: the same for a piece whose bytes lie in block order, 8 bytes a lane, and
+  each block's part of the new bytes' checksum (the transfer's segments: ``pack_bytes_delta``).
 - ``delta_totals_kernel`` and ``delta_offsets_kernel``: a program per 1,024 blocks each, the
   chunks' totals and then the pack kernel's per-block offsets on the device, laid out as the
   wire's payload (``glm_fp8.transfer.delta.wire``) and the payload's running length updated, so
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from glm_fp8.core.numerics import BLOCK, ceil_blocks
+from glm_fp8.kernels.checksum import K1, K2, K3, checksum_terms
 from glm_fp8.kernels.triton_quantize import (
     NO_ALIGN_KW,
     SOURCE_POINTERS,
@@ -177,6 +180,16 @@ delta_compare_kernel_unaligned_out = triton.jit(**{NO_ALIGN_KW: SOURCE_POINTERS}
 
 
 @triton.jit
+def _popcount16(x):
+    """Set bits of each int32 lane holding a 16-bit word (SWAR: no popcount instruction in
+    Triton's language, and none in its interpreter)."""
+    x = x - ((x >> 1) & 0x5555)
+    x = (x & 0x3333) + ((x >> 2) & 0x3333)
+    x = (x + (x >> 4)) & 0x0F0F
+    return (x + (x >> 8)) & 0x1F
+
+
+@triton.jit
 def delta_bytes_kernel(
     p_new,
     p_kq,
@@ -211,6 +224,46 @@ def delta_bytes_kernel(
     b_w = tl.sum(b_bit, axis=2)  # distinct bits: the sum is the OR
     o_w = tl.arange(0, BR)[:, None] * (BC // WBITS) + tl.arange(0, BC // WBITS)[None, :]
     tl.store(p_bits + i_b * (BR * BC // WBITS) + o_w, b_w.to(tl.int16))
+
+
+@triton.jit
+def delta_words_kernel(
+    p_new,
+    p_kept,
+    p_bits,
+    p_cnt,
+    p_sum,
+    n_words,
+    first,
+    k1,
+    k2,
+    k3,
+    PAIRS: tl.constexpr,
+):
+    """``delta_bytes_kernel``'s comparison of a piece whose bytes lie in block order (rows of 128
+    contiguous bytes, or one row), read 8 bytes a lane (int64 words; a lane per byte costs the
+    bitmap's sum of shifted bits over 16,384 lanes a block), and each block's sum of checksum
+    terms (``glm_fp8.kernels.checksum``) of the new words at positions ``first + i``: a segment's
+    checksum with no pass of its own. A pair of words is one bitmap word (16 bytes)."""
+    i_b = tl.program_id(0).to(tl.int64)
+    o_p = i_b * PAIRS + tl.arange(0, PAIRS).to(tl.int64)
+    o_w = o_p[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2]
+    m_w = o_w < n_words
+    b_new = tl.load(p_new + o_w, mask=m_w, other=0)
+    b_x = b_new ^ tl.load(p_kept + o_w, mask=m_w, other=0)
+    tl.store(p_kept + o_w, b_new, mask=b_x != 0)
+    # Per byte, whether it differs, as bit 8k of the word: (x & 0x7F) + 0x7F carries into bit 7
+    # for a nonzero low part, | x adds the byte's own bit 7 (no carry crosses a byte). The shift
+    # is arithmetic on int64, the mask drops what it fills in.
+    b_t = ((((b_x & 0x7F7F7F7F7F7F7F7F) + 0x7F7F7F7F7F7F7F7F) | b_x) >> 7) & 0x0101010101010101
+    # Gather bit 8k to bit 56 + k: the multiplier's bit 7 (8 - k) lands each there, every other
+    # product bit lies elsewhere (8k + 7m are distinct) and wraps off above bit 63.
+    b_m = ((b_t * 0x0102040810204080) >> 56) & 0xFF
+    b_w = tl.sum(b_m << (tl.arange(0, 2) * 8)[None, :], axis=1).to(tl.int32)  # [PAIRS] bitmap words
+    tl.store(p_bits + o_p, b_w.to(tl.int16))
+    tl.store(p_cnt + i_b, tl.sum(_popcount16(b_w), axis=0))
+    b_c = checksum_terms(b_new.to(tl.uint64, bitcast=True), first + o_w, k1, k2, k3)
+    tl.store(p_sum + i_b, tl.sum(tl.sum(tl.where(m_w, b_c, 0), axis=1), axis=0).to(tl.int64, bitcast=True))
 
 
 @triton.jit
@@ -321,16 +374,6 @@ def delta_offsets_kernel(
     tl.store(p_voff + o_k, c_v + tl.cumsum(val, axis=0) - val, mask=m_k)
     if i_c == n_chunks - 1:
         tl.store(p_len, v0 + (tl.sum(all_v, axis=0) + ALIGN - 1) // ALIGN * ALIGN)
-
-
-@triton.jit
-def _popcount16(x):
-    """Set bits of each int32 lane holding a 16-bit word (SWAR: no popcount instruction in
-    Triton's language, and none in its interpreter)."""
-    x = x - ((x >> 1) & 0x5555)
-    x = (x & 0x3333) + ((x >> 2) & 0x3333)
-    x = (x + (x >> 4)) & 0x0F0F
-    return (x + (x >> 8)) & 0x1F
 
 
 @triton.jit
@@ -532,6 +575,51 @@ def launch_compare_bytes(
             )
 
 
+def words_fit(new: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether ``launch_compare_words`` takes these uint8 pieces [R, C]: contiguous, their bytes in
+    block order (C = 128, or one row of at most 128), whole 8-byte words at 8-byte addresses."""
+    r, c = new.shape
+    return (
+        new.shape == kept.shape
+        and (c == BLOCK or (r == 1 and c <= BLOCK))
+        and new.numel() % 8 == 0
+        and all(t.is_contiguous() and t.data_ptr() % 8 == 0 for t in (new, kept))
+    )
+
+
+def launch_compare_words(
+    new: torch.Tensor,
+    kept: torch.Tensor,
+    bits: torch.Tensor,
+    counts: torch.Tensor,
+    sums: torch.Tensor,
+    first: int,
+    *,
+    num_warps: int = 8,
+) -> None:
+    """Checked uint8 pieces [R, C] that ``words_fit``: ``kept`` moved to ``new``; outputs bits int16
+    [blocks * BITMAP_WORDS], counts int32 [blocks] (as ``launch_compare_bytes``) and sums int64
+    [blocks], each block's checksum terms of ``new`` at word positions from ``first`` on."""
+    blocks = triton.cdiv(new.numel(), BLOCK * BLOCK)
+    if blocks == 0:
+        return
+    with _on_device(kept):
+        delta_words_kernel[(blocks,)](
+            new.view(torch.int64),
+            kept.view(torch.int64),
+            bits,
+            counts,
+            sums,
+            new.numel() // 8,
+            first,
+            K1,
+            K2,
+            K3,
+            PAIRS=BITMAP_WORDS,
+            num_warps=num_warps,
+        )
+
+
 class Wire(NamedTuple):
     """A delta's tensors as the pack kernel fills them and the apply kernel reads them."""
 
@@ -542,9 +630,9 @@ class Wire(NamedTuple):
     values: torch.Tensor  # uint8 [V]
 
 
-def launch_pack(kept_q: torch.Tensor, bits: torch.Tensor, wire: Wire) -> None:
+def launch_pack(kept_q: torch.Tensor, bits: torch.Tensor, wire: Wire, *, num_warps: int = 8) -> None:
     """kept_q fp8 [E, R, C] (already updated) and launch_compare's bits: fill wire's positions and values."""
-    _launch_per_block(delta_pack_kernel, kept_q, (bits, *wire), WBITS=WORD, num_warps=8)
+    _launch_per_block(delta_pack_kernel, kept_q, (bits, *wire), WBITS=WORD, num_warps=num_warps)
 
 
 def launch_offsets(
@@ -647,10 +735,13 @@ __all__ = [
     "delta_offsets_kernel",
     "delta_pack_kernel",
     "delta_totals_kernel",
+    "delta_words_kernel",
     "launch_apply",
     "launch_check",
     "launch_compare",
     "launch_compare_bytes",
+    "launch_compare_words",
     "launch_offsets",
     "launch_pack",
+    "words_fit",
 ]

@@ -38,12 +38,13 @@ COUNT_BYTES = 4  # int32 per block
 CHANGE_BYTES = 3  # int16 offset + uint8 value per change of a sparse block
 SCALE_PAIR_BYTES = 8  # int32 index + float32 value per changed scale
 # The sender's comparison scratch per block of the piece it compares
-# (glm_fp8.transfer.delta.wire.pack_bytes_delta): a 2 KiB bitmap and two int64 offsets (its counts
-# go straight into the counts message), freed on return; not counted, the offsets kernels' two int64
+# (glm_fp8.transfer.delta.wire.pack_bytes_delta): a 2 KiB bitmap, two int64 offsets and an int64
+# part of the segment's checksum (its counts go straight into the counts message), freed on
+# return; not counted, the checksum's sum (a scalar) and the offsets kernels' two int64
 # totals per 1,024 blocks (one allocation of the caching allocator's smallest size, 512 bytes, up to
 # 31,744 blocks); apply_delta's: two int64 offsets and its offset check's int32 count
 # (delta_check_kernel) per block.
-COMPARE_SCRATCH_PER_BLOCK = 2048 + 16
+COMPARE_SCRATCH_PER_BLOCK = 2048 + 24
 APPLY_SCRATCH_PER_BLOCK = 16 + 4
 # Measured on one H200 (bench/RESULTS.md, protocol v3): a device-to-host copy into pinned memory
 # (the one-GPU stand-in link's) at 55.3 GB/s. Kept in host memory, a delta step's comparison reads

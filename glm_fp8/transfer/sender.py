@@ -344,8 +344,6 @@ class Sender(Endpoint):
         packed = [s for s in mine if not s.direct]
         if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
             self.delta.zero_gaps(pos, buf, out)
-        for s in (s for s in mine if s.direct and self.checksum):
-            s.seal(buf[: s.nbytes], self.scratch)
         if packed:
             pack_segments(
                 packed,
@@ -354,8 +352,15 @@ class Sender(Endpoint):
                 out,
                 self.scratch,
                 lay.starts(self.me),
-                self.checksum,
+                checksum=False,
             )
+        # A segment every rank takes as a delta needs no checksum pass: the comparison takes it.
+        for s in mine:
+            if self.checksum and (self.delta is None or self.delta.needs_seal(pos, s)):
+                s.seal(
+                    buf[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes],
+                    self.scratch,
+                )
         compared = self.delta.compare(pos, buf, out) if self.delta is not None else None
         return local, norms, bad, compared
 

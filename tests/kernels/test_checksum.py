@@ -76,6 +76,19 @@ def _changes(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("cuts", [(0, 7, 4096), (1, 2, 3, 5000), (4097,)])
+def test_the_terms_of_a_message_in_parts_sum_to_its_checksum(cuts):
+    """``checksum_torch(part, first)`` counts each word at its position in the whole message: the
+    parts' sums add up to the message's checksum (the delta comparison takes a segment's checksum
+    piece by piece)."""
+    words = torch.randint(-(1 << 62), 1 << 62, (sum(cuts),), generator=torch.Generator().manual_seed(5))
+    whole, at, parts = int(checksum_torch(words)), 0, 0
+    for n in cuts:
+        parts += int(checksum_torch(words[at : at + n], at))
+        at += n
+    assert (parts - whole) % (1 << 64) == 0
+
+
 def test_it_sees_every_change_the_wire_can_make():
     buf = _message()
     assert len(set(buf.view(torch.int64).tolist())) == buf.numel() // 8  # distinct words: swaps change bytes

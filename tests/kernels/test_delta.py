@@ -425,3 +425,50 @@ def test_compare_bytes_change_patterns(device, dbackend, pattern):
         _same(getattr(d, field), w, f"compare_bytes {field}")
     _same(kept, new, "kept after compare_bytes")
     assert int(d.counts.sum()) == int(m.sum())
+
+
+@pytest.mark.parametrize("pattern", ["full words", "first and last", "every other", "threshold"])
+@pytest.mark.parametrize("xor", ["random", "top bit", "low bit", "all bits"])
+@pytest.mark.parametrize("rows", [300, 256, 1])
+def test_compare_words_equals_compare_bytes(device, pattern, xor, rows):
+    """The comparison 8 bytes a lane (``delta_words_kernel``: per-byte flags from a word's XOR)
+    gives the byte kernel's bitmap, counts and kept copy, and each block's checksum terms sum to
+    the new bytes' checksum; changes of the top bit alone (the word's sign bit in its last byte),
+    of the low bit alone and of every bit; into poisoned outputs."""
+    if "triton" not in BACKENDS:
+        pytest.skip("Triton does not run here")
+    from glm_fp8.kernels import triton_delta
+    from glm_fp8.kernels.checksum import checksum_torch
+
+    shape = (rows, 128)
+    gen = torch.Generator().manual_seed(11)
+    old = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    m = _patterned((max(rows, 256), 256), pattern, gen)[:rows, :128] | (
+        torch.rand(shape, generator=gen) < 0.5
+    ) * (rows == 1)
+    m[rows - 1, 127] = True  # the last byte of the last (partial) block
+    flip = {
+        "random": torch.randint(1, 256, shape, dtype=torch.uint8, generator=gen),
+        "top bit": torch.full(shape, 0x80, dtype=torch.uint8),
+        "low bit": torch.ones(shape, dtype=torch.uint8),
+        "all bits": torch.full(shape, 0xFF, dtype=torch.uint8),
+    }[xor]
+    new = torch.where(m, old ^ flip, old).to(device)
+    blocks = -(-rows // 128)
+    outs = []
+    for kernel in ("bytes", "words"):
+        kept = old.to(device, copy=True)
+        bits = torch.full((blocks * triton_delta.BITMAP_WORDS,), -7, dtype=torch.int16, device=device)
+        counts = torch.full((blocks,), -7, dtype=torch.int32, device=device)
+        if kernel == "bytes":
+            triton_delta.launch_compare_bytes(new.view(1, *shape), kept.view(1, *shape), bits, counts)
+        else:
+            assert triton_delta.words_fit(new, kept)
+            sums = torch.full((blocks,), -7, dtype=torch.int64, device=device)
+            triton_delta.launch_compare_words(new, kept, bits, counts, sums, 3)
+            want = checksum_torch(new.cpu().view(-1).view(torch.int64), 3)
+            assert int(sums.sum()) == int(want)
+        outs.append((bits.cpu(), counts.cpu(), kept.cpu()))
+    for a, b, what in zip(*outs, ("bits", "counts", "kept")):
+        _same(b, a, what)
+    assert int(outs[1][1].sum()) == int(m.sum())

@@ -21,6 +21,7 @@ from glm_fp8.transfer.delta.wire import (
     payload_layout,
     unpack_delta,
 )
+from glm_fp8.transfer.wire import message_checksum
 
 
 def _step(shape, fraction, seed, scale=1.0):
@@ -169,7 +170,16 @@ def test_a_segment_packed_on_the_device_equals_the_reference(device, nbytes, fra
         counts = torch.full((counts_numel(sd.pieces),), -7, dtype=torch.int32, device=dev)
         length = torch.full((1,), -1, dtype=torch.int64, device=dev)
         payload = torch.full((max(sd.bound, 2),), 0xFF, dtype=torch.uint8, device=dev)
-        pack_bytes_delta(sd.views(fresh), sd.views(kept), sd.pieces, counts, length, payload, backend=backend)
+        checksum = torch.full((1,), -3, dtype=torch.int64, device=dev)
+        args = (sd.views(fresh), sd.views(kept), sd.pieces, counts, length, payload)
+        if nbytes % 8:  # the checksum is of whole words: refused before anything is written
+            with pytest.raises(ValueError, match="8-byte words"):
+                pack_bytes_delta(*args, backend=backend, checksum=checksum)
+            assert int(length) == -1 and int(checksum) == -3 and torch.equal(kept.cpu(), old)
+            checksum = None
+        pack_bytes_delta(*args, backend=backend, checksum=checksum)
+        if checksum is not None:  # the comparison's checksum is the segment's data bytes' own
+            assert int(checksum) == int(message_checksum(new, torch.empty(1, dtype=torch.int64)))
         if backend == "triton" and kept_in == "pinned host":
             torch.cuda.synchronize(dev)
             assert torch.equal(host, new)  # written in host memory, in place

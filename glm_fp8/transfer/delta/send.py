@@ -13,6 +13,7 @@ from glm_fp8.transfer.delta.versions import NONE, KeptVersions
 from glm_fp8.transfer.delta.wire import pack_bytes_delta
 from glm_fp8.transfer.endpoint import Ring, Side, on_stream
 from glm_fp8.transfer.options import DeltaOptions
+from glm_fp8.transfer.routes import Segment
 
 
 class SenderDelta:
@@ -121,6 +122,15 @@ class SenderDelta:
         stay where they were first allocated): a key part for ``glm_fp8.transfer.graphs``."""
         return self.is_delta[pos], self.fresh[pos]
 
+    def needs_seal(self, pos: int, seg: Segment) -> bool:
+        """Whether ``seg`` of ``pos`` needs its checksum word in its ring slot: some rank takes it
+        dense. A segment that every rank of its class takes as a delta travels as its counts
+        message, whose checksum word ``compare`` takes as it reads the bytes (no pass of its own)."""
+        if not self.is_delta[pos]:
+            return True
+        lay = self.side.routes.layers[pos]
+        return len(delta_to(lay, seg, self.fresh[pos])) < len(lay.classes[seg.cls])
+
     def begin_layer(self, pos: int) -> None:
         """Before ``pos``'s kernels: its kept copy is about to change; no version until ``compared``."""
         self.versions.kept[pos] = NONE
@@ -153,7 +163,8 @@ class SenderDelta:
                 msgs.append((msg, None))
                 continue
             words = sd.words(msg)
-            # No host read here: the lengths are read once for the layer, when it is sent.
+            # No host read here: the lengths are read once for the layer, when it is sent. The
+            # new segment's checksum word comes from the comparison's read of its bytes.
             pack_bytes_delta(
                 sd.views(data),
                 sd.views(device_alias(k, data.device) if self.host else k),
@@ -162,8 +173,8 @@ class SenderDelta:
                 words[:1],
                 payload,
                 backend=self.backend,
+                checksum=words[1:],
             )
-            words[1].copy_(seg.checksum_word(data))
             msgs.append((msg, payload))
             lengths.append(words[:1])
         return msgs, (torch.cat(lengths) if lengths else None)

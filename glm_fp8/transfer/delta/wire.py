@@ -25,6 +25,7 @@ import torch
 from glm_fp8.core.numerics import blocks_shape
 from glm_fp8.kernels import triton_delta
 from glm_fp8.kernels.backends import resolve_backend
+from glm_fp8.kernels.checksum import checksum_torch
 from glm_fp8.kernels.delta import BlockDelta, compare_bytes
 from glm_fp8.kernels.reference import delta_block_sizes
 from glm_fp8.model.layer_plan import align
@@ -160,39 +161,68 @@ def pack_bytes_delta(
     length: torch.Tensor,
     payload: torch.Tensor,
     backend: str | None = None,
+    checksum: torch.Tensor | None = None,
 ) -> None:
     """The delta of a segment's unscaled pieces, ``news`` against ``kepts`` (uint8, each its piece's
     shape; ``kepts`` moved to ``news``), written as ``pack_delta`` writes it: the counts into
     ``msg`` (int32 [counts_numel]), the payload into ``payload`` (uint8, ``payload_bound`` bytes),
-    its byte count into ``length`` (int64 [1]). With the Triton kernels (CUDA), nothing is read back
-    to the host: offsets and the length are computed on the device, so that a sender queues a whole
-    layer's comparison behind its conversion and reads its lengths once. Allocates per piece a
-    2 KiB bitmap and two int64 offsets per block
-    (``glm_fp8.planning.update_delta.COMPARE_SCRATCH_PER_BLOCK``), and two int64 totals per 1,024
+    its byte count into ``length`` (int64 [1]). ``checksum`` (int64 [1], optional): the
+    ``glm_fp8.transfer.wire.message_checksum`` of the new pieces' bytes one after another (a
+    segment's data bytes), taken by the comparison as it reads them; it needs whole 8-byte words.
+
+    With the Triton kernels (CUDA), nothing is read back to the host: offsets and the length are
+    computed on the device, so that a sender queues a whole layer's comparison behind its
+    conversion and reads its lengths once. A piece whose bytes lie in block order (``words_fit``:
+    the segments' pieces) is compared 8 bytes a lane. Allocates per piece a 2 KiB bitmap and three
+    int64 per block (two offsets, a checksum part;
+    ``glm_fp8.planning.update_delta.COMPARE_SCRATCH_PER_BLOCK``), and two int64 totals per 1,024
     blocks."""
     if len(news) != len(pieces) or len(kepts) != len(pieces) or any(p.scaled for p in pieces):
         raise ValueError(f"pieces: expected {len(pieces)} unscaled pieces, one per new and kept tensor")
+    firsts = [0]
+    for new in news:
+        firsts.append(firsts[-1] + new.numel())
+    if checksum is not None and (firsts[-1] % 8 or any(f % 8 for f in firsts)):
+        raise ValueError(
+            f"news: a checksum needs pieces of whole 8-byte words, got {firsts[1:]} bytes in all"
+        )
     if resolve_backend(backend, payload.device, delta=True) != "triton":
+        if checksum is not None:
+            terms = [
+                checksum_torch(new.reshape(-1).view(torch.int64), f // 8) for new, f in zip(news, firsts)
+            ]
+            checksum.copy_(torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.int64))
         deltas = [compare_bytes(a, b, backend="torch") for a, b in zip(news, kepts)]
         length.fill_(pack_delta(deltas, pieces, msg, payload))
         return
     msg.zero_()  # every piece's count of changed scales stays 0
     length.zero_()
+    if checksum is not None:
+        checksum.zero_()
     start = 0
     positions = payload[: payload.numel() // 2 * 2].view(torch.int16)
-    for new, kept, p in zip(news, kepts, pieces):
+    for new, kept, p, first in zip(news, kepts, pieces, firsts):
         shape = (1, *p.shape) if len(p.shape) == 2 else tuple(p.shape)
         counts = msg[start : start + p.blocks]
         start += p.blocks + 1
         bits = torch.empty(p.blocks * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=payload.device)
-        offsets = torch.empty(2, p.blocks, dtype=torch.int64, device=payload.device)
-        new3 = new.view(shape)
-        triton_delta.launch_compare_bytes(new3, kept.view(shape), bits, counts)
-        triton_delta.launch_offsets(shape, counts, offsets[0], offsets[1], length, ALIGN)
-        wire = triton_delta.Wire(counts, offsets[0], offsets[1], positions, payload)
+        scratch = torch.empty(3, p.blocks, dtype=torch.int64, device=payload.device)
+        if len(p.shape) == 2 and triton_delta.words_fit(new, kept):
+            triton_delta.launch_compare_words(new, kept, bits, counts, scratch[2], first // 8)
+            if checksum is not None:
+                checksum.add_(scratch[2].sum())
+        elif checksum is not None:
+            raise ValueError(
+                f"news: a checksum needs pieces whose bytes lie in block order at 8-byte addresses, "
+                f"got {list(new.shape)} with strides {list(new.stride())}"
+            )
+        else:
+            triton_delta.launch_compare_bytes(new.view(shape), kept.view(shape), bits, counts)
+        triton_delta.launch_offsets(shape, counts, scratch[0], scratch[1], length, ALIGN)
+        wire = triton_delta.Wire(counts, scratch[0], scratch[1], positions, payload)
         # The changed blocks' bytes from ``new`` (the kept copy holds the same bytes now): a kept
         # copy in host memory (``device_alias``) is then read once over PCIe, by the comparison.
-        triton_delta.launch_pack(new3, bits, wire)
+        triton_delta.launch_pack(new.view(shape), bits, wire)
 
 
 def unpack_delta(
