@@ -2,7 +2,7 @@
 # One run on a GPU machine: build the CUDA backend, GPU test suite, compute-sanitizer, benchmarks.
 # Usage on the H200 (repo root): bash bench/gpu_run.sh  (logs under $OUT or ./gpu_logs)
 # Switches (1 = run), in this order: BUILD=1 FUZZ=1 SWEEP=0 KSWEEP=0 TESTS=1 SANITIZE=1 HOST=(BENCH)
-# GATHER=1 PIPELINE=1 MEGATRON=0 FLEET=0 DELTA=0 DELTA_APPLY=0 HOST_READ=0 DELTA_PIPELINE=0 (DELTA_MASTERS, DELTA_GRAPHS, DELTA_ARGS) ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
+# GATHER=1 PIPELINE=1 MEGATRON=0 FLEET=0 DELTA=0 DELTA_APPLY=0 HOST_READ=0 DELTA_KERNELS=0 DELTA_PIPELINE=0 (DELTA_MASTERS, DELTA_GRAPHS, DELTA_ARGS) ENGINE=1 BENCH=1; PIPELINE_LAYERS (80), FLEET_LAYERS (40) and ENGINE_LAYERS (16) size the transfer
 # benchmarks (bench/scripts/pipeline.py, engine_rank.py); TEST_PATHS (default tests), TEST_ARGS, SWEEP_ARGS, SANITIZE_ARGS and
 # BENCH_ARGS go to pytest, bench/scripts/sweep.py, bench/scripts/sanitize.py and glm-fp8 bench; SANITIZE_TOOLS
 # (default "memcheck racecheck") picks compute-sanitizer's tools. FUZZ runs tests/kernels/test_fuzz.py
@@ -105,6 +105,10 @@ fi
 if [ "${HOST_READ:-0}" = 1 ]; then
   # The host-kept delta's in-place read of pinned memory against the copy engine (docs/delta.md#in-the-transfer).
   python3 bench/scripts/host_read.py 2>&1 | tee "$LOG/host_read.txt"
+fi
+if [ "${DELTA_KERNELS:-0}" = 1 ]; then
+  # A delta step's kernels on one segment beside a device copy of its bytes, checked first (docs/delta.md#in-the-transfer).
+  python3 bench/scripts/delta_kernels.py ${DELTA_KERNELS_ARGS:-} 2>&1 | tee "$LOG/delta_kernels.txt"
 fi
 if [ "${DELTA_PIPELINE:-0}" = 1 ]; then
   # #33: delta updates of 80 GLM-5 layers by one of 32 senders into 4 x EP 8 (its kept copy is its

@@ -39,7 +39,8 @@ def _cases(device: torch.device):
 def _delta_failures(device: torch.device) -> int:
     """The delta kernels (Triton, their only GPU backend) against the torch backend: a step's
     quantize_compare and apply_delta on an expert stack with partial blocks, then a transfer
-    segment's pack_bytes_delta (compare, offsets, pack) with sparse, dense and empty blocks."""
+    segment's pack_bytes_delta (the comparison 8 bytes a lane with the segment's checksum, offsets,
+    pack) with sparse, dense and empty blocks."""
     failures = 0
     g = torch.Generator(device).manual_seed(1)
     old = torch.randn(3, 300, 272, device=device, generator=g).to(torch.bfloat16)
@@ -71,8 +72,18 @@ def _delta_failures(device: torch.device) -> int:
         counts = torch.full((counts_numel(sd.pieces),), -7, dtype=torch.int32, device=device)
         length = torch.full((1,), -1, dtype=torch.int64, device=device)
         payload = torch.full((sd.bound,), 0xFF, dtype=torch.uint8, device=device)
-        pack_bytes_delta(sd.views(b), sd.views(kept), sd.pieces, counts, length, payload, backend=backend)
-        got.append((kept, counts, payload[: int(length)]))
+        checksum = torch.full((1,), -3, dtype=torch.int64, device=device)
+        pack_bytes_delta(
+            sd.views(b),
+            sd.views(kept),
+            sd.pieces,
+            counts,
+            length,
+            payload,
+            backend=backend,
+            checksum=checksum,
+        )
+        got.append((kept, counts, payload[: int(length)], checksum))
     if any(not torch.equal(x, y) for x, y in zip(*got)) or not torch.equal(got[1][0], b):
         failures += 1
         print("FAIL delta: pack_bytes_delta differs from the torch backend")

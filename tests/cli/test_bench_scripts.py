@@ -164,3 +164,21 @@ def test_layer_path_goes_down_the_layers_as_docs_map_says(tmp_path):
                 side,
                 s["module_list"],
             )
+
+
+def test_delta_kernels_script_checks_the_word_path_against_the_byte_path():
+    """bench/scripts/delta_kernels.py's checks on the CPU (no timings there): the comparison 8 bytes
+    a lane and ``pack_bytes_delta`` against the byte comparison, its checksum against the pass's."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "bench" / "scripts" / "delta_kernels.py")
+    done = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--mib", "0.25"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "byte path (bitmap, counts, length, payload, kept copy, checksum): True" in done.stdout, (
+        done.stdout
+    )

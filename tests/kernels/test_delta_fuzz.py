@@ -27,7 +27,8 @@ in buffers poisoned around them: per piece ``compare_bytes(new, kept)`` returns 
 the new ones; afterwards the kept view holds the new bytes, nothing outside it was written and
 ``new``'s buffer is unchanged. A segment case is also packed as the sender packs it
 (``pack_bytes_delta``, offsets and length on the device) into poisoned outputs: its counts and
-payload unpack to exactly the reference deltas, and its length is what the counts call for.
+payload unpack to exactly the reference deltas, its length is what the counts call for, and its
+checksum (of whole words) is the torch checksum's of the new bytes.
 
 ``test_delta_fuzz_gpu`` runs ``GLM_FP8_FUZZ_CASES`` (default 200) seeds on CUDA within
 ``GLM_FP8_FUZZ_BUDGET_S`` seconds (default 120), each seed's quantize case with the triton backend
@@ -63,6 +64,7 @@ from test_fuzz import (
 )
 
 from glm_fp8.core.numerics import BLOCK, blocks_shape
+from glm_fp8.kernels.checksum import checksum_torch
 from glm_fp8.kernels.delta import apply_delta, compare_bytes, quantize_compare
 from glm_fp8.kernels.delta_cut import cut_delta
 from glm_fp8.kernels.reference import delta_encode_ref, quantize_concat_ref
@@ -347,8 +349,13 @@ def _segment_packed(case: BytesCase, wants: list, backend: str, device: torch.de
     length = torch.full((1,), -1, dtype=torch.int64, device=device)
     payload = torch.full((max(sd.bound, 2),), 0xFF, dtype=torch.uint8, device=device)
     new = sd.views(case.new_bytes)
-    pack_bytes_delta(new, sd.views(kept), pieces, counts, length, payload, backend=backend)
+    # The segment's checksum, taken by the comparison: of whole 8-byte words only.
+    checksum = torch.full((1,), -3, dtype=torch.int64, device=device) if kept.numel() % 8 == 0 else None
+    pack_bytes_delta(new, sd.views(kept), pieces, counts, length, payload, backend=backend, checksum=checksum)
     errors = [_diff("packed: kept", kept, case.new_bytes)]
+    if checksum is not None:
+        want = int(checksum_torch(case.new_bytes.cpu().view(torch.int64)))
+        errors.append(None if int(checksum) == want else f"packed: checksum {int(checksum)}, expected {want}")
     try:
         layout = payload_layout(counts, pieces)
     except ValueError as exc:
