@@ -234,25 +234,23 @@ def reference_engine_params(
 
 
 def sent_layer_mismatches(
-    lay, me: int, msgs: Iterator[torch.Tensor], ref: Mapping[str, torch.Tensor], plan, layer_idx: int
+    lay, me: int, msgs: Iterator[torch.Tensor], ref: Mapping[str, torch.Tensor]
 ) -> tuple[int, int, list[str]]:
     """Read from ``msgs`` the segments sender ``me`` put on the link for one layer (``lay``: the
     layer's ``LayerRoutes``; a segment once per group broadcast, else once per receiving rank, in
     the order the sender posts them: group broadcasts, then point-to-point messages; its header
     already read) and compare every piece with ``ref`` (the reference conversion of the layer, by
-    prefixed name; a whole-layer segment read through ``plan``'s views) cut by the piece's rows
-    and shard, on the CPU. Returns (bytes checked, bytes that differ, the names of the pieces
-    that differ)."""
+    prefixed name) cut by the piece's rows and shard, on the CPU. Returns (bytes checked, bytes
+    that differ, the names of the pieces that differ)."""
     checked = differ = 0
     bad: list[str] = []
-    prefix = layer_prefix(layer_idx)
     mine = lay.of_sender(me)
     # in the order the sender posts them: its group broadcasts, then its point-to-point messages
     for seg in [s for s in mine if s.group is not None] + [s for s in mine if s.group is None]:
         for _ in range(lay.messages(seg)):
             got = next(msgs)
-            pairs = [(prefix + n, ref[prefix + n], v) for n, v in plan.views(got)] if seg.direct else []
-            for p in [] if seg.direct else seg.pieces:
+            pairs = []
+            for p in seg.pieces:
                 full = ref[p.name]
                 if p.rows is not None:
                     full = full.narrow(0, p.rows[0], p.rows[1] - p.rows[0])

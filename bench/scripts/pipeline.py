@@ -138,7 +138,7 @@ def _check_first_layer(sender: Sender, msgs: list, layer: dict) -> tuple[int, in
     ref = convert_layer_ref(
         {k.removeprefix(layer_prefix(0)): t for k, t in layer.items()}, 0, plan, per_expert=True
     )
-    checked, differ, _ = sent_layer_mismatches(lay, sender.me, iter(msgs), ref, plan, 0)
+    checked, differ, _ = sent_layer_mismatches(lay, sender.me, iter(msgs), ref)
     return checked, differ
 
 

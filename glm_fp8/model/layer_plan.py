@@ -112,16 +112,18 @@ class LayerPlan:
             f"{', '.join(e.name for e in self.entries)})"
         )
 
-    def subset(self, names: Iterable[str]) -> LayerPlan:
+    def subset(self, names: Iterable[str], last: Iterable[str] = ()) -> LayerPlan:
         """The plan of only the entries named in ``names`` (a quantized entry keeps its scale
-        when both are named), laid out afresh one after another; ``inputs`` keeps their
-        sources. A sender that converts part of a layer (``glm_fp8.transfer.owners``) fills one."""
-        names = set(names)
+        when both are named), laid out afresh one after another, those also named in ``last``
+        after the others (each group in this plan's order); ``inputs`` keeps their sources. A
+        sender that converts part of a layer (``glm_fp8.transfer.owners``) fills one: its largest
+        segment's entries last, so that they lie in its buffer as they travel."""
+        names, last = set(names), set(last)
         entries, offset = [], 0
-        for e in self.entries:
-            if e.name in names:
-                entries.append(dataclasses.replace(e, offset=offset))
-                offset = align(offset + e.nbytes)
+        kept = [e for e in self.entries if e.name in names]
+        for e in [e for e in kept if e.name not in last] + [e for e in kept if e.name in last]:
+            entries.append(dataclasses.replace(e, offset=offset))
+            offset = align(offset + e.nbytes)
         sources = {s for e in entries for s in e.sources}
         inputs = {k: v for k, v in self.inputs.items() if k in sources}
         return dataclasses.replace(self, entries=tuple(entries), inputs=inputs, nbytes=offset)

@@ -445,10 +445,8 @@ def segment_views(
     views = []
     for s in segments:
         region = buf[s.recv_offset : s.recv_offset + s.nbytes]
-        if s.direct:
-            views += [(prefix + name, view, None) for name, view in plan.views(region)]
-        else:
-            views += [(p.name, p.view(region), p.rows) for p in s.pieces]
+        # Where the sender sent it from (``direct``) does not matter here: its pieces say it all.
+        views += [(p.name, p.view(region), p.rows) for p in s.pieces]
     order = {prefix + e.name: k for k, e in enumerate(plan.entries)}
     views.sort(key=lambda v: order[v[0]])  # stable: a split entry's pieces stay in sender order
     return views

@@ -242,15 +242,17 @@ def sender_plan(
     splits: Mapping[str, Sequence[tuple[int, int]]],
     owners: Mapping[str, Owner],
     t: int,
+    last: frozenset[str] = frozenset(),
 ) -> LayerPlan:
     """What sender ``t`` converts of a layer of ``plan`` (in any trainer layout, see
     ``glm_fp8.model.trainer_layouts.adapt_plan``): its rows of every split entry (an expert stack
-    with its scale) and the entries it owns, laid out afresh; the plan itself when it owns everything."""
+    with its scale) and the entries it owns, laid out afresh, those named in ``last`` (short
+    names) after the others (``LayerPlan.subset``); the plan itself when it owns everything."""
     owned = {name[len(prefix) :] for name in owners if t in converters(owners, name)}
     if not splits and len(owned) == len(plan.entries):
         return plan
     rows = {name[len(prefix) :]: b[t] for name, b in splits.items() if b[t][1] > b[t][0]}
-    return plan.with_rows(rows).subset(owned | set(rows))
+    return plan.with_rows(rows).subset(owned | set(rows), last)
 
 
 def sender_pieces(

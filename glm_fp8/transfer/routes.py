@@ -15,9 +15,11 @@ class's pack, one after another at multiples of 256 bytes, then a checksum word.
 broadcast in its ``group`` (its sender's and its class's link ranks), else point to point to each
 rank of its class (``glm_fp8.transfer.topology`` chooses: one sender, a group per class of several
 ranks where the link makes groups; many senders, a group per (sender, class) only where the
-senders' NICs bound the update, ``sender_groups_pay``). A single sender's segment that is its
-whole converted layer, as the plan lays it out (the full broadcast), is **direct**: sent from the
-conversion buffer, never packed. An engine rank may be in several classes: its layer buffer holds
+senders' NICs bound the update, ``sender_groups_pay``). A segment whose bytes are its sender's
+conversion buffer as that sender's plan lays it out is **direct**: sent from the conversion
+buffer, never packed. One sender: its whole converted layer (the full broadcast); many senders: a
+sender's first segment that holds each entry it converts whole where its plan puts it
+(``_converted_in_place``). An engine rank may be in several classes: its layer buffer holds
 the segments of its classes side by side, in class order then sender order
 (``LayerRoutes.of_rank``); a sender's send buffer holds its packed segments side by side, in
 class order (the broadcast classes first). The plan is computed once per update configuration,
@@ -69,8 +71,8 @@ class Segment(ShardPack):
     """What sender ``sender`` (its index in the senders) sends every rank of class ``cls`` for one
     layer: a ``ShardPack`` of the pieces it has of the class's region (a split entry's pieces name
     their ``rows``), then the checksum word. It lies at ``send_offset`` in the sender's send
-    buffer (``direct``: in its conversion buffer, at 0) and at ``recv_offset`` in each receiving
-    rank's layer buffer (``LayerRoutes.of_rank``: where a rank in several classes puts it). It
+    buffer (``direct``: in its conversion buffer, at ``conv_offset``) and at ``recv_offset`` in each
+    receiving rank's layer buffer (``LayerRoutes.of_rank``: where a rank in several classes puts it). It
     travels as one broadcast in ``group`` (sorted link ranks: its sender's and its class's, or
     every rank of the link), or, ``group`` None, point to point to each rank of its class."""
 
@@ -80,6 +82,14 @@ class Segment(ShardPack):
     recv_offset: int = 0
     direct: bool = False
     group: tuple[int, ...] | None = None
+    conv_offset: int = 0  # where a direct segment lies in its sender's conversion buffer
+
+    def source(self, conv: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Its ``nbytes`` where its sender holds them: in the conversion buffer ``conv`` (direct),
+        else in the send buffer ``out`` (packed); each the sender's buffer of this layer."""
+        if self.direct:
+            return conv[self.conv_offset : self.conv_offset + self.nbytes]
+        return out[self.send_offset : self.send_offset + self.nbytes]
 
 
 @dataclass(frozen=True)
@@ -425,6 +435,20 @@ def transfer_plan(
                     )
                     recv = align(recv + off + CHECKSUM_BYTES)
             recv_nbytes.append(recv)
+        local_plans = []
+        for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
+            last = _largest_whole(segments, t, prefix) if n > 1 else frozenset()
+            key = (
+                id(plan),
+                tuple(b[t] for b in split.values()),
+                frozenset(name[len(prefix) :] for name in owners[pos] if t in converters(owners[pos], name)),
+                last,
+            )
+            if key not in local_cache:
+                local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t, last)
+            local_plans.append(local_cache[key])
+        if n > 1:
+            segments = _converted_in_place(segments, local_plans, prefix)
         send_nbytes = [0] * n
         placed = []
         for s in segments:  # class order within each sender
@@ -433,16 +457,6 @@ def transfer_plan(
                 continue
             placed.append(dataclasses.replace(s, send_offset=send_nbytes[s.sender]))
             send_nbytes[s.sender] = align(send_nbytes[s.sender] + s.nbytes)
-        local_plans = []
-        for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
-            key = (
-                id(plan),
-                tuple(b[t] for b in split.values()),
-                frozenset(name[len(prefix) :] for name in owners[pos] if t in converters(owners[pos], name)),
-            )
-            if key not in local_cache:
-                local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t)
-            local_plans.append(local_cache[key])
         layers.append(
             LayerRoutes(
                 layer_idx,
@@ -508,6 +522,56 @@ def _sender_groups(tp: TransferPlan) -> TransferPlan:
     if not sender_groups_pay(tp.sent_bytes(), once, tp.received_bytes().values(), made):
         return tp
     return dataclasses.replace(tp, layers=tuple(layers))
+
+
+def _converted_in_place(
+    segments: Sequence[Segment], local_plans: Sequence[LayerPlan], prefix: str
+) -> list[Segment]:
+    """Many senders: a sender's first segment whose bytes lie in its conversion buffer as its own
+    plan lays them out (``_converted_at``: an EP rank's experts, with the entries the sender owns
+    for that rank) is direct, sent from there and never packed, like the full broadcast's: no
+    device copy of it, no room for it in the send buffer."""
+    out, done = [], set()
+    for seg in segments:
+        at = None if seg.sender in done else _converted_at(seg, local_plans[seg.sender], prefix)
+        if at is not None:
+            seg = dataclasses.replace(seg, direct=True, conv_offset=at)
+            done.add(seg.sender)
+        out.append(seg)
+    return out
+
+
+def _largest_whole(segments: Sequence[Segment], t: int, prefix: str) -> frozenset[str]:
+    """The entries (short names) of sender ``t``'s largest segment, when each of its pieces is an
+    entry the sender converts whole (replicated, or its own rows of a split entry): its conversion
+    buffer lays them out last, so that the segment can leave from there (``_converted_at``)."""
+    mine = [s for s in segments if s.sender == t]
+    if not mine:
+        return frozenset()
+    top = max(mine, key=lambda s: s.nbytes)
+    if any(p.shard.kind != "replicated" for p in top.pieces):
+        return frozenset()
+    return frozenset(p.name[len(prefix) :] for p in top.pieces)
+
+
+def _converted_at(seg: Segment, plan: LayerPlan, prefix: str) -> int | None:
+    """Where ``seg`` lies in a conversion buffer of ``plan`` (a sender's part of a layer), or None:
+    its pieces are the plan's last entries whole, in order, each at its entry's offset less that
+    base (a piece of a split entry has exactly the sender's rows: its shape is the local entry's).
+    The last entries, so that the checksum word lands in the room the buffer keeps after them."""
+    k = len(plan.entries) - len(seg.pieces)
+    if k < 0 or not seg.pieces:
+        return None
+    base = plan.entries[k].offset
+    ok = seg.data_nbytes == plan.nbytes - base and all(
+        p.name == prefix + e.name
+        and p.dtype == e.dtype
+        and tuple(p.shape) == tuple(e.shape)
+        and p.offset == e.offset - base
+        and p.shard.kind == "replicated"
+        for p, e in zip(seg.pieces, plan.entries[k:])
+    )
+    return base if ok else None
 
 
 def _is_plan_layout(pack: ShardPack, plan: LayerPlan) -> bool:

@@ -357,10 +357,7 @@ class Sender(Endpoint):
         # A segment every rank takes as a delta needs no checksum pass: the comparison takes it.
         for s in mine:
             if self.checksum and (self.delta is None or self.delta.needs_seal(pos, s)):
-                s.seal(
-                    buf[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes],
-                    self.scratch,
-                )
+                s.seal(s.source(buf, out), self.scratch)
         compared = self.delta.compare(pos, buf, out) if self.delta is not None else None
         return local, norms, bad, compared
 
@@ -399,7 +396,7 @@ class Sender(Endpoint):
                 continue
             dense = True
             for s in lay.of_sender(self.me):
-                data = conv[: s.nbytes] if s.direct else out[s.send_offset : s.send_offset + s.nbytes]
+                data = s.source(conv, out)
                 if s.group is not None:  # in class order, before the exchange
                     self.link.group_broadcast(data, self.rank, s.group)
                 else:

@@ -235,7 +235,7 @@ def test_many_senders_streams_single_gpu_with_poisoned_released_inputs():
         assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, i, lay.wire_nbytes]
         layer = {k.removeprefix(layer_prefix(i)): t for k, t in synthetic_layer(config, i).items()}
         ref = convert_layer_ref(layer, i, plan_from_config(config, i))
-        got, _, bad = sent_layer_mismatches(lay, sender.me, msgs, ref, sender.plans[i], i)
+        got, _, bad = sent_layer_mismatches(lay, sender.me, msgs, ref)
         assert not bad, (i, bad)
         checked += got
     assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, n] and next(msgs, None) is None

@@ -330,6 +330,45 @@ def test_the_plan_balances_senders_and_covers_every_byte():
     assert math.isclose(max(received.values()) / 2**30, 90.28, abs_tol=0.01)
 
 
+def test_a_senders_experts_leave_from_its_conversion_buffer():
+    """32 senders into 4 x EP 8 (GLM-5), a sparse layer: each sender's largest segment (its experts,
+    with the entries it owns for their class) lies last in its conversion buffer, as it travels, so
+    it is direct: sent from there, never copied into the send buffer, which holds only the other
+    segments. Where a piece of it is a tensor-parallel cut of an entry (attention's kv_b_proj for an
+    engine of TP 8) it cannot lie there and is packed; one direct segment a sender at most."""
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.model.plans import plans_for_model
+    from glm_fp8.model.presets import PRESETS
+    from glm_fp8.transfer.routes import transfer_plan
+
+    cfg = PRESETS["glm-5"]
+    ids = [3]  # a sparse layer
+    plans = plans_for_model(cfg, "fp8", layer_ids=ids)
+    engines = [None] * 32 + [lay for _ in range(4) for lay in EngineLayout.all_ranks(8, 1, True)]
+    lay = transfer_plan(cfg, plans, ids, engines, range(32)).layers[0]
+    directs = 0
+    for t in range(32):
+        mine = lay.of_sender(t)
+        top = max(mine, key=lambda s: s.nbytes)
+        assert any("experts" in p.name for p in top.pieces)
+        packed = [s for s in mine if not s.direct]
+        assert lay.send_nbytes[t] == sum(-(-s.nbytes // 256) * 256 for s in packed)
+        if not top.direct:
+            assert any(p.shard.kind != "replicated" for p in top.pieces), (t, top)
+            continue
+        directs += 1
+        assert [s for s in mine if s.direct] == [top]
+        assert top.conv_offset + top.data_nbytes == lay.local_plans[t].nbytes  # last in its buffer
+        assert lay.send_nbytes[t] < top.nbytes  # the experts take no room there
+    assert directs >= 24, directs
+    # The whole model (docs/delta.md quotes it): the share of segment bytes sent from conversion buffers.
+    ids = model_layer_ids(cfg) + [REST]
+    tp = transfer_plan(cfg, plans_for_model(cfg, "fp8", layer_ids=ids), ids, engines, range(32))
+    segs = [s for lay in tp.layers for s in lay.segments]
+    share = sum(s.nbytes for s in segs if s.direct) / sum(s.nbytes for s in segs)
+    assert math.isclose(share, 0.81, abs_tol=0.005), share
+
+
 def test_a_sender_with_another_manifest_is_refused_before_anything_is_sent():
     results = launch(4, _rank, (2, "tp2", "manifest"), timeout_s=60)
     assert results[1][0] == "ManifestMismatch" and "differs from the leader's" in results[1][1], results

@@ -132,7 +132,7 @@ def test_one_of_many_senders_adapts_and_checks_each_layer_once(calls):
     for pos, (i, lay) in enumerate(zip(IDS, sender.routes.layers)):
         assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, pos, lay.wire_nbytes]
         ref = _reference(i)
-        got, _, bad = sent_layer_mismatches(lay, sender.me, msgs, ref, sender.plans[pos], i)
+        got, _, bad = sent_layer_mismatches(lay, sender.me, msgs, ref)
         assert not bad, (i, bad)
         checked += got
     assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, len(IDS)] and next(msgs, None) is None

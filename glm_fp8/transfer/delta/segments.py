@@ -2,9 +2,10 @@
 bytes as delta pieces, the layout of its counts message, and which layers go as deltas.
 
 **Segment coordinates.** A delta is taken of a segment's data bytes, exactly what the dense
-segment carries without its checksum word (a direct segment: the conversion buffer's first
-``data_nbytes``), seen as uint8 ``[n // 128, 128]`` (a 128x128 block is 16 KiB of consecutive
-bytes), plus ``[1, n % 128]`` for a tail (none today: segments end at multiples of 256 bytes).
+segment carries without its checksum word (``Segment.source``: in the send buffer, or a direct
+segment's in the conversion buffer), seen as uint8 ``[n // 128, 128]`` (a 128x128 block is 16
+KiB of consecutive bytes), plus ``[1, n % 128]`` for a tail (none today: segments end at
+multiples of 256 bytes).
 The bytes between a segment's pieces are zero on both ends in a delta update (``zero_gaps``), so
 that the receiver can rebuild the old segment from its parameters byte for byte.
 

@@ -102,7 +102,7 @@ class SenderDelta:
             if out is not None:
                 s.send_ring.wait_free(pi, s.convert_stream)
             for seg, kept in zip(self.side.routes.layers[pos].of_sender(self.me), self.kept[pos]):
-                region = (conv if seg.direct else out[seg.send_offset :])[: seg.nbytes]
+                region = seg.source(conv, out)
                 region[: kept.numel()].copy_(kept, non_blocking=True)
                 seg.seal(region, s.scratch)
             if s.convert_stream is None:
@@ -115,7 +115,7 @@ class SenderDelta:
         """Zero the bytes between pieces of this sender's segments of ``pos``, before their
         checksums are taken (both ends then hold zeros there)."""
         for seg in self.side.routes.layers[pos].of_sender(self.me):
-            zero_gaps(conv if seg.direct else out[seg.send_offset :], seg)
+            zero_gaps(seg.source(conv, out), seg)
 
     def graph_key(self, pos: int) -> tuple:
         """What of this update decides which kernels ``compare`` queues for ``pos`` (its buffers
@@ -144,7 +144,7 @@ class SenderDelta:
         what ``compared`` takes."""
         lay = self.side.routes.layers[pos]
         segs = lay.of_sender(self.me)
-        datas = [(conv if seg.direct else out[seg.send_offset :])[: seg.nbytes] for seg in segs]
+        datas = [seg.source(conv, out) for seg in segs]
         if self.kept[pos] is None:
             self.kept[pos] = [self.new_kept(seg.data_nbytes) for seg in segs]
         kept = self.kept[pos]
@@ -239,7 +239,7 @@ class SenderDelta:
         first, payloads, group_payloads, sent, delivered = [], [], [], 0, 0
         for seg, (msg, payload) in zip(lay.of_sender(self.me), msgs):
             to = delta_to(lay, seg, self.fresh[pos])
-            data = conv[: seg.nbytes] if seg.direct else out[seg.send_offset : seg.send_offset + seg.nbytes]
+            data = seg.source(conv, out)
             if seg.group is not None:
                 part = msg if to else data
                 s.link.group_broadcast(part, s.rank, seg.group)
