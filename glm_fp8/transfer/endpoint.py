@@ -457,17 +457,13 @@ def pack_segments(
     offsets: Sequence[int],
     full: Mapping[str, torch.Tensor],
     packed: torch.Tensor,
-    scratch: torch.Tensor,
     starts: Mapping[str, int] | None = None,
-    checksum: bool = True,
 ) -> None:
     """Cut each of ``segments`` out of the entry views ``full`` (by prefixed name; ``starts``: see
-    ``ShardPack.pack_into``) into ``packed`` at ``offsets``, each followed by its checksum word."""
+    ``ShardPack.pack_into``) into ``packed`` at ``offsets``; their checksum words are the caller's
+    (``ShardPack.seal``: a segment that travels only as a delta needs none)."""
     for seg, offset in zip(segments, offsets):
-        region = packed[offset : offset + seg.nbytes]
-        seg.pack_into(full, region, starts)
-        if checksum:
-            seg.seal(region, scratch)
+        seg.pack_into(full, packed[offset : offset + seg.nbytes], starts)
 
 
 def layer_name(pos: int, layer_ids: Sequence[int]) -> str:

@@ -345,15 +345,7 @@ class Sender(Endpoint):
         if self.delta is not None:  # before the checksums: both ends hold zeros between pieces
             self.delta.zero_gaps(pos, buf, out)
         if packed:
-            pack_segments(
-                packed,
-                [s.send_offset for s in packed],
-                views,
-                out,
-                self.scratch,
-                lay.starts(self.me),
-                checksum=False,
-            )
+            pack_segments(packed, [s.send_offset for s in packed], views, out, lay.starts(self.me))
         # A segment every rank takes as a delta needs no checksum pass: the comparison takes it.
         for s in mine:
             if self.checksum and (self.delta is None or self.delta.needs_seal(pos, s)):
