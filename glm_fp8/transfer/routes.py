@@ -436,8 +436,11 @@ def transfer_plan(
                     recv = align(recv + off + CHECKSUM_BYTES)
             recv_nbytes.append(recv)
         local_plans = []
+        by_sender: dict[int, list[Segment]] = {}
+        for s in segments:
+            by_sender.setdefault(s.sender, []).append(s)
         for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
-            last = _largest_whole(segments, t, prefix) if n > 1 else frozenset()
+            last = _largest_whole(by_sender.get(t, []), prefix) if n > 1 else frozenset()
             key = (
                 id(plan),
                 tuple(b[t] for b in split.values()),
@@ -541,11 +544,11 @@ def _converted_in_place(
     return out
 
 
-def _largest_whole(segments: Sequence[Segment], t: int, prefix: str) -> frozenset[str]:
-    """The entries (short names) of sender ``t``'s largest segment, when each of its pieces is an
-    entry the sender converts whole (replicated, or its own rows of a split entry): its conversion
-    buffer lays them out last, so that the segment can leave from there (``_converted_at``)."""
-    mine = [s for s in segments if s.sender == t]
+def _largest_whole(mine: Sequence[Segment], prefix: str) -> frozenset[str]:
+    """The entries (short names) of the largest of a sender's segments ``mine``, when each of its
+    pieces is an entry the sender converts whole (replicated, or its own rows of a split entry):
+    its conversion buffer lays them out last, so that the segment can leave from there
+    (``_converted_at``)."""
     if not mine:
         return frozenset()
     top = max(mine, key=lambda s: s.nbytes)
