@@ -18,11 +18,11 @@ ranks where the link makes groups; many senders, a group per (sender, class) onl
 senders' NICs bound the update, ``sender_groups_pay``). A segment whose bytes are its sender's
 conversion buffer as that sender's plan lays it out is **direct**: sent from the conversion
 buffer, never packed. One sender: its whole converted layer (the full broadcast); many senders: a
-sender's first segment that holds each entry it converts whole where its plan puts it
-(``_converted_in_place``). An engine rank may be in several classes: its layer buffer holds
-the segments of its classes side by side, in class order then sender order
-(``LayerRoutes.of_rank``); a sender's send buffer holds its packed segments side by side, in
-class order (the broadcast classes first). The plan is computed once per update configuration,
+sender's largest segment when each of its pieces is an entry it converts whole, which its plan
+lays out last (``_largest_whole``, ``_converted_in_place``). An engine rank may be in several
+classes: its layer buffer holds the segments of its classes side by side, in class order then
+sender order (``LayerRoutes.of_rank``); a sender's send buffer holds its packed segments side by
+side, in class order (the broadcast classes first). The plan is computed once per update configuration,
 identically on every rank, and agreed on at the manifest vote.
 
 **Steps.** An update moves one step at a time: by default one layer a step. With
