@@ -192,3 +192,29 @@ def test_an_update_pauses_the_cycle_collector_and_restores_it(enabled):
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_a_segment_sent_from_inside_the_conversion_buffer_is_the_reference():
+    """Sender 1 of 2 into a server of EP 2 and one of TP 2: its largest segment of each layer (the
+    experts' class, with the entries it owns for that class) lies last in its conversion buffer,
+    after entries it sends to other classes (``Segment.conv_offset`` > 0), and leaves from there
+    (direct); every piece it sends, that segment's included, equals the reference."""
+    from glm_fp8.engine import EngineLayout
+    from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
+
+    ep2 = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
+    engines = [None, None, *ep2, *EngineLayout.all_ranks(2, 1, False)]
+    sink = HostSinkComm(keep=True, rank=1, size=len(engines))
+    sender = Sender(sink, 1, config=CONFIG, layer_ids=IDS, engines=engines, senders=[0, 1], device="cpu")
+    inside = [s for lay in sender.routes.layers for s in lay.of_sender(1) if s.direct and s.conv_offset > 0]
+    assert inside, "no segment of sender 1 lies inside its conversion buffer: the test covers nothing"
+    sender.send_model((i, synthetic_layer(CONFIG, i)) for i in IDS)
+    msgs = iter(sink.sent[2:])  # after the prelude and the manifest
+    checked = 0
+    for pos, (i, lay) in enumerate(zip(IDS, sender.routes.layers)):
+        assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, pos, lay.wire_nbytes]
+        got, differ, bad = sent_layer_mismatches(lay, sender.me, msgs, _reference(i))
+        assert not bad and differ == 0, (i, bad)
+        checked += got
+    assert next(msgs)[:4].tolist() == [MAGIC, COMPLETE, -1, len(IDS)] and next(msgs, None) is None
+    assert checked >= sum(s.data_nbytes for s in inside) // 2
