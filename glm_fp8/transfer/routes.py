@@ -101,7 +101,8 @@ class LayerRoutes:
     ``local_plans`` (per sender: the part of the
     layer it converts, possibly nothing), the bytes of each sender's send buffer and of each
     class's segments side by side (``recv_nbytes``; a rank's buffer holds those of all its
-    classes: ``rank_nbytes``)."""
+    classes: ``rank_nbytes``); ``last`` (per sender, the entries its local plan lays out last,
+    short names: ``owners.sender_plan`` lays a sender's converted share out alike from them)."""
 
     layer_idx: int
     classes: tuple[tuple[int, ...], ...]
@@ -111,6 +112,7 @@ class LayerRoutes:
     local_plans: tuple[LayerPlan, ...]
     send_nbytes: tuple[int, ...]
     recv_nbytes: tuple[int, ...]
+    last: tuple[frozenset[str], ...] = ()
 
     def of_sender(self, t: int) -> list[Segment]:
         return [s for s in self.segments if s.sender == t]
@@ -439,16 +441,16 @@ def transfer_plan(
         by_sender: dict[int, list[Segment]] = {}
         for s in segments:
             by_sender.setdefault(s.sender, []).append(s)
+        lasts = [_largest_whole(by_sender.get(t, []), prefix) if n > 1 else frozenset() for t in range(n)]
         for t in range(n):  # cached: a layer's plan and a sender's rows and entries repeat
-            last = _largest_whole(by_sender.get(t, []), prefix) if n > 1 else frozenset()
             key = (
                 id(plan),
                 tuple(b[t] for b in split.values()),
                 frozenset(name[len(prefix) :] for name in owners[pos] if t in converters(owners[pos], name)),
-                last,
+                lasts[t],
             )
             if key not in local_cache:
-                local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t, last)
+                local_cache[key] = sender_plan(plan, prefix, split, owners[pos], t, lasts[t])
             local_plans.append(local_cache[key])
         if n > 1:
             segments = _converted_in_place(segments, local_plans, prefix)
@@ -470,6 +472,7 @@ def transfer_plan(
                 tuple(local_plans),
                 tuple(send_nbytes),
                 tuple(recv_nbytes),
+                tuple(lasts),
             )
         )
     steps = plan_steps(holders, len(layers), n, step_layers)

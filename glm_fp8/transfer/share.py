@@ -233,4 +233,15 @@ def own_inputs(
                     got = gather_rows(x, a, b, senders[u], out, dtype)
                     if mine:
                         inputs[k] = got
-    return sender_plan(plan, prefix, routes.splits, routes.owners, t), inputs
+    local = sender_plan(
+        plan, prefix, routes.splits, routes.owners, t, routes.last[t] if routes.last else frozenset()
+    )
+    # The routes' segments were placed against their own local plan: the share converted must lie
+    # alike in the buffer (a direct segment is read from it), whatever the trainer layout's inputs.
+    want = routes.local_plans[t]
+    if [(e.name, e.offset) for e in local.entries] != [(e.name, e.offset) for e in want.entries]:
+        raise RuntimeError(
+            f"{prefix}: sender {t}'s share lays out {[e.name for e in local.entries]}, "
+            f"its routes {[e.name for e in want.entries]} (a bug: the two must agree)"
+        )
+    return local, inputs
