@@ -195,23 +195,34 @@ def test_an_update_pauses_the_cycle_collector_and_restores_it(enabled):
 
 
 def test_a_segment_sent_from_inside_the_conversion_buffer_is_the_reference():
-    """Sender 1 of 2 into a server of EP 2 and one of TP 2: its largest segment of each layer (the
+    """Sender 1 of 3 into a server of EP 2 and one of TP 2: its largest segment of a layer (the
     experts' class, with the entries it owns for that class) lies last in its conversion buffer,
-    after entries it sends to other classes (``Segment.conv_offset`` > 0), and leaves from there
-    (direct); every piece it sends, that segment's included, equals the reference."""
+    after entries it sends to other classes (``Segment.conv_offset`` > 0), its plan reordered for
+    it in the sparse layer, and leaves from there (direct); every piece it sends, that segment's
+    included, equals the reference."""
     from glm_fp8.engine import EngineLayout
+    from glm_fp8.transfer.owners import sender_plan
     from glm_fp8.transfer.wire import COMPLETE, DATA, MAGIC
 
     ep2 = [EngineLayout(dp_size=2, dp_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
-    engines = [None, None, *ep2, *EngineLayout.all_ranks(2, 1, False)]
+    engines = [None] * 3 + ep2 + EngineLayout.all_ranks(2, 1, False)
     sink = HostSinkComm(keep=True, rank=1, size=len(engines))
-    sender = Sender(sink, 1, config=CONFIG, layer_ids=IDS, engines=engines, senders=[0, 1], device="cpu")
-    inside = [s for lay in sender.routes.layers for s in lay.of_sender(1) if s.direct and s.conv_offset > 0]
+    sender = Sender(sink, 1, config=CONFIG, layer_ids=IDS, engines=engines, senders=[0, 1, 2], device="cpu")
+    lays = sender.routes.layers
+    inside = [s for lay in lays for s in lay.of_sender(1) if s.direct and s.conv_offset > 0]
     assert inside, "no segment of sender 1 lies inside its conversion buffer: the test covers nothing"
+    in_order = [
+        sender_plan(p, layer_prefix(lay.layer_idx), lay.splits, lay.owners, 1)
+        for p, lay in zip(sender.plans, lays)
+    ]
+    assert any(
+        [e.name for e in a.entries] != [e.name for e in lay.local_plans[1].entries]
+        for a, lay in zip(in_order, lays)
+    ), "sender 1's plans keep the layer's order: the test covers no reordered share"
     sender.send_model((i, synthetic_layer(CONFIG, i)) for i in IDS)
     msgs = iter(sink.sent[2:])  # after the prelude and the manifest
     checked = 0
-    for pos, (i, lay) in enumerate(zip(IDS, sender.routes.layers)):
+    for pos, (i, lay) in enumerate(zip(IDS, lays)):
         assert next(msgs)[:5].tolist() == [MAGIC, DATA, i, pos, lay.wire_nbytes]
         got, differ, bad = sent_layer_mismatches(lay, sender.me, msgs, _reference(i))
         assert not bad and differ == 0, (i, bad)
