@@ -576,12 +576,13 @@ def launch_compare_bytes(
 
 
 def words_fit(new: torch.Tensor, kept: torch.Tensor) -> bool:
-    """Whether ``launch_compare_words`` takes these uint8 pieces [R, C]: contiguous, their bytes in
+    """Whether ``launch_compare_words`` takes these uint8 pieces: [R, C], contiguous, their bytes in
     block order (C = 128, or one row of at most 128), whole 8-byte words at 8-byte addresses."""
+    if new.dim() != 2 or new.shape != kept.shape:
+        return False
     r, c = new.shape
     return (
-        new.shape == kept.shape
-        and (c == BLOCK or (r == 1 and c <= BLOCK))
+        (c == BLOCK or (r == 1 and c <= BLOCK))
         and new.numel() % 8 == 0
         and all(t.is_contiguous() and t.data_ptr() % 8 == 0 for t in (new, kept))
     )

@@ -112,7 +112,7 @@ class LayerRoutes:
     local_plans: tuple[LayerPlan, ...]
     send_nbytes: tuple[int, ...]
     recv_nbytes: tuple[int, ...]
-    last: tuple[frozenset[str], ...] = ()
+    last: tuple[frozenset[str], ...]
 
     def of_sender(self, t: int) -> list[Segment]:
         return [s for s in self.segments if s.sender == t]

@@ -233,9 +233,7 @@ def own_inputs(
                     got = gather_rows(x, a, b, senders[u], out, dtype)
                     if mine:
                         inputs[k] = got
-    local = sender_plan(
-        plan, prefix, routes.splits, routes.owners, t, routes.last[t] if routes.last else frozenset()
-    )
+    local = sender_plan(plan, prefix, routes.splits, routes.owners, t, routes.last[t])
     # The routes' segments were placed against their own local plan: the share converted must lie
     # alike in the buffer (a direct segment is read from it), whatever the trainer layout's inputs.
     want = routes.local_plans[t]

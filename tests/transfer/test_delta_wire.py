@@ -226,3 +226,32 @@ def test_the_offsets_kernels_over_many_chunks(device):
     assert torch.equal(offsets[0].cpu(), want_p)
     assert torch.equal(offsets[1].cpu(), want_v)
     assert int(length) == base + total
+
+
+def test_a_checksum_of_pieces_out_of_block_order_is_refused_before_any_write(device):
+    """With the Triton kernels a checksum is taken by the comparison 8 bytes a lane: two pieces,
+    the second not in block order (every other byte), are refused before the first is compared."""
+    if "triton" not in BACKENDS:
+        pytest.skip("Triton does not run here")
+    old, new = _byte_step(128 * 256, 0.01, seed=4)
+    old, new = old.to(device), new.to(device)
+    kept = old.clone()
+    strided = torch.zeros(2 * 128, dtype=torch.uint8, device=device)[::2].view(1, 128)
+    pieces = [DeltaPiece((256, 128), scaled=False), DeltaPiece((1, 128), scaled=False)]
+    counts = torch.full((counts_numel(pieces),), -7, dtype=torch.int32, device=device)
+    length = torch.full((1,), -1, dtype=torch.int64, device=device)
+    payload = torch.full((payload_bound(pieces),), 0xFF, dtype=torch.uint8, device=device)
+    checksum = torch.full((1,), -3, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="block order"):
+        pack_bytes_delta(
+            [new.view(256, 128), strided],
+            [kept.view(256, 128), strided.clone()],
+            pieces,
+            counts,
+            length,
+            payload,
+            backend="triton",
+            checksum=checksum,
+        )
+    assert torch.equal(kept, old) and int(length) == -1 and int(checksum) == -3
+    assert bool((counts == -7).all()) and bool((payload == 0xFF).all())

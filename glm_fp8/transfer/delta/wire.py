@@ -182,7 +182,7 @@ def pack_bytes_delta(
     firsts = [0]
     for new in news:
         firsts.append(firsts[-1] + new.numel())
-    if checksum is not None and (firsts[-1] % 8 or any(f % 8 for f in firsts)):
+    if checksum is not None and any(f % 8 for f in firsts):
         raise ValueError(
             f"news: a checksum needs pieces of whole 8-byte words, got {firsts[1:]} bytes in all"
         )
@@ -195,27 +195,29 @@ def pack_bytes_delta(
         deltas = [compare_bytes(a, b, backend="torch") for a, b in zip(news, kepts)]
         length.fill_(pack_delta(deltas, pieces, msg, payload))
         return
+    words = [triton_delta.words_fit(new, kept) for new, kept in zip(news, kepts)]
+    if checksum is not None and not all(words):
+        bad = news[words.index(False)]
+        raise ValueError(
+            f"news: a checksum needs pieces whose bytes lie in block order at 8-byte addresses, "
+            f"got {list(bad.shape)} with strides {list(bad.stride())}"
+        )
     msg.zero_()  # every piece's count of changed scales stays 0
     length.zero_()
     if checksum is not None:
         checksum.zero_()
     start = 0
     positions = payload[: payload.numel() // 2 * 2].view(torch.int16)
-    for new, kept, p, first in zip(news, kepts, pieces, firsts):
+    for new, kept, p, first, word in zip(news, kepts, pieces, firsts, words):
         shape = (1, *p.shape) if len(p.shape) == 2 else tuple(p.shape)
         counts = msg[start : start + p.blocks]
         start += p.blocks + 1
         bits = torch.empty(p.blocks * triton_delta.BITMAP_WORDS, dtype=torch.int16, device=payload.device)
         scratch = torch.empty(3, p.blocks, dtype=torch.int64, device=payload.device)
-        if len(p.shape) == 2 and triton_delta.words_fit(new, kept):
+        if word:
             triton_delta.launch_compare_words(new, kept, bits, counts, scratch[2], first // 8)
             if checksum is not None:
                 checksum.add_(scratch[2].sum())
-        elif checksum is not None:
-            raise ValueError(
-                f"news: a checksum needs pieces whose bytes lie in block order at 8-byte addresses, "
-                f"got {list(new.shape)} with strides {list(new.stride())}"
-            )
         else:
             triton_delta.launch_compare_bytes(new.view(shape), kept.view(shape), bits, counts)
         triton_delta.launch_offsets(shape, counts, scratch[0], scratch[1], length, ALIGN)
